@@ -1,0 +1,156 @@
+"""Paged attention and the KV-cache write, over block tables.
+
+The KV cache of one layer is a pair of tensors `k_cache`, `v_cache`, each
+[num_blocks, block_size, num_kv_heads, head_dim]. A token's KV lives at the
+flat slot `block_id * block_size + offset`. One step holds a ragged batch of
+sequences flattened into T tokens: sequence i owns query rows
+`query_start_loc[i]:query_start_loc[i+1]`, which are the last positions of its
+`seq_lens[i]` tokens of context. Prefill, chunked prefill over a cached prefix,
+and decode are the same operation with different query lengths.
+
+The PyTorch code here is the reference and the CPU path; GPU kernels plug in
+behind `write_kv` and `paged_attention` with the same signatures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step. Built once per step by the model runner."""
+
+    slot_mapping: torch.Tensor  # [T] int64; -1 marks a token whose KV is not written
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    """Store each token's key and value at its slot (skipping slots < 0)."""
+    _check_kv(key, value, k_cache, v_cache, slot_mapping)
+    if key.is_cuda:
+        from meshserve.kernels import triton_attention  # noqa: PLC0415 (GPU only)
+
+        triton_attention.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
+    write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def write_kv_reference(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid].to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid].to(v_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of each query row over its sequence's cached context."""
+    assert query.dim() == 3 and k_cache.dim() == 4, (
+        f"query must be [T, Hq, D] and caches [N, bs, Hkv, D], got {tuple(query.shape)} "
+        f"and {tuple(k_cache.shape)}")
+    assert query.shape[1] % k_cache.shape[2] == 0, (
+        f"query heads {query.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
+    if query.is_cuda:
+        from meshserve.kernels import triton_attention  # noqa: PLC0415 (GPU only)
+
+        return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
+    if meta.decode_only:
+        return decode_attention_reference(query, k_cache, v_cache, meta, scale)
+    return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` cached tokens of one sequence: [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [nb, bs, Hkv, D]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def paged_attention_reference(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """One sequence at a time; any mix of prefill, chunked prefill and decode."""
+    out = torch.empty_like(query)
+    num_q_heads = query.shape[1]
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        k = _gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+        v = _gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+        groups = num_q_heads // k.shape[0]
+        if groups > 1:  # k, v: [Hkv, L, D] -> [Hq, L, D]
+            k = k.repeat_interleave(groups, dim=0)
+            v = v.repeat_interleave(groups, dim=0)
+        # Query row j sits at position seq_len - q_len + j and sees keys 0..that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = q_pos[:, None] >= torch.arange(seq_len, device=query.device)[None, :]
+        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+        out[start : start + q_len] = o.transpose(0, 1).to(out.dtype)
+        start += q_len
+    return out
+
+
+def decode_attention_reference(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """All sequences at once when each has one query token: gather, pad, mask, one SDPA."""
+    num_seqs, max_len = meta.num_seqs, meta.max_seq_len
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    max_blocks = (max_len + block_size - 1) // block_size
+    tables = meta.block_tables[:, :max_blocks].long()  # [B, nb]
+    k = k_cache[tables].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    v = v_cache[tables].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
+    groups = query.shape[1] // num_kv_heads
+    q = query.view(num_seqs, num_kv_heads, groups, head_dim)  # [B, Hkv, G, D]
+    lens = meta.seq_lens[:num_seqs].to(torch.long)
+    mask = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]  # [B, L]
+    o = F.scaled_dot_product_attention(
+        q.to(k.dtype), k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(num_seqs, -1, head_dim).to(query.dtype)
+
+
+def _check_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    assert key.shape == value.shape, f"key {tuple(key.shape)} != value {tuple(value.shape)}"
+    assert k_cache.shape == v_cache.shape, "k_cache and v_cache shapes differ"
+    assert key.shape[1:] == k_cache.shape[2:], (
+        f"key heads/dim {tuple(key.shape[1:])} do not match cache {tuple(k_cache.shape[2:])}")
+    assert slot_mapping.shape[0] == key.shape[0], (
+        f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")

@@ -1,0 +1,136 @@
+"""One sequence's state inside the engine, and what the engine reports for it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.block_hash import BlockHash
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the token at one position, with its rank and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Request:
+    """One sequence: a prompt and the tokens generated for it so far.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache (prefix-cache
+    hits included); the scheduler advances it. A request with n > 1 becomes n
+    sequences sharing `group_id`, indexed by `index`.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        group_id: str | None = None,
+        index: int = 0,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        max_tokens: int,
+        extra_keys: tuple[object, ...] = (),
+        leader: Request | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.group_id = group_id if group_id is not None else request_id
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.eos_token_ids = eos_token_ids
+        # Resolved output cap (params.max_tokens, or what the context leaves).
+        self.max_tokens = max_tokens
+        self.extra_keys = extra_keys
+        # A sibling whose prompt blocks this one waits to share (n > 1).
+        self.leader = leader
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served from the prefix cache, set once
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] = []
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Whether the KV of the prompt (or, after preemption, of prompt + output) is incomplete."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one sequence: a delta, never the whole history."""
+
+    request_id: str
+    group_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,73 @@
+"""The one domain error hierarchy of meshserve.
+
+Every service raises these; the gRPC layer maps them to status codes and the
+gateway maps those to HTTP statuses and OpenAI error bodies (tables live beside
+the transport code, keyed by `MeshError.kind`).
+"""
+
+from __future__ import annotations
+
+
+class MeshError(Exception):
+    """Base of every error meshserve raises on purpose."""
+
+    kind = "internal"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(MeshError):
+    """The request itself is wrong; retrying it unchanged fails again."""
+
+    kind = "invalid_request"
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt (plus requested output) does not fit the model's context."""
+
+    kind = "context_length_exceeded"
+
+
+class NotFoundError(MeshError):
+    """A named thing (model, request, block) does not exist."""
+
+    kind = "not_found"
+
+
+class OverloadedError(MeshError):
+    """No capacity now; the same request may succeed later."""
+
+    kind = "overloaded"
+
+
+class UnavailableError(MeshError):
+    """A service needed for the request is down or not ready."""
+
+    kind = "unavailable"
+
+
+class AuthenticationError(MeshError):
+    """Missing or wrong credentials."""
+
+    kind = "authentication"
+
+
+class DeadlineExceededError(MeshError):
+    """The request ran past its deadline."""
+
+    kind = "deadline_exceeded"
+
+
+class ModelLoadError(MeshError):
+    """Model files are missing, corrupt, mismatched or of an unsupported architecture."""
+
+    kind = "model_load"
+
+
+class InternalError(MeshError):
+    """A bug or an unexpected failure inside meshserve."""
+
+    kind = "internal"
