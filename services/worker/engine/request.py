@@ -80,6 +80,8 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.stop_reason: int | str | None = None
+        # Per-sequence random source when params.seed is set (a torch.Generator, set by the engine).
+        self.generator: object | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

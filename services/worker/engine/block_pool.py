@@ -1,0 +1,139 @@
+"""The pool of KV blocks: free list in eviction order, reference counts, and the hash index."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from meshserve.services.worker.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
+from meshserve.shared.block_hash import BlockHash
+
+
+class KVBlock:
+    """One block of KV slots. `block_hash` is set once the block is full and cached."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt})"
+
+
+class BlockPool:
+    """Owns every block. Free blocks wait in least-recently-freed-first order.
+
+    A free block may still hold cached KV (it has a hash): it stays reusable by
+    a prefix hit until it is handed out as a new block, which evicts it. So the
+    free list doubles as the LRU list of the prefix cache.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        assert num_blocks > 0, f"the KV cache needs at least one block, got {num_blocks}"
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self._events: list[KVEvent] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def get_new_blocks(self, count: int) -> list[KVBlock]:
+        """Take `count` free blocks from the head of the free list, evicting cached KV."""
+        assert count <= len(self._free), f"asked for {count} blocks, {len(self._free)} free"
+        taken: list[KVBlock] = []
+        evicted: list[BlockHash] = []
+        for _ in range(count):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            assert block.ref_cnt == 0, f"free block {block_id} has ref_cnt {block.ref_cnt}"
+            if block.block_hash is not None:
+                evicted.append(block.block_hash)
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            taken.append(block)
+        if evicted:
+            self._events.append(BlockRemoved(tuple(evicted)))
+        return taken
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cached blocks found by a prefix hit."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the tail of the free list.
+
+        Callers pass a sequence's blocks last-first, so that its tail blocks,
+        the least likely to be shared, are evicted before its prefix.
+        """
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache_full_blocks(
+        self,
+        blocks: list[KVBlock],
+        block_hashes: list[BlockHash],
+        token_ids: list[int],
+        block_size: int,
+        parent_hash: BlockHash | None,
+    ) -> None:
+        """Index newly filled blocks by hash (in chain order) and record a BlockStored event.
+
+        A hash already held by another block keeps that block; this one stays
+        an uncached duplicate and is simply freed later.
+        """
+        if not self.enable_caching:
+            return
+        stored: list[BlockHash] = []
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            assert block.block_hash is None, f"block {block.block_id} is already cached"
+            if block_hash in self._cached:
+                continue
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+            stored.append(block_hash)
+        if stored:
+            self._events.append(
+                BlockStored(tuple(block_hashes), parent_hash, tuple(token_ids), block_size))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only possible when no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events

@@ -1,0 +1,69 @@
+"""The engine's configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshserve.shared.errors import InvalidRequestError
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one model replica runs. `None` fields are derived from the model or the device."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    load_format: str = "auto"  # auto | hf | gguf | dummy
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0
+    max_model_len: int | None = None  # cap below the model's context length
+    block_size: int = 16
+    kv_cache_memory: int = 4 * GiB  # bytes for the KV cache on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory this worker may use
+    num_kv_blocks: int | None = None  # fixed block count (tests, benchmarks); overrides sizing
+    max_num_batched_tokens: int | None = None  # per-step token budget
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str, param: str) -> None:
+            if not ok:
+                raise InvalidRequestError(message, param=param)
+
+        check(self.load_format in ("auto", "hf", "gguf", "dummy"),
+              f"--load-format must be auto, hf, gguf or dummy, got {self.load_format!r}",
+              "load_format")
+        check(self.dtype in ("auto", "bfloat16", "float16", "float32"),
+              f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}", "dtype")
+        check(self.block_size in (8, 16, 32, 64, 128),
+              f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}",
+              "block_size")
+        check(self.kv_cache_memory > 0, "--kv-cache-memory must be positive", "kv_cache_memory")
+        check(0.0 < self.gpu_memory_utilization <= 1.0,
+              "--gpu-memory-utilization must be in (0, 1]", "gpu_memory_utilization")
+        check(self.num_kv_blocks is None or self.num_kv_blocks > 0,
+              "--num-kv-blocks must be positive", "num_kv_blocks")
+        check(self.max_num_seqs > 0, "--max-num-seqs must be positive", "max_num_seqs")
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
+              "--max-num-batched-tokens must be positive", "max_num_batched_tokens")
+        check(self.max_model_len is None or self.max_model_len > 1,
+              "--max-model-len must be at least 2", "max_model_len")
+        check(self.scheduling_policy in ("fcfs", "priority"),
+              f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
+              "scheduling_policy")
+
+    def batched_tokens(self, max_model_len: int) -> int:
+        """The per-step token budget. Without chunked prefill a whole prompt must fit one step."""
+        if self.max_num_batched_tokens is not None:
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+                raise InvalidRequestError(
+                    f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                    f"the context length ({max_model_len}) when chunked prefill is off",
+                    param="max_num_batched_tokens")
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)

@@ -1,0 +1,231 @@
+"""The engine: one model replica with a paged KV cache and continuous batching.
+
+`step()` is the whole loop body: schedule, execute, apply results. It is
+synchronous; the worker service runs it in its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import torch
+
+from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
+from meshserve.services.worker.engine.kv_events import KVEvent
+from meshserve.services.worker.engine.model_runner import (
+    ModelRunner,
+    StepResult,
+    kv_cache_bytes_per_block,
+)
+from meshserve.services.worker.engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+)
+from meshserve.services.worker.engine.request_validator import RequestValidator
+from meshserve.services.worker.engine.sampler import make_generator
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.services.worker.engine.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from meshserve.services.worker.models.config import ModelConfig
+from meshserve.services.worker.models.loader import (
+    ModelSource,
+    load_model,
+    load_model_config,
+    resolve_dtype,
+    resolve_model,
+)
+from meshserve.shared.block_hash import extra_keys_for
+from meshserve.shared.errors import InvalidRequestError, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {name} asked for, but no CUDA device is available")
+    return device
+
+
+class LLMEngine:
+    """Runs requests given as token ids; emits per-step deltas for every sequence."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        self.source: ModelSource = resolve_model(config.model, config.load_format)
+        self.model_config: ModelConfig = load_model_config(self.source)
+        self.max_model_len = min(self.model_config.max_model_len,
+                                 config.max_model_len or self.model_config.max_model_len)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        started = time.monotonic()
+        model = load_model(self.source, self.model_config, self.dtype, self.device,
+                           config.load_format)
+        log.info("loaded %s (%s) in %.1fs", self.source.name, self.dtype,
+                 time.monotonic() - started)
+        num_blocks = self._num_kv_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.batched_tokens(self.max_model_len),
+            max_num_seqs=config.max_num_seqs,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+            max_model_len=self.max_model_len,
+        ), self.kv)
+        self.runner = ModelRunner(model, self.model_config, self.kv, self.dtype, self.device)
+        self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
+                                          num_blocks, config.block_size)
+        self._groups: dict[str, list[Request]] = {}
+        self._aborted: list[Request] = []
+        log.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
+
+    # ----- sizing -------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size,
+                                             self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * self.config.gpu_memory_utilization) - used
+        else:
+            budget = self.config.kv_cache_memory
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ModelLoadError(
+                f"no memory left for the KV cache: one block needs {per_block} bytes and the "
+                f"budget is {budget} bytes (raise --kv-cache-memory or "
+                f"--gpu-memory-utilization)")
+        return int(num_blocks)
+
+    # ----- requests ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, priority: int = 0, cache_salt: str | None = None,
+                    lora_id: int | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request (n sequences). Raises InvalidRequestError for a bad one."""
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already running",
+                                      param="request_id")
+        max_tokens = self.validator.check(prompt_token_ids, params)
+        extra_keys = extra_keys_for(lora_id, cache_salt)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        sequences: list[Request] = []
+        # Siblings wait for the first sequence's prompt blocks when there are any to share.
+        share = self.config.enable_prefix_caching and params.n > 1 and (
+            len(prompt_token_ids) > self.config.block_size)
+        for index in range(params.n):
+            seq = Request(
+                request_id if params.n == 1 else f"{request_id}#{index}",
+                list(prompt_token_ids), params, group_id=request_id, index=index,
+                priority=priority, arrival_time=arrival,
+                eos_token_ids=self.model_config.eos_token_ids, max_tokens=max_tokens,
+                extra_keys=extra_keys, leader=sequences[0] if share and index else None)
+            if params.seed is not None:
+                seq.generator = make_generator(params.seed, self.device, index)
+            sequences.append(seq)
+        self._groups[request_id] = sequences
+        for seq in sequences:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request wherever it is; its blocks are freed now and its sequences
+        report finish reason "abort" at the next step. Unknown ids are ignored."""
+        for seq in self._groups.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+                self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or bool(self._aborted)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv.pool.take_events()
+
+    # ----- the loop ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(seq, []) for seq in self._aborted]
+        self._aborted = []
+        scheduled = self.scheduler.schedule()
+        if scheduled.empty:
+            return outputs
+        result = self.runner.execute(scheduled)
+        self.scheduler.advance(scheduled)
+        outputs.extend(self._apply(scheduled, result))
+        return outputs
+
+    def _apply(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for request_id, (start, scored) in result.prompt_logprobs.items():
+            request = next(s.request for s in scheduled.scheduled
+                           if s.request.request_id == request_id)
+            request.prompt_logprobs[start : start + len(scored)] = scored
+        now = time.monotonic()
+        for s in scheduled.scheduled:
+            seq = s.request
+            sampled = result.sampled.get(seq.request_id)
+            if sampled is None:
+                continue
+            token, logprobs = sampled
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._check_stop(seq, token)
+            outputs.append(self._output(seq, [token], logprobs))
+            if seq.is_finished:
+                self.scheduler.finish(seq, seq.status)
+                self._forget_if_done(seq.group_id)
+        return outputs
+
+    def _check_stop(self, seq: Request, token: int) -> None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                return
+            if not params.ignore_eos and token in seq.eos_token_ids:
+                seq.status = RequestStatus.FINISHED_STOPPED
+                return
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.status = RequestStatus.FINISHED_LENGTH
+
+    def _forget_if_done(self, group_id: str) -> None:
+        group = self._groups.get(group_id)
+        if group is not None and all(s.is_finished for s in group):
+            del self._groups[group_id]
+
+    def _output(self, seq: Request, tokens: list[int], logprobs: object = None) -> RequestOutput:
+        prompt_logprobs = None
+        if (seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(tokens) == 1):
+            prompt_logprobs = seq.prompt_logprobs or [None]
+        return RequestOutput(
+            request_id=seq.group_id,
+            group_id=seq.group_id,
+            index=seq.index,
+            new_token_ids=tokens,
+            new_logprobs=[logprobs] if logprobs is not None else None,  # type: ignore[list-item]
+            prompt_logprobs=prompt_logprobs,
+            finish_reason=seq.status.value if seq.is_finished else None,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+
+def random_request_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,168 @@
+"""Runs one scheduled step on the model: builds flat inputs, forwards, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from meshserve.kernels.attention import AttentionMetadata
+from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
+from meshserve.services.worker.engine.request import Request, TokenLogprobs
+from meshserve.services.worker.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    compute_logprobs,
+)
+from meshserve.services.worker.engine.scheduler import SchedulerOutput
+from meshserve.services.worker.models.config import ModelConfig
+
+
+@dataclass
+class StepResult:
+    """What the model produced in one step, keyed by request id."""
+
+    sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    # request id -> (first prompt position scored, logprobs from that position on)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs | None]]] = field(
+        default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    """The flat token batch of one step, on the model's device."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_rows: list[int]  # row in [T] of the last token of each request that samples
+    sample_requests: list[Request]
+    # Requests wanting prompt logprobs, with the rows whose logits score their next prompt token.
+    prompt_rows: list[tuple[Request, list[int]]]
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block across all layers."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    per_token = 2 * config.num_key_value_heads * config.head_dim * element
+    return per_token * block_size * config.num_hidden_layers
+
+
+class ModelRunner:
+    """Owns the model, its KV cache tensors and the sampler."""
+
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, kv: KVCacheManager,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        shape = (kv.num_blocks, kv.block_size, config.num_key_value_heads, config.head_dim)
+        # Per layer: (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.sampler = Sampler(config.vocab_size, device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        inputs = self.prepare(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        result = StepResult()
+        self._score_prompts(hidden, inputs, result)
+        if inputs.sample_rows:
+            rows = torch.tensor(inputs.sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])  # [S, V] float32
+            sampled = self.sampler.sample(logits, [_row(r) for r in inputs.sample_requests])
+            for request, token, logprobs in zip(
+                    inputs.sample_requests, sampled.token_ids, sampled.logprobs, strict=True):
+                result.sampled[request.request_id] = (token, logprobs)
+        return result
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Flatten the step's requests into one token batch with its attention metadata."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        prompt_rows: list[tuple[Request, list[int]]] = []
+        for s in out.scheduled:
+            r, n = s.request, s.num_new_tokens
+            start = r.num_computed_tokens
+            table = self.kv.block_ids(r.request_id)
+            row0 = len(ids)
+            ids.extend(r.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
+                last = min(start + n, r.num_prompt_tokens - 1)
+                prompt_rows.append((r, list(range(row0, row0 + last - start))))
+            if s.completes_prompt:
+                sample_rows.append(row0 + n - 1)
+                sample_requests.append(r)
+        return StepInputs(
+            input_ids=self._tensor(ids, torch.long),
+            positions=self._tensor(positions, torch.long),
+            meta=self._metadata(slots, query_lens, seq_lens, tables),
+            sample_rows=sample_rows,
+            sample_requests=sample_requests,
+            prompt_rows=prompt_rows,
+        )
+
+    def _metadata(self, slots: list[int], query_lens: list[int], seq_lens: list[int],
+                  tables: list[list[int]]) -> AttentionMetadata:
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        return AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.long),
+            query_start_loc=self._tensor(starts, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(padded, torch.int32),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+
+    def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _score_prompts(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
+        """Logprobs of prompt tokens, for requests that asked for prompt_logprobs."""
+        for request, rows in inputs.prompt_rows:
+            start = request.num_computed_tokens
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            targets = torch.tensor(
+                request.prompt_token_ids[start + 1 : start + 1 + len(rows)], device=self.device)
+            # Position 0 has no logprob (nothing precedes it).
+            scored: list[TokenLogprobs | None] = [None] if start == 0 else []
+            scored.extend(compute_logprobs(logits, targets, request.params.prompt_logprobs or 0))
+            result.prompt_logprobs[request.request_id] = (0 if start == 0 else start + 1, scored)
+
+
+def _row(request: Request) -> SamplingRow:
+    stop_ids = tuple(request.eos_token_ids) + tuple(request.params.stop_token_ids)
+    return SamplingRow(
+        params=request.params,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=request.output_token_ids,
+        generator=request.generator,  # type: ignore[arg-type]
+        stop_ids=stop_ids,
+    )

@@ -1,0 +1,54 @@
+"""Admission checks of a request against the model and the KV cache."""
+
+from __future__ import annotations
+
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.errors import ContextLengthError, InvalidRequestError
+
+
+class RequestValidator:
+    """Rejects what could never run, so that a bad request fails alone and at once."""
+
+    def __init__(self, vocab_size: int, max_model_len: int, num_blocks: int,
+                 block_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Validate; return the resolved max_tokens of each sequence."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                param="prompt")
+        if params.max_token_id() >= self.vocab_size:
+            raise InvalidRequestError(
+                f"token id {params.max_token_id()} in stop_token_ids or logit_bias is outside "
+                f"the vocabulary (0..{self.vocab_size - 1})", param="stop_token_ids")
+        if num_prompt >= self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {num_prompt} tokens; nothing is left for the completion",
+                param="prompt")
+        max_tokens = params.max_tokens
+        if max_tokens is not None and num_prompt + max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                param="max_tokens")
+        capacity = self.num_blocks * self.block_size
+        if max_tokens is None:
+            # Up to the context length, and never more than one sequence can hold in the cache.
+            max_tokens = min(self.max_model_len, capacity) - num_prompt
+        if num_prompt + max(max_tokens, 1) > capacity:
+            raise InvalidRequestError(
+                f"the request needs {num_prompt + max_tokens} tokens of KV cache ({num_prompt} "
+                f"prompt + {max_tokens} output) but the whole cache holds {capacity}; lower "
+                f"max_tokens or give the worker more KV-cache memory", param="max_tokens")
+        return max_tokens

@@ -1,0 +1,175 @@
+"""The local scheduler: continuous batching under a token budget, with chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
+from meshserve.services.worker.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" | "priority"
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        assert self.policy in ("fcfs", "priority"), f"unknown scheduling policy {self.policy!r}"
+        assert self.max_num_batched_tokens > 0 and self.max_num_seqs > 0
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """Whether every known token has KV after this step, so the step samples a token."""
+        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides each step which requests run and how many of their tokens.
+
+    Running requests go first (decodes, then unfinished prefills), in the
+    order they were admitted; when blocks run out the lowest-ranked running
+    request is preempted (its KV freed, to be recomputed later). Waiting
+    requests are admitted in policy order while budget, sequence slots and
+    blocks last; FCFS never lets a later request jump a blocked earlier one.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []  # sorted by _rank
+        self.running: list[Request] = []
+        self._arrivals = 0
+        self._order: dict[str, tuple[int, float, int]] = {}
+
+    # ----- queue management -------------------------------------------------
+    def _rank(self, request: Request) -> tuple[int, float, int]:
+        return self._order[request.request_id]
+
+    def add(self, request: Request) -> None:
+        priority = request.priority if self.config.policy == "priority" else 0
+        self._order[request.request_id] = (priority, request.arrival_time, self._arrivals)
+        self._arrivals += 1
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        keys = [self._rank(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, self._rank(request)), request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request wherever it is and free its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        self._order.pop(request.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ----- one step -----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = request.num_tokens - request.num_computed_tokens
+            if self.config.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            elif num_new > budget:
+                continue
+            if not self._allocate_or_preempt(request, num_new, out):
+                continue
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(request, num_new):
+            victim = max(self.running, key=self._rank)
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        out.preempted.append(request)
+        out.scheduled = [s for s in out.scheduled if s.request is not request]
+        self._enqueue(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if request.leader is not None and not self._leader_done(request.leader):
+                continue  # an n>1 sibling waits to share its leader's prompt blocks
+            computed = self.kv.get_computed_blocks(request)
+            num_computed = len(computed) * self.kv.block_size
+            num_new = request.num_tokens - num_computed
+            if self.config.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            elif num_new > budget:
+                break
+            request.num_computed_tokens = num_computed
+            if not self.kv.allocate_slots(request, num_new, computed):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+                request.first_scheduled_time = time.monotonic()
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    @staticmethod
+    def _leader_done(leader: Request) -> bool:
+        return leader.is_finished or leader.prompt_done
+
+    # ----- after the step ------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """Count the step's tokens as computed (their KV is now in the cache)."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
