@@ -184,24 +184,25 @@ class LLMEngine:
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._check_stop(seq, token)
-            outputs.append(self._output(seq, [token], logprobs))
-            if seq.is_finished:
-                self.scheduler.finish(seq, seq.status)
+            status = self._stop_status(seq, token)
+            if status is not None:
+                self.scheduler.finish(seq, status)
                 self._forget_if_done(seq.group_id)
+            outputs.append(self._output(seq, [token], logprobs))
         return outputs
 
-    def _check_stop(self, seq: Request, token: int) -> None:
+    def _stop_status(self, seq: Request, token: int) -> RequestStatus | None:
+        """How the sequence finishes after appending `token`, or None if it goes on."""
         params = seq.params
         if seq.num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
-                seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, token
-                return
+                seq.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token in seq.eos_token_ids:
-                seq.status = RequestStatus.FINISHED_STOPPED
-                return
+                return RequestStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.status = RequestStatus.FINISHED_LENGTH
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def _forget_if_done(self, group_id: str) -> None:
         group = self._groups.get(group_id)
