@@ -71,3 +71,29 @@ class InternalError(MeshError):
     """A bug or an unexpected failure inside meshserve."""
 
     kind = "internal"
+
+
+class ConfigError(MeshError):
+    """A service's configuration (flags, environment, files) is invalid."""
+
+    kind = "invalid_config"
+
+
+def error_class_for_kind(kind: str) -> type[MeshError]:
+    """The MeshError subclass whose `kind` is `kind` (InternalError when none is).
+
+    Among classes that declare the kind themselves, the most derived wins
+    (InternalError over MeshError), so a kind read back from the wire rebuilds
+    the class that declared it.
+    """
+    matches: list[type[MeshError]] = []
+    pending: list[type[MeshError]] = [MeshError]
+    while pending:
+        cls = pending.pop(0)
+        # Only a class that names the kind itself: a subclass that merely inherits
+        # it (a service's narrower error) must not replace the class that defines it.
+        if cls.__dict__.get("kind") == kind:
+            matches.append(cls)
+        pending.extend(cls.__subclasses__())
+    # Breadth-first order: the last match is the most derived one.
+    return matches[-1] if matches else InternalError

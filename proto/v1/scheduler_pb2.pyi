@@ -1,0 +1,132 @@
+from meshserve.proto.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("info", "load")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.WorkerInfo
+    load: _common_pb2.WorkerLoad
+    def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_s", "ttl_s")
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    ttl_s: float
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("load",)
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    load: _common_pb2.WorkerLoad
+    def __init__(self, load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("registered",)
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    registered: bool
+    def __init__(self, registered: _Optional[bool] = ...) -> None: ...
+
+class DeregisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "epoch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class DeregisterWorkerResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("request_id", "model", "prompt_token_ids", "block_hashes", "num_prompt_tokens", "lora_id", "cache_salt", "priority", "deadline_unix_ns", "expected_output_tokens", "num_sequences", "exclude_worker_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_prompt_tokens: int
+    lora_id: int
+    cache_salt: str
+    priority: int
+    deadline_unix_ns: int
+    expected_output_tokens: int
+    num_sequences: int
+    exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("worker_id", "address", "epoch", "num_matched_blocks", "num_kvstore_blocks", "block_size", "queued_ns")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KVSTORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_NS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    epoch: int
+    num_matched_blocks: int
+    num_kvstore_blocks: int
+    block_size: int
+    queued_ns: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., num_matched_blocks: _Optional[int] = ..., num_kvstore_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_ns: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "worker_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("info", "load", "last_heartbeat_unix_ns")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.WorkerInfo
+    load: _common_pb2.WorkerLoad
+    last_heartbeat_unix_ns: int
+    def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ns: _Optional[int] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
