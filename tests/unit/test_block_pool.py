@@ -2,7 +2,7 @@
 
 from meshserve.services.worker.engine.block_pool import BlockPool
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.engine.kv_events import BlockRemoved, BlockStored
+from meshserve.shared.kv_events import BlockRemoved, BlockStored
 from meshserve.services.worker.engine.request import Request
 from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.block_hash import hash_blocks

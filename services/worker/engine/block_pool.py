@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from meshserve.services.worker.engine.kv_events import (
+from meshserve.shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -14,7 +14,7 @@ import torch
 
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.engine.kv_events import KVEvent
+from meshserve.shared.kv_events import KVEvent
 from meshserve.services.worker.engine.model_runner import (
     ModelRunner,
     StepResult,
