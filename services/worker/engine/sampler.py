@@ -1,0 +1,410 @@
+"""Turns one step's logits into tokens and logprobs, each row under its own sampling parameters.
+
+Per row, in vLLM/OpenAI order: logit_bias -> min_tokens masking -> penalties -> temperature ->
+top_k -> top_p -> min_p -> sample. Greedy rows (temperature 0) take the argmax of the logits
+after penalties, which the filters cannot change. Logprobs come from the raw logits as passed in
+(vLLM's default "raw_logprobs").
+
+Each processor is one tensor op over the rows that need it, and work no row needs is skipped.
+Nothing waits on the device per row: parameter tensors go up once per call (pinned,
+non-blocking off the CPU), and the token ids and logprobs come back once at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from meshserve.services.worker.engine.request import TokenLogprobs
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.errors import InternalError, InvalidRequestError
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # The sequence's own generator when params.seed is set; advanced by every draw.
+    generator: torch.Generator | None = None
+    # EOS ids + params.stop_token_ids: masked while len(output) < min_tokens.
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SamplerOutput:
+    """One token per row, and its logprobs where the row asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def make_generator(seed: int, device: torch.device, index: int = 0) -> torch.Generator:
+    """The generator of sequence `index` of a request seeded with `seed`.
+
+    Sequence 0 uses the seed itself; siblings (n > 1) use a 64-bit hash of (seed, index), so
+    they differ from each other and from requests seeded with neighbouring values.
+    """
+    value = seed % 2**64  # negative seeds fold into the unsigned range manual_seed takes
+    if index:
+        digest = hashlib.blake2b(f"{value}:{index}".encode(), digest_size=8).digest()
+        value = int.from_bytes(digest, "little")
+    generator = torch.Generator(device=device)
+    generator.manual_seed(value)
+    return generator
+
+
+def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> list[TokenLogprobs]:
+    """Logprob, rank and the `num_top` best alternatives of each chosen token.
+
+    logits: [N, V] float32, token_ids: [N]. Rank is 1-based among all V tokens by logit (1 for
+    the argmax); `top` is sorted by descending logprob. Used for output and prompt logprobs.
+    """
+    return _logprob_entries(_logprob_table(logits, token_ids, num_top).tolist())
+
+
+def _logprob_table(logits: Tensor, token_ids: Tensor, num_top: int) -> Tensor:
+    """[N, 3 + 2 * num_top] float64: token id, logprob, rank, num_top ids, num_top logprobs.
+
+    One tensor, so that it comes back to the host in one copy; float64 holds the ids, ranks
+    and float32 logprobs exactly.
+    """
+    if not 0 <= num_top <= logits.shape[1]:
+        raise InternalError(f"num_top must be in [0, {logits.shape[1]}], got {num_top}")
+    logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+    ids = token_ids.to(device=logits.device, dtype=torch.long).unsqueeze(1)  # [N, 1]
+    chosen = logprobs.gather(1, ids)  # [N, 1]
+    ranks = (logits > logits.gather(1, ids)).sum(dim=1, keepdim=True) + 1  # [N, 1]
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [N, num_top], descending
+    columns = (ids, chosen, ranks, top_ids, top_values)
+    return torch.cat([c.to(torch.float64) for c in columns], dim=1)
+
+
+def _logprob_entries(table: list[list[float]]) -> list[TokenLogprobs]:
+    """TokenLogprobs from the rows of a `_logprob_table` read back to the host."""
+    entries = []
+    for row in table:
+        num_top = (len(row) - 3) // 2
+        top_ids = [int(t) for t in row[3:3 + num_top]]
+        entries.append(TokenLogprobs(token_id=int(row[0]), logprob=row[1], rank=int(row[2]),
+                                     top=list(zip(top_ids, row[3 + num_top:]))))
+    return entries
+
+
+def apply_penalties(
+    logits: Tensor,
+    prompt_ids: Sequence[Sequence[int]] | None,
+    output_ids: Sequence[Sequence[int]],
+    repetition: Sequence[float] | None,
+    frequency: Sequence[float] | None,
+    presence: Sequence[float] | None,
+) -> Tensor:
+    """Penalised copy of `logits` [P, V], one list of token ids and one factor per row.
+
+    repetition (HF/vLLM): tokens seen in the prompt or output have logit / r if positive, else
+    logit * r. frequency and presence (OpenAI): logit -= f * count + p * (count > 0) over output
+    tokens. A None factor list skips that penalty (repetition needs prompt_ids). Token ids
+    must lie in [0, V); the engine checks prompts against the vocabulary on admission.
+    """
+    vocab = logits.shape[1]
+    out_counts = _token_counts(output_ids, vocab, logits.device)  # [P, V]
+    seen = out_counts > 0
+    if repetition is not None:
+        if prompt_ids is None:
+            raise InternalError("repetition penalty needs the prompt token ids")
+        seen_any = seen | (_token_counts(prompt_ids, vocab, logits.device) > 0)
+        rep = _to_device(repetition, torch.float32, logits.device).unsqueeze(1)  # [P, 1]
+        logits = torch.where(seen_any, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if frequency is not None:
+        freq = _to_device(frequency, torch.float32, logits.device).unsqueeze(1)
+        logits = logits - freq * out_counts
+    if presence is not None:
+        pres = _to_device(presence, torch.float32, logits.device).unsqueeze(1)
+        logits = logits - pres * seen
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: Tensor, top_k: Sequence[int] | None, top_p: Sequence[float] | None
+) -> Tensor:
+    """Copy of `logits` [F, V] with tokens outside each row's top_k and top_p set to -inf.
+
+    top_k keeps the k largest logits; top_p then keeps the smallest set of the most likely
+    tokens whose probability (renormalised after top_k) reaches p, at least one token. Both cut
+    at a threshold value, so tokens tied with the last kept one stay. k = V and p = 1 leave a
+    row as it is; all rows need a k in [1, V] when top_k is given. With neither, `logits` is
+    returned as it is.
+    """
+    vocab = logits.shape[1]
+    if top_p is None:
+        if top_k is None:
+            return logits
+        # Only top_k: the k-th largest value comes from a partial top-k, no full sort.
+        ks = _to_device(top_k, torch.long, logits.device).unsqueeze(1)  # [F, 1]
+        kth = logits.topk(max(top_k), dim=-1).values.gather(1, ks - 1)  # [F, 1]
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    ascending = _sorted_values(logits)  # [F, V]
+    threshold = torch.full((logits.shape[0], 1), _NEG_INF, device=logits.device)
+    if top_k is not None:
+        ks = _to_device(top_k, torch.long, logits.device).unsqueeze(1)
+        threshold = ascending.gather(1, vocab - ks)  # [F, 1], the k-th largest
+        ascending = ascending.masked_fill(ascending < threshold, _NEG_INF)
+    ps = _to_device(top_p, torch.float32, logits.device).unsqueeze(1)  # [F, 1]
+    # vLLM's rule: drop the low end while its cumulative mass stays <= 1 - p; keep the max.
+    # Masses stay unnormalised (the row max is the last entry, the total the last cumulative
+    # sum), and as the sum never decreases a binary search counts the dropped entries.
+    cumulative = (ascending - ascending[:, -1:]).exp_().cumsum_(dim=-1)  # [F, V]
+    limit = (1 - ps) * cumulative[:, -1:]  # [F, 1]
+    dropped = torch.searchsorted(cumulative, limit, right=True).clamp_(max=vocab - 1)  # [F, 1]
+    smallest_kept = ascending.gather(1, dropped)  # [F, 1]
+    threshold = torch.maximum(threshold, smallest_kept)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def apply_min_p(logits: Tensor, min_p: Sequence[float]) -> Tensor:
+    """Copy of `logits` [M, V] without tokens whose probability is below min_p x the row's max.
+
+    In log space, p < min_p * p_max is logit < max_logit + log(min_p): no softmax needed.
+    """
+    offset = _to_device([math.log(m) for m in min_p], torch.float32, logits.device)  # [M]
+    floor = logits.amax(dim=-1, keepdim=True) + offset.unsqueeze(1)  # [M, 1]
+    return logits.masked_fill(logits < floor, _NEG_INF)
+
+
+@dataclass
+class _Processed:
+    """Logits after the processors: `adjusted` [B, V] (bias, min_tokens, penalties) for greedy
+    rows, `sampled` [S, V] (also temperature and filters) for the rows listed in `sampled_rows`."""
+
+    adjusted: Tensor
+    sampled: Tensor | None
+    sampled_rows: list[int]
+
+
+class Sampler:
+    """Samples one token per row of a logits batch, with per-row parameters and generators."""
+
+    def __init__(self, vocab_size: int, device: torch.device, *, seed: int | None = None) -> None:
+        """`seed` fixes the source shared by rows without a generator (random when None)."""
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed % 2**64)
+
+    @torch.inference_mode()
+    def sample(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """One token per row of `logits` [B, V] float32, and logprobs where asked."""
+        processed = self._process(logits, rows)
+        tokens = self._pick(processed, rows)  # [B]
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if not wanted:
+            return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(rows))
+        counts = [rows[i].params.logprobs or 0 for i in wanted]
+        table = self._logprob_table(logits, tokens, wanted, max(counts))  # [L, W]
+        return _read_back(tokens, table, wanted, counts)
+
+    @torch.inference_mode()
+    def process(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+        """The logits [B, V] each row is finally drawn from (greedy rows: argmax of them)."""
+        processed = self._process(logits, rows)
+        if processed.sampled is None:
+            return processed.adjusted
+        out = processed.adjusted.clone()
+        out[self._index(processed.sampled_rows)] = processed.sampled
+        return out
+
+    def _process(self, logits: Tensor, rows: list[SamplingRow]) -> _Processed:
+        self._check(logits, rows)
+        adjusted = self._adjust(logits, rows)
+        sampled_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not sampled_rows:
+            return _Processed(adjusted, None, [])
+        temperatures = [rows[i].params.temperature for i in sampled_rows]
+        divisor = _to_device(temperatures, torch.float32, self.device).unsqueeze(1)  # [S, 1]
+        # `scaled` [S, V] is always a fresh tensor, so the filters may write into it.
+        if len(sampled_rows) == len(rows):
+            scaled = adjusted / divisor
+        else:
+            scaled = adjusted[self._index(sampled_rows)].div_(divisor)
+        params = [rows[i].params for i in sampled_rows]
+        return _Processed(adjusted, self._filter(scaled, params), sampled_rows)
+
+    def _check(self, logits: Tensor, rows: list[SamplingRow]) -> None:
+        if logits.dim() != 2 or logits.shape != (len(rows), self.vocab_size):
+            raise InternalError(f"logits must be [{len(rows)}, {self.vocab_size}] for "
+                                f"{len(rows)} rows, got {list(logits.shape)}")
+        if logits.dtype != torch.float32:
+            raise InternalError(f"logits must be float32, got {logits.dtype}")
+        for row in rows:
+            bias = row.params.logit_bias or {}
+            if any(token >= self.vocab_size for token in bias):
+                raise InvalidRequestError(f"logit_bias names a token id outside the vocabulary "
+                                          f"of {self.vocab_size}", param="logit_bias")
+            if any(token >= self.vocab_size for token in row.stop_ids):
+                raise InvalidRequestError(f"stop_token_ids names a token id outside the "
+                                          f"vocabulary of {self.vocab_size}",
+                                          param="stop_token_ids")
+
+    def _adjust(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+        """logit_bias, then min_tokens masking, then penalties; copies only when one applies."""
+        out = logits
+        bias = [(i, token, value) for i, row in enumerate(rows)
+                for token, value in (row.params.logit_bias or {}).items()]
+        if bias:
+            out = logits.clone()
+            r, c, v = zip(*bias)
+            out.index_put_((self._index(r), self._index(c)),
+                           _to_device(v, torch.float32, self.device), accumulate=True)
+        masked = [(i, token) for i, row in enumerate(rows)
+                  if len(row.output_token_ids) < row.params.min_tokens for token in row.stop_ids]
+        if masked:
+            out = out.clone() if out is logits else out
+            r, c = zip(*masked)
+            out[self._index(r), self._index(c)] = _NEG_INF
+        penalised = [i for i, row in enumerate(rows) if row.params.needs_penalties]
+        if not penalised:
+            return out
+        if len(penalised) == len(rows):
+            return self._penalise(out, rows)
+        out = out.clone() if out is logits else out
+        index = self._index(penalised)
+        out[index] = self._penalise(out[index], [rows[i] for i in penalised])
+        return out
+
+    @staticmethod
+    def _penalise(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+        params = [row.params for row in rows]
+        repetition = [p.repetition_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+        presence = [p.presence_penalty for p in params]
+        use_repetition = any(r != 1.0 for r in repetition)
+        return apply_penalties(
+            logits,
+            [row.prompt_token_ids for row in rows] if use_repetition else None,
+            [row.output_token_ids for row in rows],
+            repetition if use_repetition else None,
+            frequency if any(frequency) else None,
+            presence if any(presence) else None,
+        )
+
+    def _filter(self, logits: Tensor, params: list[SamplingParams]) -> Tensor:
+        """top_k, top_p, then min_p on the sampled rows [S, V], each over the rows using it."""
+        vocab = self.vocab_size
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        cut = [j for j, p in enumerate(params) if top_k[j] < vocab or p.top_p < 1.0]
+        if cut:
+            ks = [top_k[j] for j in cut]
+            ps = [params[j].top_p for j in cut]
+            logits = self._update(logits, cut, lambda sub: apply_top_k_top_p(
+                sub, ks if min(ks) < vocab else None, ps if min(ps) < 1.0 else None))
+        floor = [j for j, p in enumerate(params) if p.min_p > 0.0]
+        if floor:
+            min_p = [params[j].min_p for j in floor]
+            logits = self._update(logits, floor, lambda sub: apply_min_p(sub, min_p))
+        return logits
+
+    def _update(self, logits: Tensor, rows: list[int], op: Callable[[Tensor], Tensor]) -> Tensor:
+        """logits with logits[rows] = op(logits[rows]); no gather when all rows take part."""
+        if len(rows) == logits.shape[0]:
+            return op(logits)
+        index = self._index(rows)
+        logits[index] = op(logits[index])
+        return logits
+
+    def _pick(self, processed: _Processed, rows: list[SamplingRow]) -> Tensor:
+        """Token ids [B]: argmax for greedy rows (lowest id on ties), a draw for the others."""
+        if processed.sampled is None:
+            return processed.adjusted.argmax(dim=-1)
+        generators = [rows[i].generator for i in processed.sampled_rows]
+        drawn = self._draw(processed.sampled, generators)  # [S]
+        if len(processed.sampled_rows) == len(rows):
+            return drawn
+        tokens = processed.adjusted.argmax(dim=-1)
+        tokens[self._index(processed.sampled_rows)] = drawn
+        return tokens
+
+    def _draw(self, logits: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+        """Exponential race: argmax(p / q) with q ~ Exp(1) per token picks a token with
+        probability p. q = -log(u), u ~ U[0, 1) from the row's generator, or the shared one."""
+        probs = logits.softmax(dim=-1)  # [S, V]
+        noise = torch.empty_like(probs)
+        shared = [j for j, g in enumerate(generators) if g is None]
+        if len(shared) == len(generators):
+            noise.uniform_(generator=self._generator)
+        elif shared:
+            block = torch.empty(len(shared), noise.shape[1], device=noise.device)
+            noise[self._index(shared)] = block.uniform_(generator=self._generator)
+        # Each seeded row draws exactly V numbers from its own generator, whatever the batch.
+        for j, generator in enumerate(generators):
+            if generator is not None:
+                noise[j].uniform_(generator=generator)
+        # u = 0 gives q = inf and p / q = 0; q is never 0, so p / q is never NaN.
+        return probs.div_(noise.log_().neg_()).argmax(dim=-1)
+
+    def _logprob_table(self, logits: Tensor, tokens: Tensor, wanted: list[int],
+                       num_top: int) -> Tensor:
+        """The raw logits' logprob table for the rows in `wanted`."""
+        if len(wanted) == logits.shape[0]:
+            return _logprob_table(logits, tokens, num_top)
+        index = self._index(wanted)
+        return _logprob_table(logits[index], tokens[index], num_top)
+
+    def _index(self, values: Sequence[int]) -> Tensor:
+        return _to_device(values, torch.long, self.device)
+
+
+def _read_back(tokens: Tensor, table: Tensor, wanted: list[int],
+               counts: list[int]) -> SamplerOutput:
+    """Token ids [B] and the logprob table [L, W] of rows `wanted`, to the host in one copy."""
+    num_rows, width = tokens.shape[0], table.shape[1]
+    host = torch.cat([tokens.to(torch.float64), table.flatten()]).tolist()
+    entries = _logprob_entries([host[num_rows + k * width:num_rows + (k + 1) * width]
+                                for k in range(len(wanted))])
+    logprobs: list[TokenLogprobs | None] = [None] * num_rows
+    for i, count, entry in zip(wanted, counts, entries):
+        entry.top = entry.top[:count]
+        logprobs[i] = entry
+    return SamplerOutput(token_ids=[int(t) for t in host[:num_rows]], logprobs=logprobs)
+
+
+def _to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
+               dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of `values` on `device`, copied up without blocking the host off the CPU."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def _token_counts(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> Tensor:
+    """Occurrences [P, V] float32 of each token id in each row's list."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    # Rows are padded with id `vocab`, counted in an extra column that is then dropped.
+    padded = [list(ids) + [vocab] * (width - len(ids)) for ids in token_ids]
+    index = _to_device(padded, torch.long, device).view(len(token_ids), width)  # [P, L]
+    counts = torch.zeros(len(token_ids), vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab]
+
+
+def _sorted_values(logits: Tensor) -> Tensor:
+    """Each row of `logits` [F, V] sorted ascending (values only).
+
+    On CPU numpy's SIMD sort of values is several times faster than torch.sort, which also
+    builds indices nobody needs here; on accelerators torch.sort stays on the device.
+    """
+    if logits.device.type == "cpu":
+        return torch.from_numpy(np.sort(logits.numpy(), axis=-1))
+    return torch.sort(logits, dim=-1).values
