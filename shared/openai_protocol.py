@@ -1,0 +1,459 @@
+"""The OpenAI HTTP API at the edge: request bodies in, response bodies out.
+
+Parsing turns a decoded JSON body of `/v1/completions` or
+`/v1/chat/completions` into a frozen request object holding validated
+`SamplingParams`; a wrong type or value raises `InvalidRequestError` naming
+the parameter. Unknown top-level keys are ignored (clients send extras), but
+a known key with a wrong type is always an error. Building turns generated
+text, token logprobs and counts into OpenAI-shaped dicts (complete objects and
+streaming chunks); `dumps`/`sse` serialise them with orjson.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+from meshserve.services.worker.engine.request import TokenLogprobs
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.errors import InvalidRequestError
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_COMPLETIONS_URL = "/v1/chat/completions"
+SSE_DONE = b"data: [DONE]\n\n"
+# OpenAI reports -inf logprobs as this floor (JSON has no infinity).
+_MIN_LOGPROB = -9999.0
+_SAMPLING_INTS = ("n", "top_k", "seed", "min_tokens", "prompt_logprobs")
+_SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+_SAMPLING_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                   "spaces_between_special_tokens")
+
+
+class TokenRenderer(Protocol):
+    """How logprobs show a token (the `Tokenizer` implements this)."""
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+# -- ids, serialisation -------------------------------------------------------------------
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def created_timestamp() -> int:
+    return int(time.time())
+
+
+def dumps(obj: object) -> bytes:
+    """JSON bytes of a response body."""
+    return orjson.dumps(obj)
+
+
+def sse(obj: object) -> bytes:
+    """One server-sent event carrying `obj`; end a stream with `SSE_DONE`."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+# -- reading a body -------------------------------------------------------------------------
+
+def _bad(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param)
+
+
+class _Fields:
+    """Typed reads of a JSON object; null and absent both read as None."""
+
+    def __init__(self, body: object, prefix: str = "") -> None:
+        if not isinstance(body, Mapping):
+            raise _bad("request body must be a JSON object", "body")
+        self.body = body
+        self.prefix = prefix  # names nested keys in errors, e.g. "stream_options."
+
+    def _wrong(self, key: str, what: str, value: object) -> InvalidRequestError:
+        name, shown = self.prefix + key, repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return _bad(f"'{name}' must be {what}, got {shown}", name)
+
+    def raw(self, key: str) -> Any:
+        return self.body.get(key)
+
+    def int_(self, key: str) -> int | None:
+        value = self.body.get(key)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise self._wrong(key, "an integer", value)
+        return value
+
+    def float_(self, key: str) -> float | None:
+        value = self.body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise self._wrong(key, "a number", value)
+        return None if value is None else float(value)
+
+    def bool_(self, key: str) -> bool | None:
+        value = self.body.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise self._wrong(key, "a boolean", value)
+        return value
+
+    def str_(self, key: str) -> str | None:
+        value = self.body.get(key)
+        if value is not None and not isinstance(value, str):
+            raise self._wrong(key, "a string", value)
+        return value
+
+    def obj(self, key: str) -> dict[str, Any] | None:
+        value = self.body.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise self._wrong(key, "an object", value)
+        return value
+
+    def list_(self, key: str) -> list[Any] | None:
+        value = self.body.get(key)
+        if value is not None and not isinstance(value, list):
+            raise self._wrong(key, "an array", value)
+        return value
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _stop_strings(fields: _Fields) -> tuple[str, ...]:
+    value = fields.raw("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise _bad("'stop' must be a string or an array of strings", "stop")
+
+
+def _logit_bias(fields: _Fields) -> dict[int, float] | None:
+    value = fields.obj("logit_bias")
+    if value is None:
+        return None
+    bias: dict[int, float] = {}
+    for key, weight in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise _bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise _bad(f"'logit_bias' values must be numbers, got {weight!r}", "logit_bias")
+        bias[token] = float(weight)
+    return bias
+
+
+def _sampling_kwargs(fields: _Fields) -> dict[str, Any]:
+    """SamplingParams fields common to both endpoints, only those the body sets."""
+    kwargs: dict[str, Any] = {}
+    for key in _SAMPLING_INTS:
+        kwargs[key] = fields.int_(key)
+    for key in _SAMPLING_FLOATS:
+        kwargs[key] = fields.float_(key)
+    for key in _SAMPLING_BOOLS:
+        kwargs[key] = fields.bool_(key)
+    stop_ids = fields.list_("stop_token_ids")
+    if stop_ids is not None:
+        if not all(_is_token_id(t) for t in stop_ids):
+            raise _bad("'stop_token_ids' must be an array of token ids", "stop_token_ids")
+        kwargs["stop_token_ids"] = tuple(stop_ids)
+    kwargs["stop"] = _stop_strings(fields)
+    kwargs["logit_bias"] = _logit_bias(fields)
+    best_of = fields.int_("best_of")
+    if best_of is not None and best_of != (kwargs["n"] or 1):
+        raise _bad(f"best_of ({best_of}) must equal n ({kwargs['n'] or 1}); "
+                   "best_of > n is not supported", "best_of")
+    return {key: value for key, value in kwargs.items() if value is not None}
+
+
+def _make_params(kwargs: dict[str, Any], aliases: Mapping[str, str]) -> SamplingParams:
+    """SamplingParams(**kwargs), reporting errors under the request's own key names."""
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError as exc:
+        param = aliases.get(exc.param or "", exc.param)
+        message = exc.message if param == exc.param else exc.message.replace(
+            exc.param or "", param or "", 1)
+        raise InvalidRequestError(message, param=param) from exc
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request settings that are not sampling parameters."""
+
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    priority: int = 0
+    cache_salt: str | None = None
+    user: str | None = None
+
+
+def _options(fields: _Fields) -> RequestOptions:
+    stream = bool(fields.bool_("stream"))
+    stream_options = fields.obj("stream_options")
+    if stream_options is not None and not stream:
+        raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    opts = _Fields(stream_options or {}, prefix="stream_options.")
+    cache_salt = fields.str_("cache_salt")
+    if cache_salt == "":
+        raise _bad("'cache_salt' must not be empty", "cache_salt")
+    return RequestOptions(
+        model=fields.str_("model"), stream=stream,
+        include_usage=bool(opts.bool_("include_usage")),
+        continuous_usage_stats=bool(opts.bool_("continuous_usage_stats")),
+        priority=fields.int_("priority") or 0, cache_salt=cache_salt, user=fields.str_("user"))
+
+
+# -- /v1/completions ------------------------------------------------------------------------
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated /v1/completions body. `prompts` has one entry per batched prompt."""
+
+    prompts: tuple[Prompt, ...]
+    params: SamplingParams
+    options: RequestOptions = field(default_factory=RequestOptions)
+    echo: bool = False
+    add_special_tokens: bool = True
+
+
+def _prompts(value: object) -> tuple[Prompt, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return tuple(value)
+        if all(_is_token_id(t) for t in value):
+            return (tuple(value),)
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            return tuple(tuple(p) for p in value)
+    raise _bad("'prompt' must be a string, an array of strings, an array of token ids or an "
+               "array of arrays of token ids (none empty)", "prompt")
+
+
+def parse_completion_request(body: object) -> CompletionRequest:
+    """Validate a /v1/completions body."""
+    fields = _Fields(body)
+    if "prompt" not in fields.body:
+        raise _bad("'prompt' is required", "prompt")
+    prompts = _prompts(fields.raw("prompt"))
+    if fields.raw("suffix") is not None:
+        raise _bad("'suffix' is not supported", "suffix")
+    kwargs = _sampling_kwargs(fields)
+    max_tokens = fields.int_("max_tokens")
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
+    kwargs["logprobs"] = fields.int_("logprobs")
+    echo = bool(fields.bool_("echo"))
+    if echo and kwargs["logprobs"] is not None and "prompt_logprobs" not in kwargs:
+        kwargs["prompt_logprobs"] = kwargs["logprobs"]  # echoed tokens carry logprobs too
+    params = _make_params(kwargs, {})
+    add_special = fields.bool_("add_special_tokens")
+    return CompletionRequest(prompts, params, _options(fields), echo,
+                             True if add_special is None else add_special)
+
+
+# -- /v1/chat/completions -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    """A validated /v1/chat/completions body.
+
+    Messages are checked in depth (roles, content parts) where the chat
+    template is applied: `Tokenizer.render_chat`.
+    """
+
+    messages: tuple[dict[str, Any], ...]
+    params: SamplingParams
+    options: RequestOptions = field(default_factory=RequestOptions)
+    tools: tuple[dict[str, Any], ...] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+
+def _tools(fields: _Fields) -> tuple[dict[str, Any], ...] | None:
+    tools = fields.list_("tools")
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(tool, dict) or tool.get("type") != "function"
+                or not isinstance(function, dict) or not isinstance(function.get("name"), str)):
+            raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                       "tools")
+    choice = fields.raw("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise _bad("only 'auto' and 'none' are supported for 'tool_choice'", "tool_choice")
+    return tuple(tools) if tools else None
+
+
+def _response_format(fields: _Fields) -> None:
+    value = fields.obj("response_format")
+    kind = None if value is None else value.get("type")
+    if value is not None and kind != "text":
+        raise _bad(f"response_format type {kind!r} is not supported; only 'text' is",
+                   "response_format")
+
+
+def _chat_sampling(fields: _Fields) -> SamplingParams:
+    kwargs = _sampling_kwargs(fields)
+    aliases: dict[str, str] = {}
+    max_tokens = fields.int_("max_completion_tokens")
+    if max_tokens is not None:
+        aliases["max_tokens"] = "max_completion_tokens"
+    else:
+        max_tokens = fields.int_("max_tokens")
+    kwargs["max_tokens"] = max_tokens  # None: as many as the context leaves
+    top = fields.int_("top_logprobs")
+    if fields.bool_("logprobs"):
+        kwargs["logprobs"] = top or 0
+        aliases["logprobs"] = "top_logprobs"
+    elif top is not None:
+        raise _bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    return _make_params(kwargs, aliases)
+
+
+def parse_chat_request(body: object) -> ChatCompletionRequest:
+    """Validate a /v1/chat/completions body."""
+    fields = _Fields(body)
+    messages = fields.list_("messages")
+    if not messages or not all(isinstance(m, dict) for m in messages):
+        raise _bad("'messages' must be a non-empty array of message objects", "messages")
+    _response_format(fields)
+    params = _chat_sampling(fields)
+    add_generation_prompt = fields.bool_("add_generation_prompt")
+    continue_final = bool(fields.bool_("continue_final_message"))
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final
+    if add_generation_prompt and continue_final:
+        raise _bad("'add_generation_prompt' and 'continue_final_message' cannot both be true",
+                   "continue_final_message")
+    add_special = fields.bool_("add_special_tokens")
+    return ChatCompletionRequest(
+        tuple(messages), params, _options(fields), _tools(fields), add_generation_prompt,
+        continue_final, fields.obj("chat_template_kwargs"), bool(add_special))
+
+
+# -- responses ------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
+                        renderer: TokenRenderer, text_offset: int = 0) -> dict[str, Any]:
+    """Legacy completions logprobs; an entry of None (first prompt token) has no logprob."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text = renderer.token_text(token_id)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        token_logprobs.append(None if entry is None else _clamp(entry.logprob))
+        top_logprobs.append(None if entry is None else
+                            {renderer.token_text(t): _clamp(lp) for t, lp in entry.top})
+    return {"tokens": tokens, "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _chat_token(token_id: int, logprob: float, renderer: TokenRenderer) -> dict[str, Any]:
+    return {"token": renderer.token_text(token_id), "logprob": _clamp(logprob),
+            "bytes": list(renderer.token_bytes(token_id))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], renderer: TokenRenderer) -> dict[str, Any]:
+    """Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}."""
+    content = [{**_chat_token(e.token_id, e.logprob, renderer),
+                "top_logprobs": [_chat_token(t, lp, renderer) for t, lp in e.top]}
+               for e in entries]
+    return {"content": content, "refusal": None}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      stop_reason: int | str | None = None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a completion or of a `text_completion` chunk."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def chat_choice(index: int, content: str, finish_reason: str | None,
+                stop_reason: int | str | None = None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a chat.completion."""
+    return {"index": index, "message": {"role": "assistant", "content": content,
+                                        "refusal": None},
+            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_delta_choice(index: int, content: str | None, *, role: bool = False,
+                      finish_reason: str | None = None, stop_reason: int | str | None = None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a chat.completion.chunk; the first chunk of a choice sets `role`."""
+    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    if content is not None:
+        delta["content"] = content
+    return {"index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def _envelope(id_: str, object_: str, created: int, model: str,
+              choices: list[dict[str, Any]], usage_: dict[str, Any] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": id_, "object": object_, "created": created, "model": model,
+                            "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def completion_response(id_: str, created: int, model: str, choices: list[dict[str, Any]],
+                        usage_: dict[str, Any]) -> dict[str, Any]:
+    return _envelope(id_, "text_completion", created, model, choices, usage_)
+
+
+def chat_response(id_: str, created: int, model: str, choices: list[dict[str, Any]],
+                  usage_: dict[str, Any]) -> dict[str, Any]:
+    return _envelope(id_, "chat.completion", created, model, choices, usage_)
+
+
+def completion_chunk(id_: str, created: int, model: str, choices: list[dict[str, Any]],
+                     usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A streamed `text_completion` chunk; the final usage chunk has no choices."""
+    return _envelope(id_, "text_completion", created, model, choices, usage_)
+
+
+def chat_chunk(id_: str, created: int, model: str, choices: list[dict[str, Any]],
+               usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A `chat.completion.chunk`; the final usage chunk has no choices."""
+    return _envelope(id_, "chat.completion.chunk", created, model, choices, usage_)
