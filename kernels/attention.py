@@ -76,8 +76,15 @@ def paged_attention(
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
     meta: AttentionMetadata,
     scale: float,
+    *,
+    key: torch.Tensor | None = None,  # [T, Hkv, D], this step's keys (already in the cache)
+    value: torch.Tensor | None = None,  # [T, Hkv, D]
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of each query row over its sequence's cached context."""
+    """Causal attention of each query row over its sequence's cached context.
+
+    `key`/`value` are optional copies of this step's new KV; a backend may use
+    them for sequences with no cached prefix instead of reading the cache.
+    """
     assert query.dim() == 3 and k_cache.dim() == 4, (
         f"query must be [T, Hq, D] and caches [N, bs, Hkv, D], got {tuple(query.shape)} "
         f"and {tuple(k_cache.shape)}")
@@ -89,7 +96,7 @@ def paged_attention(
         return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
     if meta.decode_only:
         return decode_attention_reference(query, k_cache, v_cache, meta, scale)
-    return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+    return paged_attention_reference(query, k_cache, v_cache, meta, scale, key=key, value=value)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -102,7 +109,8 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 
 def paged_attention_reference(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, *,
+    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence at a time; any mix of prefill, chunked prefill and decode."""
     out = torch.empty_like(query)
@@ -110,16 +118,23 @@ def paged_attention_reference(
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        k = _gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)
-        v = _gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+        if seq_len == q_len and key is not None and value is not None:
+            # No cached prefix: plain causal attention over this step's own KV.
+            k = key[start : start + q_len].transpose(0, 1)  # [Hkv, q_len, D]
+            v = value[start : start + q_len].transpose(0, 1)
+            mask = None
+        else:
+            k = _gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+            v = _gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+            # Query row j sits at position seq_len - q_len + j and sees keys 0..that position.
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            mask = q_pos[:, None] >= torch.arange(seq_len, device=query.device)[None, :]
         groups = num_q_heads // k.shape[0]
         if groups > 1:  # k, v: [Hkv, L, D] -> [Hq, L, D]
             k = k.repeat_interleave(groups, dim=0)
             v = v.repeat_interleave(groups, dim=0)
-        # Query row j sits at position seq_len - q_len + j and sees keys 0..that position.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = q_pos[:, None] >= torch.arange(seq_len, device=query.device)[None, :]
-        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
+                                           is_causal=mask is None, scale=scale)
         out[start : start + q_len] = o.transpose(0, 1).to(out.dtype)
         start += q_len
     return out

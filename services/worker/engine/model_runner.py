@@ -158,7 +158,8 @@ class ModelRunner:
 
 
 def _row(request: Request) -> SamplingRow:
-    stop_ids = tuple(request.eos_token_ids) + tuple(request.params.stop_token_ids)
+    eos = () if request.params.ignore_eos else tuple(request.eos_token_ids)
+    stop_ids = eos + tuple(request.params.stop_token_ids)
     return SamplingRow(
         params=request.params,
         prompt_token_ids=request.prompt_token_ids,
