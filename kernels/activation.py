@@ -1,0 +1,23 @@
+"""Gated activations of the MLP.
+
+`silu_and_mul` consumes the output of the fused gate/up projection: the first half of the last
+dimension is the gate, the second half the up projection, as in vLLM's `SiluAndMul`.
+The PyTorch code here runs on every device until a fused GPU kernel replaces it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2I] -> silu(x[..., :I]) * x[..., I:], [..., I]."""
+    assert x.shape[-1] % 2 == 0, f"silu_and_mul needs an even last dim, got {tuple(x.shape)}"
+    return silu_and_mul_reference(x)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """The same operations as Hugging Face's `act_fn(gate_proj(x)) * up_proj(x)`."""
+    gate, up = x.chunk(2, dim=-1)  # each [..., I]
+    return F.silu(gate) * up

@@ -1,0 +1,188 @@
+"""Rotary position embedding (RoPE) in the NeoX / Hugging Face `rotate_half` layout.
+
+`RotaryEmbedding` holds one table `cos_sin_cache` [max_position, rotary_dim]: for position p the
+first rotary_dim/2 columns are cos(p * inv_freq) and the last rotary_dim/2 are sin(p * inv_freq),
+already multiplied by the scaling's attention factor. Each step gathers the rows of its positions,
+so any mix of prefill, chunked prefill and decode positions is one indexing operation.
+
+The inverse frequencies follow `transformers.modeling_rope_utils` operation for operation, so the
+table equals what Hugging Face models compute on the fly to float32 precision. Supported scaling
+types: default, linear, llama3, yarn. Dynamic NTK rescales with the length of the longest
+sequence in the batch, which a shared cache of a batching server cannot reproduce; it is rejected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshserve.shared.errors import ModelLoadError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
+    """The scaling type named by a rope_scaling dict (`rope_type`, or the older `type`)."""
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
+
+
+def compute_inv_freq(
+    rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None,
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim/2] (float32) and the attention factor for cos/sin."""
+    rope_type = rope_type_of(rope_scaling)
+    # Same expression as transformers: float32 exponents, float32 power of a Python float base.
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (base ** exponents)
+    scaling = rope_scaling or {}
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(_field(scaling, "factor")), 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, base, scaling)
+    raise ModelLoadError(
+        f"rope_scaling.rope_type {rope_type!r} is not supported; supported types are "
+        f"{', '.join(SUPPORTED_ROPE_TYPES)}", param="rope_scaling.rope_type")
+
+
+def _field(scaling: dict[str, Any], name: str) -> Any:
+    if scaling.get(name) is None:
+        raise ModelLoadError(
+            f"rope_scaling of type {rope_type_of(scaling)!r} needs the field rope_scaling.{name}",
+            param=f"rope_scaling.{name}")
+    return scaling[name]
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 / 3.2: keep high frequencies, divide low ones by `factor`, blend in between."""
+    factor = float(_field(scaling, "factor"))
+    low_freq_factor = float(_field(scaling, "low_freq_factor"))
+    high_freq_factor = float(_field(scaling, "high_freq_factor"))
+    old_context_len = _field(scaling, "original_max_position_embeddings")
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    dim: int, base: float, scaling: dict[str, Any],
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, scale attention by mscale."""
+    factor = float(_field(scaling, "factor"))
+    original_max = _field(scaling, "original_max_position_embeddings")
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq_extrapolation = 1.0 / pos_freqs
+    inv_freq_interpolation = 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (inv_freq_interpolation * (1 - extrapolation_factor)
+                + inv_freq_extrapolation * extrapolation_factor)
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def build_cos_sin_cache(
+    inv_freq: torch.Tensor, max_position: int, attention_scaling: float = 1.0,
+) -> torch.Tensor:
+    """[max_position, rotary_dim] float32 table: cos in the first half, sin in the second."""
+    positions = torch.arange(max_position, dtype=torch.int64, device=inv_freq.device).float()
+    freqs = positions[:, None] * inv_freq[None, :].float()  # [P, rotary_dim/2]
+    return torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Owns the cos/sin table as a non-persistent buffer, so `.to(device, dtype)` moves it.
+
+    Like Hugging Face, the table is computed in float32 and then cast to the model dtype.
+    """
+
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim]
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        assert rotary_dim <= head_dim and rotary_dim % 2 == 0, (
+            f"rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}")
+        self.head_dim, self.rotary_dim, self.max_position = head_dim, rotary_dim, max_position
+        self.base, self.rope_scaling = base, rope_scaling
+        # Validates the scaling now, so an unsupported type fails at construction.
+        compute_inv_freq(rotary_dim, base, rope_scaling)
+        self.register_buffer(
+            "cos_sin_cache", torch.empty(max_position, rotary_dim), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re)compute the table on the buffer's device and in its dtype (after `to_empty`)."""
+        if self.cos_sin_cache.is_meta:
+            return
+        inv_freq, attention_scaling = compute_inv_freq(self.rotary_dim, self.base,
+                                                       self.rope_scaling)
+        table = build_cos_sin_cache(inv_freq.to(self.cos_sin_cache.device), self.max_position,
+                                    attention_scaling)
+        with torch.no_grad():
+            self.cos_sin_cache.copy_(table)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(query, key, positions, self.cos_sin_cache)
+
+
+def apply_rotary(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first rotary_dim dims of every head of q and k by each token's position."""
+    assert query.dim() == 3 and key.dim() == 3, (
+        f"query and key must be [T, H, D], got {tuple(query.shape)} and {tuple(key.shape)}")
+    assert positions.shape[0] == query.shape[0] == key.shape[0], (
+        f"positions {tuple(positions.shape)} do not match {query.shape[0]} query tokens")
+    cos, sin = cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)  # [T, rotary_dim/2]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin on the rotary part; the rest passes through."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    if 2 * half == x.shape[-1]:
+        return torch.cat(rotated, dim=-1)
+    return torch.cat((*rotated, x[..., 2 * half :]), dim=-1)

@@ -1,0 +1,203 @@
+"""`ModelConfig`: the architecture facts the engine and the model modules need.
+
+Built from a Hugging Face config (a `config.json` dict, a `PretrainedConfig`, or the config dict
+that transformers derives from GGUF metadata), plus `generation_config.json` when present.
+Both rope layouts are read: transformers 4 (`rope_theta` + `rope_scaling`) and transformers 5
+(`rope_parameters`, which holds the theta as well).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshserve.kernels.rotary import compute_inv_freq, rope_type_of
+from meshserve.services.worker.models.registry import MODEL_TYPE_ARCHITECTURES, check_supported
+from meshserve.shared.errors import ModelLoadError
+
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "max_position_embeddings")
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and options of one decoder-only model. Derived values are properties."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None for plain RoPE; else has "rope_type"
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2 always, Llama when configured)
+    o_proj_bias: bool  # bias on the output projection (Llama/Qwen3 attention_bias)
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str | None  # the checkpoint's dtype name, e.g. "bfloat16"
+    sliding_window: int | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest context served. Attention is always full, so a sliding window caps it:
+        within the window full and sliding attention agree."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, *, generation_config: dict[str, Any] | None = None,
+                source: str = "config.json") -> ModelConfig:
+        """Build from a config dict or PretrainedConfig; `source` names the file in errors."""
+        cfg: dict[str, Any] = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        architecture = _architecture(cfg, source)
+        check_supported(architecture, source)
+        for name in _REQUIRED_FIELDS:
+            if cfg.get(name) is None:
+                raise ModelLoadError(f"{source}: required field {name!r} is missing", param=name)
+        _check_mlp(cfg, source)
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        rope_theta, rope_scaling = _rope(cfg, head_dim, source)
+        config = cls(
+            architecture=architecture,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            **_attention_options(architecture, cfg),
+            eos_token_ids=_eos_token_ids(cfg, generation_config or {}),
+            bos_token_id=_bos_token_id(cfg, generation_config or {}),
+            torch_dtype=_dtype_name(cfg),
+            sliding_window=_sliding_window(architecture, cfg),
+        )
+        config.validate(source)
+        return config
+
+    def validate(self, source: str = "config") -> None:
+        """Check the numbers fit together; raise ModelLoadError naming the field."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"{source}: {name} must be positive, got "
+                                     f"{getattr(self, name)}", param=name)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}", param="num_key_value_heads")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"{source}: head_dim {self.head_dim} must be even for RoPE",
+                                 param="head_dim")
+
+
+def _architecture(cfg: dict[str, Any], source: str) -> str:
+    architectures = cfg.get("architectures") or []
+    if architectures:
+        return str(architectures[0])
+    model_type = cfg.get("model_type")
+    if model_type in MODEL_TYPE_ARCHITECTURES:
+        return MODEL_TYPE_ARCHITECTURES[model_type]
+    if model_type is None:
+        raise ModelLoadError(f"{source}: required field 'architectures' (or 'model_type') is "
+                             f"missing", param="architectures")
+    return str(model_type)
+
+
+def _check_mlp(cfg: dict[str, Any], source: str) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')",
+                             param="hidden_act")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{source}: mlp_bias=true is not supported", param="mlp_bias")
+
+
+def _rope(cfg: dict[str, Any], head_dim: int,
+          source: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) from either config layout."""
+    merged: dict[str, Any] = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+    theta = float(merged.pop("rope_theta", None) or cfg.get("rope_theta") or _DEFAULT_ROPE_THETA)
+    if merged.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor "
+                             f"{merged['partial_rotary_factor']} is not supported",
+                             param="rope_scaling.partial_rotary_factor")
+    merged.pop("partial_rotary_factor", None)
+    rope_type = rope_type_of(merged)
+    merged.pop("type", None)
+    scaling = None if rope_type == "default" else {**merged, "rope_type": rope_type}
+    try:
+        compute_inv_freq(head_dim, theta, scaling)  # rejects unsupported types and missing fields now
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{source}: {exc.message}", param=exc.param) from exc
+    return theta, scaling
+
+
+def _attention_options(architecture: str, cfg: dict[str, Any]) -> dict[str, bool]:
+    configured_bias = bool(cfg.get("attention_bias", False))
+    if architecture == "Qwen2ForCausalLM":  # q/k/v always carry a bias, o_proj never does
+        return {"attention_bias": True, "o_proj_bias": False, "qk_norm": False}
+    if architecture == "MistralForCausalLM":
+        return {"attention_bias": False, "o_proj_bias": False, "qk_norm": False}
+    return {"attention_bias": configured_bias, "o_proj_bias": configured_bias,
+            "qk_norm": architecture == "Qwen3ForCausalLM"}
+
+
+def _sliding_window(architecture: str, cfg: dict[str, Any]) -> int | None:
+    window = cfg.get("sliding_window")
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get(
+            "use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _eos_token_ids(cfg: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    ids = _as_ids(cfg.get("eos_token_id")) + _as_ids(generation.get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))  # union, first occurrence order
+
+
+def _bos_token_id(cfg: dict[str, Any], generation: dict[str, Any]) -> int | None:
+    bos = cfg.get("bos_token_id")
+    if bos is None:
+        bos = generation.get("bos_token_id")
+    ids = _as_ids(bos)
+    return ids[0] if ids else None
+
+
+def _dtype_name(cfg: dict[str, Any]) -> str | None:
+    value = cfg.get("dtype") or cfg.get("torch_dtype")
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")

@@ -1,0 +1,220 @@
+"""The Llama-family decoder: Llama 2/3/3.1/3.2, Mistral, SmolLM2, Qwen2/2.5 and Qwen3.
+
+They differ only in a few switches read from `ModelConfig`: a bias on q/k/v (Qwen2), a per-head
+RMSNorm of q and k before RoPE (Qwen3), and tied input/output embeddings. The forward pass runs
+over one flat batch of T new tokens from any number of sequences; attention reads and writes the
+paged KV cache the engine owns, so the model itself keeps no per-request state.
+
+Parameters are named as in Hugging Face checkpoints except that q/k/v are fused into `qkv_proj`
+and gate/up into `gate_up_proj` (one matmul each); `load_weights` does the fusing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.kernels.activation import silu_and_mul
+from meshserve.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from meshserve.kernels.norm import fused_add_rms_norm, rms_norm
+from meshserve.kernels.rotary import RotaryEmbedding
+from meshserve.services.worker.models.config import ModelConfig
+from meshserve.shared.errors import ModelLoadError
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [N, bs, Hkv, D]
+
+# Checkpoint entries that hold no weights of ours (old Llama files saved RoPE buffers).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".rotary_emb.cos_cached", ".rotary_emb.sin_cached")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass."""
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(-1, self.q_size))  # [T, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, kv_cache: KVCache, meta: AttentionMetadata,
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns this layer's MLP output and the residual stream before it is added:
+        the add is fused into the next layer's input norm."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, rotary)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.head_dim,
+                                          config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        assert len(kv_caches) == len(self.layers), (
+            f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.rotary_emb)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        hidden, _ = self.norm.add_forward(hidden, residual)
+        return hidden
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over a paged KV cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        # Tied models read the embedding matrix directly (no shared Parameter, so moving the
+        # module between devices can never untie it).
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, all sequences' new tokens flattened
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],  # per layer, each [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # hidden states [T, H]
+        """Run every layer over the step's tokens, writing their KV into the cache."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] hidden states of the rows to sample -> [N, V] float32 logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def reset_buffers(self) -> None:
+        """Recompute non-weight buffers (the RoPE table) after `to_empty` materialised them."""
+        self.model.rotary_emb.reset_parameters()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the parameters, fusing q/k/v and gate/up.
+
+        Raises ModelLoadError naming any unexpected, wrongly shaped or missing tensor.
+        """
+        params = dict(self.named_parameters())
+        targets = self.checkpoint_layout()
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in targets:
+                    if self._ignorable(name):
+                        continue
+                    raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint "
+                                         f"(not a parameter of {self.config.architecture})",
+                                         param=name)
+                param_name, offset, rows = targets[name]
+                dest = params[param_name].data.narrow(0, offset, rows)
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(dest.shape)}", param=name)
+                dest.copy_(tensor)
+                loaded.add(name)
+        missing = [name for name in targets if name not in loaded]
+        if missing:
+            shown = ", ".join(repr(name) for name in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ModelLoadError(f"missing tensors in the checkpoint: {shown}{more}",
+                                 param=missing[0])
+
+    def checkpoint_layout(self) -> dict[str, tuple[str, int, int]]:
+        """Hugging Face tensor name -> (parameter name, first row, number of rows)."""
+        shards = {
+            "qkv_proj": (("q_proj", self.config.q_size), ("k_proj", self.config.kv_size),
+                         ("v_proj", self.config.kv_size)),
+            "gate_up_proj": (("gate_proj", self.config.intermediate_size),
+                             ("up_proj", self.config.intermediate_size)),
+        }
+        layout: dict[str, tuple[str, int, int]] = {}
+        for param_name, param in self.named_parameters():
+            fused = next((f for f in shards if f".{f}." in param_name), None)
+            if fused is None:
+                layout[param_name] = (param_name, 0, param.shape[0])
+                continue
+            offset = 0
+            for shard, rows in shards[fused]:
+                layout[param_name.replace(f".{fused}.", f".{shard}.")] = (param_name, offset, rows)
+                offset += rows
+        return layout
+
+    def _ignorable(self, name: str) -> bool:
+        if name.endswith(_IGNORED_SUFFIXES):
+            return True
+        # Some tied checkpoints store the (identical) output matrix anyway.
+        return self.config.tie_word_embeddings and name == "lm_head.weight"

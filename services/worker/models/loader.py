@@ -1,0 +1,321 @@
+"""Find a model, read its config, and build the module with its weights.
+
+Sources: a Hugging Face folder (safetensors, sharded or not, or pytorch_model.bin), a GGUF file
+(dequantized on load through transformers' GGUF reader), a hub id when a hub is reachable, the
+default model (see default_model.py), or `dummy` random weights of the right shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from meshserve.services.worker.models.config import ModelConfig
+from meshserve.services.worker.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+from meshserve.services.worker.models.llama import CausalLM
+from meshserve.services.worker.models.registry import MODEL_TYPE_ARCHITECTURES, get_model_class
+from meshserve.shared.errors import ModelLoadError
+
+LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+           "fp32": torch.float32, "float": torch.float32}
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+_DUMMY_SEED = 0
+_DUMMY_RANGE = 1e-3
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from."""
+
+    name: str  # what the user passed (the served model name)
+    path: Path  # folder (hf) or the .gguf file
+    format: str  # "hf" | "gguf" | "dummy"
+    gguf_file: Path | None  # the .gguf holding the config (and weights unless dummy)
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Turn a model argument (None/"default", folder, .gguf file or hub id) into a source."""
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}",
+                             param="load_format")
+    if model is None or model == "default":
+        gguf = default_model_path()
+        source = ModelSource(DEFAULT_MODEL_NAME, gguf, "gguf", gguf)
+    else:
+        path = Path(model).expanduser().resolve()
+        if path.is_dir():
+            source = _folder_source(model, path)
+        elif path.is_file():
+            if path.suffix != ".gguf":
+                raise ModelLoadError(f"model file {path} is not a .gguf file; pass a model "
+                                     f"folder or a .gguf file", param="model")
+            source = ModelSource(model, path, "gguf", path)
+        else:
+            source = _folder_source(model, _hub_snapshot(model))
+    if load_format == "dummy":
+        return replace(source, format="dummy")
+    if load_format == "gguf" and source.format != "gguf":
+        raise ModelLoadError(f"load_format 'gguf' needs a .gguf file, got {source.path}",
+                             param="load_format")
+    if load_format == "hf" and source.format != "hf":
+        raise ModelLoadError(f"load_format 'hf' needs a Hugging Face model folder, got "
+                             f"{source.path}", param="load_format")
+    return source
+
+
+def _folder_source(name: str, folder: Path) -> ModelSource:
+    if (folder / "config.json").is_file():
+        return ModelSource(name, folder, "hf", None)
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(name, ggufs[0], "gguf", ggufs[0])
+    if ggufs:
+        raise ModelLoadError(f"{folder} holds several .gguf files "
+                             f"({', '.join(g.name for g in ggufs)}); pass one of them",
+                             param="model")
+    raise ModelLoadError(f"{folder / 'config.json'} is missing: {folder} is not a Hugging Face "
+                         f"model folder", param="config.json")
+
+
+def _hub_snapshot(model: str) -> Path:
+    """Download (or find in the local hub cache) a hub repository; fail fast when offline."""
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 (only for hub ids)
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError as exc:
+        raise ModelLoadError(f"model path {model!r} does not exist", param="model") from exc
+    try:  # already in the hub cache: works offline
+        return Path(snapshot_download(model, allow_patterns=_HUB_PATTERNS, local_files_only=True))
+    except OSError:  # not cached (LocalEntryNotFoundError): go online, or fail below
+        pass
+    reason = _hub_unreachable_reason()
+    if reason:
+        raise ModelLoadError(f"model path {model!r} does not exist and no model hub is "
+                             f"reachable ({reason})", param="model")
+    try:
+        return Path(snapshot_download(model, allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:  # hub errors are many; all mean "cannot load"
+        raise ModelLoadError(f"could not download {model!r} from the model hub: {exc}",
+                             param="model") from exc
+
+
+def _hub_unreachable_reason() -> str | None:
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE=1"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY")):
+        return None  # reachable through the proxy, as far as we can tell cheaply
+    from huggingface_hub import constants  # noqa: PLC0415
+
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or 443
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as exc:
+        return f"cannot connect to {host}:{port}: {exc}"
+    return None
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    """The model's config from config.json (+ generation_config.json) or GGUF metadata."""
+    if source.gguf_file is not None:
+        return ModelConfig.from_hf(_gguf_config_dict(source.gguf_file),
+                                   source=str(source.gguf_file))
+    config_path = source.path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{config_path} is missing", param="config.json")
+    generation_path = source.path / "generation_config.json"
+    generation = _read_json(generation_path) if generation_path.is_file() else None
+    return ModelConfig.from_hf(_read_json(config_path), generation_config=generation,
+                               source=str(config_path))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not readable JSON: {exc}", param=path.name) from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object", param=path.name)
+    return data
+
+
+def _gguf_config_dict(gguf_file: Path) -> dict[str, Any]:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: PLC0415
+
+    try:
+        parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=False)
+    except Exception as exc:  # gguf raises many kinds on a bad file
+        raise ModelLoadError(f"{gguf_file}: cannot read GGUF metadata: {exc}",
+                             param=gguf_file.name) from exc
+    config: dict[str, Any] = parsed["config"]
+    return config
+
+
+def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
+               device: torch.device, load_format: str) -> CausalLM:
+    """Build the model on `device` in `dtype` and fill its weights from the source."""
+    model = _materialize(config, dtype, device)
+    if load_format == "dummy" or source.format == "dummy":
+        _fill_dummy(model, device)
+    elif source.format == "gguf":
+        _load_gguf(model, source.gguf_file or source.path, config, dtype)
+    else:
+        _load_hf(model, source.path)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Allocate without initialising: build on the meta device, then give it real storage."""
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.reset_buffers()
+    return model
+
+
+def _fill_dummy(model: CausalLM, device: torch.device) -> None:
+    """Small uniform weights from a fixed seed: realistic shapes and speed, no files read."""
+    generator = torch.Generator(device=device).manual_seed(_DUMMY_SEED)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=generator)
+
+
+def _load_hf(model: CausalLM, folder: Path) -> None:
+    files = checkpoint_files(folder)
+    try:
+        model.load_weights(_iter_checkpoint(files))
+    except ModelLoadError as exc:
+        if str(folder) in exc.message:
+            raise
+        raise ModelLoadError(f"{folder}: {exc.message}", param=exc.param) from exc
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The weight files of a Hugging Face folder, sharded (with an index) or single."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            return _index_shards(index)
+        single = folder / index_name.removesuffix(".index.json")
+        if single.is_file():
+            return [single]
+    raise ModelLoadError(
+        f"no weights in {folder}: looked for model.safetensors(.index.json) and "
+        f"pytorch_model.bin(.index.json)", param="model")
+
+
+def _index_shards(index: Path) -> list[Path]:
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"{index} has no 'weight_map'", param=index.name)
+    shards = [index.parent / name for name in dict.fromkeys(weight_map.values())]
+    for shard in shards:
+        if not shard.is_file():
+            raise ModelLoadError(f"shard {shard.name} listed in {index.name} is missing from "
+                                 f"{index.parent}", param=shard.name)
+    return shards
+
+
+def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) from each file; a corrupt file is named in the error."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    for path in files:
+        try:
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                        yield name, f.get_tensor(name)
+            else:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                yield from state.items()
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # safetensors and torch raise many kinds
+            raise ModelLoadError(f"cannot read weights file {path}: {exc}",
+                                 param=path.name) from exc
+
+
+def _load_gguf(model: CausalLM, gguf_file: Path, config: ModelConfig,
+               dtype: torch.dtype) -> None:
+    """Dequantize the GGUF's tensors with transformers' reader, under Hugging Face names.
+
+    The reader maps GGUF names to those of a Hugging Face model (built here on the meta
+    device, so it costs no memory) and undoes llama.cpp's q/k row permutation.
+    """
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: PLC0415
+
+    try:
+        parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=True,
+                                      model_to_load=_NameMap(_hf_skeleton(config)),
+                                      torch_dtype=dtype)
+    except Exception as exc:  # gguf raises many kinds on a bad file
+        raise ModelLoadError(f"{gguf_file}: cannot read GGUF tensors: {exc}",
+                             param=gguf_file.name) from exc
+    try:
+        model.load_weights(parsed["tensors"].items())
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{gguf_file}: {exc.message}", param=exc.param) from exc
+
+
+class _NameMap:
+    """What transformers' GGUF name mapping reads from a model: its config and parameter names.
+
+    Without children: the mapping otherwise repeats itself for every submodule, which costs
+    seconds and only matters for checkpoints saved from a base model (not our architectures).
+    """
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        self.config = hf_model.config
+        self._state = hf_model.state_dict()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+    def named_children(self) -> list[tuple[str, torch.nn.Module]]:
+        return []
+
+
+def _hf_skeleton(config: ModelConfig) -> torch.nn.Module:
+    """A transformers model of the same shapes on the meta device (for its parameter names)."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    # gguf-py names Mistral tensors as Llama ones (llama.cpp runs both as "llama").
+    model_type = "llama" if config.architecture == "MistralForCausalLM" else next(
+        t for t, arch in MODEL_TYPE_ARCHITECTURES.items() if arch == config.architecture)
+    hf_config = AutoConfig.for_model(
+        model_type, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, head_dim=config.head_dim,
+        num_key_value_heads=config.num_key_value_heads, attention_bias=config.o_proj_bias,
+        tie_word_embeddings=config.tie_word_embeddings)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """"auto": float32 on CPU; on CUDA the checkpoint's dtype, float32 checkpoints as
+    bfloat16. Otherwise one of bfloat16 | float16 | float32 (and their short names)."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ModelLoadError(f"dtype {name!r} is not one of auto, bfloat16, float16, float32",
+                                 param="dtype")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = _DTYPES.get(config.torch_dtype or "", torch.float32)
+    return torch.bfloat16 if checkpoint == torch.float32 else checkpoint

@@ -1,0 +1,49 @@
+"""Architecture name (the `architectures` entry of a Hugging Face config) -> model class.
+
+Classes are imported on first use, so reading a config never imports model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from meshserve.shared.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from meshserve.services.worker.models.llama import CausalLM
+
+# architecture -> (module under meshserve.services.worker.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "CausalLM"),
+    "MistralForCausalLM": ("llama", "CausalLM"),
+    "Qwen2ForCausalLM": ("llama", "CausalLM"),
+    "Qwen3ForCausalLM": ("llama", "CausalLM"),
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+# Hugging Face `model_type` -> architecture, for configs without `architectures` (GGUF metadata).
+MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def check_supported(architecture: str, source: str) -> None:
+    """Raise ModelLoadError unless `architecture` is one meshserve runs."""
+    if architecture not in _MODELS:
+        raise ModelLoadError(
+            f"{source}: architecture {architecture!r} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}", param="architectures")
+
+
+def get_model_class(architecture: str) -> type[CausalLM]:
+    """The module class that runs `architecture`."""
+    check_supported(architecture, "model config")
+    module_name, class_name = _MODELS[architecture]
+    module = importlib.import_module(f"meshserve.services.worker.models.{module_name}")
+    model_class: type[CausalLM] = getattr(module, class_name)
+    return model_class

@@ -1,0 +1,141 @@
+"""Tiny random-weight Hugging Face model folders for tests.
+
+`build_tiny_model` writes config.json, safetensors weights (single or sharded with an index),
+generation_config.json and a byte-level BPE tokenizer with a ChatML template, using
+transformers' own config and model classes so that transformers is the reference.
+Weights are re-drawn with unit-scale statistics (not the near-zero default init) so that logits
+vary strongly with every weight, norm, bias and position: a wrong kernel shows up.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TOKENIZER_VOCAB = 450
+CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+                  "mistral": MistralConfig}
+TINY_DIMS: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+_WORDS = (
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "model", "serve", "token",
+    "cache", "block", "prefix", "attention", "layer", "norm", "rotary", "scale", "batch",
+    "stream", "worker", "gateway", "request", "reply", "hello", "world", "sky", "river",
+    "mountain", "green", "blue", "seven", "eleven", "hundred", "paper", "music", "night",
+    "user", "assistant", "system",
+)
+_CJK = "你好世界模型服务缓存注意力東京大阪こんにちは세계안녕"
+_EMOJI = "😀🚀🌍🎉🔥✨🤖📦"
+
+
+def training_lines(count: int = 300, seed: int = 0) -> list[str]:
+    """Deterministic text mixing English words, CJK and emoji (multi-byte UTF-8)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(count):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 12))]
+        if rng.random() < 0.4:
+            words.insert(rng.randrange(len(words)), "".join(rng.sample(_CJK, rng.randint(1, 4))))
+        if rng.random() < 0.3:
+            words.append(rng.choice(_EMOJI))
+        lines.append(" ".join(words).capitalize() + rng.choice(".!?,"))
+    return lines
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(training_lines(), trainer)
+    return tokenizer.to_str()
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny byte-level BPE tokenizer (`<|endoftext|>` is eos and pad) with ChatML."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()), eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>", additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        chat_template=CHATML_TEMPLATE)
+
+
+def build_tiny_model(dir: Path, arch: str = "llama", *, seed: int = 0,
+                     vocab_size: int | None = None, shards: int = 1,
+                     tie_word_embeddings: bool = False, **overrides: Any) -> Path:
+    """Write a tiny random model folder for `arch` in {llama, qwen2, qwen3, mistral}.
+
+    `overrides` go into the transformers config (e.g. head_dim=24, rope_scaling=LLAMA3_ROPE).
+    Returns `dir`.
+    """
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    im_end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    vocab = vocab_size or 64 * math.ceil(len(tokenizer) / 64)
+    assert vocab >= len(tokenizer), f"vocab_size {vocab} < tokenizer size {len(tokenizer)}"
+    config = CONFIG_CLASSES[arch](**{
+        **TINY_DIMS, "vocab_size": vocab, "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": eos_id, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id, im_end_id],
+                                               pad_token_id=eos_id)
+    model.save_pretrained(dir, max_shard_size=_shard_size(model, shards))
+    tokenizer.save_pretrained(dir)
+    return dir
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Unit-scale weights: N(0, 1/fan_in) matrices, N(0, 1) embeddings, norms near 1."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.3 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(0.25 * noise)
+            else:
+                param.copy_(noise / math.sqrt(param.shape[-1]))
+
+
+def _shard_size(model: torch.nn.Module, shards: int) -> str:
+    if shards <= 1:
+        return "1GB"
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return f"{math.ceil(total / shards * 1.05 / 1000)}KB"
