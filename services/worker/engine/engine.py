@@ -138,13 +138,15 @@ class LLMEngine:
         for seq in sequences:
             self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request wherever it is; its blocks are freed now and its sequences
-        report finish reason "abort" at the next step. Unknown ids are ignored."""
-        for seq in self._groups.pop(request_id, []):
-            if not seq.is_finished:
+    def abort_request(self, request_id: str, indices: list[int] | None = None) -> None:
+        """Stop a request (or only its sequences `indices`) wherever it is. Blocks are freed
+        now; the sequences report finish reason "abort" at the next step. Unknown ids are
+        ignored."""
+        for seq in self._groups.get(request_id, []):
+            if not seq.is_finished and (indices is None or seq.index in indices):
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
                 self._aborted.append(seq)
+        self._forget_if_done(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or bool(self._aborted)

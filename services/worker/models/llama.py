@@ -70,7 +70,7 @@ class Attention(nn.Module):
         q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))  # [T, H]
 
 

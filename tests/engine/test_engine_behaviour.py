@@ -1,0 +1,184 @@
+"""Engine behaviour on a tiny model: seeds, aborts, bad requests, stop conditions."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from tiny_models import build_tiny_model
+
+from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.errors import ContextLengthError, InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=3)
+
+
+def make_engine(folder: Path, **overrides: object) -> LLMEngine:
+    cfg = dict(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=512,
+               max_model_len=256)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
+
+
+def drain(engine: LLMEngine) -> dict[tuple[str, int], list[RequestOutput]]:
+    outputs: dict[tuple[str, int], list[RequestOutput]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault((out.request_id, out.index), []).append(out)
+    return outputs
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_mixed_batch(folder: Path) -> None:
+    engine = make_engine(folder)
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(0)
+    target = prompt(rng, 21, vocab)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12,
+                            ignore_eos=True)
+    engine.add_request("alone", target, params)
+    alone = tokens(drain(engine)[("alone", 0)])
+
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=1.2, seed=99, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0.9, min_p=0.1, presence_penalty=0.5,
+                       frequency_penalty=0.3, repetition_penalty=1.2, max_tokens=12,
+                       ignore_eos=True),
+    ]
+    for i in range(31):
+        engine.add_request(f"other{i}", prompt(rng, rng.randrange(1, 60), vocab),
+                           kinds[i % len(kinds)])
+        if i == 13:
+            engine.add_request("in-batch", target, params)
+    batched = drain(engine)
+    assert tokens(batched[("in-batch", 0)]) == alone
+    assert len(alone) == 12
+
+    engine.add_request("other-seed", target, SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=4321, max_tokens=12, ignore_eos=True))
+    assert tokens(drain(engine)[("other-seed", 0)]) != alone
+
+
+def test_free_blocks_return_after_finish_and_abort_at_any_point(folder: Path) -> None:
+    engine = make_engine(folder, max_num_batched_tokens=32)
+    baseline = engine.kv.num_free_blocks
+    rng = random.Random(1)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.5, max_tokens=20, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", prompt(rng, 40 + i, vocab), params)
+    engine.add_request("waiting", prompt(rng, 70, vocab), SamplingParams(n=2, max_tokens=8))
+    seen: list[RequestOutput] = []
+    seen.extend(engine.step())  # r0 prefilled, r1 mid-prefill (chunked), the rest waiting
+    assert engine.kv.num_free_blocks < baseline
+    engine.abort_request("r1")
+    engine.abort_request("waiting")
+    engine.abort_request("unknown-id")  # ignored
+    for _ in range(3):
+        seen.extend(engine.step())
+    engine.abort_request("r0")  # decoding
+    outputs: dict[tuple[str, int], list[RequestOutput]] = {}
+    for out in seen:
+        outputs.setdefault((out.request_id, out.index), []).append(out)
+    for key, later in drain(engine).items():
+        outputs.setdefault(key, []).extend(later)
+    assert outputs[("r1", 0)][-1].finish_reason == "abort"
+    assert {outputs[("waiting", i)][-1].finish_reason for i in (0, 1)} == {"abort"}
+    assert outputs[("r0", 0)][-1].finish_reason == "abort"
+    assert all(outputs[(f"r{i}", 0)][-1].finish_reason == "length" for i in range(2, 6))
+    assert engine.kv.num_free_blocks == baseline
+    assert not engine.has_unfinished_requests()
+
+
+BAD_REQUESTS = [
+    ([], SamplingParams(), InvalidRequestError, "prompt"),
+    ([5] * 256, SamplingParams(), ContextLengthError, "prompt"),
+    ([5] * 200, SamplingParams(max_tokens=100), ContextLengthError, "max_tokens"),
+    ([10**7], SamplingParams(), InvalidRequestError, "prompt"),
+    ([5, 6], SamplingParams(stop_token_ids=(10**7,)), InvalidRequestError, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("ids", "params", "error", "param"), BAD_REQUESTS)
+def test_bad_requests_fail_alone(folder: Path, ids, params, error, param) -> None:
+    engine = make_engine(folder)
+    engine.add_request("good-1", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(error) as info:
+        engine.add_request("bad", ids, params)
+    assert info.value.param == param
+    engine.add_request("good-2", [7, 8], SamplingParams(temperature=0.0, max_tokens=4))
+    outputs = drain(engine)
+    assert sorted(outputs) == [("good-1", 0), ("good-2", 0)]
+    assert all(len(tokens(o)) == 4 for o in outputs.values())
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(n=0), "n"),
+    (dict(n=10_000), "n"),
+    (dict(min_tokens=8, max_tokens=4), "min_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(logprobs=50), "logprobs"),
+])
+def test_contradictory_or_out_of_range_parameters_name_the_parameter(kwargs, error) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == error
+
+
+def test_duplicate_request_id_is_rejected(folder: Path) -> None:
+    engine = make_engine(folder)
+    engine.add_request("same", [4, 5], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("same", [4, 5], SamplingParams(max_tokens=2))
+
+
+def test_stop_token_ids_min_tokens_and_eos(folder: Path) -> None:
+    engine = make_engine(folder)
+    base = [9, 10, 11, 12]
+    engine.add_request("free", base, SamplingParams(temperature=0.0, max_tokens=12,
+                                                    ignore_eos=True))
+    greedy = tokens(drain(engine)[("free", 0)])
+    stop_at = greedy[3]
+    first = greedy.index(stop_at)
+    engine.add_request("stop", base, SamplingParams(temperature=0.0, max_tokens=12,
+                                                    stop_token_ids=(stop_at,)))
+    out = drain(engine)[("stop", 0)]
+    assert tokens(out) == greedy[: first + 1]
+    assert out[-1].finish_reason == "stop" and out[-1].stop_reason == stop_at
+    # min_tokens masks the stop id, so it cannot end the sequence early.
+    engine.add_request("min", base, SamplingParams(temperature=0.0, max_tokens=12,
+                                                   min_tokens=first + 2,
+                                                   stop_token_ids=(stop_at,)))
+    got = tokens(drain(engine)[("min", 0)])
+    assert stop_at not in got[: first + 2]
+    assert len(got) >= first + 2
+
+
+def test_priority_policy_runs_urgent_requests_first(folder: Path) -> None:
+    engine = make_engine(folder, scheduling_policy="priority", max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request("low", [4, 5, 6], params, priority=10)
+    engine.add_request("high", [4, 5, 7], params, priority=-10)
+    order: list[str] = []
+    while engine.has_unfinished_requests():
+        order.extend(o.request_id for o in engine.step() if o.finished)
+    assert order == ["high", "low"]
