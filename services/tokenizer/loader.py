@@ -158,9 +158,13 @@ class Tokenizer:
 
     def render_chat(self, messages: object, tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
-        """The prompt text the model's chat template makes of `messages`."""
-        if not self.has_chat_template:
+                    chat_template_kwargs: Mapping[str, Any] | None = None, *,
+                    chat_template: str | None = None) -> str:
+        """The prompt text the chat template makes of `messages`.
+
+        `chat_template` (Jinja text) replaces the model's own template when given.
+        """
+        if not (chat_template or self.has_chat_template):
             raise InvalidRequestError(
                 f"model {self.name or '(unnamed)'} has no chat template; use /v1/completions "
                 "with a prompt instead", param="messages")
@@ -173,7 +177,8 @@ class Tokenizer:
         try:
             text = self.hf.apply_chat_template(
                 conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False, **kwargs)
+                continue_final_message=continue_final_message, tokenize=False,
+                chat_template=chat_template or None, **kwargs)
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template rejected the messages: {exc}",
                                       param="messages") from exc
@@ -185,10 +190,11 @@ class Tokenizer:
     def apply_chat_template(self, messages: object, tools: list[dict[str, Any]] | None = None,
                             add_generation_prompt: bool = True,
                             chat_template_kwargs: Mapping[str, Any] | None = None,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, *,
+                            chat_template: str | None = None) -> list[int]:
         """Token ids of the rendered chat; the template writes its own BOS, so none is added."""
         text = self.render_chat(messages, tools, add_generation_prompt, continue_final_message,
-                                chat_template_kwargs)
+                                chat_template_kwargs, chat_template=chat_template)
         return self.encode(text, add_special_tokens=False)
 
 
