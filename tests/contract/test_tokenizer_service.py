@@ -1,0 +1,522 @@
+"""Contract tests of the Tokenizer service on a real grpc.aio server on 127.0.0.1.
+
+The model is a tiny folder from tests/tiny_models.py (byte-level BPE with CJK and
+emoji, ChatML template). References are independent of the service: the folder's
+own Hugging Face tokenizer (encode, apply_chat_template, decode of all ids at
+once), `str.find` on the full text for stop strings, and the UTF-8 encoding of
+the text for token bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from meshserve.proto.v1 import tokenizer_pb2 as pb
+from meshserve.proto.v1 import tokenizer_pb2_grpc
+from meshserve.services.tokenizer.__main__ import load_served_model, read_chat_template
+from meshserve.services.tokenizer.config import TokenizerConfig
+from meshserve.services.tokenizer.service import (
+    SERVICE_NAME,
+    PromptInput,
+    ServedModel,
+    TokenizerServicer,
+)
+from meshserve.shared.errors import ConfigError
+from meshserve.shared.grpc_client import GrpcClient, error_from_rpc, wait_until_serving
+from meshserve.shared.grpc_server import GrpcServer
+from meshserve.shared.telemetry import Telemetry
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NAME = "tiny"
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog, said the model to the gateway.",
+    "你好世界 模型服务 東京大阪 😀🚀 hello world 🌍🎉 こんにちは 세계안녕",
+    "Stream the 缓存 block 🤖 to the worker ✨ and reply 📦 sky river.",
+]
+MESSAGES: list[dict[str, Any]] = [
+    {"role": "system", "content": "You serve models."},
+    {"role": "user", "content": "Hello 你好 😀, which fox?"},
+    {"role": "assistant", "content": "The brown one."},
+    {"role": "user", "content": "And the 東京 dog?"},
+]
+# Renders tools, tool calls, tool answers and a template variable, unlike ChatML.
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}[{{ t.function.name }}]{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.tool_call_id %}"
+    " ({{ m.tool_call_id }}){% endif %}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
+    "CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {{ greeting }}\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@dataclass
+class Harness:
+    server: GrpcServer
+    stub: tokenizer_pb2_grpc.TokenizerStub
+    channel: grpc.aio.Channel
+    telemetry: Telemetry
+    exporter: InMemorySpanExporter
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
+    """The reference: the model folder's own Hugging Face tokenizer."""
+    return AutoTokenizer.from_pretrained(str(tiny_llama_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir: Path) -> ServedModel:
+    return load_served_model(TokenizerConfig(model=str(tiny_llama_dir), served_model_name=NAME))
+
+
+@pytest.fixture
+async def harness(served: ServedModel) -> AsyncIterator[Harness]:
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("tokenizer", span_exporter=exporter)
+    server = GrpcServer("127.0.0.1:0", service_names=[SERVICE_NAME], telemetry=telemetry,
+                        grace_s=5)
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(
+        TokenizerServicer(served, telemetry=telemetry), server.server)
+    port = await server.start()
+    await server.set_serving()
+    channel = GrpcClient().channel(f"127.0.0.1:{port}")
+    yield Harness(server, tokenizer_pb2_grpc.TokenizerStub(channel), channel, telemetry,
+                  exporter)
+    await channel.close()
+    await server.drain(grace_s=0)
+
+
+def _chat(messages: Sequence[dict[str, Any]]) -> pb.ChatMessages:
+    out = []
+    for m in messages:
+        message = pb.ChatMessage(role=m["role"], tool_call_id=m.get("tool_call_id", ""))
+        if m.get("content") is not None:
+            message.content = m["content"]
+        if "tool_calls" in m:  # as OpenAI sends them: arguments as a JSON string
+            message.tool_calls_json = json.dumps([
+                {**c, "function": {**c["function"],
+                                   "arguments": json.dumps(c["function"]["arguments"])}}
+                for c in m["tool_calls"]])
+        out.append(message)
+    return pb.ChatMessages(messages=out)
+
+
+def _hf_chat_ids(hf: PreTrainedTokenizerBase, messages: Any, **kwargs: Any) -> list[int]:
+    return list(hf.apply_chat_template(messages, tokenize=True, **kwargs)["input_ids"])
+
+
+async def _rpc_error(call: Any) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
+
+
+# -- Tokenize / CountTokens ------------------------------------------------------------------
+
+
+async def test_tokenize_text_matches_hf_encode(harness: Harness, hf: PreTrainedTokenizerBase,
+                                               tiny_llama_dir: Path) -> None:
+    max_len = json.loads((tiny_llama_dir / "config.json").read_text())["max_position_embeddings"]
+    for text in TEXTS:
+        reply = await harness.stub.Tokenize(pb.TokenizeRequest(model=NAME, text=text))
+        assert list(reply.token_ids) == hf.encode(text)
+        assert reply.prompt_text == text and reply.max_model_len == max_len
+        plain = await harness.stub.Tokenize(pb.TokenizeRequest(text=text,
+                                                               add_special_tokens=False))
+        assert list(plain.token_ids) == hf.encode(text, add_special_tokens=False)
+    cut = await harness.stub.Tokenize(pb.TokenizeRequest(text=TEXTS[1], truncate_prompt_tokens=5))
+    assert list(cut.token_ids) == hf.encode(TEXTS[1])[-5:]
+    count = await harness.stub.CountTokens(pb.CountTokensRequest(
+        prompt=pb.TokenizeRequest(text=TEXTS[2])))
+    assert count.count == len(hf.encode(TEXTS[2])) and count.max_model_len == max_len
+
+
+async def test_tokenize_chat_matches_hf_apply_chat_template(
+        harness: Harness, hf: PreTrainedTokenizerBase) -> None:
+    reply = await harness.stub.Tokenize(pb.TokenizeRequest(chat=_chat(MESSAGES)))
+    assert list(reply.token_ids) == _hf_chat_ids(hf, MESSAGES, add_generation_prompt=True)
+    assert reply.prompt_text == hf.apply_chat_template(MESSAGES, tokenize=False,
+                                                       add_generation_prompt=True)
+    no_prompt = await harness.stub.Tokenize(pb.TokenizeRequest(chat=_chat(MESSAGES),
+                                                               add_generation_prompt=False))
+    assert list(no_prompt.token_ids) == _hf_chat_ids(hf, MESSAGES, add_generation_prompt=False)
+    assert len(no_prompt.token_ids) < len(reply.token_ids)
+    # Content as OpenAI text parts: joined with newlines.
+    parts = pb.ChatMessage(role="user", content_parts_json=json.dumps(
+        [{"type": "text", "text": "Hello 你好"}, {"type": "text", "text": "fox 🚀"}]))
+    joined = await harness.stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatMessages(
+        messages=[parts])))
+    assert list(joined.token_ids) == _hf_chat_ids(
+        hf, [{"role": "user", "content": "Hello 你好\nfox 🚀"}], add_generation_prompt=True)
+    count = await harness.stub.CountTokens(pb.CountTokensRequest(
+        prompt=pb.TokenizeRequest(chat=_chat(MESSAGES))))
+    assert count.count == len(reply.token_ids)
+
+
+async def test_tools_template_override_and_kwargs_reach_the_template(
+        harness: Harness, hf: PreTrainedTokenizerBase) -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "東京"}}}
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "sunny 😀", "tool_call_id": "call_1"}]
+    request = pb.TokenizeRequest(chat=_chat(messages), tools_json=json.dumps(TOOLS),
+                                 chat_template=TOOLS_TEMPLATE,
+                                 chat_template_kwargs_json=json.dumps({"greeting": "hey"}))
+    reply = await harness.stub.Tokenize(request)
+    reference = [{**m, "content": m["content"] or ""} for m in messages]
+    expected = hf.apply_chat_template(reference, tools=TOOLS, chat_template=TOOLS_TEMPLATE,
+                                      add_generation_prompt=True, greeting="hey",
+                                      tokenize=False)
+    assert reply.prompt_text == expected
+    assert "TOOLS:[get_weather]" in expected and 'CALL get_weather {"city":' in expected
+    assert "(call_1)" in expected and expected.endswith("assistant hey\n")
+    assert list(reply.token_ids) == hf.encode(expected, add_special_tokens=False)
+
+
+async def test_bad_requests_fail_alone_with_invalid_argument(harness: Harness,
+                                                             hf: PreTrainedTokenizerBase) -> None:
+    cases = {
+        "messages": pb.TokenizeRequest(chat=pb.ChatMessages()),
+        "messages[0].role": pb.TokenizeRequest(chat=_chat([{"role": "wizard",
+                                                            "content": "hi"}])),
+        "input": pb.TokenizeRequest(),
+        "tools": pb.TokenizeRequest(chat=_chat(MESSAGES), tools_json="{not json"),
+        "chat_template_kwargs": pb.TokenizeRequest(chat=_chat(MESSAGES),
+                                                   chat_template_kwargs_json="[1]"),
+        "tools_json": pb.TokenizeRequest(text="hi", tools_json=json.dumps(TOOLS)),
+    }
+    for param, request in cases.items():
+        error = await _rpc_error(harness.stub.Tokenize(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (param, error)
+        assert error_from_rpc(error).param == param
+    unknown = await _rpc_error(harness.stub.Tokenize(pb.TokenizeRequest(model="gpt-9", text="x")))
+    assert unknown.code() == grpc.StatusCode.NOT_FOUND
+    # The server kept serving.
+    reply = await harness.stub.Tokenize(pb.TokenizeRequest(text=TEXTS[0]))
+    assert list(reply.token_ids) == hf.encode(TEXTS[0])
+    health = await health_pb2_grpc.HealthStub(harness.channel).Check(
+        health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    assert health.status == SERVING
+
+
+# -- Detokenize ------------------------------------------------------------------------------
+
+
+def _options(num_sequences: int, **kwargs: Any) -> pb.DetokenizeRequest:
+    return pb.DetokenizeRequest(options=pb.DetokenizeOptions(
+        model=NAME, request_id="r1", num_sequences=num_sequences, **kwargs))
+
+
+def _delta(*sequences: pb.SequenceTokens) -> pb.DetokenizeRequest:
+    return pb.DetokenizeRequest(delta=pb.DetokenizeDelta(sequences=list(sequences)))
+
+
+async def _lockstep(stub: tokenizer_pb2_grpc.TokenizerStub, options: pb.DetokenizeRequest,
+                    deltas: Sequence[pb.DetokenizeRequest]) -> list[pb.DetokenizeResponse]:
+    """Send each delta and read its answer before sending the next one."""
+    call = stub.Detokenize()
+    await call.write(options)
+    answers = []
+    for delta in deltas:
+        await call.write(delta)
+        answers.append(await call.read())
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF, "one answer per delta, no more"
+    return answers
+
+
+def _chunked(ids: list[int], rng: random.Random) -> list[list[int]]:
+    chunks, start = [], 0
+    while start < len(ids):
+        size = rng.choice([1, 1, 2, 3, 5])
+        chunks.append(ids[start:start + size])
+        start += size
+    return chunks
+
+
+def _assert_splits_characters(hf: PreTrainedTokenizerBase, ids: list[int]) -> None:
+    """The test means something only if some character spans several tokens."""
+    assert any("\ufffd" in hf.decode([t]) for t in ids), "no multi-token character"
+
+
+async def test_multi_sequence_chunked_deltas_never_break_characters(
+        harness: Harness, hf: PreTrainedTokenizerBase) -> None:
+    rng = random.Random(7)
+    ids = [hf.encode(text) for text in TEXTS]
+    _assert_splits_characters(hf, ids[1])
+    chunks = [_chunked(seq_ids, rng) for seq_ids in ids]
+    deltas, order = [], []
+    sent = [0] * len(TEXTS)
+    while any(chunks):
+        # Each delta carries a random subset of the sequences that still have chunks.
+        live = [i for i, c in enumerate(chunks) if c]
+        picked = sorted(rng.sample(live, rng.randint(1, len(live))), reverse=rng.random() < .5)
+        entries = []
+        for i in picked:
+            tokens = chunks[i].pop(0)
+            sent[i] += len(tokens)
+            entries.append(pb.SequenceTokens(index=i, token_ids=tokens, final=not chunks[i]))
+        deltas.append(_delta(*entries))
+        order.append([(i, sent[i], not chunks[i]) for i in picked])
+    answers = await _lockstep(harness.stub, _options(len(TEXTS), prompt_token_ids=[5, 6, 7]),
+                              deltas)
+    texts = [""] * len(TEXTS)
+    for answer, expected in zip(answers, order, strict=True):
+        assert [(s.index, s.num_output_tokens, s.finished) for s in answer.sequences] == expected
+        for s in answer.sequences:
+            assert "\ufffd" not in s.text and not s.stopped
+            texts[s.index] += s.text
+    assert texts == [hf.decode(seq_ids, skip_special_tokens=True) for seq_ids in ids]
+
+
+def _first_count_containing(hf: PreTrainedTokenizerBase, ids: list[int], stop: str) -> int:
+    return next(k for k in range(1, len(ids) + 1) if stop in hf.decode(ids[:k]))
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+async def test_stop_strings_across_token_boundaries(harness: Harness, hf: PreTrainedTokenizerBase,
+                                                    include: bool, chunk: int) -> None:
+    stops = ["jumps over", "世界 模"]
+    for text, stop in zip(TEXTS[:2], stops, strict=True):
+        ids = hf.encode(text) + hf.encode(" and more after the stop")
+        full = hf.decode(ids)
+        at = _first_count_containing(hf, ids, stop)
+        assert stop not in hf.decode(ids[at - 1:at]), "the stop string must span tokens"
+        chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+        deltas = [_delta(pb.SequenceTokens(index=0, token_ids=c, final=i == len(chunks) - 1))
+                  for i, c in enumerate(chunks)]
+        answers = await _lockstep(harness.stub, _options(
+            1, stop=[stop, "never there"], include_stop_str_in_output=include), deltas)
+        end = full.find(stop) + (len(stop) if include else 0)
+        assert "".join(a.sequences[0].text for a in answers) == full[:end]
+        hit = next(i for i, a in enumerate(answers) if a.sequences[0].stopped)
+        for a in answers[hit:]:  # later deltas: nothing more, still stopped
+            s = a.sequences[0]
+            assert (s.stopped, s.finished, s.stop_string, s.num_output_tokens) == (
+                True, True, stop, at)
+        assert all(not a.sequences[0].finished for a in answers[:hit])
+        assert hit == (at - 1) // chunk
+
+
+async def test_min_tokens_hides_early_stop_strings(harness: Harness,
+                                                   hf: PreTrainedTokenizerBase) -> None:
+    ids = hf.encode("the fox and the dog and the fox again")
+    min_tokens = _first_count_containing(hf, ids, "fox") + 1
+    head = hf.decode(ids[:min_tokens])
+    rest = hf.decode(ids)[len(head):]
+    deltas = [_delta(pb.SequenceTokens(index=0, token_ids=[t])) for t in ids]
+    answers = await _lockstep(harness.stub, _options(1, stop=["fox"], min_tokens=min_tokens),
+                              deltas)
+    assert "".join(a.sequences[0].text for a in answers) == head + rest[:rest.find("fox")]
+    assert answers[-1].sequences[0].stopped
+
+
+async def test_skip_special_tokens(harness: Harness, hf: PreTrainedTokenizerBase) -> None:
+    ids = hf.encode("<|im_start|>assistant\nhello 你好 😀<|im_end|>\n<|endoftext|>")
+    skipped = hf.decode(ids, skip_special_tokens=True)
+    kept = hf.decode(ids, skip_special_tokens=False)
+    assert skipped != kept and "<|im_end|>" in kept
+    for skip, expected in ((True, skipped), (False, kept)):
+        deltas = [_delta(pb.SequenceTokens(index=0, token_ids=ids[i:i + 2]))
+                  for i in range(0, len(ids), 2)]
+        deltas.append(_delta(pb.SequenceTokens(index=0, final=True)))
+        answers = await _lockstep(harness.stub, _options(1, skip_special_tokens=skip), deltas)
+        assert "".join(a.sequences[0].text for a in answers) == expected
+        assert answers[-1].sequences[0].finished
+
+
+async def test_lookup_token_bytes(harness: Harness, hf: PreTrainedTokenizerBase) -> None:
+    text = TEXTS[1]
+    ids = hf.encode(text)
+    _assert_splits_characters(hf, ids)
+    extra = [ids[-1], ids[0]]  # "alternatives" need not be the sequence's own tokens
+    answers = await _lockstep(harness.stub, _options(2), [
+        _delta(pb.SequenceTokens(index=0, token_ids=ids[:4], lookup_token_ids=ids[:4]),
+               pb.SequenceTokens(index=1, token_ids=[ids[0]], lookup_token_ids=extra)),
+        _delta(pb.SequenceTokens(index=0, token_ids=ids[4:], lookup_token_ids=ids[4:]))])
+    looked_up = list(answers[0].sequences[0].token_bytes) + list(answers[1].sequences[0].token_bytes)
+    assert b"".join(looked_up) == text.encode("utf-8")
+    for token, raw in zip(ids, looked_up, strict=True):
+        single = hf.decode([token])
+        if "\ufffd" not in single:  # whole characters: the token's own text
+            assert raw.decode("utf-8") == single
+    assert list(answers[0].sequences[1].token_bytes) == [looked_up[-1], looked_up[0]]
+
+
+async def test_bad_detokenize_streams_fail_alone(harness: Harness,
+                                                 hf: PreTrainedTokenizerBase) -> None:
+    bad_streams = {
+        "options": [_delta(pb.SequenceTokens(index=0, token_ids=[5]))],
+        "sequences.index": [_options(2), _delta(pb.SequenceTokens(index=2, token_ids=[5]))],
+        "num_sequences": [_options(0)],
+        "stop": [_options(1, stop=[""])],
+    }
+    for param, requests in bad_streams.items():
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in harness.stub.Detokenize(iter(requests)):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, param
+        assert error_from_rpc(info.value).param == param
+    ids = hf.encode(TEXTS[0])
+    answers = await _lockstep(harness.stub, _options(1), [
+        _delta(pb.SequenceTokens(index=0, token_ids=ids, final=True))])
+    assert answers[0].sequences[0].text == hf.decode(ids)
+
+
+async def test_concurrent_streams_do_not_interfere(harness: Harness,
+                                                   hf: PreTrainedTokenizerBase) -> None:
+    a_ids, b_ids = hf.encode(TEXTS[1]), hf.encode(TEXTS[0])
+    a, b = harness.stub.Detokenize(), harness.stub.Detokenize()
+    await a.write(_options(1))
+    await b.write(_options(1, stop=["lazy"]))
+    a_text = b_text = ""
+    for i in range(max(len(a_ids), len(b_ids))):
+        # Interleave the two streams' messages on the wire, answers read in reverse.
+        if i < len(a_ids):
+            await a.write(_delta(pb.SequenceTokens(index=0, token_ids=[a_ids[i]])))
+        if i < len(b_ids):
+            await b.write(_delta(pb.SequenceTokens(index=0, token_ids=[b_ids[i]])))
+            b_text += (await b.read()).sequences[0].text
+        if i < len(a_ids):
+            a_text += (await a.read()).sequences[0].text
+    await a.write(_delta(pb.SequenceTokens(index=0, final=True)))
+    a_text += (await a.read()).sequences[0].text
+    for call in (a, b):
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+    assert a_text == hf.decode(a_ids)
+    b_full = hf.decode(b_ids)
+    assert b_text == b_full[:b_full.find("lazy")]
+
+
+async def test_spans_and_metrics(harness: Harness, hf: PreTrainedTokenizerBase) -> None:
+    ids = hf.encode(TEXTS[0])
+    await harness.stub.Tokenize(pb.TokenizeRequest(text=TEXTS[0]))
+    await _lockstep(harness.stub, _options(1), [
+        _delta(pb.SequenceTokens(index=0, token_ids=ids[:3])),
+        _delta(pb.SequenceTokens(index=0, token_ids=ids[3:], final=True))])
+    spans = {s.name: s for s in harness.exporter.get_finished_spans()}
+    for name, rpc in (("tokenize", "Tokenize"), ("detokenize", "Detokenize")):
+        parent = spans[f"meshserve.v1.Tokenizer/{rpc}"]
+        assert parent.kind == SpanKind.SERVER
+        assert spans[name].parent is not None
+        assert spans[name].parent.span_id == parent.context.span_id
+    assert spans["tokenize"].attributes["gen_ai.usage.input_tokens"] == len(ids)
+    assert spans["detokenize"].attributes["gen_ai.usage.output_tokens"] == len(ids)
+    assert spans["detokenize"].attributes["gen_ai.request.id"] == "r1"
+    sample = harness.telemetry.registry.get_sample_value
+    assert sample("meshserve_tokenizer_requests_total", {"method": "tokenize"}) == 1
+    assert sample("meshserve_tokenizer_requests_total", {"method": "detokenize"}) == 1
+    assert sample("meshserve_tokenizer_tokens_total", {"direction": "tokenize"}) == len(ids)
+    assert sample("meshserve_tokenizer_tokens_total", {"direction": "detokenize"}) == len(ids)
+    assert sample("meshserve_tokenizer_latency_seconds_count", {"operation": "detokenize"}) == 2
+
+
+async def test_unavailable_and_not_serving_until_the_model_is_set(
+        served: ServedModel, hf: PreTrainedTokenizerBase) -> None:
+    server = GrpcServer("127.0.0.1:0", service_names=[SERVICE_NAME], grace_s=5)
+    servicer = TokenizerServicer()
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
+    port = await server.start()
+    channel = GrpcClient().channel(f"127.0.0.1:{port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+        error = await _rpc_error(stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=5))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        servicer.set_model(served)
+        await server.set_serving()
+        await wait_until_serving(channel, SERVICE_NAME, timeout_s=10)
+        reply = await stub.Tokenize(pb.TokenizeRequest(text=TEXTS[1]))
+        assert list(reply.token_ids) == hf.encode(TEXTS[1])
+    finally:
+        await channel.close()
+        await server.drain(grace_s=0)
+
+
+def test_server_chat_template_from_file_or_inline(tiny_llama_dir: Path, tmp_path: Path,
+                                                  hf: PreTrainedTokenizerBase) -> None:
+    template_file = tmp_path / "tools.jinja"
+    template_file.write_text(TOOLS_TEMPLATE, encoding="utf-8")
+    assert read_chat_template(None) is None
+    assert read_chat_template(str(template_file)) == TOOLS_TEMPLATE
+    assert read_chat_template(TOOLS_TEMPLATE) == TOOLS_TEMPLATE
+    with pytest.raises(ConfigError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    model = load_served_model(TokenizerConfig(model=str(tiny_llama_dir),
+                                              chat_template=str(template_file)))
+    assert model.names == (str(tiny_llama_dir),)
+    prompt = model.tokenize(PromptInput(messages=MESSAGES, tools=TOOLS, add_special_tokens=False,
+                                        chat_template_kwargs={"greeting": "hi"}))
+    assert prompt.text == hf.apply_chat_template(
+        MESSAGES, tools=TOOLS, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True,
+        greeting="hi", tokenize=False)
+    assert prompt.text.startswith("TOOLS:[get_weather]")
+
+
+# -- the service process ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_main_serves_after_load_and_drains_on_sigterm(
+        tiny_llama_dir: Path, hf: PreTrainedTokenizerBase) -> None:
+    port, metrics_port = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")}
+    env["HF_HUB_OFFLINE"] = "1"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "meshserve.services.tokenizer", "--model", str(tiny_llama_dir),
+        "--served-model-name", NAME, "--port", str(port), "--metrics-port", str(metrics_port),
+        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    logs = asyncio.ensure_future(proc.stderr.read())  # drained all along: the pipe never fills
+    channel = GrpcClient().channel(f"127.0.0.1:{port}")
+    try:
+        serving = asyncio.ensure_future(wait_until_serving(channel, SERVICE_NAME, timeout_s=120))
+        exited = asyncio.ensure_future(proc.wait())
+        await asyncio.wait({serving, exited}, return_when=asyncio.FIRST_COMPLETED)
+        assert not exited.done(), f"exited early: {(await logs).decode()}"
+        await serving
+        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+        reply = await stub.Tokenize(pb.TokenizeRequest(model=NAME, chat=_chat(MESSAGES)))
+        assert list(reply.token_ids) == _hf_chat_ids(hf, MESSAGES, add_generation_prompt=True)
+        async with aiohttp.ClientSession() as session, session.get(
+                f"http://127.0.0.1:{metrics_port}/metrics") as response:
+            assert 'meshserve_tokenizer_requests_total{method="tokenize"} 1.0' in \
+                await response.text()
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(exited, 60)
+        text = (await logs).decode()
+        assert code == 0, text
+        assert '"message":"tokenizer serving"' in text and '"message":"gRPC server stopped"' in text
+    finally:
+        await channel.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
