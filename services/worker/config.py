@@ -1,0 +1,131 @@
+"""The worker's configuration: the engine's options plus how the worker joins the mesh.
+
+`EngineOptions` holds one field per `EngineConfig` field (with help text, as flags
+`--max-num-seqs` and variables `MESHSERVE_MAX_NUM_SEQS`) and builds the
+EngineConfig from them by EngineConfig's own field names, so a field added to the
+engine without a flag here fails at import, not silently. `run-batch` and
+`meshserve up` reuse these options; `WorkerConfig` adds the service's settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from typing import Literal
+
+from meshserve.services.worker.engine.config import EngineConfig, GiB
+from meshserve.shared.config import Config, ServiceConfig, option
+from meshserve.shared.errors import ConfigError, InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineOptions(Config):
+    """How the model replica runs (every EngineConfig field, as flags and environment)."""
+
+    model: str | None = option(None, "model folder, .gguf file or hub id (unset: the default "
+                                     "model, SmolLM2-135M-Instruct)")
+    load_format: Literal["auto", "hf", "gguf", "dummy"] = option(
+        "auto", "weights format; dummy: random weights of the model's shape")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = option(
+        "auto", "weights and KV dtype (auto: the model's, float32 on CPU)")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    seed: int = option(0, "seed of the engine's random state")
+    max_model_len: int | None = option(None, "cap on prompt + output tokens (unset: the "
+                                             "model's context length)")
+    block_size: int = option(16, "tokens per KV block (8, 16, 32, 64 or 128)")
+    kv_cache_memory: int = option(4 * GiB, "bytes of KV cache on CPU")
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory this worker may use")
+    num_kv_blocks: int | None = option(None, "fixed number of KV blocks (overrides sizing)")
+    max_num_batched_tokens: int | None = option(None, "token budget of one engine step "
+                                                      "(unset: 2048, or the context length "
+                                                      "without chunked prefill)")
+    max_num_seqs: int = option(256, "most sequences running at once")
+    enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
+    scheduling_policy: Literal["fcfs", "priority"] = option("fcfs", "local queue order")
+    enforce_eager: bool = option(False, "never capture CUDA graphs")
+    num_threads: int | None = option(None, "CPU threads for torch (unset: torch's default); "
+                                           "`meshserve up` gives each worker a share of the cores")
+
+    def validate(self) -> None:
+        super().validate()
+        self.require(self.num_threads is None or self.num_threads > 0,
+                     f"must be positive, got {self.num_threads}", "num_threads")
+        try:
+            self.engine_config()
+        except InvalidRequestError as exc:  # EngineConfig's own checks, as a config error
+            raise ConfigError(f"{type(self).__name__}.{exc.param}: {exc.message}",
+                              param=exc.param) from None
+
+    def engine_config(self) -> EngineConfig:
+        """The EngineConfig these options describe."""
+        return EngineConfig(**{name: getattr(self, name) for name in _ENGINE_FIELDS})
+
+    def engine_flags(self, *, only_changed: bool = True) -> list[str]:
+        """These engine options as command-line flags (those differing from the defaults).
+
+        Used to hand the same engine settings to worker processes.
+        """
+        flags: list[str] = []
+        for f in dataclasses.fields(EngineOptions):
+            value = getattr(self, f.name)
+            if only_changed and value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            else:
+                flags += [flag, "" if value is None else str(value)]
+        return flags
+
+
+_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+_missing = sorted(set(_ENGINE_FIELDS) - {f.name for f in dataclasses.fields(EngineOptions)})
+assert not _missing, f"EngineOptions lacks EngineConfig fields: {_missing}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerConfig(EngineOptions, ServiceConfig):
+    """One worker: a model replica served as the gRPC Worker service."""
+
+    port: int = option(50053, "port of the Worker gRPC service (0: any free port)")
+    worker_id: str | None = option(None, "unique, stable id of this worker (unset: "
+                                         "hostname-port)")
+    served_model_names: tuple[str, ...] = option(
+        (), "comma-separated names the model is served under (unset: the model argument)")
+    scheduler_address: str | None = option("127.0.0.1:50052", "host:port of the scheduler to "
+                                                              "register with (empty: none)")
+    redis_url: str | None = option("redis://127.0.0.1:6379/0", "Redis holding the KV block "
+                                                               "index (empty: no KV events)")
+    advertise_address: str | None = option(None, "host:port the scheduler hands to clients "
+                                                  "(unset: this host's name and bound port)")
+    heartbeat_interval_s: float | None = option(None, "seconds between heartbeats (unset: "
+                                                      "what the scheduler asks for)")
+    registration_timeout_s: float = option(60.0, "how long to keep retrying the first "
+                                                 "registration while the scheduler starts")
+
+    def validate(self) -> None:
+        super().validate()
+        self.require(self.heartbeat_interval_s is None or self.heartbeat_interval_s > 0,
+                     f"must be positive, got {self.heartbeat_interval_s}", "heartbeat_interval_s")
+        self.require(self.registration_timeout_s > 0,
+                     f"must be positive, got {self.registration_timeout_s}",
+                     "registration_timeout_s")
+        self.require(self.worker_id is None or bool(self.worker_id.strip()),
+                     "must not be blank", "worker_id")
+
+    def resolved_worker_id(self, bound_port: int) -> str:
+        """The configured worker id, or `<hostname>-<port>` (stable across restarts)."""
+        return self.worker_id or f"{socket.gethostname()}-{bound_port}"
+
+    def resolved_advertise_address(self, bound_port: int) -> str:
+        """Where clients reach this worker: the configured address, or host:bound port."""
+        if self.advertise_address:
+            return self.advertise_address
+        wildcard = self.host in ("0.0.0.0", "::", "")
+        host = socket.gethostname() if wildcard else self.host
+        return f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
+
+    def model_names(self, source_name: str) -> list[str]:
+        """Names the model is served under, canonical first."""
+        return list(self.served_model_names) or [source_name]

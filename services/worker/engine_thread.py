@@ -1,0 +1,330 @@
+"""The engine loop in its own thread, bridged to asyncio by queues (decision 6).
+
+    thread = EngineThread(engine, epoch=epoch, on_kv_events=publisher.put, on_fatal=fatal)
+    thread.start()                                  # on the event loop
+    stream = thread.submit("req-1", [prompt_ids], params)
+    while (update := await stream.next()) is not None:
+        ...                                         # every token since the last update
+
+Commands (add, abort, stop) go in through a thread-safe queue that the thread
+drains at the top of each step; with nothing to run it blocks on that queue. Each
+step's results (outputs of every request, add errors, KV events) come back as ONE
+batch handed to the event loop with `call_soon_threadsafe`, and are routed to the
+requests' streams there. A stream merges what its reader has not yet taken, so a
+slow reader gets all its tokens in the next message instead of a backlog. The
+engine never waits for the event loop and the event loop never waits for a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.request import Request, RequestOutput
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.services.worker.request_stream import (
+    RequestStream,
+    SequenceTimes,
+    StepTiming,
+)
+from meshserve.shared.errors import InternalError, InvalidRequestError, MeshError
+from meshserve.shared.kv_events import KVEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's load after its latest step (what heartbeats and GetLoad report)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_pending_prefill_tokens: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    max_running: int = 0
+    snapshot_unix_ns: int = 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """The KV events of one engine step, numbered per worker epoch (1, 2, ...)."""
+
+    epoch: int
+    seq: int
+    events: tuple[KVEvent, ...]
+
+
+@dataclass(frozen=True)
+class _Add:
+    engine_id: str
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    lora_id: int | None
+    arrival: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    engine_id: str
+
+
+_STOP = object()
+_Command = _Add | _Abort | object
+
+
+@dataclass
+class _StepBatch:
+    """One step's results, handed to the event loop in one call."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    times: dict[str, SequenceTimes] = field(default_factory=dict)
+    errors: list[tuple[str, MeshError]] = field(default_factory=list)
+    kv: KVEventBatch | None = None
+    timing: StepTiming | None = None
+
+
+@dataclass
+class _Route:
+    stream: RequestStream
+    offset: int  # sequence index of the engine request's first sample (prompt p: p * n)
+
+
+class EngineThread:
+    """Runs `LLMEngine.step()` in a thread of its own; requests are `RequestStream`s."""
+
+    def __init__(self, engine: LLMEngine, *, epoch: int = 0,
+                 on_kv_events: Callable[[KVEventBatch], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        """`on_kv_events` and `on_fatal` are called on the event loop."""
+        self.engine = engine
+        self.epoch = epoch
+        self._on_kv_events = on_kv_events
+        self._on_fatal = on_fatal
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = asyncio.Event()
+        # Event-loop side: engine request id -> its stream; request id -> its engine ids.
+        self._routes: dict[str, _Route] = {}
+        self._streams: dict[str, tuple[RequestStream, list[str]]] = {}
+        # Engine-thread side: the sequences of each engine request, for their timestamps.
+        self._sequences: dict[str, list[Request]] = {}
+        self._pending_errors: list[tuple[str, MeshError]] = []
+        self._kv_seq = 0
+        self.failure: BaseException | None = None
+        self.load = self._snapshot()
+
+    # ----- event-loop side ------------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread; call on the event loop that will read the streams."""
+        assert self._thread is None, "EngineThread.start() called twice"
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               *, priority: int = 0, cache_salt: str | None = None,
+               lora_id: int | None = None) -> RequestStream:
+        """Queue a request; prompt p's sample s is sequence p * n + s of the stream.
+
+        Errors the engine raises for the request (InvalidRequestError, ...) come out
+        of the stream's first `next()`.
+        """
+        self._check_usable()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already running",
+                                      param="request_id")
+        if not prompts:
+            raise InvalidRequestError("a request needs at least one prompt", param="prompts")
+        arrival = time.monotonic()
+        stream = RequestStream(request_id, [len(p) for p in prompts], params.n, arrival)
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}/{p}"
+                                                      for p in range(len(prompts))]
+        self._streams[request_id] = (stream, ids)
+        for p, (engine_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            self._routes[engine_id] = _Route(stream, p * params.n)
+            self._commands.put(_Add(engine_id, list(prompt), params, priority, cache_salt,
+                                    lora_id, arrival))
+        return stream
+
+    def abort(self, request_id: str, indices: Sequence[int] = ()) -> int:
+        """Abort some (or all, when `indices` is empty) sequences; returns how many ran."""
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return 0
+        stream, ids = entry
+        aborted = stream.abort(indices)
+        per_prompt = stream.num_sequences // len(ids)
+        for p, engine_id in enumerate(ids):
+            if stream.all_finished(range(p * per_prompt, (p + 1) * per_prompt)):
+                self._commands.put(_Abort(engine_id))
+        self._forget_if_done(stream)
+        return aborted
+
+    def cancel(self, stream: RequestStream) -> int:
+        """The reader went away: abort whatever of the request still runs, at once.
+
+        Returns how many sequences that aborted (0 when the request had finished).
+        """
+        entry = self._streams.get(stream.request_id)
+        if entry is None or entry[0] is not stream:
+            return 0
+        return self.abort(stream.request_id)
+
+    def stop(self) -> None:
+        """Ask the thread to exit after its current step (running requests are dropped)."""
+        self._commands.put(_STOP)
+
+    async def wait_stopped(self) -> None:
+        """Return once the thread has exited."""
+        if self._thread is not None:
+            await self._stopped.wait()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests with a stream still open."""
+        return len(self._streams)
+
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise InternalError(f"the engine failed: {self.failure!r}")
+        if self._thread is None or not self._thread.is_alive():
+            raise InternalError("the engine thread is not running")
+
+    def _forget_if_done(self, stream: RequestStream) -> None:
+        if stream.finished and stream.request_id in self._streams:
+            _, ids = self._streams.pop(stream.request_id)
+            for engine_id in ids:
+                self._routes.pop(engine_id, None)
+
+    def _deliver(self, batch: _StepBatch) -> None:
+        """Route one step's results to the streams (on the event loop)."""
+        touched: dict[int, RequestStream] = {}
+        for engine_id, error in batch.errors:
+            route = self._routes.get(engine_id)
+            if route is not None:
+                self.abort(route.stream.request_id)  # its other prompts, if any
+                route.stream.fail(error)
+        for out in batch.outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue  # a request whose reader went away (its abort is on its way)
+            route.stream.push(out, route.offset, batch.times.get(out.request_id))
+            touched[id(route.stream)] = route.stream
+        for stream in touched.values():
+            stream.end_step(batch.timing)
+            self._forget_if_done(stream)
+        if batch.kv is not None and self._on_kv_events is not None:
+            self._on_kv_events(batch.kv)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The engine died: end every stream with an internal error, then tell the owner."""
+        failure = InternalError(f"the engine failed: {type(error).__name__}: {error}")
+        for stream, _ in list(self._streams.values()):
+            stream.fail(failure)
+        self._streams.clear()
+        self._routes.clear()
+        if self._on_fatal is not None:
+            self._on_fatal(error)
+
+    def _to_loop(self, callback: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            log.debug("event loop closed; dropping engine results")
+
+    # ----- engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                batch = _StepBatch()
+                if self.engine.has_unfinished_requests():
+                    self._step(batch)
+                self._take_errors(batch)
+                self._take_kv_events(batch)
+                self.load = self._snapshot()
+                if batch.outputs or batch.errors or batch.kv is not None:
+                    self._to_loop(self._deliver, batch)
+        except Exception as exc:  # a device or engine error is fatal for the worker
+            log.exception("engine loop failed; the worker cannot serve any more")
+            self.failure = exc
+            self._to_loop(self._fail_all, exc)
+        finally:
+            self._to_loop(self._stopped.set)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one if `block`); False on stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _STOP:
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self.engine.abort_request(command.engine_id)
+                self._sequences.pop(command.engine_id, None)
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.engine_id, command.prompt, command.params,
+                                    priority=command.priority, cache_salt=command.cache_salt,
+                                    lora_id=command.lora_id, arrival_time=command.arrival)
+        except MeshError as exc:
+            self._pending_errors.append((command.engine_id, exc))
+            return
+        # The new sequences are at the back of the waiting queue's rank order; keep them
+        # to read their scheduling timestamps later.
+        self._sequences[command.engine_id] = [
+            seq for seq in self.engine.scheduler.waiting if seq.group_id == command.engine_id]
+
+    def _take_errors(self, batch: _StepBatch) -> None:
+        batch.errors, self._pending_errors = self._pending_errors, []
+
+    def _step(self, batch: _StepBatch) -> None:
+        started = time.perf_counter_ns()
+        batch.outputs = self.engine.step()
+        batch.timing = StepTiming(time.perf_counter_ns() - started)
+        for engine_id in {out.request_id for out in batch.outputs}:
+            sequences = self._sequences.get(engine_id)
+            if not sequences:
+                continue
+            batch.times[engine_id] = SequenceTimes.of(sequences)
+            if all(seq.is_finished for seq in sequences):
+                del self._sequences[engine_id]
+
+    def _take_kv_events(self, batch: _StepBatch) -> None:
+        events = self.engine.take_kv_events()
+        if events:
+            self._kv_seq += 1
+            batch.kv = KVEventBatch(self.epoch, self._kv_seq, tuple(events))
+
+    def _snapshot(self) -> EngineLoad:
+        scheduler = self.engine.scheduler
+        running, waiting = list(scheduler.running), list(scheduler.waiting)
+        pending = sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+                      for seq in running + waiting)
+        return EngineLoad(
+            num_running=len(running), num_waiting=len(waiting),
+            num_pending_prefill_tokens=pending,
+            num_free_blocks=self.engine.kv.num_free_blocks,
+            num_total_blocks=self.engine.kv.num_blocks,
+            max_running=self.engine.config.max_num_seqs,
+            snapshot_unix_ns=time.time_ns())

@@ -1,0 +1,346 @@
+"""Contract tests of the Worker service: a real grpc.aio server on 127.0.0.1 over a real
+LLMEngine on a tiny random Llama, with its KV events going to a real Redis.
+
+References are independent of the service: the same engine class driven in-process
+(step until done), the shared block hash over the prompt, and the KVIndex read back
+from Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.request import RequestOutput, TokenLogprobs
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.services.worker.engine_thread import EngineThread
+from meshserve.services.worker.kv_publisher import KVEventPublisher
+from meshserve.services.worker.service import WorkerServicer
+from meshserve.shared.block_hash import hash_blocks
+from meshserve.shared.grpc_client import GrpcClient, wait_until_serving
+from meshserve.shared.grpc_server import GrpcServer
+from meshserve.shared.kv_index import KVIndex
+from meshserve.shared.redis_server import EmbeddedRedis, connect
+from meshserve.shared.status import ERROR_KIND_KEY
+from meshserve.shared.telemetry import Telemetry, metadata_with_trace
+from meshserve.shared.worker_registry import WorkerInfo
+
+WORKER = "meshserve.v1.Worker"
+WORKER_ID = "worker-test"
+EPOCH = 7
+BLOCK = 16
+NUM_BLOCKS = 64
+NAMESPACE = "tiny@float32"
+PROMPTS = [[5, 17, 99, 3, 250, 42, 8], [300, 301, 302] * 14, list(range(60, 100))]
+
+
+@dataclass
+class Harness:
+    engine: LLMEngine
+    thread: EngineThread
+    publisher: KVEventPublisher
+    server: GrpcServer
+    stub: worker_pb2_grpc.WorkerStub
+    telemetry: Telemetry
+    exporter: InMemorySpanExporter
+    index: KVIndex
+
+
+def engine_config(folder: Path) -> EngineConfig:
+    return EngineConfig(model=str(folder), dtype="float32", device="cpu",
+                        num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+async def worker(tiny_llama_dir: Path, redis_url: str) -> AsyncIterator[Harness]:
+    engine = LLMEngine(engine_config(tiny_llama_dir))
+    redis = connect(redis_url)
+    await redis.flushdb()
+    index = KVIndex(redis, NAMESPACE)
+    publisher = KVEventPublisher(index, WORKER_ID)
+    publisher.start()
+    thread = EngineThread(engine, epoch=EPOCH, on_kv_events=publisher.put)
+    thread.start()
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("worker", span_exporter=exporter)
+    info = WorkerInfo(worker_id=WORKER_ID, address="127.0.0.1:0", model_names=("tiny",),
+                      block_size=BLOCK, max_model_len=engine.max_model_len,
+                      num_total_blocks=NUM_BLOCKS, kv_namespace=NAMESPACE, epoch=EPOCH)
+    servicer = WorkerServicer(thread, info, tracer=telemetry.tracer,
+                              registry=telemetry.registry)
+    server = GrpcServer("127.0.0.1:0", service_names=[WORKER], telemetry=telemetry,
+                        grace_s=1.0)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
+    port = await server.start()
+    await server.set_serving()
+    channel = GrpcClient().channel(f"127.0.0.1:{port}")
+    await wait_until_serving(channel, WORKER, timeout_s=10)
+    try:
+        yield Harness(engine, thread, publisher, server, worker_pb2_grpc.WorkerStub(channel),
+                      telemetry, exporter, index)
+    finally:
+        await channel.close()
+        await server.drain(grace_s=1.0)
+        thread.stop()
+        await thread.wait_stopped()
+        await publisher.stop()
+        await redis.aclose()
+
+
+def reference(folder: Path, prompt: list[int], params: SamplingParams,
+              warm: list[int] | None = None) -> dict[int, list[RequestOutput]]:
+    """Run one request alone through an in-process engine (after `warm`, if given)."""
+    engine = LLMEngine(engine_config(folder))
+    if warm is not None:
+        engine.add_request("warm", warm, SamplingParams(temperature=0.0, max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.add_request("ref", prompt, params)
+    outputs: dict[int, list[RequestOutput]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.index, []).append(out)
+    return outputs
+
+
+def ref_tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def greedy(max_tokens: int, **kw: object) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+async def collect(call: grpc.aio.UnaryStreamCall) -> list[worker_pb2.GenerateResponse]:
+    """The rest of a stream (read() throughout: the call may have been read already)."""
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages
+
+
+async def wait_idle(worker: Harness, within_s: float) -> worker_pb2.GetLoadResponse:
+    """Poll GetLoad until nothing runs or waits (bounded)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        load = await worker.stub.GetLoad(worker_pb2.GetLoadRequest())
+        if load.load.num_running == 0 and load.load.num_waiting == 0:
+            return load
+        assert time.monotonic() < deadline, f"worker still busy after {within_s}s: {load}"
+        await asyncio.sleep(0.01)
+
+
+def tokens_by_index(messages: list[worker_pb2.GenerateResponse]) -> dict[int, list[int]]:
+    result: dict[int, list[int]] = {}
+    for message in messages:
+        for out in message.outputs:
+            result.setdefault(out.index, []).extend(out.token_ids)
+    return result
+
+
+def final(messages: list[worker_pb2.GenerateResponse], index: int) -> worker_pb2.SequenceOutput:
+    finished = [o for m in messages for o in m.outputs
+                if o.index == index and o.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
+    assert len(finished) == 1, f"sequence {index} finished {len(finished)} times"
+    return finished[0]
+
+
+def request(rid: str, prompts: list[list[int]], params: common_pb2.SamplingParams
+            ) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(
+        request_id=rid, prompts=[worker_pb2.Prompt(token_ids=p) for p in prompts],
+        params=params)
+
+
+async def test_generate_matches_in_process_engine(worker: Harness,
+                                                  tiny_llama_dir: Path) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        expected = reference(tiny_llama_dir, prompt, params)[0]
+        messages = await collect(worker.stub.Generate(request(f"g{i}", [prompt],
+                                                              greedy(24, ignore_eos=True))))
+        assert tokens_by_index(messages) == {0: ref_tokens(expected)}
+        last = final(messages, 0)
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 24)
+        assert all(m.timings.sent_unix_ns > 0 for m in messages)
+        assert messages[-1].timings.num_steps >= 1
+
+
+async def test_n2_seeded_sampling_and_logprobs_match(worker: Harness,
+                                                     tiny_llama_dir: Path) -> None:
+    prompt = PROMPTS[0]
+    params = SamplingParams(n=2, temperature=0.8, seed=1234, max_tokens=12, logprobs=3,
+                            ignore_eos=True)
+    expected = reference(tiny_llama_dir, prompt, params)
+    wire = common_pb2.SamplingParams(n=2, temperature=0.8, seed=1234, max_tokens=12,
+                                     logprobs=3, ignore_eos=True)
+    messages = await collect(worker.stub.Generate(request("n2", [prompt], wire)))
+    got = tokens_by_index(messages)
+    assert got == {i: ref_tokens(expected[i]) for i in (0, 1)}
+    assert got[0] != got[1], "seeded siblings must differ"
+    for i in (0, 1):
+        want: list[TokenLogprobs] = [lp for out in expected[i] for lp in out.new_logprobs or []]
+        have = [lp for m in messages for o in m.outputs if o.index == i for lp in o.logprobs]
+        assert [h.token_id for h in have] == [w.token_id for w in want] == got[i]
+        assert [h.rank for h in have] == [w.rank for w in want]
+        assert [list(h.top_token_ids) for h in have] == [[t for t, _ in w.top] for w in want]
+        assert [h.logprob for h in have] == pytest.approx([w.logprob for w in want], abs=1e-5)
+        assert all(len(h.top_token_ids) == 3 for h in have)
+
+
+async def test_multiple_prompts_index_as_p_times_n(worker: Harness,
+                                                   tiny_llama_dir: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    messages = await collect(worker.stub.Generate(request(
+        "multi", PROMPTS[:2], common_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=6,
+                                                        ignore_eos=True))))
+    expected = {p: ref_tokens(reference(tiny_llama_dir, PROMPTS[p], params)[0])
+                for p in (0, 1)}
+    assert tokens_by_index(messages) == expected
+
+
+async def test_cached_tokens_reported_on_prefix_hit(worker: Harness,
+                                                    tiny_llama_dir: Path) -> None:
+    prompt = PROMPTS[2]  # 40 tokens: two full blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    expected = reference(tiny_llama_dir, prompt, params, warm=prompt)[0]
+    await collect(worker.stub.Generate(request("first", [prompt], greedy(4))))
+    messages = await collect(worker.stub.Generate(request("second", [prompt], greedy(4))))
+    usage = final(messages, 0).usage
+    assert usage.cached_tokens == expected[-1].num_cached_tokens == 2 * BLOCK
+    assert tokens_by_index(messages) == {0: ref_tokens(expected)}
+
+
+async def test_slow_reader_gets_coalesced_messages(worker: Harness) -> None:
+    """A reader that lags behind the engine gets every token produced meanwhile in one
+    message, not a backlog of one-token messages. A small HTTP/2 window (no BDP probing)
+    makes the worker's writes wait for the reader, as they would on a slow network."""
+    address = f"127.0.0.1:{worker.server.port}"
+    async with grpc.aio.insecure_channel(address, options=[
+            ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]) as channel:
+        call = worker_pb2_grpc.WorkerStub(channel).Generate(
+            request("slow", [PROMPTS[0]], greedy(120, ignore_eos=True, logprobs=20)))
+        first = await call.read()
+        await wait_idle(worker, within_s=30)  # read nothing until the engine is done
+        messages = [first, *await collect(call)]
+    sizes = [len(o.token_ids) for m in messages for o in m.outputs]
+    assert sum(sizes) == 120
+    assert max(sizes) > 1, f"no message carried more than one token: {sizes}"
+    assert len(messages) < 120
+    tokens = [t for m in messages for o in m.outputs for t in o.token_ids]
+    logprob_ids = [lp.token_id for m in messages for o in m.outputs for lp in o.logprobs]
+    assert logprob_ids == tokens, "merged messages must keep logprobs aligned with tokens"
+
+
+async def test_cancel_frees_blocks_at_once(worker: Harness) -> None:
+    baseline = (await worker.stub.GetLoad(worker_pb2.GetLoadRequest())).load
+    assert baseline.num_free_blocks == NUM_BLOCKS
+    call = worker.stub.Generate(request("cancel-me", [PROMPTS[1]],
+                                        greedy(200, ignore_eos=True)))
+    await call.read()
+    busy = (await worker.stub.GetLoad(worker_pb2.GetLoadRequest())).load
+    assert busy.num_running == 1 and busy.num_free_blocks < NUM_BLOCKS
+    call.cancel()
+    load = (await wait_idle(worker, within_s=1.0)).load
+    assert load.num_free_blocks == NUM_BLOCKS
+    aborted = worker.telemetry.registry.get_sample_value(
+        "meshserve_worker_sequences_finished_total", {"finish_reason": "abort"})
+    assert aborted == 1
+
+
+async def test_abort_some_then_all_sequences(worker: Harness) -> None:
+    wire = common_pb2.SamplingParams(n=2, temperature=0.0, max_tokens=150, ignore_eos=True)
+    call = worker.stub.Generate(request("ab", [PROMPTS[0]], wire))
+    await call.read()
+    one = await worker.stub.Abort(worker_pb2.AbortRequest(request_id="ab", indices=[1]))
+    assert one.num_aborted == 1
+    again = await worker.stub.Abort(worker_pb2.AbortRequest(request_id="ab", indices=[1]))
+    assert again.num_aborted == 0
+    rest = await collect(call)
+    assert final(rest, 1).finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert final(rest, 0).finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert final(rest, 0).usage.completion_tokens == 150
+
+    call = worker.stub.Generate(request("ab2", [PROMPTS[0]], wire))
+    await call.read()
+    both = await worker.stub.Abort(worker_pb2.AbortRequest(request_id="ab2"))
+    assert both.num_aborted == 2
+    rest = await collect(call)
+    assert {final(rest, i).finish_reason for i in (0, 1)} == {common_pb2.FINISH_REASON_ABORT}
+    unknown = await worker.stub.Abort(worker_pb2.AbortRequest(request_id="nope"))
+    assert unknown.num_aborted == 0
+
+
+async def test_bad_request_fails_alone(worker: Harness, tiny_llama_dir: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = ref_tokens(reference(tiny_llama_dir, PROMPTS[1], params)[0])
+    good = worker.stub.Generate(request("good", [PROMPTS[1]], greedy(30, ignore_eos=True)))
+    first = await good.read()
+    bad_calls = [
+        request("bad-vocab", [[1, 2, 10**6]], greedy(4)),        # engine-side check
+        request("bad-len", [PROMPTS[0]], greedy(10_000)),       # context length
+        request("bad-param", [PROMPTS[0]], common_pb2.SamplingParams(top_p=2.0)),
+        request("", [PROMPTS[0]], greedy(4)),
+    ]
+    for bad in bad_calls:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(worker.stub.Generate(bad))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.request_id
+        kinds = dict(info.value.trailing_metadata() or ())
+        assert kinds[ERROR_KIND_KEY] in ("invalid_request", "context_length_exceeded")
+    rest = await collect(good)
+    assert tokens_by_index([first, *rest]) == {0: expected}
+
+
+async def test_kv_events_land_in_redis(worker: Harness) -> None:
+    prompt = PROMPTS[2]
+    await collect(worker.stub.Generate(request("kv", [prompt], greedy(3))))
+    assert await worker.publisher.flush(timeout_s=5)
+    expected = hash_blocks(prompt, BLOCK)
+    assert len(expected) == 2
+    held = await worker.index.blocks_of(WORKER_ID)
+    assert set(expected) <= held
+    assert await worker.index.epoch_of(WORKER_ID) == EPOCH
+    assert await worker.index.match_prefix(expected) == {WORKER_ID: 2}
+
+
+async def test_load_info_and_spans(worker: Harness) -> None:
+    info = (await worker.stub.GetInfo(worker_pb2.GetInfoRequest())).info
+    assert (info.worker_id, info.epoch, info.block_size, info.kv_namespace) == (
+        WORKER_ID, EPOCH, BLOCK, NAMESPACE)
+    assert list(info.model_names) == ["tiny"] and info.num_total_blocks == NUM_BLOCKS
+    tracer = worker.telemetry.tracer
+    with tracer.start_as_current_span("client") as parent:
+        metadata = metadata_with_trace(None)
+        await collect(worker.stub.Generate(request("traced", [PROMPTS[0]], greedy(5)),
+                                           metadata=metadata))
+    trace_id = parent.get_span_context().trace_id
+    spans = {s.name: s for s in worker.exporter.get_finished_spans()
+             if s.context.trace_id == trace_id}
+    server = spans["meshserve.v1.Worker/Generate"]
+    assert server.kind == SpanKind.SERVER
+    for name in ("worker.queue", "worker.prefill", "worker.decode"):
+        span = spans[name]
+        assert span.parent is not None and span.parent.span_id == server.context.span_id
+        assert span.attributes["gen_ai.request.id"] == "traced"
+        assert span.start_time <= span.end_time
+    assert spans["worker.queue"].end_time <= spans["worker.prefill"].start_time + 1000
+    assert spans["worker.prefill"].end_time <= spans["worker.decode"].start_time + 1000
