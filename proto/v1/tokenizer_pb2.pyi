@@ -109,16 +109,18 @@ class DetokenizeOptions(_message.Message):
     def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_sequences: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class SequenceTokens(_message.Message):
-    __slots__ = ("index", "token_ids", "final", "lookup_token_ids")
+    __slots__ = ("index", "token_ids", "final", "lookup_token_ids", "stopped_on_token")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_ON_TOKEN_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     final: bool
     lookup_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[bool] = ..., lookup_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    stopped_on_token: bool
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[bool] = ..., lookup_token_ids: _Optional[_Iterable[int]] = ..., stopped_on_token: _Optional[bool] = ...) -> None: ...
 
 class DetokenizeDelta(_message.Message):
     __slots__ = ("sequences",)

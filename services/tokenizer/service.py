@@ -144,7 +144,8 @@ class DetokenizeSession:
         self.num_tokens_received = 0
 
     def update(self, index: int, token_ids: Sequence[int], final: bool,
-               lookup_token_ids: Sequence[int] = ()) -> SequenceUpdate:
+               lookup_token_ids: Sequence[int] = (),
+               stopped_on_token: bool = False) -> SequenceUpdate:
         """Feed one sequence's new tokens (and its end, when `final`); return its new text."""
         if not 0 <= index < len(self._sequences):
             raise InvalidRequestError(f"sequence index {index} is out of range: the options "
@@ -154,7 +155,7 @@ class DetokenizeSession:
         self.num_tokens_received += len(token_ids)
         text = ""
         if not seq.finished:
-            delta = self._feed(seq, token_ids, final)
+            delta = self._feed(seq, token_ids, final, final and stopped_on_token)
             text = delta.text
             seq.finished = delta.stopped or final
             seq.stop_string = delta.stop_reason if delta.stopped else None
@@ -167,14 +168,16 @@ class DetokenizeSession:
             num_output_tokens=seq.num_tokens,
             token_bytes=[self._tokenizer.token_bytes(t) for t in lookup_token_ids])
 
-    def _feed(self, seq: _Sequence, token_ids: Sequence[int], final: bool) -> TextDelta:
+    def _feed(self, seq: _Sequence, token_ids: Sequence[int], final: bool,
+              stopped_on_token: bool) -> TextDelta:
         if not self._per_token or not token_ids:
             seq.num_tokens += len(token_ids)
-            return seq.stream.feed(token_ids, finished=final)
+            return seq.stream.feed(token_ids, finished=final, stopped_on_token=stopped_on_token)
         parts: list[str] = []
         last = len(token_ids) - 1
         for i, token_id in enumerate(token_ids):
-            delta = seq.stream.feed((token_id,), finished=final and i == last)
+            delta = seq.stream.feed((token_id,), finished=final and i == last,
+                                    stopped_on_token=stopped_on_token and i == last)
             seq.num_tokens += 1
             parts.append(delta.text)
             if delta.stopped:
@@ -398,7 +401,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         received = session.num_tokens_received
         with self.metrics.timed("detokenize"):
             texts = [_sequence_text(session.update(s.index, s.token_ids, s.final,
-                                                   s.lookup_token_ids))
+                                                   s.lookup_token_ids, s.stopped_on_token))
                      for s in delta.sequences]
         self.metrics.tokens.labels("detokenize").inc(session.num_tokens_received - received)
         return tokenizer_pb2.DetokenizeResponse(sequences=texts)
