@@ -108,10 +108,11 @@ class EngineThread:
     def __init__(self, engine: LLMEngine, *, epoch: int = 0,
                  on_kv_events: Callable[[KVEventBatch], None] | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
-        """`on_kv_events` and `on_fatal` are called on the event loop."""
+        """`on_kv_events` and `on_fatal` are called on the event loop; `epoch` and
+        `on_kv_events` may be set until `start()`."""
         self.engine = engine
         self.epoch = epoch
-        self._on_kv_events = on_kv_events
+        self.on_kv_events = on_kv_events
         self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -194,6 +195,10 @@ class EngineThread:
             await self._stopped.wait()
 
     @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
     def num_requests(self) -> int:
         """Requests with a stream still open."""
         return len(self._streams)
@@ -227,8 +232,8 @@ class EngineThread:
         for stream in touched.values():
             stream.end_step(batch.timing)
             self._forget_if_done(stream)
-        if batch.kv is not None and self._on_kv_events is not None:
-            self._on_kv_events(batch.kv)
+        if batch.kv is not None and self.on_kv_events is not None:
+            self.on_kv_events(batch.kv)
 
     def _fail_all(self, error: BaseException) -> None:
         """The engine died: end every stream with an internal error, then tell the owner."""

@@ -3,14 +3,14 @@ LLMEngine on a tiny random Llama, with its KV events going to a real Redis.
 
 References are independent of the service: the same engine class driven in-process
 (step until done), the shared block hash over the prompt, and the KVIndex read back
-from Redis.
+from Redis (the session's embedded server, `redis_url` from tests/conftest_redis.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from meshserve.shared.block_hash import hash_blocks
 from meshserve.shared.grpc_client import GrpcClient, wait_until_serving
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.kv_index import KVIndex
-from meshserve.shared.redis_server import EmbeddedRedis, connect
+from meshserve.shared.redis_server import connect
 from meshserve.shared.status import ERROR_KIND_KEY
 from meshserve.shared.telemetry import Telemetry, metadata_with_trace
 from meshserve.shared.worker_registry import WorkerInfo
@@ -62,17 +62,10 @@ def engine_config(folder: Path) -> EngineConfig:
                         num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=256)
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    with EmbeddedRedis() as server:
-        yield server.url
-
-
 @pytest.fixture
 async def worker(tiny_llama_dir: Path, redis_url: str) -> AsyncIterator[Harness]:
     engine = LLMEngine(engine_config(tiny_llama_dir))
-    redis = connect(redis_url)
-    await redis.flushdb()
+    redis = connect(redis_url)  # a clean database (the redis_url fixture empties it)
     index = KVIndex(redis, NAMESPACE)
     publisher = KVEventPublisher(index, WORKER_ID)
     publisher.start()

@@ -1,0 +1,270 @@
+"""Run a worker: `python -m meshserve.services.worker --model DIR --scheduler-address H:P`.
+
+Order of life: load the model (logged, in a thread) -> listen (health NOT_SERVING)
+-> claim an epoch -> start the engine thread and the KV event publisher -> run one
+tiny request (warm-up) -> SERVING -> register with the scheduler and heartbeat.
+On SIGTERM / SIGINT: NOT_SERVING, deregister, refuse new calls, let in-flight
+requests finish within --drain-grace-s (then abort them), stop the engine, flush
+KV events and clear this worker's entries from the block index. A device or
+engine failure is fatal: NOT_SERVING, deregister, exit 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+import torch
+from prometheus_client import Gauge
+from redis.exceptions import RedisError
+
+from meshserve.proto.v1 import common_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from meshserve.services.worker.config import WorkerConfig
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.services.worker.engine_thread import EngineThread
+from meshserve.services.worker.kv_publisher import KVEventPublisher
+from meshserve.services.worker.registration import Registration
+from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
+from meshserve.shared.errors import ConfigError, MeshError, UnavailableError
+from meshserve.shared.grpc_client import GrpcClient
+from meshserve.shared.grpc_server import GrpcServer
+from meshserve.shared.kv_events import AllBlocksCleared
+from meshserve.shared.kv_index import KVIndex
+from meshserve.shared.logs import setup_logging
+from meshserve.shared.redis_server import connect
+from meshserve.shared.telemetry import Telemetry
+from meshserve.shared.worker_registry import WorkerInfo, WorkerRegistry
+
+SERVICE_NAME = "meshserve.v1.Worker"
+_log = logging.getLogger("meshserve.services.worker")
+_T = TypeVar("_T")
+
+
+def build_engine(config: WorkerConfig) -> LLMEngine:
+    """Load the model and size the KV cache (blocking; can take minutes for large models)."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    started = time.monotonic()
+    _log.info("loading model", extra={"model": config.model or "default",
+                                      "load_format": config.load_format,
+                                      "device": config.device, "dtype": config.dtype,
+                                      "torch_threads": torch.get_num_threads()})
+    engine = LLMEngine(config.engine_config())
+    _log.info("engine built", extra={
+        "model": engine.source.name, "dtype": str(engine.dtype), "device": str(engine.device),
+        "max_model_len": engine.max_model_len, "num_kv_blocks": engine.kv.num_blocks,
+        "seconds": round(time.monotonic() - started, 2)})
+    return engine
+
+
+async def in_daemon_thread(fn: Callable[[], _T]) -> _T:
+    """Run `fn()` in a daemon thread, so that a stop during a long load does not wait for it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: _T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting task)
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed: the service stopped while loading
+            pass
+
+    threading.Thread(target=run, name="worker-load", daemon=True).start()
+    return await future
+
+
+def kv_namespace(model_name: str, engine: LLMEngine) -> str:
+    """The KV namespace of this replica: blocks are shareable across replicas of one
+    model and dtype (and block size, which the hash itself already covers)."""
+    return f"{model_name}@{str(engine.dtype).removeprefix('torch.')}"
+
+
+async def warm_up(thread: EngineThread) -> None:
+    """Run one tiny request through the engine thread (first forward, allocations)."""
+    started = time.monotonic()
+    stream = thread.submit("warmup", [[0]], SamplingParams(temperature=0.0, max_tokens=2))
+    while await stream.next() is not None:
+        pass
+    _log.info("engine warm", extra={"seconds": round(time.monotonic() - started, 3)})
+
+
+async def claim_epoch(redis: aioredis.Redis | None, worker_id: str, url: str) -> int:
+    """A fresh epoch for this worker id: the registry's counter, or the clock without Redis."""
+    if redis is None:
+        return time.time_ns()  # grows across restarts, as an epoch must
+    try:
+        return await WorkerRegistry(redis, ttl_s=1.0).claim_epoch(worker_id)
+    except RedisError as exc:
+        raise UnavailableError(f"cannot reach Redis at {url}: {exc}", param="redis_url") from exc
+
+
+def _load_gauges(telemetry: Telemetry, thread: EngineThread) -> None:
+    """Prometheus gauges that read the engine's latest load snapshot at scrape time."""
+    for name, help_text, read in (
+            ("running", "Sequences running", lambda: thread.load.num_running),
+            ("waiting", "Sequences waiting in the local queue", lambda: thread.load.num_waiting),
+            ("kv_free_blocks", "Free KV blocks", lambda: thread.load.num_free_blocks),
+            ("kv_total_blocks", "All KV blocks", lambda: thread.load.num_total_blocks)):
+        Gauge(f"meshserve_worker_{name}", help_text, registry=telemetry.registry
+              ).set_function(read)
+
+
+class WorkerProcess:
+    """The pieces of one running worker, wired together (see the module doc)."""
+
+    def __init__(self, config: WorkerConfig, engine: LLMEngine, telemetry: Telemetry) -> None:
+        self.config = config
+        self.engine = engine
+        self.telemetry = telemetry
+        self.failure: BaseException | None = None
+        self.draining = False
+        self.thread = EngineThread(engine, on_fatal=self._on_fatal)
+        names = config.model_names(engine.source.name)
+        self.info = WorkerInfo(  # address and epoch are set once the port is bound
+            worker_id="pending", address="pending", model_names=tuple(names),
+            block_size=engine.kv.block_size, max_model_len=engine.max_model_len,
+            num_total_blocks=engine.kv.num_blocks,
+            kv_namespace=kv_namespace(names[0], engine))
+        self.servicer = WorkerServicer(self.thread, self.info, tracer=telemetry.tracer,
+                                       registry=telemetry.registry,
+                                       draining=lambda: self.draining)
+        self.server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
+                                 telemetry=telemetry, grace_s=config.drain_grace_s)
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.server)
+        self.redis = connect(config.redis_url, client_name="worker") if config.redis_url else None
+        self.publisher: KVEventPublisher | None = None
+        self.registration: Registration | None = None
+        _load_gauges(telemetry, self.thread)
+
+    def _on_fatal(self, error: BaseException) -> None:
+        self.failure = error
+        asyncio.get_running_loop().create_task(self.server.set_serving(False))
+        self.server.request_stop()
+
+    async def start(self) -> None:
+        """Listen, take an identity and an epoch, start the engine, warm up, go SERVING."""
+        port = await self.server.start()
+        self.server.install_signal_handlers()
+        worker_id = self.config.resolved_worker_id(port)
+        epoch = await claim_epoch(self.redis, worker_id, self.config.redis_url or "")
+        self.info = replace(self.info, worker_id=worker_id, epoch=epoch,
+                            address=self.config.resolved_advertise_address(port))
+        self.servicer.info = self.info
+        self.thread.epoch = epoch
+        if self.redis is not None:
+            index = KVIndex(self.redis, self.info.namespace)
+            # Our new epoch makes the index drop what a previous life of this id held.
+            await index.apply_events(worker_id, epoch, 0, [AllBlocksCleared()])
+            self.publisher = KVEventPublisher(index, worker_id)
+            self.publisher.start()
+            self.thread.on_kv_events = self.publisher.put
+        self.thread.start()
+        await warm_up(self.thread)
+        await self.server.set_serving()
+        _log.info("worker serving", extra={"worker_id": worker_id, "epoch": epoch,
+                                           "address": self.info.address, "port": port})
+        if self.config.scheduler_address:
+            channel = GrpcClient().channel(self.config.scheduler_address)
+            self.registration = Registration(
+                scheduler_pb2_grpc.SchedulerStub(channel), lambda: worker_info_pb(self.info),
+                self._load_pb, interval_s=self.config.heartbeat_interval_s)
+            self.registration.start()
+
+    def _load_pb(self) -> common_pb2.WorkerLoad:
+        return worker_load_pb(self.thread.load, self.info.worker_id, self.info.epoch,
+                              self.draining)
+
+    async def run_until_stopped(self) -> None:
+        """Serve until SIGTERM (or a fatal error), deregistering as the drain starts."""
+        leave = asyncio.ensure_future(self._leave_on_drain())
+        try:
+            await self.server.wait_for_termination()
+        finally:
+            await leave
+
+    async def _leave_on_drain(self) -> None:
+        await self.server.drain_started.wait()
+        self.draining = True
+        if self.registration is not None:
+            await self.registration.stop(deregister=True)
+
+    async def close(self) -> None:
+        """Stop the engine, flush KV events, clear our index entries, close connections."""
+        if self.thread.started:
+            self.thread.stop()
+            try:
+                async with asyncio.timeout(10):
+                    await self.thread.wait_stopped()
+            except TimeoutError:
+                _log.warning("engine thread did not stop within 10s")
+        if self.publisher is not None:
+            await self.publisher.stop()
+            await self.publisher.index.clear_holder(self.info.worker_id, self.info.epoch)
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
+async def serve(config: WorkerConfig) -> int:
+    """Run the worker until stopped and drained; the process exit code."""
+    telemetry = Telemetry("worker", otlp_endpoint=config.otlp_endpoint)
+    telemetry.install_global()
+    metrics = None
+    try:
+        engine = await in_daemon_thread(lambda: build_engine(config))
+        worker = WorkerProcess(config, engine, telemetry)
+        if config.metrics_port is not None:
+            metrics = await telemetry.start_metrics_server(config.host, config.metrics_port)
+        try:
+            await worker.start()
+            await worker.run_until_stopped()
+        finally:
+            await worker.close()
+        if worker.failure is not None:
+            _log.error("worker stopped after an engine failure: %r", worker.failure)
+            return 1
+        return 0
+    finally:
+        if metrics is not None:
+            await metrics.cleanup()
+        telemetry.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `meshserve worker` / `python -m meshserve.services.worker`."""
+    try:
+        config = WorkerConfig.from_args(argv, prog="meshserve worker")
+    except ConfigError as exc:
+        print(f"meshserve worker: {exc.message}", file=sys.stderr)
+        return 2
+    setup_logging("worker", config.log_level, fmt=config.log_format)
+    try:
+        return asyncio.run(serve(config))
+    except MeshError as exc:  # model load errors, a taken port, Redis unreachable at start
+        _log.error("worker failed: %s", exc.message,
+                   extra={"error_kind": exc.kind, "error_param": exc.param})
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

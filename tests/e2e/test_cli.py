@@ -1,0 +1,125 @@
+"""`meshserve run-batch` end to end: the installed console script on a tiny model folder.
+
+The reference is OfflineLLM over an in-process LLMEngine of the same folder, given
+the same requests (tokenized with the folder's tokenizer) in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from meshserve.services.tokenizer.loader import load_tokenizer
+from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.services.worker.offline import GenerationItem, GenerationResult, OfflineLLM
+
+ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
+                "--max-model-len", "200", "--num-threads", "1"]
+COMPLETION_PROMPTS = ["The quick brown fox", "Hello world, the model serves a"]
+CHAT = [{"role": "system", "content": "You serve models."},
+        {"role": "user", "content": "Say hello to the gateway."}]
+MAX_TOKENS = 10
+
+
+def meshserve_script() -> Path:
+    script = Path(sys.executable).parent / "meshserve"
+    assert script.is_file(), f"the meshserve console script is not installed at {script}"
+    return script
+
+
+def batch_lines(model: str) -> list[bytes]:
+    def line(custom_id: str, url: str, body: dict[str, object]) -> bytes:
+        return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": url,
+                             "body": body})
+
+    return [
+        line("c0", "/v1/completions", {"model": model, "prompt": COMPLETION_PROMPTS[0],
+                                       "max_tokens": MAX_TOKENS, "temperature": 0}),
+        line("bad", "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 5000,
+                                        "temperature": 0}),
+        line("chat", "/v1/chat/completions", {"model": model, "messages": CHAT,
+                                              "max_tokens": MAX_TOKENS, "temperature": 0}),
+        line("c1", "/v1/completions", {"model": model, "prompt": COMPLETION_PROMPTS[1],
+                                       "max_tokens": MAX_TOKENS, "temperature": 0}),
+    ]
+
+
+def reference(folder: Path) -> list[GenerationResult]:
+    """The good lines' requests through OfflineLLM directly, in file order."""
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
+                                    num_kv_blocks=128, max_model_len=200))
+    tokenizer = load_tokenizer(str(folder))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    chat_ids = tokenizer.encode(tokenizer.render_chat(CHAT), add_special_tokens=False)
+    items = [GenerationItem("c0", tokenizer.encode(COMPLETION_PROMPTS[0]), params),
+             GenerationItem("chat", chat_ids, params),
+             GenerationItem("c1", tokenizer.encode(COMPLETION_PROMPTS[1]), params)]
+    return OfflineLLM(engine, tokenizer).generate(items)
+
+
+def test_run_batch_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    model = str(tiny_llama_dir)
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"\n".join(batch_lines(model)) + b"\n")
+    target = tmp_path / "out.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")}
+    done = subprocess.run(
+        [str(meshserve_script()), "run-batch", "-i", str(source), "-o", str(target),
+         "--model", model, "--no-progress", *ENGINE_FLAGS],
+        check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "3/4 requests succeeded" in done.stderr
+
+    records = [orjson.loads(raw) for raw in target.read_bytes().splitlines()]
+    assert [r["custom_id"] for r in records] == ["c0", "bad", "chat", "c1"]
+    bad = records[1]["response"]
+    assert bad["status_code"] == 400
+    assert bad["body"]["error"]["param"] == "max_tokens"
+    assert "context length" in bad["body"]["error"]["message"]
+
+    expected = reference(tiny_llama_dir)
+    good = [records[0], records[2], records[3]]
+    for record, want in zip(good, expected, strict=True):
+        assert record["error"] is None and record["response"]["status_code"] == 200
+        body = record["response"]["body"]
+        seq = want.sequences[0]
+        if record["custom_id"] == "chat":
+            chat = ChatCompletion.model_validate(body)
+            assert chat.choices[0].message.content == seq.text
+            assert chat.choices[0].finish_reason == seq.finish_reason
+        else:
+            completion = Completion.model_validate(body)
+            assert completion.choices[0].text == seq.text
+            assert completion.choices[0].finish_reason == seq.finish_reason
+        assert body["model"] == model
+        assert body["usage"]["prompt_tokens"] == want.num_prompt_tokens
+        assert body["usage"]["completion_tokens"] == len(seq.token_ids)
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["run-batch", "--model", "x"], 2, "input_file"),
+    (["run-batch", "-i", "/nonexistent/in.jsonl", "-o", "/tmp/o.jsonl", "--block-size", "7"], 2,
+     "block_size"),
+    (["frobnicate"], 2, "unknown command"),
+])
+def test_cli_rejects_bad_invocations(argv: list[str], code: int, message: str) -> None:
+    done = subprocess.run([str(meshserve_script()), *argv], check=False, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == code
+    assert message in done.stderr
+
+
+def test_version_names_the_package() -> None:
+    done = subprocess.run([str(meshserve_script()), "version"], check=False,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert done.stdout.splitlines()[0].startswith("meshserve 0.")
