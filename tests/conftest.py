@@ -16,6 +16,8 @@ _TESTS_DIR = str(Path(__file__).parent)
 if _TESTS_DIR not in sys.path:  # helper modules such as tiny_models import by plain name
     sys.path.insert(0, _TESTS_DIR)
 
+pytest_plugins = ["conftest_redis"]
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

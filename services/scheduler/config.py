@@ -1,0 +1,53 @@
+"""Configuration of the global scheduler service."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshserve.shared.config import ServiceConfig, option
+
+DEFAULT_PORT = 50052
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(ServiceConfig):
+    """The global scheduler: worker registry, KV-aware routing and the global queue."""
+
+    port: int = option(DEFAULT_PORT, "port of the Scheduler gRPC service (0: any free port)")
+    redis_url: str | None = option(None, "Redis holding the registry and block index "
+                                         "(unset: start an embedded server)")
+    redis_wait_s: float = option(30.0, "how long to wait for Redis to answer before giving up")
+    heartbeat_ttl_s: float = option(3.0, "seconds without a heartbeat after which a worker is "
+                                         "dropped")
+    queue_capacity: int = option(1024, "requests that may wait in the global queue while every "
+                                       "worker is full (0: refuse at once)")
+    max_queue_wait_s: float = option(120.0, "longest a request waits in the queue when neither "
+                                            "it nor its call has a deadline")
+    prefill_weight: float = option(1.0, "weight of blocks to prefill against blocks in use by "
+                                        "decoding, in the routing cost")
+    max_waiting_per_worker: int = option(4, "sequences a worker may queue locally beyond its "
+                                            "max_running before it counts as full")
+    block_size: int = option(16, "tokens per KV block of the mesh (for requests that bring "
+                                 "block hashes instead of token ids)")
+
+    def validate(self) -> None:
+        super().validate()
+        self.require(self.heartbeat_ttl_s > 0, f"must be positive, got {self.heartbeat_ttl_s}",
+                     "heartbeat_ttl_s")
+        self.require(self.redis_wait_s > 0, f"must be positive, got {self.redis_wait_s}",
+                     "redis_wait_s")
+        self.require(self.queue_capacity >= 0, f"must be >= 0, got {self.queue_capacity}",
+                     "queue_capacity")
+        self.require(self.max_queue_wait_s > 0, f"must be positive, got {self.max_queue_wait_s}",
+                     "max_queue_wait_s")
+        self.require(self.prefill_weight >= 0, f"must be >= 0, got {self.prefill_weight}",
+                     "prefill_weight")
+        self.require(self.max_waiting_per_worker >= 0,
+                     f"must be >= 0, got {self.max_waiting_per_worker}", "max_waiting_per_worker")
+        self.require(self.block_size > 0, f"must be positive, got {self.block_size}",
+                     "block_size")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Seconds between heartbeats asked of workers: three fit in one TTL."""
+        return self.heartbeat_ttl_s / 3

@@ -1,0 +1,37 @@
+"""Prometheus metrics of the scheduler (RPC counts and latencies come from Telemetry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from meshserve.services.scheduler.queue import GlobalQueue
+from meshserve.services.scheduler.router import RouteDecision
+
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+
+
+class SchedulerMetrics:
+    """Routing outcomes, prefix hits and the global queue."""
+
+    def __init__(self, registry: CollectorRegistry, queue: GlobalQueue) -> None:
+        self.routed = Counter("meshserve_scheduler_routed_total",
+                              "Requests placed on a worker", ["worker_id"], registry=registry)
+        self.matched_blocks = Counter(
+            "meshserve_scheduler_matched_blocks_total",
+            "Prompt blocks the chosen worker already held", registry=registry)
+        self.kvstore_blocks = Counter(
+            "meshserve_scheduler_kvstore_blocks_total",
+            "Further prompt blocks the kvstore held for the chosen worker", registry=registry)
+        self.queue_wait = Histogram(
+            "meshserve_scheduler_queue_wait_seconds", "Time requests waited in the global queue",
+            registry=registry, buckets=_WAIT_BUCKETS)
+        self.queue_depth = Gauge("meshserve_scheduler_queue_depth",
+                                 "Requests waiting in the global queue", registry=registry)
+        self.queue_depth.set_function(lambda: len(queue))
+
+    def observe(self, decision: RouteDecision) -> None:
+        """Count one placement (the Router's on_route hook)."""
+        self.routed.labels(decision.worker_id).inc()
+        self.matched_blocks.inc(decision.num_matched_blocks)
+        self.kvstore_blocks.inc(decision.num_kvstore_blocks)
+        self.queue_wait.observe(decision.queued_ns / 1e9)

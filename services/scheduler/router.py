@@ -1,0 +1,294 @@
+"""The router: live workers and prefix hits from Redis, the policy, the global queue.
+
+One placement attempt reads the registry and the block index in ONE Redis round trip
+(a pipeline of two kinds of Lua script), adds the provisional load of requests this
+replica routed since each worker's last heartbeat, and asks the policy. When every
+worker is full the request waits in the global queue, which retries on every change of
+load: heartbeats, releases and registrations, whichever scheduler replica received them
+(they are published on a Redis channel that every replica listens to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+
+from meshserve.services.scheduler.inflight import Assignment, InFlight
+from meshserve.services.scheduler.policy import Candidate, RoutingPolicy
+from meshserve.services.scheduler.queue import GlobalQueue
+from meshserve.shared.block_hash import BlockHash, extra_keys_for, hash_blocks
+from meshserve.shared.errors import InvalidRequestError, UnavailableError
+from meshserve.shared.kv_index import KVSTORE_HOLDER_PREFIX, KVIndex
+from meshserve.shared.redis_server import run_pipeline
+from meshserve.shared.worker_registry import (
+    LOAD_CHANNEL,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerRecord,
+    WorkerRegistry,
+)
+
+_log = logging.getLogger(__name__)
+_HASH_BYTES = 32
+_Group = tuple[str, int]  # (kv namespace, block size): workers whose block hashes agree
+
+
+@dataclass(frozen=True)
+class RouteQuery:
+    """One request to place, as the router needs it."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...] = ()
+    block_hashes: tuple[BlockHash, ...] = ()
+    """Full-block hashes at the mesh's block size; used when there are no token ids."""
+    num_prompt_tokens: int = 0
+    lora_id: int | None = None
+    cache_salt: str = ""
+    priority: int = 0
+    deadline: float | None = None
+    """When the request gives up waiting, in the event loop's clock (None: never)."""
+    expected_output_tokens: int = 0
+    num_sequences: int = 1
+    exclude_worker_ids: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise InvalidRequestError("request_id must not be empty", param="request_id")
+        if not self.model:
+            raise InvalidRequestError("model must not be empty", param="model")
+        if not self.prompt_token_ids and self.num_prompt_tokens <= 0:
+            raise InvalidRequestError("give prompt_token_ids, or num_prompt_tokens (with the "
+                                      "block_hashes of its full blocks)", param="prompt_token_ids")
+        bad = [i for i, h in enumerate(self.block_hashes) if len(h) != _HASH_BYTES]
+        if bad:
+            raise InvalidRequestError(f"block_hashes[{bad[0]}] has {len(self.block_hashes[bad[0]])}"
+                                      f" bytes, expected {_HASH_BYTES}", param="block_hashes")
+        if self.num_sequences < 1:
+            raise InvalidRequestError(f"num_sequences must be >= 1, got {self.num_sequences}",
+                                      param="num_sequences")
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids) or self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Where a request goes."""
+
+    worker_id: str
+    address: str
+    epoch: int
+    block_size: int
+    num_matched_blocks: int
+    num_kvstore_blocks: int
+    queued_ns: int = 0
+
+
+class Router:
+    """Places requests on workers; keeps the registry in Redis and the local provisions."""
+
+    def __init__(self, redis: aioredis.Redis, registry: WorkerRegistry, policy: RoutingPolicy,
+                 queue: GlobalQueue, *, block_size: int,
+                 clock_ns: Callable[[], int] = time.time_ns,
+                 on_route: Callable[[RouteDecision], None] | None = None) -> None:
+        """`block_size`: the mesh's block size, for queries that bring block hashes."""
+        self.redis = redis
+        self.registry = registry
+        self.policy = policy
+        self.queue = queue
+        self.block_size = block_size
+        self._clock_ns = clock_ns
+        self._on_route = on_route
+        self.inflight = InFlight()
+        self._indexes: dict[str, KVIndex] = {}
+        self._groups: dict[str, set[_Group]] = {}  # model -> groups seen at the last read
+        self._listener: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Listen for load changes published by every replica (subscribed on return)."""
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(LOAD_CHANNEL)
+        self._listener = asyncio.create_task(self._listen(pubsub), name="router-load-listener")
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+            self._listener = None
+
+    async def _listen(self, pubsub: Any) -> None:
+        try:
+            while True:
+                try:
+                    if not pubsub.subscribed:
+                        await pubsub.subscribe(LOAD_CHANNEL)
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message":
+                            self.queue.notify()
+                except (OSError, aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+                    # Redis went away; local changes still wake the queue meanwhile.
+                    _log.warning("load channel lost (%s); subscribing again", exc)
+                    await asyncio.sleep(1.0)  # reconnect backoff
+        finally:
+            await pubsub.aclose()
+
+    # Registry, for the servicer. Every change wakes the queue.
+    async def register(self, info: WorkerInfo, load: WorkerLoad) -> int:
+        epoch = await self.registry.register(info, load)
+        self.queue.notify()
+        return epoch
+
+    async def heartbeat(self, worker_id: str, epoch: int, load: WorkerLoad) -> bool:
+        ok = await self.registry.heartbeat(worker_id, epoch, load)
+        if ok:
+            self.queue.notify()
+        return ok
+
+    async def deregister(self, worker_id: str, epoch: int | None) -> bool:
+        removed = await self.registry.deregister(worker_id, epoch)
+        self.queue.notify()
+        return removed
+
+    async def list_workers(self, model: str | None = None) -> list[WorkerRecord]:
+        return await self.registry.live_workers(model)
+
+    def release(self, request_id: str, worker_id: str) -> bool:
+        """A routed request ended: drop its provisional load now."""
+        released = self.inflight.release(request_id, worker_id)
+        if released:
+            self.queue.notify()
+        return released
+
+    async def route(self, query: RouteQuery) -> RouteDecision:
+        """Pick a worker, waiting in the global queue while every worker is full.
+
+        UnavailableError when no live worker serves the model, OverloadedError when the
+        queue is full, DeadlineExceededError when the query's deadline passes.
+        """
+        hashes = _PromptHashes(query, self.block_size)
+        started = time.monotonic_ns()
+        last_try = [started]
+
+        async def attempt() -> RouteDecision | None:
+            last_try[0] = time.monotonic_ns()
+            return await self._try_place(query, hashes)
+
+        decision = await self.queue.run(attempt, priority=query.priority,
+                                        deadline=query.deadline)
+        decision = dataclasses.replace(decision, queued_ns=max(0, last_try[0] - started))
+        if self._on_route is not None:
+            self._on_route(decision)
+        return decision
+
+    async def _try_place(self, query: RouteQuery, hashes: _PromptHashes) -> RouteDecision | None:
+        records, matches = await self._read(query.model, hashes)
+        self.inflight.keep_only({r.worker_id for r in records})
+        serving = [r for r in records if r.info.serves(query.model)]
+        usable = [r for r in serving if r.worker_id not in query.exclude_worker_ids]
+        if not usable:
+            raise UnavailableError(
+                f"no live worker serves model {query.model!r}"
+                + (f" besides {sorted(query.exclude_worker_ids)}" if serving else ""),
+                param="model")
+        candidates = {r.worker_id: self._candidate(r, query, matches) for r in usable}
+        choice = self.policy.choose(list(candidates.values()))
+        if choice is None:
+            return None
+        record = next(r for r in usable if r.worker_id == choice.worker_id)
+        return self._assign(record, choice, query, matches)
+
+    async def _read(self, model: str, hashes: _PromptHashes
+                    ) -> tuple[list[WorkerRecord], dict[_Group, dict[str, int]]]:
+        """Live workers and per-group prefix matches, in one round trip when groups are known."""
+        groups = sorted(self._groups.get(model, ()))
+
+        def build(pipe: Pipeline) -> None:
+            self.registry.queue_scan(pipe)
+            for namespace, block_size in groups:
+                self._index(namespace).queue_match(pipe, hashes.get(block_size))
+
+        scripts = [*self.registry.scripts, *(self._index(groups[0][0]).scripts if groups else ())]
+        raw = await run_pipeline(self.redis, build, scripts)
+        records = await self.registry.records_from_scan(raw[0])
+        matches = {g: KVIndex.parse_match(r) for g, r in zip(groups, raw[1:], strict=True)}
+        wanted = {(r.info.namespace, r.info.block_size) for r in records if r.info.serves(model)}
+        self._groups[model] = wanted
+        for namespace, block_size in wanted - set(groups):  # a new kind of worker: one more trip
+            matches[(namespace, block_size)] = await self._index(namespace).match_prefix(
+                hashes.get(block_size))
+        return records, matches
+
+    def _index(self, namespace: str) -> KVIndex:
+        index = self._indexes.get(namespace)
+        if index is None:
+            index = self._indexes[namespace] = KVIndex(self.redis, namespace)
+        return index
+
+    def _candidate(self, record: WorkerRecord, query: RouteQuery,
+                   matches: Mapping[_Group, dict[str, int]]) -> Candidate:
+        load, info = record.load, record.info
+        matched = matches[(info.namespace, info.block_size)].get(record.worker_id, 0)
+        extra = self.inflight.extra_load(record.worker_id, record.epoch,
+                                         record.last_heartbeat_unix_ns)
+        return Candidate(
+            worker_id=record.worker_id, num_running=load.num_running + extra.num_sequences,
+            num_waiting=load.num_waiting, num_used_blocks=load.num_used_blocks + extra.num_blocks,
+            num_free_blocks=max(0, load.num_free_blocks - extra.num_blocks),
+            num_total_blocks=load.num_total_blocks, max_running=load.max_running,
+            draining=load.draining, num_prompt_blocks=math.ceil(query.prompt_len / info.block_size),
+            num_matched_blocks=matched)
+
+    def _assign(self, record: WorkerRecord, choice: Candidate, query: RouteQuery,
+                matches: Mapping[_Group, dict[str, int]]) -> RouteDecision:
+        """Record the provisional load of the choice and describe it."""
+        info = record.info
+        output_blocks = math.ceil(query.expected_output_tokens * query.num_sequences
+                                  / info.block_size)
+        self.inflight.add(Assignment(
+            request_id=query.request_id, worker_id=record.worker_id, epoch=record.epoch,
+            num_sequences=query.num_sequences, num_blocks=choice.prefill_blocks + output_blocks,
+            routed_unix_ns=self._clock_ns()))
+        group = matches[(info.namespace, info.block_size)]
+        in_kvstore = max((count for holder, count in group.items()
+                          if holder.startswith(KVSTORE_HOLDER_PREFIX)), default=0)
+        return RouteDecision(
+            worker_id=record.worker_id, address=info.address, epoch=record.epoch,
+            block_size=info.block_size, num_matched_blocks=choice.num_matched_blocks,
+            num_kvstore_blocks=max(0, in_kvstore - choice.num_matched_blocks))
+
+
+class _PromptHashes:
+    """A query's block hashes per block size, computed once per request."""
+
+    def __init__(self, query: RouteQuery, mesh_block_size: int) -> None:
+        self._query = query
+        self._mesh_block_size = mesh_block_size
+        self._extra_keys = extra_keys_for(query.lora_id, query.cache_salt or None)
+        self._by_size: dict[int, list[BlockHash]] = {}
+
+    def get(self, block_size: int) -> list[BlockHash]:
+        """Hashes of the prompt's full blocks at `block_size` (none if they cannot be known)."""
+        hashes = self._by_size.get(block_size)
+        if hashes is None:
+            if self._query.prompt_token_ids:
+                hashes = hash_blocks(self._query.prompt_token_ids, block_size, self._extra_keys)
+            elif block_size == self._mesh_block_size:
+                hashes = list(self._query.block_hashes)
+            else:
+                hashes = []
+            self._by_size[block_size] = hashes
+        return hashes

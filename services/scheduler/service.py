@@ -1,0 +1,202 @@
+"""The Scheduler gRPC servicer (thin: protobuf <-> domain at the edge) and its assembly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+import redis.asyncio as aioredis
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
+
+from meshserve.proto.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from meshserve.services.scheduler.config import SchedulerConfig
+from meshserve.services.scheduler.metrics import SchedulerMetrics
+from meshserve.services.scheduler.policy import RoutingPolicy
+from meshserve.services.scheduler.queue import GlobalQueue
+from meshserve.services.scheduler.router import RouteDecision, RouteQuery, Router
+from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.grpc_server import GrpcServer
+from meshserve.shared.redis_server import connect, wait_for_redis
+from meshserve.shared.telemetry import Telemetry
+from meshserve.shared.worker_registry import WorkerInfo, WorkerLoad, WorkerRecord, WorkerRegistry
+
+SERVICE_NAME = "meshserve.v1.Scheduler"
+
+
+def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=msg.worker_id, address=msg.address, model_names=tuple(msg.model_names),
+        block_size=msg.block_size, max_model_len=msg.max_model_len,
+        num_total_blocks=msg.num_total_blocks, lora_ids=tuple(msg.lora_ids),
+        tensor_parallel_size=msg.tensor_parallel_size or 1, kv_namespace=msg.kv_namespace,
+        epoch=msg.epoch)
+
+
+def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        num_running=msg.num_running, num_waiting=msg.num_waiting,
+        num_pending_prefill_tokens=msg.num_pending_prefill_tokens,
+        num_used_blocks=msg.num_used_blocks, num_free_blocks=msg.num_free_blocks,
+        num_total_blocks=msg.num_total_blocks, max_running=msg.max_running,
+        draining=msg.draining, snapshot_unix_ns=msg.snapshot_unix_ns)
+
+
+def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
+    info, load = record.info, record.load
+    return scheduler_pb2.WorkerStatus(
+        info=common_pb2.WorkerInfo(
+            worker_id=info.worker_id, epoch=record.epoch, address=info.address,
+            model_names=info.model_names, block_size=info.block_size,
+            max_model_len=info.max_model_len, num_total_blocks=info.num_total_blocks,
+            lora_ids=info.lora_ids, tensor_parallel_size=info.tensor_parallel_size,
+            kv_namespace=info.kv_namespace),
+        load=common_pb2.WorkerLoad(
+            worker_id=info.worker_id, epoch=record.epoch, num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_pending_prefill_tokens=load.num_pending_prefill_tokens,
+            num_used_blocks=load.num_used_blocks, num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks, max_running=load.max_running,
+            draining=load.draining, snapshot_unix_ns=load.snapshot_unix_ns),
+        last_heartbeat_unix_ns=record.last_heartbeat_unix_ns)
+
+
+def query_from_proto(msg: scheduler_pb2.RouteRequest, wait_s: float) -> RouteQuery:
+    """The domain query; it gives up waiting after `wait_s` (from now)."""
+    return RouteQuery(
+        request_id=msg.request_id, model=msg.model,
+        prompt_token_ids=tuple(msg.prompt_token_ids), block_hashes=tuple(msg.block_hashes),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        lora_id=msg.lora_id if msg.HasField("lora_id") else None, cache_salt=msg.cache_salt,
+        priority=msg.priority, deadline=asyncio.get_running_loop().time() + wait_s,
+        expected_output_tokens=msg.expected_output_tokens,
+        num_sequences=max(1, msg.num_sequences),
+        exclude_worker_ids=frozenset(msg.exclude_worker_ids))
+
+
+def decision_to_proto(decision: RouteDecision) -> scheduler_pb2.RouteResponse:
+    return scheduler_pb2.RouteResponse(
+        worker_id=decision.worker_id, address=decision.address, epoch=decision.epoch,
+        num_matched_blocks=decision.num_matched_blocks,
+        num_kvstore_blocks=decision.num_kvstore_blocks, block_size=decision.block_size,
+        queued_ns=decision.queued_ns)
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """meshserve.v1.Scheduler over a Router."""
+
+    def __init__(self, router: Router, config: SchedulerConfig) -> None:
+        self._router = router
+        self._config = config
+
+    async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> scheduler_pb2.RegisterWorkerResponse:
+        if not request.info.epoch:
+            # The response has no epoch field: the worker must choose its own (it also tags
+            # its KV events with it), e.g. its start time in ns; epochs must only grow.
+            raise InvalidRequestError("info.epoch must be set by the worker (e.g. its start "
+                                      "time in ns)", param="info.epoch")
+        await self._router.register(info_from_proto(request.info),
+                                    load_from_proto(request.load))
+        return scheduler_pb2.RegisterWorkerResponse(
+            heartbeat_interval_s=self._config.heartbeat_interval_s,
+            ttl_s=self._config.heartbeat_ttl_s)
+
+    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
+        load = request.load
+        ok = await self._router.heartbeat(load.worker_id, load.epoch, load_from_proto(load))
+        return scheduler_pb2.HeartbeatResponse(registered=ok)
+
+    async def DeregisterWorker(self, request: scheduler_pb2.DeregisterWorkerRequest,
+                               context: grpc.aio.ServicerContext
+                               ) -> scheduler_pb2.DeregisterWorkerResponse:
+        removed = await self._router.deregister(request.worker_id, request.epoch or None)
+        return scheduler_pb2.DeregisterWorkerResponse(removed=removed)
+
+    async def Route(self, request: scheduler_pb2.RouteRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.RouteResponse:
+        decision = await self._router.route(query_from_proto(request, self._wait_s(request,
+                                                                                   context)))
+        trace.get_current_span().set_attributes({
+            "meshserve.request_id": request.request_id, "meshserve.worker_id": decision.worker_id,
+            "meshserve.matched_blocks": decision.num_matched_blocks,
+            "meshserve.kvstore_blocks": decision.num_kvstore_blocks,
+            "meshserve.queued_ns": decision.queued_ns})
+        return decision_to_proto(decision)
+
+    async def Release(self, request: scheduler_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> scheduler_pb2.ReleaseResponse:
+        released = self._router.release(request.request_id, request.worker_id)
+        return scheduler_pb2.ReleaseResponse(released=released)
+
+    async def ListWorkers(self, request: scheduler_pb2.ListWorkersRequest,
+                          context: grpc.aio.ServicerContext) -> scheduler_pb2.ListWorkersResponse:
+        records = await self._router.list_workers(request.model or None)
+        return scheduler_pb2.ListWorkersResponse(workers=[record_to_proto(r) for r in records])
+
+    def _wait_s(self, request: scheduler_pb2.RouteRequest,
+                context: grpc.aio.ServicerContext) -> float:
+        """Longest the request may wait: its own deadline, the call's, the configured cap."""
+        limits = [self._config.max_queue_wait_s]
+        remaining = context.time_remaining()
+        if remaining is not None:
+            limits.append(remaining)
+        if request.deadline_unix_ns:
+            limits.append((request.deadline_unix_ns - time.time_ns()) / 1e9)
+        return min(limits)
+
+
+def build_router(config: SchedulerConfig, redis_client: aioredis.Redis,
+                 metrics_registry: CollectorRegistry | None = None) -> Router:
+    """A Router over `redis_client` as `config` says (metrics into Telemetry's registry)."""
+    queue = GlobalQueue(config.queue_capacity)
+    metrics = (SchedulerMetrics(metrics_registry, queue)
+               if metrics_registry is not None else None)
+    return Router(redis_client, WorkerRegistry(redis_client, config.heartbeat_ttl_s),
+                  RoutingPolicy(config.prefill_weight, config.max_waiting_per_worker), queue,
+                  block_size=config.block_size,
+                  on_route=metrics.observe if metrics is not None else None)
+
+
+@dataclass
+class SchedulerService:
+    """A started scheduler: gRPC server (SERVING), router and its Redis client."""
+
+    server: GrpcServer
+    router: Router
+    redis: aioredis.Redis
+    port: int
+
+    @classmethod
+    async def start(cls, config: SchedulerConfig, redis_url: str,
+                    telemetry: Telemetry | None = None) -> SchedulerService:
+        """Listen, wait for Redis, subscribe to load changes, then report SERVING."""
+        redis_client = connect(redis_url, client_name="meshserve-scheduler")
+        router = build_router(config, redis_client,
+                              telemetry.registry if telemetry is not None else None)
+        server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
+                            telemetry=telemetry, grace_s=config.drain_grace_s)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router, config),
+                                                            server.server)
+        try:
+            port = await server.start()
+            await wait_for_redis(redis_client, config.redis_wait_s)
+            await router.start()
+        except BaseException:
+            await server.drain(grace_s=0)
+            await router.close()
+            await redis_client.aclose()
+            raise
+        await server.set_serving()
+        return cls(server, router, redis_client, port)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain the server (unless already drained), then close the router and Redis."""
+        if not self.server.drain_started.is_set():
+            await self.server.drain(grace_s)
+        await self.router.close()
+        await self.redis.aclose()

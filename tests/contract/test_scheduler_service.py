@@ -1,0 +1,248 @@
+"""Contract tests of the Scheduler service: real grpc.aio servers on 127.0.0.1, real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+
+from meshserve.proto.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from meshserve.services.scheduler.config import SchedulerConfig
+from meshserve.services.scheduler.service import SchedulerService
+from meshserve.shared.block_hash import hash_blocks
+from meshserve.shared.grpc_client import GrpcClient
+from meshserve.shared.kv_events import BlockStored
+from meshserve.shared.kv_index import KVIndex
+
+MODEL = "tiny"
+NS = "tiny:float16"
+BLOCK = 4
+PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks and one partial
+
+
+@dataclass
+class Replica:
+    service: SchedulerService
+    channel: grpc.aio.Channel
+    stub: scheduler_pb2_grpc.SchedulerStub
+
+
+@pytest.fixture
+async def start_replica(redis_url: str) -> AsyncIterator[Callable[..., Awaitable[Replica]]]:
+    """Starts scheduler replicas over the test's Redis; stops them afterwards."""
+    replicas: list[Replica] = []
+
+    async def start(**overrides: Any) -> Replica:
+        config = SchedulerConfig(port=0, block_size=BLOCK, drain_grace_s=0,
+                                 **{"heartbeat_ttl_s": 10.0, **overrides})
+        service = await SchedulerService.start(config, redis_url)
+        channel = GrpcClient().channel(f"127.0.0.1:{service.port}")
+        replica = Replica(service, channel, scheduler_pb2_grpc.SchedulerStub(channel))
+        replicas.append(replica)
+        return replica
+
+    yield start
+    for replica in replicas:
+        await replica.channel.close()
+        await replica.service.stop(grace_s=0)
+
+
+def load(worker_id: str, epoch: int = 1, *, running: int = 0, max_running: int = 8,
+         free: int = 100, used: int = 0) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(worker_id=worker_id, epoch=epoch, num_running=running,
+                                 max_running=max_running, num_free_blocks=free,
+                                 num_total_blocks=100, num_used_blocks=used)
+
+
+async def register(stub: scheduler_pb2_grpc.SchedulerStub, worker_id: str, epoch: int = 1,
+                   **load_args: Any) -> None:
+    info = common_pb2.WorkerInfo(worker_id=worker_id, epoch=epoch, address=f"{worker_id}:1",
+                                 model_names=[MODEL], block_size=BLOCK, kv_namespace=NS)
+    await stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(
+        info=info, load=load(worker_id, epoch, **load_args)))
+
+
+def route_request(request_id: str, prompt: list[int] = PROMPT, **fields: Any
+                  ) -> scheduler_pb2.RouteRequest:
+    return scheduler_pb2.RouteRequest(request_id=request_id, model=MODEL,
+                                      prompt_token_ids=prompt, **fields)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
+    """Poll an observable condition until it holds (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def worker_ids(stub: scheduler_pb2_grpc.SchedulerStub) -> list[str]:
+    response = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(model=MODEL))
+    return sorted(w.info.worker_id for w in response.workers)
+
+
+async def test_route_prefers_the_worker_holding_the_prefix(
+        start_replica: Callable[..., Awaitable[Replica]], redis_client: aioredis.Redis) -> None:
+    stub = (await start_replica()).stub
+    await register(stub, "w0")
+    await register(stub, "w1")
+    hashes = hash_blocks(PROMPT, BLOCK)
+    index = KVIndex(redis_client, NS)
+    await index.apply_events("w1", 1, 1, [BlockStored(tuple(hashes[:2]), None, (), BLOCK)])
+    await index.apply_events("kvstore:s0", 1, 1, [BlockStored(tuple(hashes), None, (), BLOCK)])
+
+    response = await stub.Route(route_request("r0"))
+    assert (response.worker_id, response.address, response.epoch) == ("w1", "w1:1", 1)
+    assert (response.num_matched_blocks, response.num_kvstore_blocks) == (2, 2)
+    assert response.block_size == BLOCK
+
+    # The same request by its block hashes instead of its tokens (r0's provisional load
+    # would otherwise outweigh the prefix: it adds w1's 3 blocks to prefill).
+    await stub.Release(scheduler_pb2.ReleaseRequest(request_id="r0", worker_id="w1"))
+    by_hashes = scheduler_pb2.RouteRequest(request_id="r1", model=MODEL, block_hashes=hashes,
+                                           num_prompt_tokens=len(PROMPT))
+    assert (await stub.Route(by_hashes)).worker_id == "w1"
+    # A cache salt changes every hash: no worker holds that prefix.
+    salted = await stub.Route(route_request("r2", cache_salt="tenant-a"))
+    assert (salted.num_matched_blocks, salted.num_kvstore_blocks) == (0, 0)
+
+
+async def test_heartbeats_update_load_and_reject_stale_epochs(
+        start_replica: Callable[..., Awaitable[Replica]]) -> None:
+    stub = (await start_replica()).stub
+    await register(stub, "w0", epoch=3)
+    beat = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load("w0", 3, running=5)))
+    assert beat.registered
+    stale = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load("w0", 2)))
+    assert not stale.registered
+    [status] = (await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
+    assert (status.info.epoch, status.load.num_running, status.load.epoch) == (3, 5, 3)
+    assert status.last_heartbeat_unix_ns > 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # the worker must choose its epoch
+        await register(stub, "w1", epoch=0)
+    assert dict(err.value.trailing_metadata())["meshserve-error-param"] == "info.epoch"
+    removed = await stub.DeregisterWorker(scheduler_pb2.DeregisterWorkerRequest(
+        worker_id="w0", epoch=3))
+    assert removed.removed
+    assert await worker_ids(stub) == []
+
+
+async def test_worker_without_heartbeats_drops_out_after_its_ttl(
+        start_replica: Callable[..., Awaitable[Replica]], redis_client: aioredis.Redis) -> None:
+    stub = (await start_replica(heartbeat_ttl_s=1.0)).stub
+    await register(stub, "w0")
+    await register(stub, "w1")
+    hashes = hash_blocks(PROMPT, BLOCK)
+    await KVIndex(redis_client, NS).apply_events("w0", 1, 1, [BlockStored(tuple(hashes), None,
+                                                                          (), BLOCK)])
+
+    async def only_w1_left() -> bool:
+        beat = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load("w1")))
+        assert beat.registered
+        return await worker_ids(stub) == ["w1"]
+
+    await eventually(only_w1_left)
+    assert (await stub.Route(route_request("r0"))).worker_id == "w1"  # despite w0's prefix
+    assert await KVIndex(redis_client, NS).holders_of(hashes[0]) == {}
+
+
+async def test_full_workers_queue_the_route_until_a_heartbeat_frees_one(
+        start_replica: Callable[..., Awaitable[Replica]]) -> None:
+    replica = await start_replica(max_waiting_per_worker=0, queue_capacity=1)
+    stub = replica.stub
+    await register(stub, "w0", running=1, max_running=1)
+    waiting = asyncio.ensure_future(stub.Route(route_request("r0")))
+
+    async def queued() -> bool:
+        return len(replica.service.router.queue) == 1
+
+    await eventually(queued)
+    assert not waiting.done()
+    with pytest.raises(grpc.aio.AioRpcError) as overflow:  # the queue holds one request
+        await stub.Route(route_request("r1"))
+    assert overflow.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load("w0", running=0,
+                                                                  max_running=1)))
+    response = await asyncio.wait_for(waiting, 5)
+    assert response.worker_id == "w0"
+    assert response.queued_ns > 0
+
+
+async def test_provisional_load_spreads_a_burst_until_release(
+        start_replica: Callable[..., Awaitable[Replica]]) -> None:
+    replica = await start_replica(max_waiting_per_worker=0)
+    stub = replica.stub
+    await register(stub, "w0", max_running=1)
+    await register(stub, "w1", max_running=1)
+    first = await stub.Route(route_request("r0"))
+    second = await stub.Route(route_request("r1"))
+    assert {first.worker_id, second.worker_id} == {"w0", "w1"}  # no heartbeat in between
+    third = asyncio.ensure_future(stub.Route(route_request("r2")))
+
+    async def queued() -> bool:
+        return len(replica.service.router.queue) == 1
+
+    await eventually(queued)
+    released = await stub.Release(scheduler_pb2.ReleaseRequest(request_id="r0",
+                                                               worker_id=first.worker_id))
+    assert released.released
+    assert (await asyncio.wait_for(third, 5)).worker_id == first.worker_id
+    again = await stub.Release(scheduler_pb2.ReleaseRequest(request_id="r0",
+                                                            worker_id=first.worker_id))
+    assert not again.released
+
+
+async def test_queue_gives_up_at_the_request_deadline(
+        start_replica: Callable[..., Awaitable[Replica]]) -> None:
+    stub = (await start_replica(max_waiting_per_worker=0)).stub
+    await register(stub, "w0", running=1, max_running=1)
+    deadline = time.time_ns() + 200_000_000
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Route(route_request("r0", deadline_unix_ns=deadline))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.time_ns() >= deadline
+
+
+async def test_route_errors(start_replica: Callable[..., Awaitable[Replica]]) -> None:
+    stub = (await start_replica(queue_capacity=0)).stub
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Route(route_request("r0"))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    await register(stub, "w0", running=8, max_running=8, free=0)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Route(route_request("r1", exclude_worker_ids=["w0"]))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # full, and no queue to wait in
+        await stub.Route(route_request("r2"))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Route(scheduler_pb2.RouteRequest(request_id="r3", model=MODEL))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(err.value.trailing_metadata())["meshserve-error-param"] == "prompt_token_ids"
+
+
+async def test_two_replicas_share_workers_and_wake_each_other(
+        start_replica: Callable[..., Awaitable[Replica]]) -> None:
+    a = await start_replica(max_waiting_per_worker=0)
+    b = await start_replica(max_waiting_per_worker=0)
+    await register(a.stub, "w0", running=1, max_running=1)
+    await register(b.stub, "w1", running=1, max_running=1)
+    assert await worker_ids(a.stub) == await worker_ids(b.stub) == ["w0", "w1"]
+
+    waiting = asyncio.ensure_future(b.stub.Route(route_request("r0")))
+
+    async def queued_on_b() -> bool:
+        return len(b.service.router.queue) == 1
+
+    await eventually(queued_on_b)
+    # The heartbeat reaches replica A; replica B hears of it through Redis.
+    await a.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load("w1", running=0,
+                                                                    max_running=1)))
+    assert (await asyncio.wait_for(waiting, 5)).worker_id == "w1"
