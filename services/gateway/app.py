@@ -1,0 +1,87 @@
+"""The gateway's aiohttp application and its lifecycle.
+
+    gateway = Gateway(config, telemetry)
+    port = await gateway.start()        # listening on config.host:config.port
+    ...
+    await gateway.stop()                # stop accepting, let requests finish, close channels
+
+Handlers are cancelled when their client disconnects (`handler_cancellation`), which
+cancels the request's Generate and Detokenize calls at once (see orchestrator.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from meshserve.services.gateway import middleware
+from meshserve.services.gateway.admission import Admission
+from meshserve.services.gateway.clients import MeshClients
+from meshserve.services.gateway.config import GatewayConfig
+from meshserve.services.gateway.handlers import Handlers
+from meshserve.services.gateway.metrics import GatewayMetrics
+from meshserve.services.gateway.orchestrator import Orchestrator
+from meshserve.services.gateway.service_handlers import ServiceHandlers
+from meshserve.shared.openai_protocol import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
+from meshserve.shared.telemetry import Telemetry
+
+_log = logging.getLogger(__name__)
+
+
+def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients,
+               orchestrator: Orchestrator, metrics: GatewayMetrics) -> web.Application:
+    """The aiohttp application: middlewares (observe, errors, auth) and every route."""
+    admission = Admission(config.max_concurrent_requests, metrics.in_flight)
+    generation = Handlers(config, orchestrator, admission)
+    service = ServiceHandlers(config, orchestrator, clients)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
+        middleware.observe(telemetry.tracer, metrics),
+        middleware.errors(config.retry_after_s),
+        middleware.auth(config.api_key),
+    ])
+    app.router.add_post(COMPLETIONS_URL, generation.completions)
+    app.router.add_post(CHAT_COMPLETIONS_URL, generation.chat_completions)
+    app.router.add_get("/v1/models", service.models)
+    app.router.add_post("/tokenize", service.tokenize)
+    app.router.add_post("/detokenize", service.detokenize)
+    app.router.add_get("/health", service.health)
+    app.router.add_get("/version", service.version)
+    app.router.add_get("/metrics", telemetry.handle_metrics)
+    return app
+
+
+class Gateway:
+    """The gateway service: mesh clients, orchestrator and the HTTP server."""
+
+    def __init__(self, config: GatewayConfig, telemetry: Telemetry,
+                 clients: MeshClients | None = None) -> None:
+        self.config = config
+        self.telemetry = telemetry
+        self.metrics = GatewayMetrics(telemetry.registry)
+        self.clients = clients or MeshClients(config.tokenizer_addresses,
+                                              config.scheduler_address,
+                                              model_cache_ttl_s=config.model_cache_ttl_s)
+        self.orchestrator = Orchestrator(config, self.clients, self.metrics, telemetry.tracer)
+        self.app = create_app(config, telemetry, self.clients, self.orchestrator, self.metrics)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> int:
+        """Listen on config.host:config.port; returns the bound port."""
+        runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
+                               shutdown_timeout=self.config.drain_grace_s)
+        await runner.setup()
+        await web.TCPSite(runner, self.config.host, self.config.port).start()
+        self._runner = runner
+        port = int(runner.addresses[0][1])
+        _log.info("gateway listening", extra={"host": self.config.host, "port": port})
+        return port
+
+    async def stop(self) -> None:
+        """Stop accepting, give in-flight requests drain_grace_s, close every channel."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.orchestrator.aclose()
+        await self.clients.close()
+        _log.info("gateway stopped")

@@ -1,0 +1,176 @@
+"""The gateway's channels and stubs: tokenizer replicas, the scheduler, and workers.
+
+Channels are opened once and reused by every request (a channel multiplexes calls over
+one HTTP/2 connection); worker channels are opened on first use of a worker address
+and cached by address. Every channel carries the mesh's deadlines, retries for
+idempotent methods and trace-context propagation (`GrpcClient`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from meshserve.proto.v1 import (
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2_grpc,
+    worker_pb2_grpc,
+)
+from meshserve.shared.errors import MeshError, UnavailableError
+from meshserve.shared.grpc_client import GrpcClient, mesh_errors
+
+TOKENIZER_SERVICE = "meshserve.v1.Tokenizer"
+SCHEDULER_SERVICE = "meshserve.v1.Scheduler"
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    """What the gateway needs to know about one registered worker."""
+
+    worker_id: str
+    model_names: tuple[str, ...]
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """Readiness of what the gateway depends on (GET /health)."""
+
+    scheduler_serving: bool
+    tokenizers_serving: dict[str, bool]
+    num_workers: int
+
+    @property
+    def ok(self) -> bool:
+        return (self.scheduler_serving and any(self.tokenizers_serving.values())
+                and self.num_workers > 0)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"status": "ok" if self.ok else "unavailable",
+                "scheduler": self.scheduler_serving, "tokenizers": self.tokenizers_serving,
+                "workers": self.num_workers}
+
+
+class MeshClients:
+    """Stubs of the services behind the gateway, with cached channels."""
+
+    def __init__(self, tokenizer_addresses: Sequence[str], scheduler_address: str, *,
+                 client: GrpcClient | None = None, model_cache_ttl_s: float = 5.0) -> None:
+        assert tokenizer_addresses, "at least one tokenizer address is needed"
+        self._client = client or GrpcClient()
+        self._tokenizer_channels = [self._client.channel(a) for a in tokenizer_addresses]
+        self.tokenizer_addresses = tuple(tokenizer_addresses)
+        self._tokenizers = [tokenizer_pb2_grpc.TokenizerStub(c) for c in self._tokenizer_channels]
+        self._next_tokenizer = 0
+        self._scheduler_channel = self._client.channel(scheduler_address)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
+        self._workers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._worker_cache: tuple[float, list[WorkerEntry]] | None = None
+        self._cache_ttl_s = model_cache_ttl_s
+
+    # -- stubs ------------------------------------------------------------------------------
+
+    def tokenizer(self) -> tokenizer_pb2_grpc.TokenizerStub:
+        """The next tokenizer replica (round-robin)."""
+        stub = self._tokenizers[self._next_tokenizer % len(self._tokenizers)]
+        self._next_tokenizer += 1
+        return stub
+
+    async def call_tokenizer(self, call: Callable[[tokenizer_pb2_grpc.TokenizerStub],
+                                                  Awaitable[_T]]) -> _T:
+        """Run an idempotent unary call on one replica, trying the others while unavailable."""
+        last: MeshError | None = None
+        for _ in range(len(self._tokenizers)):
+            try:
+                with mesh_errors():
+                    return await call(self.tokenizer())
+            except UnavailableError as exc:
+                last = exc
+        assert last is not None
+        raise last
+
+    def worker(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        """The Worker stub of `address` (host:port), its channel opened once and cached."""
+        entry = self._workers.get(address)
+        if entry is None:
+            channel = self._client.channel(address)
+            entry = (channel, worker_pb2_grpc.WorkerStub(channel))
+            self._workers[address] = entry
+        return entry[1]
+
+    # -- registry ---------------------------------------------------------------------------
+
+    async def list_workers(self, *, refresh: bool = False) -> list[WorkerEntry]:
+        """Registered workers, cached for the configured TTL."""
+        now = time.monotonic()
+        if not refresh and self._worker_cache and now - self._worker_cache[0] < self._cache_ttl_s:
+            return self._worker_cache[1]
+        with mesh_errors():
+            response = await self.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest())
+        workers = [WorkerEntry(w.info.worker_id, tuple(w.info.model_names), w.info.max_model_len)
+                   for w in response.workers]
+        self._worker_cache = (now, workers)
+        return workers
+
+    async def model_names(self, *, refresh: bool = False) -> list[str]:
+        """Model names the registered workers serve, first seen first."""
+        names: dict[str, None] = {}
+        for worker in await self.list_workers(refresh=refresh):
+            names.update(dict.fromkeys(worker.model_names))
+        return list(names)
+
+    async def max_model_len(self, model: str) -> int | None:
+        """Context length of `model` as its workers announce it (None when unknown)."""
+        try:
+            workers = await self.list_workers()
+        except MeshError:
+            return None  # only an early check; the worker validates the request again
+        lengths = [w.max_model_len for w in workers if model in w.model_names and w.max_model_len]
+        return min(lengths) if lengths else None
+
+    # -- health -----------------------------------------------------------------------------
+
+    async def health(self, timeout_s: float) -> HealthReport:
+        """Check the scheduler, every tokenizer replica and the worker registry at once."""
+        checks = [_serving(self._scheduler_channel, SCHEDULER_SERVICE, timeout_s)]
+        checks += [_serving(c, TOKENIZER_SERVICE, timeout_s) for c in self._tokenizer_channels]
+        results = await asyncio.gather(*checks, self._count_workers(timeout_s))
+        scheduler, *tokenizers, num_workers = results
+        return HealthReport(bool(scheduler),
+                            dict(zip(self.tokenizer_addresses, map(bool, tokenizers),
+                                     strict=True)),
+                            int(num_workers))
+
+    async def _count_workers(self, timeout_s: float) -> int:
+        try:
+            response = await self.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest(),
+                                                        timeout=timeout_s)
+        except grpc.RpcError:
+            return 0
+        return len(response.workers)
+
+    async def close(self) -> None:
+        """Close every channel (in-flight calls are cancelled)."""
+        channels = [*self._tokenizer_channels, self._scheduler_channel,
+                    *(c for c, _ in self._workers.values())]
+        self._workers.clear()
+        await asyncio.gather(*(c.close() for c in channels))
+
+
+async def _serving(channel: grpc.aio.Channel, service: str, timeout_s: float) -> bool:
+    """Whether the health service of `channel` says `service` is SERVING."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                    timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)

@@ -1,0 +1,75 @@
+"""Settings of the gateway: the OpenAI HTTP API in front of the mesh.
+
+Choices, written down:
+- `max_tokens` when a request leaves it out: legacy `/v1/completions` generate 16
+  tokens, as the OpenAI API documents; `/v1/chat/completions` generate up to the
+  model's context, as vLLM does (OpenAI's chat API has no fixed default either). Both
+  are settings (`completions_default_max_tokens`, `chat_default_max_tokens`; 0 means
+  "up to the context"). A default never makes a request fail: it is capped at what the
+  context leaves, while an explicit `max_tokens` past the context is a 400.
+- `served_model_names` empty: the gateway serves the model names the registered
+  workers announce (the scheduler's ListWorkers, cached for `model_cache_ttl_s`).
+- `/health` is 200 when the scheduler and at least one tokenizer replica are SERVING
+  and at least one worker is registered; otherwise 503 with what is missing.
+- An `api_key` guards `/v1/*`, `/tokenize` and `/detokenize` (as vLLM guards `/v1`);
+  `/health`, `/version` and `/metrics` stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshserve.shared.config import ServiceConfig, option
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig(ServiceConfig):
+    """Settings of the gateway service (flags `--field-name`, env `MESHSERVE_FIELD_NAME`)."""
+
+    port: int = option(8000, "HTTP port of the OpenAI API (0: any free port)")
+    # Defaults: the tokenizer's and the scheduler's own default ports on this host.
+    tokenizer_addresses: tuple[str, ...] = option(
+        ("127.0.0.1:50051",), "tokenizer replicas host:port, comma-separated (round-robin)")
+    scheduler_address: str = option("127.0.0.1:50052", "scheduler host:port")
+    served_model_names: tuple[str, ...] = option(
+        (), "model names the API serves, comma-separated (empty: those the workers announce)")
+    api_key: str | None = option(None, "Bearer token clients must send (unset: no auth)")
+    max_concurrent_requests: int = option(
+        1024, "generation requests in flight before answering 429")
+    retry_after_s: int = option(1, "Retry-After seconds sent with 429 answers")
+    max_body_bytes: int = option(8 * 1024 * 1024, "largest request body accepted (else 413)")
+    request_timeout_s: float = option(600.0, "deadline of one request, end to end (else 504)")
+    completions_default_max_tokens: int = option(
+        16, "max_tokens of /v1/completions when the request gives none (0: up to the context)")
+    chat_default_max_tokens: int = option(
+        0, "max_tokens of /v1/chat/completions when the request gives none "
+           "(0: up to the context)")
+    route_output_estimate: int = option(
+        256, "output tokens the scheduler assumes per sequence when max_tokens is unbounded")
+    max_generate_attempts: int = option(
+        2, "workers tried for one request when a worker is unavailable before its first token")
+    model_cache_ttl_s: float = option(5.0, "seconds the worker list (models, context) is cached")
+    health_timeout_s: float = option(2.0, "deadline of the checks behind GET /health")
+
+    def validate(self) -> None:
+        super().validate()
+        self.require(bool(self.tokenizer_addresses), "needs at least one address",
+                     "tokenizer_addresses")
+        self.require(bool(self.scheduler_address), "must not be empty", "scheduler_address")
+        self.require(self.api_key is None or bool(self.api_key), "must not be empty when set",
+                     "api_key")
+        for name in ("max_concurrent_requests", "max_body_bytes", "retry_after_s",
+                     "route_output_estimate", "max_generate_attempts"):
+            value = getattr(self, name)
+            self.require(value >= 1, f"must be >= 1, got {value}", name)
+        for name in ("completions_default_max_tokens", "chat_default_max_tokens"):
+            value = getattr(self, name)
+            self.require(value >= 0, f"must be >= 0 (0: up to the context), got {value}", name)
+        for name in ("request_timeout_s", "model_cache_ttl_s", "health_timeout_s"):
+            value = getattr(self, name)
+            self.require(value > 0, f"must be > 0, got {value}", name)
+
+    def default_max_tokens(self, chat: bool) -> int | None:
+        """max_tokens applied when a request gives none; None: up to the context."""
+        value = self.chat_default_max_tokens if chat else self.completions_default_max_tokens
+        return value or None

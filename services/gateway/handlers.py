@@ -1,0 +1,177 @@
+"""The generation endpoints: POST /v1/completions and POST /v1/chat/completions.
+
+A request is parsed (shared/openai_protocol.py), its model resolved, admitted (or 429),
+run by the orchestrator under the per-request deadline, and answered as SSE chunks or
+one JSON object. Errors before the first output token get their own HTTP status (the
+stream's headers go out only with the first chunk); errors after it end the stream
+with an error event and `data: [DONE]`, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+from aiohttp import web
+from opentelemetry import trace
+
+from meshserve.services.gateway.admission import Admission
+from meshserve.services.gateway.config import GatewayConfig
+from meshserve.services.gateway.generation import Generation
+from meshserve.services.gateway.job import GenerationJob
+from meshserve.services.gateway.orchestrator import Orchestrator
+from meshserve.services.gateway.render import Renderer, renderer_for
+from meshserve.shared import openai_protocol as oai
+from meshserve.shared.errors import DeadlineExceededError, InvalidRequestError, MeshError
+from meshserve.shared.status import http_error
+
+_log = logging.getLogger(__name__)
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object body (413 past the app's client_max_size)."""
+    raw = await request.read()
+    if not raw:
+        raise InvalidRequestError("the request body is empty; expected a JSON object",
+                                  param="body")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"malformed JSON body: {exc}", param="body") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object", param="body")
+    return body
+
+
+def json_response(body: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=oai.dumps(body), content_type="application/json")
+
+
+class Handlers:
+    """Handlers of the two generation endpoints."""
+
+    def __init__(self, config: GatewayConfig, orchestrator: Orchestrator,
+                 admission: Admission) -> None:
+        self._config = config
+        self._orch = orchestrator
+        self._admission = admission
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        body = await read_json(request)
+        parsed = oai.parse_completion_request(body)
+        arrival, deadline = self._clock()
+        model = await self._orch.resolve_model(parsed.options.model)
+        job = GenerationJob.for_completion(
+            parsed, body, model=model, arrival=arrival, deadline=deadline,
+            default_max_tokens=self._config.default_max_tokens(chat=False))
+        return await self._run(request, job)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        parsed = oai.parse_chat_request(await read_json(request))
+        arrival, deadline = self._clock()
+        model = await self._orch.resolve_model(parsed.options.model)
+        job = GenerationJob.for_chat(
+            parsed, model=model, arrival=arrival, deadline=deadline,
+            default_max_tokens=self._config.default_max_tokens(chat=True))
+        return await self._run(request, job)
+
+    def _clock(self) -> tuple[float, float]:
+        now = asyncio.get_running_loop().time()
+        return now, now + self._config.request_timeout_s
+
+    async def _run(self, request: web.Request, job: GenerationJob) -> web.StreamResponse:
+        _annotate_request(job)
+        with self._admission.slot():
+            if job.options.stream:
+                return await self._stream(request, job)
+            return await self._aggregate(job)
+
+    def _deadline_error(self) -> DeadlineExceededError:
+        return DeadlineExceededError(
+            f"the request did not finish within {self._config.request_timeout_s}s "
+            "(request_timeout_s)")
+
+    async def _aggregate(self, job: GenerationJob) -> web.Response:
+        try:
+            async with asyncio.timeout_at(job.deadline):
+                async with self._orch.generate(job) as generation:
+                    renderer = renderer_for(job, generation.prompts, generation.lookup)
+                    async for update in generation.updates():
+                        renderer.add(update)
+                    usage = generation.usage()
+                    body = renderer.response(usage)
+                    _annotate_result(generation, renderer, usage)
+        except TimeoutError as exc:
+            raise self._deadline_error() from exc
+        return json_response(body)
+
+    async def _stream(self, request: web.Request, job: GenerationJob) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        try:
+            async with asyncio.timeout_at(job.deadline):
+                async with self._orch.generate(job) as generation:
+                    renderer = renderer_for(job, generation.prompts, generation.lookup)
+                    response = web.StreamResponse(headers=_SSE_HEADERS)
+                    await response.prepare(request)
+                    await self._write_stream(response, generation, renderer)
+        except (MeshError, TimeoutError) as exc:
+            error = self._deadline_error() if isinstance(exc, TimeoutError) else exc
+            if response is None:
+                raise error from exc
+            _log.warning("stream of %s ended by an error: %s", job.request_id, error,
+                         extra={"error_kind": error.kind})
+            trace.get_current_span().set_attribute("meshserve.stream_error", error.kind)
+            await response.write(oai.sse(http_error(error)[1]))
+        assert response is not None
+        await response.write(oai.SSE_DONE)
+        await response.write_eof()
+        return response
+
+    async def _write_stream(self, response: web.StreamResponse, generation: Generation,
+                            renderer: Renderer) -> None:
+        options = generation.job.options
+        start = renderer.start()
+        if start:
+            await response.write(start)
+        async for update in generation.updates():
+            usage = generation.usage() if options.continuous_usage_stats else None
+            data = renderer.chunks(update, usage)
+            if data:
+                await response.write(data)
+        usage = generation.usage()
+        if options.include_usage:
+            await response.write(renderer.usage_chunk(usage))
+        _annotate_result(generation, renderer, usage)
+
+
+def _annotate_request(job: GenerationJob) -> None:
+    """gen_ai.* request attributes on the HTTP request's span."""
+    params = job.params
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "chat" if job.chat else "text_completion",
+        "gen_ai.request.id": job.request_id, "gen_ai.request.model": job.model,
+        "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+        "gen_ai.request.n": params.n, "gen_ai.request.stream": job.options.stream}
+    max_tokens = job.max_tokens if job.max_tokens is not None else job.default_max_tokens
+    if max_tokens is not None:
+        attributes["gen_ai.request.max_tokens"] = max_tokens
+    if params.seed is not None and params.seed < 2**63:  # span attributes are int64
+        attributes["gen_ai.request.seed"] = params.seed
+    trace.get_current_span().set_attributes(attributes)
+
+
+def _annotate_result(generation: Generation, renderer: Renderer, usage: dict[str, Any]) -> None:
+    """gen_ai.* response attributes on the HTTP request's span."""
+    trace.get_current_span().set_attributes({
+        "gen_ai.response.id": renderer.response_id,
+        "gen_ai.response.model": generation.job.model,
+        "gen_ai.response.finish_reasons": [r or "abort" for r in generation.finish_reasons],
+        "gen_ai.usage.input_tokens": usage["prompt_tokens"],
+        "gen_ai.usage.output_tokens": usage["completion_tokens"],
+        "gen_ai.usage.cache_read.input_tokens": usage["prompt_tokens_details"]["cached_tokens"]})

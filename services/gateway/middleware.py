@@ -1,0 +1,132 @@
+"""aiohttp middlewares of the gateway: observe (span + metrics), errors, auth.
+
+Order, outermost first: `observe` opens the request's SERVER span (parent: the W3C
+traceparent of the incoming headers, if any) and counts the answer by endpoint and
+status; `errors` turns every failure into the OpenAI error body with the status from
+shared/status.py (429 answers carry Retry-After); `auth` checks the Bearer key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+
+from meshserve.services.gateway.metrics import GatewayMetrics
+from meshserve.shared.errors import AuthenticationError, MeshError
+from meshserve.shared.openai_protocol import dumps
+from meshserve.shared.status import http_error, openai_error_body
+from meshserve.shared.telemetry import extract_context
+
+_log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+# Paths that answer probes and scrapers: no span (they would drown the traces), no auth.
+_OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+# Status proxies log for a request whose client went away before the answer.
+CLIENT_CLOSED = 499
+# OpenAI error type of HTTP errors aiohttp raises itself (no route, wrong method, ...).
+_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error",
+                     413: "invalid_request_error"}
+
+
+def endpoint_of(request: web.Request) -> str:
+    """The route's path pattern (bounded label values), "unmatched" for unknown paths."""
+    resource = getattr(request.match_info.route, "resource", None)
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def error_response(status: int, body: dict[str, object], retry_after_s: int) -> web.Response:
+    """A JSON error answer; 429 and 503 tell the client when to retry."""
+    headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
+    return web.Response(status=status, body=dumps(body), content_type="application/json",
+                        headers=headers)
+
+
+def observe(tracer: Tracer, metrics: GatewayMetrics) -> Middleware:
+    """The span and the request counter of every request."""
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        endpoint = endpoint_of(request)
+        status = 500
+        try:
+            if request.path in _OPEN_PATHS:
+                response = await handler(request)
+                status = response.status
+                return response
+            with tracer.start_as_current_span(
+                    f"{request.method} {endpoint}", context=extract_context(request.headers),
+                    kind=SpanKind.SERVER, record_exception=False,
+                    set_status_on_exception=False, attributes={
+                        "http.request.method": request.method, "url.path": request.path,
+                        "http.route": endpoint}) as span:
+                try:
+                    response = await handler(request)
+                    status = response.status
+                except (asyncio.CancelledError, ConnectionResetError):
+                    status = CLIENT_CLOSED
+                    raise
+                finally:
+                    span.set_attribute("http.response.status_code", status)
+                    if status >= 500:
+                        span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
+                return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            metrics.requests.labels(endpoint, str(status)).inc()
+    return middleware
+
+
+def errors(retry_after_s: int) -> Middleware:
+    """Every failure as the OpenAI error body (a failing request never affects others)."""
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except MeshError as exc:
+            status, body = http_error(exc)
+            if status >= 500:
+                _log.warning("%s %s failed: %s", request.method, request.path, exc,
+                             extra={"error_kind": exc.kind})
+            return error_response(status, body, retry_after_s)
+        except web.HTTPException as exc:  # raised by aiohttp: no route, 405, body too large
+            if exc.status < 400:
+                raise
+            error_type = _HTTP_ERROR_TYPES.get(exc.status, "invalid_request_error")
+            code = "request_too_large" if exc.status == 413 else None
+            message = exc.text or exc.reason
+            if exc.status == 413:
+                message = f"request body too large: {exc.text or exc.reason}"
+            return error_response(exc.status, openai_error_body(message, error_type, code=code),
+                                  retry_after_s)
+        except ConnectionResetError:
+            # The client went away mid-answer: nobody reads this one (aiohttp drops it
+            # quietly), but it is logged and counted as 499.
+            _log.info("client of %s %s went away", request.method, request.path)
+            return web.Response(status=CLIENT_CLOSED)
+        except Exception as exc:  # noqa: BLE001 (logged with traceback, answered as 500)
+            _log.exception("unexpected error in %s %s", request.method, request.path)
+            return error_response(500, openai_error_body(
+                f"internal error: {type(exc).__name__}: {exc}", "server_error"), retry_after_s)
+    return middleware
+
+
+def auth(api_key: str | None) -> Middleware:
+    """Require `Authorization: Bearer <api_key>` on the API paths (not on probes)."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise AuthenticationError("invalid or missing API key (expected "
+                                          "'Authorization: Bearer <key>')")
+        return await handler(request)
+    return middleware

@@ -1,0 +1,313 @@
+"""One request across the mesh: Tokenize -> Route -> Generate piped into Detokenize.
+
+    async with orchestrator.generate(job) as generation:
+        async for update in generation.updates():
+            ...  # SSE chunks, or aggregate
+
+Token-id prompts skip Tokenize. Batched prompts and n > 1 travel as one Generate call
+with several prompts, each sampled n times. A worker that is unavailable before its
+first message is excluded and the request re-routed (`max_generate_attempts`). On
+leaving the block the streams end: normally when every sequence finished; otherwise
+(error, deadline, client gone) the Generate and Detokenize calls are cancelled at once
+and the worker is told to abort. The scheduler is told the request ended (Release).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import grpc
+import orjson
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
+
+from meshserve.proto.v1 import scheduler_pb2, tokenizer_pb2, worker_pb2
+from meshserve.services.gateway import wire
+from meshserve.services.gateway.clients import MeshClients
+from meshserve.services.gateway.config import GatewayConfig
+from meshserve.services.gateway.detokenize import (
+    DetokenizeSession,
+    detokenize_text,
+    options_for,
+)
+from meshserve.services.gateway.generation import Generation
+from meshserve.services.gateway.job import (
+    ChatPrompt,
+    GenerationJob,
+    PreparedPrompt,
+    PromptInput,
+    resolve_max_tokens,
+)
+from meshserve.services.gateway.metrics import GatewayMetrics
+from meshserve.shared.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+)
+from meshserve.shared.grpc_client import mesh_errors
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+# Abort and Release are best effort and must not outlive a request by much.
+_CLEANUP_TIMEOUT_S = 5.0
+
+
+class Orchestrator:
+    """Runs generation requests (and the /tokenize, /detokenize helpers) over the mesh."""
+
+    def __init__(self, config: GatewayConfig, clients: MeshClients, metrics: GatewayMetrics,
+                 tracer: Tracer) -> None:
+        self._config = config
+        self._clients = clients
+        self._metrics = metrics
+        self._tracer = tracer
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- models -----------------------------------------------------------------------------
+
+    async def model_names(self) -> list[str]:
+        """Names served: the configured ones, or those the registered workers announce."""
+        if self._config.served_model_names:
+            return list(self._config.served_model_names)
+        return await self._clients.model_names()
+
+    async def resolve_model(self, requested: str | None) -> str:
+        """The model a request names (the first served one when it names none)."""
+        names = await self.model_names()
+        if requested is None:
+            if not names:
+                raise UnavailableError("no model is being served yet (no worker registered)")
+            return names[0]
+        if requested in names:
+            return requested
+        if not self._config.served_model_names and requested in await self._clients.model_names(
+                refresh=True):  # a worker may have registered since the cache was filled
+            return requested
+        raise NotFoundError(f"The model `{requested}` does not exist.", param="model")
+
+    # -- tokenization -----------------------------------------------------------------------
+
+    def remaining_s(self, deadline: float) -> float:
+        """Seconds left until `deadline` (event-loop clock); DeadlineExceededError if none."""
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise DeadlineExceededError("the request ran past its deadline "
+                                        f"({self._config.request_timeout_s}s)")
+        return left
+
+    async def tokenize(self, model: str, prompt: str | ChatPrompt, *, add_special_tokens: bool,
+                       deadline: float) -> tokenizer_pb2.TokenizeResponse:
+        """Tokenize one text or chat prompt on a tokenizer replica."""
+        request = tokenizer_pb2.TokenizeRequest(model=model,
+                                                add_special_tokens=add_special_tokens)
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.chat.CopyFrom(wire.chat_messages(prompt.messages))
+            request.tools_json = orjson.dumps(prompt.tools).decode() if prompt.tools else ""
+            request.add_generation_prompt = prompt.add_generation_prompt
+            request.continue_final_message = prompt.continue_final_message
+            if prompt.chat_template_kwargs:
+                request.chat_template_kwargs_json = orjson.dumps(
+                    prompt.chat_template_kwargs).decode()
+        timeout = self.remaining_s(deadline)
+        return await self._clients.call_tokenizer(
+            lambda stub: stub.Tokenize(request, timeout=timeout))
+
+    async def detokenize(self, model: str, token_ids: Sequence[int], deadline: float) -> str:
+        """Text of `token_ids` (special tokens kept), from a tokenizer replica."""
+        ids = wire.check_token_ids(token_ids, "tokens")
+        with self._tracer.start_as_current_span("detokenize", attributes={
+                "gen_ai.request.model": model, "meshserve.num_tokens": len(ids)}):
+            return await detokenize_text(self._clients.tokenizer(), ids, model=model,
+                                         deadline_s=self.remaining_s(deadline))
+
+    async def _prepare_one(self, job: GenerationJob, prompt: PromptInput) -> PreparedPrompt:
+        if isinstance(prompt, tuple):  # token ids go straight through
+            ids = wire.check_token_ids(prompt, "prompt")
+            text = await self.detokenize(job.model, ids, job.deadline) if job.echo else None
+            return PreparedPrompt(ids, text, await self._clients.max_model_len(job.model))
+        response = await self.tokenize(job.model, prompt, deadline=job.deadline,
+                                       add_special_tokens=job.add_special_tokens)
+        if not response.token_ids:
+            raise InvalidRequestError("the prompt is empty (it has no tokens)",
+                                      param=job.prompt_param)
+        text = prompt if isinstance(prompt, str) else response.prompt_text
+        return PreparedPrompt(list(response.token_ids), text, response.max_model_len or None)
+
+    async def _prepare(self, job: GenerationJob) -> list[PreparedPrompt]:
+        with self._tracer.start_as_current_span("tokenize", attributes={
+                "gen_ai.request.model": job.model,
+                "meshserve.num_prompts": len(job.prompts)}) as span:
+            prompts = await _gather_all([self._prepare_one(job, p) for p in job.prompts])
+            span.set_attribute("gen_ai.usage.input_tokens",
+                               sum(len(p.token_ids) for p in prompts))
+        return prompts
+
+    # -- generation -------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def generate(self, job: GenerationJob) -> AsyncIterator[Generation]:
+        """Run `job`; the block reads the Generation (see the module doc)."""
+        prompts = await self._prepare(job)
+        max_tokens = resolve_max_tokens(job, prompts)
+        detok_span = self._tracer.start_span("detokenize")
+        generate_span = self._tracer.start_span("generate", attributes={
+            "gen_ai.request.model": job.model, "meshserve.request_id": job.request_id})
+        generation: Generation | None = None
+        detok = DetokenizeSession([self._clients.tokenizer() for _ in prompts], job.params.n)
+        try:
+            with trace.use_span(detok_span, end_on_exit=False):
+                await detok.open([options_for(
+                    job.params, model=job.model, request_id=job.request_id,
+                    num_sequences=job.params.n, prompt_token_ids=p.token_ids)
+                    for p in prompts], self.remaining_s(job.deadline))
+            generation = await self._start(job, prompts, max_tokens, detok, generate_span)
+            yield generation
+        except BaseException as exc:
+            (generation.cancel() if generation is not None else detok.cancel())
+            for span in (generate_span, detok_span):
+                _record_failure(span, exc)
+            raise
+        else:
+            await generation.finish()
+        finally:
+            if generation is not None:
+                self._release(job, generation.route)
+            generate_span.end()
+            detok_span.end()
+
+    def _generate_request(self, job: GenerationJob, prompts: Sequence[PreparedPrompt],
+                          max_tokens: int | None) -> worker_pb2.GenerateRequest:
+        return wire.guarded(lambda: worker_pb2.GenerateRequest(
+            request_id=job.request_id,
+            prompts=[worker_pb2.Prompt(token_ids=p.token_ids) for p in prompts],
+            params=wire.sampling_params(job.params, max_tokens),
+            priority=job.options.priority, cache_salt=job.options.cache_salt or "",
+            deadline_unix_ns=self._deadline_unix_ns(job)), "priority")
+
+    async def _start(self, job: GenerationJob, prompts: list[PreparedPrompt],
+                     max_tokens: int | None, detok: DetokenizeSession,
+                     span: Span) -> Generation:
+        """Route and open Generate until a worker answers (re-routing unavailable ones)."""
+        request = self._generate_request(job, prompts, max_tokens)
+        excluded: list[str] = []
+        attempts = self._config.max_generate_attempts
+        for attempt in range(1, attempts + 1):
+            route = await self._route(job, prompts, max_tokens, excluded)
+            worker = self._clients.worker(route.address)
+            with trace.use_span(span, end_on_exit=False):
+                call = worker.Generate(request, timeout=self.remaining_s(job.deadline))
+            try:
+                with mesh_errors():
+                    first = await call.read()
+            except UnavailableError as exc:
+                call.cancel()
+                self._release(job, route)
+                if attempt == attempts:
+                    raise
+                span.add_event("worker unavailable, re-routing", {
+                    "meshserve.worker_id": route.worker_id, "exception.message": str(exc)})
+                excluded.append(route.worker_id)
+                continue
+            except BaseException:
+                call.cancel()
+                self._release(job, route)
+                raise
+            span.set_attributes({"meshserve.worker_id": route.worker_id,
+                                 "meshserve.attempts": attempt})
+            return Generation(job, prompts, call, first, detok, route=route,
+                              metrics=self._metrics, span=span,
+                              abort=self._aborter(job, route))
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    async def _route(self, job: GenerationJob, prompts: list[PreparedPrompt],
+                     max_tokens: int | None, excluded: list[str]
+                     ) -> scheduler_pb2.RouteResponse:
+        first = prompts[0]
+        expected = max_tokens or self._config.route_output_estimate
+        if first.max_model_len is not None:
+            expected = min(expected, first.max_model_len - len(first.token_ids))
+        request = wire.guarded(lambda: scheduler_pb2.RouteRequest(
+            request_id=job.request_id, model=job.model, prompt_token_ids=first.token_ids,
+            num_prompt_tokens=len(first.token_ids), cache_salt=job.options.cache_salt or "",
+            priority=job.options.priority, deadline_unix_ns=self._deadline_unix_ns(job),
+            expected_output_tokens=expected, num_sequences=job.num_choices,
+            exclude_worker_ids=excluded), "priority")
+        with self._tracer.start_as_current_span("route", attributes={
+                "gen_ai.request.model": job.model,
+                "meshserve.num_excluded": len(excluded)}) as span:
+            with mesh_errors():
+                response = await self._clients.scheduler.Route(
+                    request, timeout=self.remaining_s(job.deadline))
+            span.set_attributes({
+                "meshserve.worker_id": response.worker_id,
+                "meshserve.matched_blocks": response.num_matched_blocks,
+                "meshserve.kvstore_blocks": response.num_kvstore_blocks,
+                "meshserve.queued_ns": response.queued_ns})
+        return response
+
+    def _deadline_unix_ns(self, job: GenerationJob) -> int:
+        return time.time_ns() + int(self.remaining_s(job.deadline) * 1e9)
+
+    # -- best-effort cleanup ----------------------------------------------------------------
+
+    def _aborter(self, job: GenerationJob, route: scheduler_pb2.RouteResponse
+                 ) -> Callable[[list[int]], None]:
+        """Best-effort Worker.Abort of some sequences of `job` ([] for all)."""
+        worker = self._clients.worker(route.address)
+
+        def abort(indices: list[int]) -> None:
+            request = worker_pb2.AbortRequest(request_id=job.request_id, indices=indices)
+            self._spawn(worker.Abort(request, timeout=_CLEANUP_TIMEOUT_S), "Abort")
+        return abort
+
+    def _release(self, job: GenerationJob, route: scheduler_pb2.RouteResponse) -> None:
+        request = scheduler_pb2.ReleaseRequest(request_id=job.request_id,
+                                               worker_id=route.worker_id)
+        self._spawn(self._clients.scheduler.Release(request, timeout=_CLEANUP_TIMEOUT_S),
+                    "Release")
+
+    def _spawn(self, call: Awaitable[Any], what: str) -> None:
+        task = asyncio.ensure_future(_best_effort(call, what))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        """Wait for outstanding Abort / Release calls (on shutdown)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=_CLEANUP_TIMEOUT_S)
+
+
+async def _best_effort(call: Awaitable[Any], what: str) -> None:
+    try:
+        await call
+    except grpc.RpcError as exc:
+        _log.warning("best-effort %s failed: %s", what, exc)
+
+
+async def _gather_all(coros: Sequence[Awaitable[_T]]) -> list[_T]:
+    """Await all; on the first failure cancel the rest and raise it."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+def _record_failure(span: Span, exc: BaseException) -> None:
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        span.set_attribute("meshserve.cancelled", True)
+        return
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))

@@ -1,0 +1,177 @@
+"""Generation updates -> OpenAI response bodies: SSE chunks or one aggregated object.
+
+One SSE event per choice per worker message (what OpenAI clients expect), all events
+of one message written together; a choice with nothing new is left out of a message.
+`/v1/completions` and `/v1/chat/completions` differ only in how a choice is shaped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshserve.services.gateway.job import ChoiceDelta, GenerationJob, GenerationUpdate
+from meshserve.services.worker.engine.request import TokenLogprobs
+from meshserve.shared import openai_protocol as oai
+
+
+@dataclass
+class _Choice:
+    """Everything one choice produced, for the aggregated response."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False  # its first delta (with the echoed prompt) was rendered
+    text_length: int = 0  # characters streamed so far (text_offset of the next chunk)
+
+
+class Renderer:
+    """Shapes one request's output; subclasses shape choices per endpoint."""
+
+    def __init__(self, job: GenerationJob, prompts: Sequence[Any], lookup: oai.TokenRenderer,
+                 response_id: str, created: int | None = None) -> None:
+        """`prompts`: the PreparedPrompts (echo); `lookup`: token texts for logprobs."""
+        self.job = job
+        self.prompts = list(prompts)
+        self.lookup = lookup
+        self.response_id = response_id
+        self.created = oai.created_timestamp() if created is None else created
+        self._choices = [_Choice() for _ in range(job.num_choices)]
+
+    # -- streaming --------------------------------------------------------------------------
+
+    def start(self) -> bytes:
+        """SSE bytes sent before the first update (none by default)."""
+        return b""
+
+    def chunks(self, update: GenerationUpdate, usage: dict[str, Any] | None = None) -> bytes:
+        """The SSE events of one update: one per choice with news."""
+        events = [oai.sse(self._chunk([choice], usage))
+                  for delta in update.choices
+                  if (choice := self._stream_choice(delta)) is not None]
+        return b"".join(events)
+
+    def usage_chunk(self, usage: dict[str, Any]) -> bytes:
+        """The last chunk of `stream_options.include_usage`: no choices, the usage."""
+        return oai.sse(self._chunk([], usage))
+
+    # -- aggregated -------------------------------------------------------------------------
+
+    def add(self, update: GenerationUpdate) -> None:
+        """Take an update into the aggregated response."""
+        for delta in update.choices:
+            choice = self._choices[delta.index]
+            text, ids, entries = self._with_echo(delta, choice)
+            choice.texts.append(text)
+            choice.token_ids.extend(ids)
+            choice.logprobs.extend(entries)
+            if delta.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+
+    def response(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The whole response object."""
+        raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------------------------
+
+    def _with_echo(self, delta: ChoiceDelta, choice: _Choice
+                   ) -> tuple[str, list[int], list[TokenLogprobs | None]]:
+        """The delta's text, ids and logprobs, behind the echoed prompt on a choice's first."""
+        entries: list[TokenLogprobs | None] = list(delta.logprobs or ())
+        text, ids = delta.text, delta.token_ids
+        if self.job.echo and not choice.started:
+            prompt = self.prompts[delta.index // self.job.params.n]
+            text = (prompt.text or "") + text
+            if self.job.wants_logprobs and delta.prompt_logprobs is not None:
+                ids = [*prompt.token_ids, *ids]
+                entries = [*delta.prompt_logprobs, *entries]
+        choice.started = True
+        return text, ids, entries
+
+    def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None
+               ) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionRenderer(Renderer):
+    """`text_completion` objects and chunks (legacy completions)."""
+
+    def _logprobs(self, ids: list[int], entries: list[TokenLogprobs | None],
+                  offset: int) -> dict[str, Any] | None:
+        if not self.job.wants_logprobs:
+            return None
+        return oai.completion_logprobs(ids, entries, self.lookup, offset)
+
+    def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        choice = self._choices[delta.index]
+        text, ids, entries = self._with_echo(delta, choice)
+        if not _has_news(text, ids, delta, self.job.wants_logprobs):
+            return None
+        logprobs = self._logprobs(ids, entries, choice.text_length)
+        choice.text_length += len(text)
+        return oai.completion_choice(delta.index, text, delta.finish_reason, delta.stop_reason,
+                                     logprobs)
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None
+               ) -> dict[str, Any]:
+        return oai.completion_chunk(self.response_id, self.created, self.job.model, choices,
+                                    usage)
+
+    def response(self, usage: dict[str, Any]) -> dict[str, Any]:
+        choices = [oai.completion_choice(
+            i, "".join(c.texts), c.finish_reason, c.stop_reason,
+            self._logprobs(c.token_ids, c.logprobs, 0)) for i, c in enumerate(self._choices)]
+        return oai.completion_response(self.response_id, self.created, self.job.model, choices,
+                                       usage)
+
+
+class ChatRenderer(Renderer):
+    """`chat.completion` objects and `chat.completion.chunk`s."""
+
+    def _logprobs(self, entries: list[TokenLogprobs | None]) -> dict[str, Any] | None:
+        if not self.job.wants_logprobs:
+            return None
+        return oai.chat_logprobs([e for e in entries if e is not None], self.lookup)
+
+    def start(self) -> bytes:
+        """Each choice's first chunk: the assistant role with empty content (as OpenAI)."""
+        return b"".join(oai.sse(self._chunk([oai.chat_delta_choice(i, "", role=True)], None))
+                        for i in range(self.job.num_choices))
+
+    def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if not _has_news(delta.text, delta.token_ids, delta, self.job.wants_logprobs):
+            return None
+        return oai.chat_delta_choice(
+            delta.index, delta.text if delta.text or delta.finish_reason is None else None,
+            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+            logprobs=self._logprobs(list(delta.logprobs or ())))
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None
+               ) -> dict[str, Any]:
+        return oai.chat_chunk(self.response_id, self.created, self.job.model, choices, usage)
+
+    def response(self, usage: dict[str, Any]) -> dict[str, Any]:
+        choices = [oai.chat_choice(i, "".join(c.texts), c.finish_reason, c.stop_reason,
+                                   self._logprobs(c.logprobs))
+                   for i, c in enumerate(self._choices)]
+        return oai.chat_response(self.response_id, self.created, self.job.model, choices, usage)
+
+
+def _has_news(text: str, token_ids: list[int], delta: ChoiceDelta, logprobs: bool) -> bool:
+    """Whether a choice's chunk says anything: text, a finish, or logprobs of held tokens."""
+    return bool(text) or delta.finish_reason is not None or (logprobs and bool(token_ids))
+
+
+def renderer_for(job: GenerationJob, prompts: Sequence[Any],
+                 lookup: oai.TokenRenderer) -> Renderer:
+    """The renderer of `job`'s endpoint, with a fresh response id."""
+    if job.chat:
+        return ChatRenderer(job, prompts, lookup, oai.chat_completion_id())
+    return CompletionRenderer(job, prompts, lookup, oai.completion_id())

@@ -1,0 +1,203 @@
+"""The gateway's error answers: every failure is the OpenAI error body with its status.
+
+Raw HTTP (aiohttp) so that statuses, headers and bodies are seen as sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from test_gateway_fakes import MAX_MODEL_LEN, MODEL, Mesh, start_mesh
+
+from meshserve.shared.errors import InternalError, OverloadedError, UnavailableError
+
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[Mesh]:
+    async with start_mesh() as started:
+        yield started
+
+
+async def call(mesh: Mesh, path: str, body: Any = None, *, data: bytes | None = None,
+               headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], Any]:
+    """POST (or GET without a body): status, JSON body, headers."""
+    async with aiohttp.ClientSession(mesh.base_url) as http:
+        method = "GET" if body is None and data is None else "POST"
+        async with http.request(method, path, json=body, data=data, headers=headers) as resp:
+            return resp.status, await resp.json(content_type=None), resp.headers
+
+
+def assert_error(status: int, body: dict[str, Any], expected: int, *,
+                 param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error body shape, with the expected status, param and code."""
+    assert status == expected, body
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {**COMPLETION, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {**COMPLETION, "prompt": 5}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": -1}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": 7, "content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -5}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, "n"),
+])
+async def test_bad_requests_are_400(mesh: Mesh, path: str, body: dict[str, Any],
+                                    param: str) -> None:
+    status, answer, _ = await call(mesh, path, body)
+    error = assert_error(status, answer, 400, param=param)
+    assert error["type"] == "invalid_request_error"
+    assert mesh.worker.requests == []
+
+
+async def test_malformed_json_is_400(mesh: Mesh) -> None:
+    status, body, _ = await call(mesh, "/v1/completions", data=b'{"prompt": "x",',
+                                 headers={"Content-Type": "application/json"})
+    assert "malformed JSON" in assert_error(status, body, 400, param="body")["message"]
+
+
+async def test_unknown_model_is_404(mesh: Mesh) -> None:
+    status, body, _ = await call(mesh, "/v1/chat/completions", {**CHAT, "model": "nope"})
+    assert "nope" in assert_error(status, body, 404, param="model")["message"]
+
+
+async def test_unknown_path_is_404_with_error_body(mesh: Mesh) -> None:
+    status, body, _ = await call(mesh, "/v1/nothing", {})
+    assert_error(status, body, 404)
+
+
+async def test_prompt_past_the_context_is_400(mesh: Mesh) -> None:
+    long_prompt = {**COMPLETION, "prompt": "x" * MAX_MODEL_LEN}
+    status, body, _ = await call(mesh, "/v1/completions", long_prompt)
+    assert_error(status, body, 400, param="prompt", code="context_length_exceeded")
+    too_many = {**COMPLETION, "max_tokens": MAX_MODEL_LEN}
+    status, body, _ = await call(mesh, "/v1/completions", too_many)
+    error = assert_error(status, body, 400, param="max_tokens", code="context_length_exceeded")
+    assert str(MAX_MODEL_LEN) in error["message"]
+    assert mesh.worker.requests == []
+
+
+async def test_oversized_body_is_413() -> None:
+    async with start_mesh(max_body_bytes=2048) as mesh:
+        status, body, _ = await call(mesh, "/v1/completions", {**COMPLETION, "prompt": "x" * 4096})
+        assert_error(status, body, 413)
+        status, _, _ = await call(mesh, "/v1/completions", COMPLETION)
+        assert status == 200
+
+
+async def test_api_key_is_enforced() -> None:
+    async with start_mesh(api_key="sekret") as mesh:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            status, body, _ = await call(mesh, "/v1/completions", COMPLETION, headers=headers)
+            assert_error(status, body, 401)
+        status, body, _ = await call(mesh, "/v1/models", headers={"Authorization": "Bearer x"})
+        assert_error(status, body, 401)
+        status, _, _ = await call(mesh, "/health")  # probes stay open
+        assert status == 200
+        async with openai.AsyncOpenAI(base_url=f"{mesh.base_url}/v1", api_key="sekret",
+                                      max_retries=0) as api:
+            result = await api.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert result.choices[0].text
+        async with openai.AsyncOpenAI(base_url=f"{mesh.base_url}/v1", api_key="bad",
+                                      max_retries=0) as api:
+            with pytest.raises(openai.AuthenticationError):
+                await api.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert len(mesh.worker.requests) == 1
+
+
+async def test_admission_bound_is_429_with_retry_after() -> None:
+    async with start_mesh(max_concurrent_requests=1, retry_after_s=3) as mesh, \
+            aiohttp.ClientSession(mesh.base_url) as http:
+        mesh.worker.hold_after_first = True
+        async with http.post("/v1/completions", json={**COMPLETION, "stream": True}) as first:
+            assert first.status == 200
+            assert (await first.content.readline()).startswith(b"data: ")
+            status, body, headers = await call(mesh, "/v1/completions", COMPLETION)
+            assert_error(status, body, 429, code="overloaded")
+            assert headers["Retry-After"] == "3"
+        # The slot comes back once the first request is gone.
+        await asyncio.wait_for(mesh.worker.cancelled.wait(), timeout=5)
+        mesh.worker.hold_after_first = False
+        status, _, _ = await call(mesh, "/v1/completions", COMPLETION)
+        assert status == 200
+
+
+async def test_scheduler_resource_exhausted_is_429(mesh: Mesh) -> None:
+    mesh.scheduler.route_error = OverloadedError("global queue is full")
+    status, body, headers = await call(mesh, "/v1/chat/completions", CHAT)
+    error = assert_error(status, body, 429, code="overloaded")
+    assert error["message"] == "global queue is full" and headers["Retry-After"] == "1"
+
+
+async def test_workers_down_is_503() -> None:
+    async with start_mesh(dead_workers=2, max_generate_attempts=2) as mesh:
+        mesh.scheduler.workers = mesh.scheduler.workers[:2]  # only the dead ones
+        status, body, _ = await call(mesh, "/v1/completions", COMPLETION)
+        assert_error(status, body, 503)
+        assert len(mesh.scheduler.routes) == 2
+        await asyncio.wait_for(mesh.scheduler.release_seen.wait(), timeout=5)
+
+
+async def test_scheduler_unavailable_is_503(mesh: Mesh) -> None:
+    mesh.scheduler.route_error = UnavailableError("no worker serves tiny")
+    status, body, _ = await call(mesh, "/v1/completions", COMPLETION)
+    assert_error(status, body, 503)
+
+
+async def test_tokenizer_down_is_503() -> None:
+    async with start_mesh(tokenizer_down=True) as mesh:
+        status, body, _ = await call(mesh, "/v1/completions", COMPLETION)
+        assert_error(status, body, 503)
+        status, body, _ = await call(mesh, "/health")
+        assert status == 503 and "tokenizer" in body["error"]["message"]
+
+
+async def test_internal_error_is_500_and_fails_alone(mesh: Mesh) -> None:
+    mesh.worker.raise_first = ValueError("boom")
+    mesh.worker.raise_marker = "!"
+    bad, good = await asyncio.gather(
+        call(mesh, "/v1/completions", {**COMPLETION, "prompt": "boom!"}),
+        call(mesh, "/v1/completions", COMPLETION))
+    assert assert_error(bad[0], bad[1], 500)["type"] == "server_error"
+    assert good[0] == 200 and good[1]["choices"][0]["text"]
+    mesh.worker.raise_first = InternalError("engine bug")
+    status, body, _ = await call(mesh, "/v1/completions", {**COMPLETION, "prompt": "x!"})
+    assert "engine bug" in assert_error(status, body, 500)["message"]
+
+
+async def test_deadline_is_504_and_cancels_the_worker() -> None:
+    async with start_mesh(request_timeout_s=0.5) as mesh:
+        mesh.worker.hold_after_first = True
+        status, body, _ = await call(mesh, "/v1/completions", COMPLETION)
+        assert_error(status, body, 504, code="deadline_exceeded")
+        await asyncio.wait_for(mesh.worker.cancelled.wait(), timeout=5)
+
+
+async def test_error_mid_stream_ends_the_stream_with_an_error_event(mesh: Mesh) -> None:
+    mesh.worker.fail_after_first = UnavailableError("worker lost its GPU")
+    async with aiohttp.ClientSession(mesh.base_url) as http, \
+            http.post("/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+        assert resp.status == 200
+        events = [line for line in (await resp.read()).split(b"\n\n") if line]
+    assert len(events) == 3
+    assert events[0].startswith(b'data: {"id":"cmpl-')
+    assert b'"error":' in events[1] and b"worker lost its GPU" in events[1]
+    assert events[2] == b"data: [DONE]"
