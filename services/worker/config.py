@@ -98,19 +98,15 @@ class WorkerConfig(EngineOptions, ServiceConfig):
     redis_url: str | None = option("redis://127.0.0.1:6379/0", "Redis holding the KV block "
                                                                "index (empty: no KV events)")
     advertise_address: str | None = option(None, "host:port the scheduler hands to clients "
-                                                  "(unset: this host's name and bound port)")
+                                                  "(unset: the listen host, or this host's IP "
+                                                  "when listening on all interfaces)")
     heartbeat_interval_s: float | None = option(None, "seconds between heartbeats (unset: "
                                                       "what the scheduler asks for)")
-    registration_timeout_s: float = option(60.0, "how long to keep retrying the first "
-                                                 "registration while the scheduler starts")
 
     def validate(self) -> None:
         super().validate()
         self.require(self.heartbeat_interval_s is None or self.heartbeat_interval_s > 0,
                      f"must be positive, got {self.heartbeat_interval_s}", "heartbeat_interval_s")
-        self.require(self.registration_timeout_s > 0,
-                     f"must be positive, got {self.registration_timeout_s}",
-                     "registration_timeout_s")
         self.require(self.worker_id is None or bool(self.worker_id.strip()),
                      "must not be blank", "worker_id")
 
@@ -119,11 +115,17 @@ class WorkerConfig(EngineOptions, ServiceConfig):
         return self.worker_id or f"{socket.gethostname()}-{bound_port}"
 
     def resolved_advertise_address(self, bound_port: int) -> str:
-        """Where clients reach this worker: the configured address, or host:bound port."""
+        """Where clients reach this worker: the configured address, else the listen host,
+        else (listening on all interfaces) this host's IP address, which works in a
+        container or pod whose hostname other hosts cannot resolve."""
         if self.advertise_address:
             return self.advertise_address
-        wildcard = self.host in ("0.0.0.0", "::", "")
-        host = socket.gethostname() if wildcard else self.host
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            try:
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                host = socket.gethostname()
         return f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
 
     def model_names(self, source_name: str) -> list[str]:
