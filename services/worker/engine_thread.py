@@ -108,12 +108,12 @@ class EngineThread:
     def __init__(self, engine: LLMEngine, *, epoch: int = 0,
                  on_kv_events: Callable[[KVEventBatch], None] | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
-        """`on_kv_events` and `on_fatal` are called on the event loop; `epoch` and
-        `on_kv_events` may be set until `start()`."""
+        """`on_kv_events` and `on_fatal` are called on the event loop; `epoch`,
+        `on_kv_events` and `on_fatal` may be set until `start()`."""
         self.engine = engine
         self.epoch = epoch
         self.on_kv_events = on_kv_events
-        self._on_fatal = on_fatal
+        self.on_fatal = on_fatal
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -242,8 +242,8 @@ class EngineThread:
             stream.fail(failure)
         self._streams.clear()
         self._routes.clear()
-        if self._on_fatal is not None:
-            self._on_fatal(error)
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     def _to_loop(self, callback: Callable[..., None], *args: object) -> None:
         assert self._loop is not None

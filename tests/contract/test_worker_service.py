@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +19,20 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from meshserve.proto.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import RequestOutput, TokenLogprobs
 from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.kv_publisher import KVEventPublisher
+from meshserve.services.worker.registration import Registration
 from meshserve.services.worker.service import WorkerServicer
 from meshserve.shared.block_hash import hash_blocks
 from meshserve.shared.grpc_client import GrpcClient, wait_until_serving
@@ -337,3 +344,101 @@ async def test_load_info_and_spans(worker: Harness) -> None:
         assert span.start_time <= span.end_time
     assert spans["worker.queue"].end_time <= spans["worker.prefill"].start_time + 1000
     assert spans["worker.prefill"].end_time <= spans["worker.decode"].start_time + 1000
+
+
+async def test_deadline_aborts_the_request(worker: Harness) -> None:
+    call = worker.stub.Generate(worker_pb2.GenerateRequest(
+        request_id="late", prompts=[worker_pb2.Prompt(token_ids=PROMPTS[1])],
+        params=greedy(200, ignore_eos=True), deadline_unix_ns=time.time_ns() + 50_000_000))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(call)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    load = (await wait_idle(worker, within_s=1.0)).load
+    assert load.num_free_blocks == NUM_BLOCKS
+
+
+async def test_engine_failure_is_fatal(worker: Harness) -> None:
+    failures: list[BaseException] = []
+    worker.thread.on_fatal = failures.append
+
+    def broken_step() -> list[RequestOutput]:
+        raise RuntimeError("device lost")
+
+    worker.engine.step = broken_step  # type: ignore[method-assign]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(worker.stub.Generate(request("doomed", [PROMPTS[0]], greedy(4))))
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "device lost" in (info.value.details() or "")
+    assert [str(f) for f in failures] == ["device lost"]
+    with pytest.raises(grpc.aio.AioRpcError) as after:
+        await collect(worker.stub.Generate(request("next", [PROMPTS[0]], greedy(4))))
+    assert after.value.code() == grpc.StatusCode.INTERNAL
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Records what a worker tells it; can forget the worker once (as after a restart)."""
+
+    def __init__(self) -> None:
+        self.registrations: list[scheduler_pb2.RegisterWorkerRequest] = []
+        self.heartbeats: list[common_pb2.WorkerLoad] = []
+        self.deregistrations: list[tuple[str, int]] = []
+        self.forget_next = False
+        self.changed = asyncio.Condition()
+
+    async def _note(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> scheduler_pb2.RegisterWorkerResponse:
+        self.registrations.append(request)
+        await self._note()
+        return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval_s=0.02, ttl_s=1.0)
+
+    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
+        self.heartbeats.append(request.load)
+        registered, self.forget_next = not self.forget_next, False
+        await self._note()
+        return scheduler_pb2.HeartbeatResponse(registered=registered)
+
+    async def DeregisterWorker(self, request: scheduler_pb2.DeregisterWorkerRequest,
+                               context: grpc.aio.ServicerContext
+                               ) -> scheduler_pb2.DeregisterWorkerResponse:
+        self.deregistrations.append((request.worker_id, request.epoch))
+        await self._note()
+        return scheduler_pb2.DeregisterWorkerResponse(removed=True)
+
+    async def until(self, ready: Callable[[], bool]) -> None:
+        async with asyncio.timeout(10), self.changed:
+            await self.changed.wait_for(ready)
+
+
+async def test_registration_heartbeats_and_reregisters(worker: Harness) -> None:
+    fake = FakeScheduler()
+    server = GrpcServer("127.0.0.1:0", service_names=["meshserve.v1.Scheduler"])
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(fake, server.server)
+    port = await server.start()
+    channel = GrpcClient().channel(f"127.0.0.1:{port}")
+    info = (await worker.stub.GetInfo(worker_pb2.GetInfoRequest())).info
+
+    def load() -> common_pb2.WorkerLoad:
+        return common_pb2.WorkerLoad(worker_id=WORKER_ID, epoch=EPOCH,
+                                     num_free_blocks=worker.thread.load.num_free_blocks)
+
+    registration = Registration(scheduler_pb2_grpc.SchedulerStub(channel), lambda: info, load)
+    registration.start()
+    try:
+        await fake.until(lambda: len(fake.heartbeats) >= 2)
+        assert fake.registrations[0].info == info
+        assert registration.interval_s == pytest.approx(0.02)
+        assert fake.heartbeats[-1].num_free_blocks == NUM_BLOCKS
+        fake.forget_next = True
+        await fake.until(lambda: len(fake.registrations) == 2 and not fake.forget_next)
+        await fake.until(lambda: len(fake.heartbeats) >= 4)
+    finally:
+        await registration.stop(deregister=True)
+        await channel.close()
+        await server.drain(grace_s=0.5)
+    assert fake.deregistrations == [(WORKER_ID, EPOCH)]
