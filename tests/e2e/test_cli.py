@@ -1,4 +1,5 @@
-"""`meshserve run-batch` end to end: the installed console script on a tiny model folder.
+"""`meshserve run-batch` end to end: the installed console script on a tiny model folder;
+and `start_stack`, what `meshserve up` runs, starting and stopping the mesh.
 
 The reference is OfflineLLM over an in-process LLMEngine of the same folder, given
 the same requests (tokenized with the folder's tokenizer) in the same order.
@@ -11,16 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import orjson
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from meshserve.services.launcher import LauncherConfig, start_stack
 from meshserve.services.tokenizer.loader import load_tokenizer
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.services.worker.offline import GenerationItem, GenerationResult, OfflineLLM
+from meshserve.shared.errors import UnavailableError
 
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
                 "--max-model-len", "200", "--num-threads", "1"]
@@ -123,3 +127,34 @@ def test_version_names_the_package() -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
     assert done.stdout.splitlines()[0].startswith("meshserve 0.")
+
+
+def test_start_stack_serves_and_stops(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`start_stack` (what `meshserve up` runs) brings up every service, healthy, and
+    stop() ends all of them."""
+    config = LauncherConfig(model=str(tiny_llama_dir), port=0, device="cpu", dtype="float32",
+                            num_kv_blocks=64, max_model_len=200, run_dir=str(tmp_path / "run"),
+                            startup_timeout_s=120, stop_grace_s=10)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")}
+    with start_stack(config, environ=env) as stack:
+        processes = [s.process for s in stack.services]
+        assert {s.name for s in stack.services} == {"tokenizer-0", "scheduler", "kvstore",
+                                                    "worker-0", "gateway"}
+        client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0)
+        completion = client.completions.create(model=str(tiny_llama_dir), prompt="The quick",
+                                               max_tokens=5, temperature=0)
+        assert completion.usage is not None and completion.usage.completion_tokens == 5
+    assert all(p is not None and p.poll() is not None for p in processes)
+    assert all(s.log_path.is_file() for s in stack.services)
+
+
+def test_start_stack_names_the_service_that_fails(tmp_path: Path) -> None:
+    config = LauncherConfig(model=str(tmp_path / "no-such-model"), port=0, device="cpu",
+                            kvstore=False, run_dir=str(tmp_path / "run"),
+                            startup_timeout_s=120, stop_grace_s=5)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")}
+    with pytest.raises(UnavailableError) as info:
+        start_stack(config, environ=env)
+    message = info.value.message
+    assert message.startswith(("tokenizer-0 exited", "worker-0 exited")), message
+    assert "no-such-model" in message  # the tail of the failing service's log
