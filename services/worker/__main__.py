@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TypeVar
 
+import grpc
 import redis.asyncio as aioredis
 import torch
 from prometheus_client import Gauge
@@ -153,6 +154,7 @@ class WorkerProcess:
         self.redis = connect(config.redis_url, client_name="worker") if config.redis_url else None
         self.publisher: KVEventPublisher | None = None
         self.registration: Registration | None = None
+        self._scheduler_channel: grpc.aio.Channel | None = None
         _load_gauges(telemetry, self.thread)
 
     def _on_fatal(self, error: BaseException) -> None:
@@ -183,7 +185,8 @@ class WorkerProcess:
         _log.info("worker serving", extra={"worker_id": worker_id, "epoch": epoch,
                                            "address": self.info.address, "port": port})
         if self.config.scheduler_address:
-            channel = GrpcClient().channel(self.config.scheduler_address)
+            channel = self._scheduler_channel = GrpcClient().channel(
+                self.config.scheduler_address)
             self.registration = Registration(
                 scheduler_pb2_grpc.SchedulerStub(channel), lambda: worker_info_pb(self.info),
                 self._load_pb, interval_s=self.config.heartbeat_interval_s)
@@ -221,6 +224,8 @@ class WorkerProcess:
             await self.publisher.index.clear_holder(self.info.worker_id, self.info.epoch)
         if self.redis is not None:
             await self.redis.aclose()
+        if self._scheduler_channel is not None:
+            await self._scheduler_channel.close()
 
 
 async def serve(config: WorkerConfig) -> int:
