@@ -58,6 +58,8 @@ class LauncherConfig(EngineOptions):
     host: str = option(_LOOPBACK, "address the gateway listens on (0.0.0.0: all interfaces)")
     port: int = option(8000, "HTTP port of the gateway (0: any free port)")
     redis_url: str | None = option(None, "external Redis (unset: start an embedded one)")
+    api_key: str | None = option(None, "Bearer token clients must send to the gateway (unset: "
+                                       "no auth)")
     served_model_name: str | None = option(None, "name clients use for the model (unset: the "
                                                  "--model value)")
     run_dir: str | None = option(None, "folder for the services' logs (unset: a new "
@@ -254,6 +256,8 @@ class Stack:
                    "--scheduler-address", self.scheduler_address]
         if c.served_model_name:
             gateway += ["--served-model-names", c.served_model_name]
+        if c.api_key:
+            gateway += ["--api-key", c.api_key]
         self._add("gateway", "gateway", gateway, http_ok(f"{self.gateway_url}/health"))
 
     def _add(self, name: str, role: str, argv: list[str], ready: Callable[[], bool]) -> None:

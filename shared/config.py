@@ -39,6 +39,9 @@ from meshserve.shared.errors import ConfigError
 ENV_PREFIX = "MESHSERVE_"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
+# Variables with the prefix that belong to no one service's config but to every process
+# (the model cache folder): never "unknown".
+PROCESS_WIDE_ENV = frozenset({"MESHSERVE_CACHE"})
 
 
 def option(default: Any, help: str, *, env: str | None = None) -> Any:
@@ -193,7 +196,8 @@ class Config:
                 known.add(name)
                 if name in env:
                     values[f.name] = env[name]
-        unknown = sorted(k for k in env if k.startswith(cls.env_prefix) and k not in known)
+        unknown = sorted(k for k in env if k.startswith(cls.env_prefix)
+                         and k not in known and k not in PROCESS_WIDE_ENV)
         if strict and unknown:
             raise ConfigError(f"unknown environment variables for {cls.__name__}: "
                               f"{', '.join(unknown)}", param=unknown[0])

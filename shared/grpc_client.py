@@ -107,7 +107,9 @@ class GrpcClient:
                   for method in methods}
         configs = [self._method_config("", "")]
         configs += [self._method_config(service, method) for service, method in sorted(named)]
-        return {"methodConfig": configs}
+        # Round-robin over every address a name resolves to, so that replicas scaled behind
+        # one DNS name (compose `--scale tokenizer=M`) all get calls.
+        return {"methodConfig": configs, "loadBalancingConfig": [{"round_robin": {}}]}
 
     def channel_options(self) -> list[tuple[str, Any]]:
         """Channel arguments: keepalive, message limits, retries and the service config."""

@@ -79,6 +79,7 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     engine_id: str
+    indices: list[int] | None = None  # the request's own sequence indices; None: all
 
 
 _STOP = object()
@@ -170,8 +171,13 @@ class EngineThread:
         aborted = stream.abort(indices)
         per_prompt = stream.num_sequences // len(ids)
         for p, engine_id in enumerate(ids):
-            if stream.all_finished(range(p * per_prompt, (p + 1) * per_prompt)):
+            span = range(p * per_prompt, (p + 1) * per_prompt)
+            if stream.all_finished(span):
                 self._commands.put(_Abort(engine_id))
+                continue
+            local = [i - span.start for i in indices if i in span]
+            if local:  # stop only those sequences; their siblings go on
+                self._commands.put(_Abort(engine_id, local))
         self._forget_if_done(stream)
         return aborted
 
@@ -284,8 +290,9 @@ class EngineThread:
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort):
-                self.engine.abort_request(command.engine_id)
-                self._sequences.pop(command.engine_id, None)
+                self.engine.abort_request(command.engine_id, command.indices)
+                if not self.engine.sequences(command.engine_id):
+                    self._sequences.pop(command.engine_id, None)
 
     def _add(self, command: _Add) -> None:
         try:
@@ -295,10 +302,8 @@ class EngineThread:
         except MeshError as exc:
             self._pending_errors.append((command.engine_id, exc))
             return
-        # The new sequences are at the back of the waiting queue's rank order; keep them
-        # to read their scheduling timestamps later.
-        self._sequences[command.engine_id] = [
-            seq for seq in self.engine.scheduler.waiting if seq.group_id == command.engine_id]
+        # Kept to read their scheduling timestamps later.
+        self._sequences[command.engine_id] = self.engine.sequences(command.engine_id)
 
     def _take_errors(self, batch: _StepBatch) -> None:
         batch.errors, self._pending_errors = self._pending_errors, []

@@ -148,6 +148,10 @@ class LLMEngine:
                 self._aborted.append(seq)
         self._forget_if_done(request_id)
 
+    def sequences(self, request_id: str) -> list[Request]:
+        """The unfinished request's sequences (empty once it is done or unknown)."""
+        return list(self._groups.get(request_id, ()))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or bool(self._aborted)
 
