@@ -52,7 +52,7 @@ def write_kv(
     """Store each token's key and value at its slot (skipping slots < 0)."""
     _check_kv(key, value, k_cache, v_cache, slot_mapping)
     if key.is_cuda:
-        from meshserve.kernels import triton_attention  # noqa: PLC0415 (GPU only)
+        from meshserve.kernels import triton_attention  # imported on the GPU path only
 
         triton_attention.write_kv(key, value, k_cache, v_cache, slot_mapping)
         return
@@ -91,7 +91,7 @@ def paged_attention(
     assert query.shape[1] % k_cache.shape[2] == 0, (
         f"query heads {query.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
     if query.is_cuda:
-        from meshserve.kernels import triton_attention  # noqa: PLC0415 (GPU only)
+        from meshserve.kernels import triton_attention  # imported on the GPU path only
 
         return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
     if meta.decode_only:

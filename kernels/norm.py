@@ -18,7 +18,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension. x: [..., H], weight: [H] -> [..., H] in x's dtype."""
     _check(x, weight)
     if x.is_cuda:
-        from meshserve.kernels import triton_norm  # noqa: PLC0415 (GPU only)
+        from meshserve.kernels import triton_norm  # imported on the GPU path only
 
         return triton_norm.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
@@ -38,7 +38,7 @@ def fused_add_rms_norm(
     assert x.shape == residual.shape, (
         f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
     if x.is_cuda:
-        from meshserve.kernels import triton_norm  # noqa: PLC0415 (GPU only)
+        from meshserve.kernels import triton_norm  # imported on the GPU path only
 
         return triton_norm.fused_add_rms_norm(x, residual, weight, eps)
     return fused_add_rms_norm_reference(x, residual, weight, eps)

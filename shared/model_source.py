@@ -75,8 +75,8 @@ def _folder_source(name: str, folder: Path) -> ModelSource:
 
 def _hub_snapshot(model: str) -> Path:
     """Download (or find in the local hub cache) a hub repository; fail fast when offline."""
-    from huggingface_hub import snapshot_download  # noqa: PLC0415 (only for hub ids)
-    from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
         validate_repo_id(model)
@@ -102,7 +102,7 @@ def _hub_unreachable_reason() -> str | None:
         return "HF_HUB_OFFLINE=1"
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY")):
         return None  # reachable through the proxy, as far as we can tell cheaply
-    from huggingface_hub import constants  # noqa: PLC0415
+    from huggingface_hub import constants
 
     url = urlparse(constants.ENDPOINT)
     host, port = url.hostname or "huggingface.co", url.port or 443

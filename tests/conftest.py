@@ -22,7 +22,7 @@ pytest_plugins = ["conftest_redis"]
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama folder (weights, configs, tokenizer), built once per session."""
-    from tiny_models import build_tiny_model  # noqa: PLC0415 (transformers only when used)
+    from tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
 
@@ -30,6 +30,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3 folder (q/k norm), built once per session."""
-    from tiny_models import build_tiny_model  # noqa: PLC0415 (transformers only when used)
+    from tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")

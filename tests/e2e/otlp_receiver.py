@@ -40,7 +40,7 @@ class OTLPReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def stop(self) -> None:
         self._server.stop(grace=None)
 
-    def Export(self, request, context):  # noqa: N802 (gRPC method name)
+    def Export(self, request, context):
         received = []
         for resource_spans in request.resource_spans:
             service = next((a.value.string_value for a in resource_spans.resource.attributes

@@ -21,8 +21,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(folder: Path, **overrides: object) -> LLMEngine:
-    cfg = dict(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=512,
-               max_model_len=256)
+    cfg = {"model": str(folder), "dtype": "float32", "device": "cpu", "num_kv_blocks": 512,
+               "max_model_len": 256}
     cfg.update(overrides)
     return LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
 
@@ -129,14 +129,14 @@ def test_bad_requests_fail_alone(folder: Path, ids, params, error, param) -> Non
 
 
 @pytest.mark.parametrize(("kwargs", "error"), [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=-3), "max_tokens"),
-    (dict(n=0), "n"),
-    (dict(n=10_000), "n"),
-    (dict(min_tokens=8, max_tokens=4), "min_tokens"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(temperature=-1.0), "temperature"),
-    (dict(logprobs=50), "logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"n": 10_000}, "n"),
+    ({"min_tokens": 8, "max_tokens": 4}, "min_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"logprobs": 50}, "logprobs"),
 ])
 def test_contradictory_or_out_of_range_parameters_name_the_parameter(kwargs, error) -> None:
     with pytest.raises(InvalidRequestError) as info:

@@ -49,8 +49,8 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]
 
 
 def make_engine(folder: Path, **overrides: object) -> LLMEngine:
-    cfg = dict(model=str(folder), dtype="float32", device="cpu", block_size=16,
-               num_kv_blocks=256)
+    cfg = {"model": str(folder), "dtype": "float32", "device": "cpu", "block_size": 16,
+               "num_kv_blocks": 256}
     cfg.update(overrides)
     return LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
 
@@ -79,11 +79,11 @@ def tokens_of(outs: list[RequestOutput]) -> list[int]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 ENGINE_SETUPS = {
-    "chunked": dict(max_num_batched_tokens=40),
-    "not-chunked": dict(enable_chunked_prefill=False, max_num_batched_tokens=4096),
-    "no-prefix-cache": dict(enable_prefix_caching=False, max_num_batched_tokens=64),
-    "tiny-cache-preempts": dict(num_kv_blocks=12, block_size=16, max_num_batched_tokens=64),
-    "batch-of-one": dict(max_num_seqs=1),
+    "chunked": {"max_num_batched_tokens": 40},
+    "not-chunked": {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096},
+    "no-prefix-cache": {"enable_prefix_caching": False, "max_num_batched_tokens": 64},
+    "tiny-cache-preempts": {"num_kv_blocks": 12, "block_size": 16, "max_num_batched_tokens": 64},
+    "batch-of-one": {"max_num_seqs": 1},
 }
 
 
@@ -122,7 +122,7 @@ def test_preemption_happens_and_outputs_still_match(arch_setup) -> None:
 
 
 def test_logprobs_match_transformers_log_softmax(arch_setup) -> None:
-    folder, hf, prompts, expected = arch_setup
+    folder, hf, prompts, _expected = arch_setup
     engine = make_engine(folder, max_num_batched_tokens=48)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5,
                             prompt_logprobs=3)

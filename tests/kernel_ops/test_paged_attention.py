@@ -84,7 +84,7 @@ def test_paged_attention_matches_dense(case: str, hq: int, hkv: int, d: int,
         ctx_lens, q_lens, hkv, hq, d, bs=16, num_blocks=64, seed=len(case) + hq)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     scale = d**-0.5
-    kwargs = dict(key=k, value=v) if pass_new_kv else {}
+    kwargs = {"key": k, "value": v} if pass_new_kv else {}
     out = paged_attention(q, k_cache, v_cache, meta, scale, **kwargs)
     start = 0
     for ctx, ql, fk, fv in zip(ctx_lens, q_lens, full_k, full_v):

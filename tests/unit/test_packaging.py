@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_our_kernels_live_under_the_meshserve_root_only() -> None:
-    import meshserve.kernels.attention as attention
+    from meshserve.kernels import attention
 
     assert Path(attention.__file__).resolve().parent == ROOT / "kernels"
     assert importlib.util.find_spec("kernels") is None
@@ -35,7 +35,7 @@ def test_transformers_does_not_mistake_our_kernels_for_its_optional_package() ->
 
 def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
-    block = re.search(r"## Quick start.*?```bash\n(.*?)```", readme, re.S)
+    block = re.search(r"## Quick start.*?```bash\n(.*?)```", readme, re.DOTALL)
     assert block is not None, "README must start with a quick start code block"
     commands = [line for line in block.group(1).splitlines()
                 if line.strip() and not line.startswith("#")]

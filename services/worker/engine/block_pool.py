@@ -5,19 +5,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from meshserve.shared.block_hash import BlockHash
 from meshserve.shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
 )
-from meshserve.shared.block_hash import BlockHash
 
 
 class KVBlock:
     """One block of KV slots. `block_hash` is set once the block is full and cached."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

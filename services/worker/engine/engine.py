@@ -14,11 +14,11 @@ import torch
 
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.shared.kv_events import KVEvent
 from meshserve.services.worker.engine.model_runner import (
     ModelRunner,
     StepResult,
     kv_cache_bytes_per_block,
+    profile_activation_bytes,
 )
 from meshserve.services.worker.engine.request import (
     Request,
@@ -43,8 +43,12 @@ from meshserve.services.worker.models.loader import (
 )
 from meshserve.shared.block_hash import extra_keys_for
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
+from meshserve.shared.kv_events import KVEvent
 
 log = logging.getLogger(__name__)
+
+# Memory kept free for the decode CUDA graphs' pool (their activations are small).
+_GRAPH_MEMORY_RESERVE = 512 << 20
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,16 +77,21 @@ class LLMEngine:
                            config.load_format)
         log.info("loaded %s (%s) in %.1fs", self.source.name, self.dtype,
                  time.monotonic() - started)
-        num_blocks = self._num_kv_blocks()
+        batched_tokens = config.batched_tokens(self.max_model_len)
+        num_blocks = self._num_kv_blocks(model, batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=config.batched_tokens(self.max_model_len),
+            max_num_batched_tokens=batched_tokens,
             max_num_seqs=config.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             max_model_len=self.max_model_len,
         ), self.kv)
         self.runner = ModelRunner(model, self.model_config, self.kv, self.dtype, self.device)
+        self.graph_report = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graph_report = self.runner.capture_graphs(config.max_num_seqs,
+                                                           self.max_model_len)
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
                                           num_blocks, config.block_size)
         self._groups: dict[str, list[Request]] = {}
@@ -90,15 +99,25 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     # ----- sizing -------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, model: torch.nn.Module, batched_tokens: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size,
                                              self.dtype)
         if self.device.type == "cuda":
+            # What is left of this worker's share once weights (already loaded), the peak
+            # activations of the largest step and the decode graphs are accounted for.
+            activations = profile_activation_bytes(
+                model, self.model_config, batched_tokens,
+                min(self.config.max_num_seqs, batched_tokens), self.config.block_size,
+                self.dtype, self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * self.config.gpu_memory_utilization) - used
+            graphs = 0 if self.config.enforce_eager else _GRAPH_MEMORY_RESERVE
+            budget = (int(total * self.config.gpu_memory_utilization) - (total - free)
+                      - activations - graphs)
+            log.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.2f GiB activations, "
+                     "%.2f GiB KV cache", total / 2**30, (total - free) / 2**30,
+                     activations / 2**30, max(budget, 0) / 2**30)
         else:
             budget = self.config.kv_cache_memory
         num_blocks = budget // per_block

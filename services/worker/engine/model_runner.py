@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshserve.kernels.attention import AttentionMetadata
+from meshserve.services.worker.engine.cuda_graphs import CaptureReport, CudaGraphRunner
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.request import Request, TokenLogprobs
 from meshserve.services.worker.engine.sampler import (
@@ -16,6 +17,7 @@ from meshserve.services.worker.engine.sampler import (
 )
 from meshserve.services.worker.engine.scheduler import SchedulerOutput
 from meshserve.services.worker.models.config import ModelConfig
+from meshserve.services.worker.models.llama import CausalLM
 
 
 @dataclass
@@ -41,6 +43,43 @@ class StepInputs:
     prompt_rows: list[tuple[Request, list[int]]]
 
 
+@torch.inference_mode()
+def profile_activation_bytes(model: CausalLM, config: ModelConfig, num_tokens: int,
+                             num_logit_rows: int, block_size: int, dtype: torch.dtype,
+                             device: torch.device) -> int:
+    """Peak GPU memory a step of `num_tokens` prompt tokens needs beyond the weights.
+
+    Runs one prefill of that many tokens over a throw-away KV cache just big enough for it,
+    plus the logits of `num_logit_rows` rows, and reads the allocator's peak.
+    """
+    num_blocks = -(-num_tokens // block_size) + 1
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype, device=device),
+               torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(config.num_hidden_layers)]
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    positions = torch.arange(num_tokens, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=positions.clone(),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+        max_query_len=num_tokens, max_seq_len=num_tokens,
+        query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens])
+    ids = torch.randint(0, config.vocab_size, (num_tokens,), device=device)
+    hidden = model(ids, positions, caches, meta)
+    rows = hidden[:num_logit_rows]
+    logits = model.compute_logits(rows)
+    torch.log_softmax(logits, dim=-1)  # the sampler's largest temporary
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - baseline
+    del caches, hidden, logits
+    torch.cuda.empty_cache()
+    return peak
+
+
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block across all layers."""
     element = torch.tensor([], dtype=dtype).element_size()
@@ -51,7 +90,7 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 class ModelRunner:
     """Owns the model, its KV cache tensors and the sampler."""
 
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, kv: KVCacheManager,
+    def __init__(self, model: CausalLM, config: ModelConfig, kv: KVCacheManager,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.model = model
         self.config = config
@@ -66,11 +105,29 @@ class ModelRunner:
             for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler(config.vocab_size, device)
+        self.graphs: CudaGraphRunner | None = None
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> CaptureReport:
+        """Capture decode CUDA graphs for batch buckets up to `max_num_seqs`."""
+        assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
+        self.graphs = CudaGraphRunner(
+            self.model, self.kv_caches, max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=self.kv.blocks_needed(max_model_len),
+            max_model_len=max_model_len, hidden_size=self.config.hidden_size,
+            device=self.device)
+        return self.graphs.capture()
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        meta = inputs.meta
+        if (self.graphs is not None and meta.decode_only
+                and meta.num_seqs <= self.graphs.max_batch):
+            return self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         inputs = self.prepare(out)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
         result = StepResult()
         self._score_prompts(hidden, inputs, result)
         if inputs.sample_rows:

@@ -56,7 +56,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _gguf_config_dict(gguf_file: Path) -> dict[str, Any]:
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: PLC0415
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
         parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=False)
@@ -136,7 +136,7 @@ def _index_shards(index: Path) -> list[Path]:
 
 def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) from each file; a corrupt file is named in the error."""
-    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors import safe_open
 
     for path in files:
         try:
@@ -161,7 +161,7 @@ def _load_gguf(model: CausalLM, gguf_file: Path, config: ModelConfig,
     The reader maps GGUF names to those of a Hugging Face model (built here on the meta
     device, so it costs no memory) and undoes llama.cpp's q/k row permutation.
     """
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: PLC0415
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
         parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=True,
@@ -196,7 +196,7 @@ class _NameMap:
 
 def _hf_skeleton(config: ModelConfig) -> torch.nn.Module:
     """A transformers model of the same shapes on the meta device (for its parameter names)."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     # gguf-py names Mistral tensors as Llama ones (llama.cpp runs both as "llama").
     model_type = "llama" if config.architecture == "MistralForCausalLM" else next(
