@@ -14,6 +14,10 @@ import torch.nn.functional as F
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2I] -> silu(x[..., :I]) * x[..., I:], [..., I]."""
     assert x.shape[-1] % 2 == 0, f"silu_and_mul needs an even last dim, got {tuple(x.shape)}"
+    if x.is_cuda:
+        from meshserve.kernels import triton_activation  # GPU only
+
+        return triton_activation.silu_and_mul(x)
     return silu_and_mul_reference(x)
 
 

@@ -173,6 +173,10 @@ def apply_rotary(
         f"query and key must be [T, H, D], got {tuple(query.shape)} and {tuple(key.shape)}")
     assert positions.shape[0] == query.shape[0] == key.shape[0], (
         f"positions {tuple(positions.shape)} do not match {query.shape[0]} query tokens")
+    if query.is_cuda:
+        from meshserve.kernels import triton_rotary  # GPU only
+
+        return triton_rotary.apply_rotary(query, key, positions, cos_sin_cache)
     cos, sin = cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)  # [T, rotary_dim/2]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     return _rotate(query, cos, sin), _rotate(key, cos, sin)

@@ -1,0 +1,436 @@
+"""Triton kernels behind `meshserve.kernels.attention`: the KV-cache write and paged attention.
+
+Cache layout (both caches): [num_blocks, block_size, num_kv_heads, head_dim]; a token's KV lives
+at slot `block_id * block_size + offset`. The PyTorch references in `attention.py` define the
+semantics; these kernels reproduce them on the GPU.
+
+Paged attention is one kernel for prefill, chunked prefill over a cached prefix and decode.
+The T query tokens of a step are cut, per sequence, into blocks of BLOCK_Q tokens. A program
+owns one such query block and one KV head, and processes all GROUP query heads that share that
+KV head at once: its BLOCK_M = BLOCK_Q * GROUP rows are (token, head) pairs, so each K/V tile is
+read once per group. It walks the sequence's keys in tiles of TILE_N, gathering every key
+through the block table (so TILE_N need not equal the cache block size), and keeps an online
+softmax in float32 (base 2, with the scale folded in). Query row j of a sequence sits at
+position seq_len - q_len + j and sees keys 0..that position.
+
+Split-KV (flash decoding): when a decode step has too few (sequence, KV head) programs to fill
+the GPU and long contexts, a third grid axis cuts each sequence's key tiles into NUM_SPLITS
+ranges. Each program writes its unnormalised partial output with its running max and sum, and
+`_reduce_splits_kernel` merges them.
+
+Nothing here reads a device tensor back to the host: grids and tile choices depend only on
+shapes and on `meta.max_query_len` / `meta.max_seq_len`, which are host ints, so a decode step
+can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from meshserve.kernels.attention import AttentionMetadata
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+# Split-KV: at least this many keys per split, and never more splits than this.
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+# Used for the split heuristic when there is no GPU to ask (the interpreter): an H100 SXM.
+DEFAULT_NUM_SMS = 132
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Launch shape of the paged attention kernel."""
+
+    block_m: int  # query rows per program: (tokens x query heads of one KV group)
+    tile_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "tile_n"):
+            value = getattr(self, name)
+            # tl.dot needs every dimension >= 16; tl.arange needs powers of two.
+            assert value >= 16 and value & (value - 1) == 0, (
+                f"AttentionTiles.{name} must be a power of two >= 16, got {value}")
+
+
+# Hopper defaults (no register spills on sm_90 with these). Prefill: big query blocks so each
+# K/V tile is reused by many rows. Decode: one token per sequence, so the rows are just the
+# heads of a group (padded to 16, the smallest tl.dot shape), and the loop is bound by reading
+# K/V. head_dim 256 halves the tiles; float32 dots run on FMA units, so float32 (tests and
+# debugging) gets the smallest tiles.
+PREFILL_TILES = AttentionTiles(block_m=128, tile_n=64, num_warps=8, num_stages=2)
+PREFILL_TILES_WIDE = AttentionTiles(block_m=64, tile_n=32, num_warps=8, num_stages=2)
+DECODE_TILES = AttentionTiles(block_m=16, tile_n=64, num_warps=4, num_stages=3)
+DECODE_TILES_WIDE = AttentionTiles(block_m=16, tile_n=32, num_warps=4, num_stages=2)
+FLOAT32_TILES = AttentionTiles(block_m=16, tile_n=16, num_warps=4, num_stages=2)
+
+
+def default_tiles(head_dim: int, dtype: torch.dtype, decode_only: bool) -> AttentionTiles:
+    """The tile shape for a step: by dtype, decode or not, and head size."""
+    if dtype == torch.float32:
+        return FLOAT32_TILES
+    if decode_only:
+        return DECODE_TILES_WIDE if head_dim > 128 else DECODE_TILES
+    return PREFILL_TILES_WIDE if head_dim > 128 else PREFILL_TILES
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                      num_sms: int) -> int:
+    """How many key ranges each decode sequence is cut into (1 = no split-KV).
+
+    Split only a decode step whose (sequence, KV head) programs would leave SMs idle, and only
+    as far as each split keeps at least MIN_KEYS_PER_SPLIT keys; aim for about two programs
+    per SM.
+    """
+    programs = num_seqs * num_kv_heads
+    if max_query_len != 1 or programs >= num_sms:
+        return 1
+    splits = min(triton.cdiv(2 * num_sms, programs), max_seq_len // MIN_KEYS_PER_SPLIT,
+                 MAX_SPLITS)
+    return max(splits, 1)
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int32/int64, < 0 = skip
+) -> None:
+    """Store each token's key and value at its slot, cast to the cache dtype."""
+    _check_device(_write_kv_kernel, key, value, k_cache, v_cache, slot_mapping)
+    assert key.dim() == 3 and key.shape == value.shape, (
+        f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} and "
+        f"{tuple(value.shape)}")
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"k_cache and v_cache must both be [N, bs, Hkv, D], got {tuple(k_cache.shape)} and "
+        f"{tuple(v_cache.shape)}")
+    assert key.shape[1:] == k_cache.shape[2:], (
+        f"key heads/dim {tuple(key.shape[1:])} do not match the cache's {tuple(k_cache.shape[2:])}")
+    assert slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0], (
+        f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    assert slot_mapping.dtype in (torch.int32, torch.int64), (
+        f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    _check_last_dim_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
+                               slot_mapping=slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_PAD=triton.next_power_of_2(head_dim),
+        num_warps=4)
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    # One program per token: copy its [Hkv, D] key and value into the slot's cache row.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HEAD_PAD)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    tiles: AttentionTiles | None = None,
+) -> torch.Tensor:  # [T, Hq, D], contiguous, query's dtype
+    """Causal attention of every query row over its sequence's cached context.
+
+    `num_splits` forces the split-KV factor (None: `choose_num_splits`; a fixed value keeps
+    the launch shape fixed, e.g. for CUDA graphs); `tiles` overrides `default_tiles`.
+    """
+    _check_attention(query, k_cache, v_cache, meta)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads, group = k_cache.shape[2], num_q_heads // k_cache.shape[2]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    tiles = tiles or default_tiles(head_dim, query.dtype, meta.decode_only)
+    block_m = max(tiles.block_m, triton.next_power_of_2(group), 16)
+    block_q = block_m // group  # query tokens per program
+    num_seqs = meta.num_seqs
+    # Sequence i's query blocks are numbered from query_start_loc[i] // block_q + i, so
+    # T // block_q + B bounds them without reading query lengths back from the device.
+    num_q_blocks = num_seqs if meta.decode_only else num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, meta.max_query_len,
+                                       meta.max_seq_len, _num_sms(query.device))
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    part_acc, part_max, part_sum = _split_scratch(query, num_splits)
+    head_pad = max(triton.next_power_of_2(head_dim), 16)
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        part_acc, part_max, part_sum, scale * math.log2(math.e), num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n, NUM_SPLITS=num_splits,
+        DECODE_ONLY=meta.decode_only,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_q_heads)](
+            out, part_acc, part_max, part_sum, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
+
+
+def _split_scratch(query: torch.Tensor,
+                   num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 partial results of split-KV: acc [T, Hq, S, D], running max and sum [T, Hq, S].
+    Without splits the kernel never touches them, so one element stands in for all three."""
+    if num_splits == 1:
+        unused = torch.empty(1, dtype=torch.float32, device=query.device)
+        return unused, unused, unused
+    num_tokens, num_q_heads, head_dim = query.shape
+    part_acc = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32,
+                           device=query.device)
+    part_max = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32,
+                           device=query.device)
+    return part_acc, part_max, torch.empty_like(part_max)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning global query block `q_block`: the last i whose first block
+    (query_start_loc[i] // BLOCK_Q + i) is <= q_block (binary search)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    query_start_loc_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE_ONLY:  # one query token per sequence: program i serves sequence i
+        seq = tl.program_id(0)
+    else:  # the last query blocks see the most keys: start them first
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if DECODE_ONLY:
+        local_block = 0
+    else:
+        local_block = q_block - (q_start // BLOCK_Q + seq)
+    if local_block * BLOCK_Q >= q_len:
+        return  # past the end of this sequence's queries (the grid is an upper bound)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # keys cached before this step's tokens
+
+    # Rows are (token, head) pairs: row m is token local_block * BLOCK_Q + m // GROUP of the
+    # sequence and query head kv_head * GROUP + m % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = local_block * BLOCK_Q + rows // GROUP  # [BLOCK_M], index within the sequence
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_tok < q_len)
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    q_off = (q_start + q_tok).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M]
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)  # [BLOCK_M, HEAD_PAD]
+
+    # Keys this block can see end at its last row's position (causal) or the sequence.
+    kv_end = tl.minimum(seq_len, context_len + (local_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tile_lo = 0
+    tile_hi = num_tiles
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
+    acc, row_max, row_sum = _attend_tiles(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        context_len + q_tok, kv_end, tile_lo, tile_hi, scale_log2, kv_head,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION)
+
+    mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS > 1:
+        # Unnormalised partials of [T, Hq, NUM_SPLITS, D], merged by _reduce_splits_kernel.
+        part = ((q_start + q_tok).to(tl.int64) * (GROUP * tl.num_programs(1)) + head) \
+            * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
+        tl.store(part_max_ptr + part, row_max, mask=row_ok)
+        tl.store(part_sum_ptr + part, row_sum, mask=row_ok)
+    else:
+        out = acc / tl.where(row_sum > 0.0, row_sum, 1.0)[:, None]
+        o_off = (q_start + q_tok).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _attend_tiles(
+    q, k_cache_ptr, v_cache_ptr, table_ptr, q_pos, kv_end, tile_lo, tile_hi, scale_log2,
+    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of q [BLOCK_M, HEAD_PAD] over key tiles [tile_lo, tile_hi) of one
+    sequence. Returns the unnormalised output [BLOCK_M, HEAD_PAD], the running max (base 2,
+    scaled) and the running sum [BLOCK_M], all float32."""
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    for tile in range(tile_lo, tile_hi):
+        key_pos = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
+        key_ok = key_pos < kv_end
+        # Each key's physical block from the table; int64 because caches can be large.
+        block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = key_pos % BLOCK_SIZE
+        k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh  # [TILE_N]
+        v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+        k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
+                    mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        visible = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        # A row that has seen no key yet keeps max -inf; exponentiate against 0 instead so
+        # that -inf - -inf never makes a NaN (its p and alpha are then exactly 0).
+        safe_max = tl.where(new_max > float("-inf"), new_max, 0.0)
+        p = tl.exp2(scores - safe_max[:, None])
+        alpha = tl.exp2(row_max - safe_max)
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    # One program per (token, query head): rescale each split's partial to the global max.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, HEAD_PAD)
+    base = (token * NUM_Q_HEADS + head) * NUM_SPLITS
+    split_max = tl.load(part_max_ptr + base + s, mask=s_ok, other=float("-inf"))  # [S]
+    split_sum = tl.load(part_sum_ptr + base + s, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # [S, HEAD_PAD]
+    # Split 0 always holds key 0, so the global max is finite; empty splits weigh 0.
+    global_max = tl.max(split_max, axis=0)
+    weight = tl.exp2(split_max - global_max)  # [S]
+    total = tl.sum(split_sum * weight, axis=0)
+    out = tl.sum(acc * weight[:, None], axis=0) / total  # [HEAD_PAD]
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d,
+             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _check_device(kernel: object, *tensors: torch.Tensor) -> None:
+    """All tensors on one device, and that device CUDA unless the kernel is interpreted."""
+    device = tensors[0].device
+    assert all(t.device == device for t in tensors), (
+        f"tensors must share one device, got {sorted({str(t.device) for t in tensors})}")
+    assert device.type == "cuda" or isinstance(kernel, InterpretedFunction), (
+        f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+
+
+def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        assert t.stride(-1) == 1, (
+            f"{name} must be contiguous in its last dim, got strides {tuple(t.stride())}")
+
+
+def _check_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata) -> None:
+    _check_device(_paged_attention_kernel, query, k_cache, v_cache, meta.block_tables,
+                  meta.seq_lens, meta.query_start_loc)
+    assert query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"query must be [T, Hq, D] and caches [N, bs, Hkv, D], got {tuple(query.shape)}, "
+        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    assert query.dtype in SUPPORTED_DTYPES, f"query dtype {query.dtype} is not supported"
+    assert query.dtype == k_cache.dtype == v_cache.dtype, (
+        f"query {query.dtype}, k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must match")
+    assert query.shape[2] == k_cache.shape[3] <= MAX_HEAD_DIM, (
+        f"query head_dim {query.shape[2]} must equal the cache's {k_cache.shape[3]} and be "
+        f"at most {MAX_HEAD_DIM}")
+    assert query.shape[1] % k_cache.shape[2] == 0, (
+        f"query heads {query.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
+    _check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache,
+                               block_tables=meta.block_tables, seq_lens=meta.seq_lens,
+                               query_start_loc=meta.query_start_loc)
+    num_seqs = meta.num_seqs
+    assert meta.block_tables.dim() == 2 and meta.block_tables.shape[0] >= num_seqs, (
+        f"block_tables must be [B >= {num_seqs}, max_blocks], got "
+        f"{tuple(meta.block_tables.shape)}")
+    assert meta.seq_lens.shape[0] >= num_seqs and meta.query_start_loc.shape[0] >= num_seqs + 1, (
+        f"seq_lens {tuple(meta.seq_lens.shape)} / query_start_loc "
+        f"{tuple(meta.query_start_loc.shape)} are too short for {num_seqs} sequences")
+    for name in ("block_tables", "seq_lens", "query_start_loc"):
+        dtype = getattr(meta, name).dtype
+        assert dtype == torch.int32, f"meta.{name} must be int32, got {dtype}"
+    assert meta.max_query_len >= 1 and meta.max_seq_len >= meta.max_query_len, (
+        f"meta.max_query_len {meta.max_query_len} / max_seq_len {meta.max_seq_len} are invalid")
