@@ -1,0 +1,101 @@
+"""The Triton kernels on a real GPU against the PyTorch references (the CI runs the same
+cases under TRITON_INTERPRET=1 on CPU; this runs them compiled, on CUDA tensors).
+
+    python loadtest/gpu_kernel_check.py --out $OUT/gpu_kernels.json   # exit 1 on any failure
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernel_ops"))
+import test_triton_kernels as kt  # noqa: E402
+
+from meshserve.kernels import triton_activation, triton_attention, triton_norm  # noqa: E402
+from meshserve.kernels.activation import silu_and_mul_reference  # noqa: E402
+from meshserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
+
+
+def cuda_step(step: kt.Step) -> kt.Step:
+    meta = dataclasses.replace(step.meta, **{f: getattr(step.meta, f).cuda() for f in (
+        "slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+    return kt.Step(step.query.cuda(), step.key.cuda(), step.value.cuda(), step.k_cache.cuda(),
+                   step.v_cache.cuda(), meta)
+
+
+def attention_cases():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for case, (ctx, q) in kt.CASES.items():
+            for hq, hkv, d, bs in kt.HEADS:
+                for splits in (None, 3):
+                    if splits and max(q) > 1:
+                        continue
+                    yield f"attn {case} {dtype} hq{hq} hkv{hkv} d{d} bs{bs} s{splits}", (
+                        lambda c=ctx, qq=q, a=hq, b=hkv, dd=d, s=bs, t=dtype, sp=splits:
+                        kt.assert_attention_close(*kt.run_attention(
+                            cuda_step(kt.make_step(c, qq, a, b, dd, s, t, seed=a + dd)),
+                            num_splits=sp)))
+    # A long decode at batch 1, where split-KV is chosen automatically.
+    yield "attn long decode auto-split bf16", lambda: kt.assert_attention_close(
+        *kt.run_attention(cuda_step(kt.make_step([5000], [1], 32, 8, 128, 16,
+                                                 torch.bfloat16, seed=9))))
+    yield "attn 8k prefill bf16", lambda: kt.assert_attention_close(*kt.run_attention(
+        cuda_step(kt.make_step([2048, 1024], [2048, 512], 32, 8, 128, 16, torch.bfloat16))))
+
+
+def elementwise_cases():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        def norm(t=dtype):
+            g = torch.Generator().manual_seed(3)
+            x = (3 * torch.randn(37, 4096, generator=g)).to(t)
+            w = (1 + 0.5 * torch.randn(4096, generator=g)).to(t)
+            kt._assert_nearly_bitwise(triton_norm.rms_norm(x.cuda(), w.cuda(), 1e-5).cpu(),
+                                      rms_norm_reference(x, w, 1e-5))
+            r = (2 * torch.randn(37, 4096, generator=g)).to(t)
+            out, res = triton_norm.fused_add_rms_norm(x.cuda(), r.cuda(), w.cuda(), 1e-5)
+            want_out, want_res = fused_add_rms_norm_reference(x, r, w, 1e-5)
+            assert torch.equal(res.cpu(), want_res)
+            kt._assert_nearly_bitwise(out.cpu(), want_out)
+
+        def silu(t=dtype):
+            x = (3 * torch.randn(19, 2 * 14336, generator=torch.Generator().manual_seed(5))
+                 ).to(t)
+            kt._assert_nearly_bitwise(triton_activation.silu_and_mul(x.cuda()).cpu(),
+                                      silu_and_mul_reference(x))
+        yield f"rms_norm {dtype}", norm
+        yield f"silu_and_mul {dtype}", silu
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    assert triton_attention is not None
+    results = {}
+    for name, check in [*attention_cases(), *elementwise_cases()]:
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:  # report every failing case, not just the first
+            results[name] = traceback.format_exc(limit=3)
+    failed = {k: v for k, v in results.items() if v != "ok"}
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed "
+          f"on {torch.cuda.get_device_name(0)}")
+    for name, why in failed.items():
+        print(f"FAILED {name}\n{why}")
+    if args.out:
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0),
+                                        "results": results}, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
