@@ -67,8 +67,12 @@ def elementwise_cases():
         def silu(t=dtype):
             x = (3 * torch.randn(19, 2 * 14336, generator=torch.Generator().manual_seed(5))
                  ).to(t)
-            kt._assert_nearly_bitwise(triton_activation.silu_and_mul(x.cuda()).cpu(),
-                                      silu_and_mul_reference(x))
+            # The kernel computes SiLU in float32 and rounds once; the reference rounds the
+            # SiLU to 16 bits first, so a few outputs differ by one 16-bit ulp.
+            got, want = triton_activation.silu_and_mul(x.cuda()).cpu(), silu_and_mul_reference(x)
+            rtol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[t]
+            torch.testing.assert_close(got, want, rtol=rtol, atol=rtol)
+            assert (got == want).float().mean() > 0.98
         yield f"rms_norm {dtype}", norm
         yield f"silu_and_mul {dtype}", silu
 
