@@ -34,6 +34,7 @@ commands:
   worker      run one model worker
   kvstore     run the KV-cache store
   run-batch   run an OpenAI batch file offline (-i IN -o OUT --model M)
+  bench       benchmark the in-process engine (bench latency|throughput ...)
   version     print versions
 
 `meshserve COMMAND --help` lists a command's flags."""
@@ -123,6 +124,12 @@ def _launcher_main(argv: Sequence[str]) -> int:
     return launcher_main(list(argv))
 
 
+def _bench_main(argv: Sequence[str]) -> int:
+    from meshserve.services.bench import main as bench_main
+
+    return bench_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `meshserve` console script; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -133,8 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command in ROLES:
         return _service_main(command)(rest)
     commands: dict[str, Callable[[Sequence[str]], int]] = {
-        "up": _launcher_main, "run-batch": run_batch_main, "version": version_main,
-        "--version": version_main}
+        "up": _launcher_main, "run-batch": run_batch_main, "bench": _bench_main,
+        "version": version_main, "--version": version_main}
     handler = commands.get(command)
     if handler is None:
         print(f"meshserve: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)

@@ -1,0 +1,399 @@
+"""`meshserve bench latency|throughput`: the in-process engine under vLLM's benchmark workloads.
+
+    meshserve bench latency --model M --load-format dummy --input-len 128 --output-len 128
+    meshserve bench throughput --model M --load-format dummy --num-prompts 1000 \
+        --dataset sharegpt-like          (or --input-len 1024 --output-len 128)
+
+Every engine flag applies; `--seed` seeds the engine and the prompts (`random_prompts`: fresh
+for every request and iteration, so no timed prefill is a prefix-cache hit). Greedy with
+ignore_eos: every request yields exactly its output length. latency: each batch runs alone;
+e2e, ttft, tpot, the decode floor and prefill FLOP/s (`latency_report`). throughput: every
+request is added at once and run to completion (`throughput_report`, preemptions). Both print
+a summary, show progress on stderr and write `--output-json` with config and environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from meshserve.services.worker.config import EngineOptions
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.request import Request
+from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.services.worker.models.config import ModelConfig
+from meshserve.shared.config import option
+from meshserve.shared.errors import ConfigError, MeshError
+
+# The ShareGPT-like mix: lognormal lengths with these medians (exp(mu)) and log-space spread,
+# clipped to [MIN_LEN, MAX_LEN]. sigma 0.6 puts the means at about 1.2x the medians (~240 in,
+# ~215 out), near the ~200 in / ~180 out of the filtered ShareGPT set of vLLM's benchmarks.
+SHAREGPT_INPUT_MEDIAN = 200
+SHAREGPT_OUTPUT_MEDIAN = 180
+SHAREGPT_SIGMA = 0.6
+MIN_LEN = 4
+MAX_LEN = 1024
+# Buffers of the copy-bandwidth probe: far above a GPU's L2 (50-60 MB) and CPU caches.
+_GPU_COPY_BYTES = 1 << 30
+_CPU_COPY_BYTES = 64 << 20
+_USAGE = "usage: meshserve bench {latency,throughput} [FLAGS]   (flags: see --help of each)"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchOptions(EngineOptions):
+    """Flags every benchmark has, beside the engine's."""
+
+    # option() returns a dataclasses.field (the default is None), not a shared mutable value.
+    output_json: Path | None = option(None, "write the results as JSON here")  # noqa: RUF009
+    num_iters_warmup: int = option(2, "untimed warm-up runs before measuring")
+    progress: bool = option(True, "show a progress bar on stderr")
+
+    def validate(self) -> None:
+        super().validate()
+        self.require(self.num_iters_warmup >= 0,
+                     f"must be >= 0, got {self.num_iters_warmup}", "num_iters_warmup")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LatencyConfig(BenchOptions):
+    """Latency of one batch of random prompts at a time (greedy, fixed output length)."""
+
+    input_len: int = option(32, "prompt tokens of each request")
+    output_len: int = option(128, "output tokens of each request")
+    batch_size: int = option(1, "requests run together in one iteration")
+    num_iters: int = option(10, "timed iterations")
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("input_len", "output_len", "batch_size", "num_iters"):
+            value = getattr(self, name)
+            self.require(value >= 1, f"must be >= 1, got {value}", name)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ThroughputConfig(BenchOptions):
+    """Offline throughput: every request added at once, run to completion."""
+
+    num_prompts: int = option(1000, "requests to run")
+    dataset: Literal["fixed", "sharegpt-like"] = option(
+        "fixed", "fixed: --input-len/--output-len for every request; sharegpt-like: the "
+                 "synthetic ShareGPT-like length mix (median 200 in, 180 out)")
+    input_len: int | None = option(None, "prompt tokens of each request (--dataset fixed)")
+    output_len: int | None = option(None, "output tokens of each request (--dataset fixed)")
+
+    def validate(self) -> None:
+        super().validate()
+        self.require(self.num_prompts >= 1, f"must be >= 1, got {self.num_prompts}",
+                     "num_prompts")
+        for name in ("input_len", "output_len"):
+            value = getattr(self, name)
+            ok = value is not None and value >= 1 if self.dataset == "fixed" else value is None
+            self.require(ok, f"must be >= 1 with --dataset fixed and unset with "
+                             f"--dataset sharegpt-like, got {value}", name)
+
+    def lengths(self, max_model_len: int) -> list[tuple[int, int]]:
+        """(input_len, output_len) of every request."""
+        if self.dataset == "sharegpt-like":
+            return sharegpt_like_lengths(self.num_prompts, self.seed, max_model_len)
+        assert self.input_len is not None and self.output_len is not None
+        return [(self.input_len, self.output_len)] * self.num_prompts
+
+
+def sharegpt_like_lengths(num_prompts: int, seed: int, max_model_len: int
+                          ) -> list[tuple[int, int]]:
+    """(input_len, output_len) pairs of a synthetic ShareGPT-like mix, the same for a seed.
+
+    Each length is round(lognormal(mu=ln(median), sigma=SHAREGPT_SIGMA)) with medians 200
+    (input) and 180 (output), clipped to [MIN_LEN, MAX_LEN] = [4, 1024]; then the output is cut
+    to max_model_len - 4 and the input to what the output leaves of max_model_len.
+    """
+    if max_model_len <= MIN_LEN:
+        raise ConfigError(f"max_model_len must exceed {MIN_LEN} for the ShareGPT-like mix, "
+                          f"got {max_model_len}", param="max_model_len")
+    rng = random.Random(seed)
+
+    def draw(median: int) -> int:
+        length = round(rng.lognormvariate(math.log(median), SHAREGPT_SIGMA))
+        return min(max(length, MIN_LEN), MAX_LEN)
+
+    pairs: list[tuple[int, int]] = []
+    for _ in range(num_prompts):
+        input_len, output_len = draw(SHAREGPT_INPUT_MEDIAN), draw(SHAREGPT_OUTPUT_MEDIAN)
+        output_len = min(output_len, max_model_len - MIN_LEN)
+        pairs.append((min(input_len, max_model_len - output_len), output_len))
+    return pairs
+
+
+def random_prompts(lengths: Sequence[int], config: ModelConfig, seed: int) -> list[list[int]]:
+    """One prompt per length, fixed by `seed`: ids uniform over the vocabulary minus the
+    model's special ids (eos ids and bos id)."""
+    special = {*config.eos_token_ids, config.bos_token_id} - {None}
+    allowed = torch.tensor(sorted(set(range(config.vocab_size)) - special))
+    generator = torch.Generator().manual_seed(seed)
+    flat = allowed[torch.randint(len(allowed), (sum(lengths),), generator=generator)].tolist()
+    offsets = [0, *itertools.accumulate(lengths)]
+    return [flat[start:end] for start, end in itertools.pairwise(offsets)]
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """avg, p50, p90, p99 (numpy.percentile: linear interpolation between ranks)."""
+    p50, p90, p99 = np.percentile(np.asarray(values, dtype=float), (50, 90, 99)).tolist()
+    return {"avg": float(np.mean(values)), "p50": p50, "p90": p90, "p99": p99}
+
+
+def prefill_flops(config: ModelConfig, prompt_len: int, batch_size: int = 1) -> int:
+    """FLOPs of prefilling `batch_size` prompts of `prompt_len` tokens and sampling one token.
+
+    2 x (weights of the layers' matrix products) x tokens, plus the logits of the last position
+    of each prompt (2 x hidden x vocab), plus causal attention: QK^T and PV each cost
+    2 x head_dim FLOPs per query head and (query, key) pair, and a causal prompt has S(S+1)/2
+    pairs, so 2 x 2 x layers x heads x head_dim x S(S+1)/2. Embedding lookups are not counted.
+    """
+    h, d = config.hidden_size, config.head_dim
+    q_dim, kv_dim = config.num_attention_heads * d, config.num_key_value_heads * d
+    layer_weights = h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * config.intermediate_size
+    linear = 2 * config.num_hidden_layers * layer_weights * prompt_len
+    logits = 2 * h * config.vocab_size
+    pairs = prompt_len * (prompt_len + 1) // 2
+    attention = 4 * config.num_hidden_layers * config.num_attention_heads * d * pairs
+    return batch_size * (linear + logits + attention)
+
+
+def latency_report(e2e: Sequence[float], ttft: Sequence[float], *, input_len: int,
+                   output_len: int, batch_size: int, model_config: ModelConfig,
+                   weight_bytes: int, copy_bandwidth: float) -> dict[str, Any]:
+    """The latency JSON's figures from per-iteration e2e and ttft seconds.
+
+    tpot is None when output_len is 1. The floor is weight_bytes / copy_bandwidth seconds per
+    token; the prefill's FLOP/s are `prefill_flops` over the mean ttft.
+    """
+    tpot = None if output_len == 1 else summarize(
+        [(e - t) / (output_len - 1) for e, t in zip(e2e, ttft, strict=True)])
+    floor = weight_bytes / copy_bandwidth
+    flops, seconds = prefill_flops(model_config, input_len, batch_size), float(np.mean(ttft))
+    return {"latencies_s": list(e2e), "ttfts_s": list(ttft), "latency_s": summarize(e2e),
+            "ttft_s": summarize(ttft), "tpot_s": tpot, "weight_bytes": weight_bytes,
+            "copy_bandwidth_bytes_per_s": copy_bandwidth, "floor_s_per_token": floor,
+            "tpot_over_floor": None if tpot is None else tpot["avg"] / floor,
+            "prefill": {"tokens": input_len * batch_size, "flops": flops, "seconds": seconds,
+                        "flops_per_s": flops / seconds}}
+
+
+def throughput_report(num_requests: int, input_tokens: int, output_tokens: int,
+                      elapsed_s: float) -> dict[str, Any]:
+    """requests/s, output tokens/s and total (input + output) tokens/s over `elapsed_s`."""
+    return {"num_requests": num_requests, "input_tokens": input_tokens,
+            "output_tokens": output_tokens, "elapsed_s": elapsed_s,
+            "requests_per_s": num_requests / elapsed_s,
+            "output_tokens_per_s": output_tokens / elapsed_s,
+            "total_tokens_per_s": (input_tokens + output_tokens) / elapsed_s}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copy_bandwidth(device: torch.device | str, num_bytes: int | None = None,
+                           iters: int | None = None) -> float:
+    """Bytes per second a device-to-device copy of a large buffer moves, counted once.
+
+    Convention: a copy of N bytes (N read and N written) taking t seconds scores N / t, i.e.
+    (bytes read + bytes written) / 2 per second: the rate at which memory streams one buffer
+    through, the pace of a decode step that reads every weight once. The buffer is 1 GiB on a
+    GPU, 64 MiB on a CPU (unless `num_bytes`); the figure is the mean over `iters` copies
+    after two untimed ones.
+    """
+    device = torch.device(device)
+    gpu = device.type == "cuda"
+    size = num_bytes or (_GPU_COPY_BYTES if gpu else _CPU_COPY_BYTES)
+    count = iters or (20 if gpu else 5)
+    src = torch.ones(size, dtype=torch.uint8, device=device)  # written, so its pages are real
+    dst = torch.zeros_like(src)
+    dst.copy_(src)
+    dst.copy_(src)
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(count):
+        dst.copy_(src)
+    synchronize(device)
+    return size * count / (time.perf_counter() - started)
+
+
+def gpu_driver_version() -> str | None:
+    """The NVIDIA driver version from nvidia-smi, or None (said on stderr) when unreadable."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"meshserve bench: no driver version from nvidia-smi ({exc})", file=sys.stderr)
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0] if lines else None
+
+
+def environment_info(device: torch.device) -> dict[str, Any]:
+    """Versions and hardware the run used."""
+    installed = {(d.metadata["Name"] or "").lower(): d.version for d in metadata.distributions()}
+    info: dict[str, Any] = {
+        "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "transformers": installed.get("transformers"),
+        "meshserve": installed.get("meshserve"), "device": str(device),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info.update(gpu_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                    driver=gpu_driver_version())
+    return info
+
+
+def model_info(model: torch.nn.Module, name: str, architecture: str) -> dict[str, Any]:
+    """Name, dtype, parameter count and weight bytes (tied weights counted once)."""
+    params = list(model.parameters())
+    return {"name": name, "architecture": architecture, "dtype": str(params[0].dtype),
+            "num_params": sum(p.numel() for p in params),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in params)}
+
+
+def write_json(path: Path | None, result: dict[str, Any]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def progress_bar(total: int, enabled: bool, unit: str) -> tqdm:
+    return tqdm(total=total, disable=not enabled, file=sys.stderr, unit=unit, dynamic_ncols=True)
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str
+              ) -> tuple[float, float]:
+    """(ttft, e2e) seconds of one batch run alone; ttft: every sequence has its first token."""
+    waiting_first = {f"{tag}-{i}" for i in range(len(prompts))}
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    ttft: float | None = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids:
+                waiting_first.discard(out.request_id)
+        if ttft is None and not waiting_first:
+            ttft = time.perf_counter() - started
+    # No device sync needed: a step returns once its sampled ids are on the host.
+    assert ttft is not None, "a batch finished without producing a first token"
+    return ttft, time.perf_counter() - started
+
+
+def bench_latency(engine: LLMEngine, config: LatencyConfig) -> dict[str, Any]:
+    """Warm-up, then `num_iters` timed batches; the latency JSON's figures."""
+    runs, size = config.num_iters_warmup + config.num_iters, config.batch_size
+    prompts = random_prompts([config.input_len] * (runs * size), engine.model_config,
+                             config.seed)
+    ttfts, e2es = [], []
+    with progress_bar(runs, config.progress, "batch") as bar:
+        for run in range(runs):
+            ttft, e2e = run_batch(engine, prompts[run * size : (run + 1) * size],
+                                  config.output_len, f"lat{run}")
+            if run >= config.num_iters_warmup:
+                ttfts.append(ttft)
+                e2es.append(e2e)
+            bar.update(1)
+    return latency_report(e2es, ttfts, input_len=config.input_len, output_len=config.output_len,
+                          batch_size=size, model_config=engine.model_config,
+                          weight_bytes=model_info(engine.runner.model, "", "")["weight_bytes"],
+                          copy_bandwidth=measure_copy_bandwidth(engine.device))
+
+
+def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, Any]:
+    """Warm-up batches, then every request at once; the throughput JSON's figures."""
+    lengths = config.lengths(engine.max_model_len)
+    # Warm-up prompts (up to 8, short outputs) come from another seed, so that they leave
+    # nothing of the timed prompts in the prefix cache.
+    warm = random_prompts([i for i, _ in lengths[:8]], engine.model_config, config.seed + 1)
+    for run in range(config.num_iters_warmup):
+        run_batch(engine, warm, min(8, lengths[0][1]), f"warm{run}")
+    prompts = random_prompts([i for i, _ in lengths], engine.model_config, config.seed)
+    sequences: list[Request] = []
+    produced = 0
+    started = time.perf_counter()
+    for i, (prompt, (_, output_len)) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(f"tput-{i}", prompt,
+                           SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+        sequences.extend(engine.sequences(f"tput-{i}"))
+    with progress_bar(len(prompts), config.progress, "req") as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                produced += len(out.new_token_ids)
+                bar.update(int(out.finished))
+    report = throughput_report(len(prompts), sum(i for i, _ in lengths), produced,
+                               time.perf_counter() - started)
+    report.update(num_preemptions=sum(seq.num_preemptions for seq in sequences),
+                  mean_input_len=report["input_tokens"] / len(prompts),
+                  mean_output_len=sum(o for _, o in lengths) / len(prompts))
+    return report
+
+
+def summary(kind: str, r: dict[str, Any]) -> str:
+    """A few human lines of a latency or throughput result."""
+    if kind == "throughput":
+        return (f"throughput: {r['num_requests']} requests in {r['elapsed_s']:.2f}s: "
+                f"{r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output "
+                f"tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s, "
+                f"{r['num_preemptions']} preemptions")
+    lines = [f"{key[:-2]}: " + ", ".join(f"{q} {v * 1e3:.3f} ms" for q, v in r[key].items())
+             for key in ("latency_s", "ttft_s", "tpot_s") if r[key] is not None]
+    ratio = "" if r["tpot_over_floor"] is None else f"; tpot = {r['tpot_over_floor']:.2f}x floor"
+    return "\n".join(lines) + (
+        f"\nfloor: {r['weight_bytes'] / 1e9:.3f} GB of weights / "
+        f"{r['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s copied = "
+        f"{r['floor_s_per_token'] * 1e3:.3f} ms per token{ratio}\n"
+        f"prefill: {r['prefill']['flops_per_s'] / 1e12:.3g} TFLOP/s")
+
+
+def main(argv: Sequence[str]) -> int:
+    """`meshserve bench latency|throughput ...`; returns the exit code."""
+    args = list(argv)
+    if not args or args[0] not in ("latency", "throughput"):
+        asked = bool(args) and args[0] in ("-h", "--help")
+        print(_USAGE, file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
+    kind = args[0]
+    config_class = LatencyConfig if kind == "latency" else ThroughputConfig
+    try:
+        config = config_class.from_args(args[1:], strict_env=False,
+                                        prog=f"meshserve bench {kind}")
+    except ConfigError as exc:
+        print(f"meshserve bench {kind}: {exc.message}", file=sys.stderr)
+        return 2
+    try:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        engine = LLMEngine(config.engine_config())
+        figures = (bench_latency(engine, config) if isinstance(config, LatencyConfig)
+                   else bench_throughput(engine, config))  # type: ignore[arg-type]
+    except MeshError as exc:
+        print(f"meshserve bench {kind}: {exc.message}", file=sys.stderr)
+        return 1
+    result = {"benchmark": kind, "backend": "meshserve", "config": config.as_dict(),
+              "environment": environment_info(engine.device),
+              "model": model_info(engine.runner.model, engine.source.name,
+                                  engine.model_config.architecture), **figures}
+    print(summary(kind, result))
+    write_json(config.output_json, result)
+    return 0
