@@ -212,13 +212,12 @@ def synchronize(device: torch.device) -> None:
 
 def measure_copy_bandwidth(device: torch.device | str, num_bytes: int | None = None,
                            iters: int | None = None) -> float:
-    """Bytes per second a device-to-device copy of a large buffer moves, counted once.
+    """Memory bandwidth from a device-to-device copy of a large buffer: bytes moved per second.
 
-    Convention: a copy of N bytes (N read and N written) taking t seconds scores N / t, i.e.
-    (bytes read + bytes written) / 2 per second: the rate at which memory streams one buffer
-    through, the pace of a decode step that reads every weight once. The buffer is 1 GiB on a
-    GPU, 64 MiB on a CPU (unless `num_bytes`); the figure is the mean over `iters` copies
-    after two untimed ones.
+    Convention: a copy of N bytes reads N and writes N, so taking t seconds it scores
+    2N / t (bytes read + bytes written), the usual way copy bandwidth is quoted and the rate
+    at which a decode step can stream its weights. The buffer is 1 GiB on a GPU, 64 MiB on a
+    CPU (unless `num_bytes`); the figure is over `iters` copies after two untimed ones.
     """
     device = torch.device(device)
     gpu = device.type == "cuda"
@@ -233,7 +232,7 @@ def measure_copy_bandwidth(device: torch.device | str, num_bytes: int | None = N
     for _ in range(count):
         dst.copy_(src)
     synchronize(device)
-    return size * count / (time.perf_counter() - started)
+    return 2 * size * count / (time.perf_counter() - started)
 
 
 def gpu_driver_version() -> str | None:
