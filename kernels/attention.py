@@ -91,12 +91,44 @@ def paged_attention(
     assert query.shape[1] % k_cache.shape[2] == 0, (
         f"query heads {query.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
     if query.is_cuda:
+        if key is not None and value is not None and _fresh_prefill(meta):
+            return fresh_prefill_attention(query, key, value, meta, scale)
         from meshserve.kernels import triton_attention  # imported on the GPU path only
 
         return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
     if meta.decode_only:
         return decode_attention_reference(query, k_cache, v_cache, meta, scale)
     return paged_attention_reference(query, k_cache, v_cache, meta, scale, key=key, value=value)
+
+
+# At most this many sequences go through the per-sequence fresh-prefill path in one step.
+_MAX_FRESH_PREFILL_SEQS = 4
+
+
+def _fresh_prefill(meta: AttentionMetadata) -> bool:
+    """A step of a few whole prompts with nothing cached: the step's own KV is all there is."""
+    return (not meta.decode_only and meta.num_seqs <= _MAX_FRESH_PREFILL_SEQS
+            and meta.query_lens_cpu == meta.seq_lens_cpu)
+
+
+def fresh_prefill_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of whole prompts over their own KV with PyTorch's fused attention
+    (FlashAttention on CUDA), which beats the paged kernel when no KV comes from the cache."""
+    out = torch.empty_like(query)
+    start = 0
+    for q_len in meta.query_lens_cpu:
+        rows = slice(start, start + q_len)
+        o = F.scaled_dot_product_attention(
+            query[rows].transpose(0, 1), key[rows].transpose(0, 1), value[rows].transpose(0, 1),
+            is_causal=True, scale=scale, enable_gqa=True)  # [Hq, q_len, D]
+        out[rows] = o.transpose(0, 1)
+        start += q_len
+    return out
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

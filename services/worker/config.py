@@ -37,7 +37,8 @@ class EngineOptions(Config):
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory this worker may use")
     num_kv_blocks: int | None = option(None, "fixed number of KV blocks (overrides sizing)")
     max_num_batched_tokens: int | None = option(None, "token budget of one engine step "
-                                                      "(unset: 2048, or the context length "
+                                                      "(unset: 8192 on a GPU, 2048 on a CPU, "
+                                                      "or at least the context length "
                                                       "without chunked prefill)")
     max_num_seqs: int = option(256, "most sequences running at once")
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps")

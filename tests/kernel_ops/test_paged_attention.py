@@ -9,6 +9,7 @@ import torch
 
 from meshserve.kernels.attention import (
     AttentionMetadata,
+    fresh_prefill_attention,
     paged_attention,
     write_kv,
 )
@@ -102,3 +103,16 @@ def test_write_kv_skips_negative_slots_and_writes_the_rest() -> None:
     assert torch.equal(flat_k[5], key[0]) and torch.equal(flat_k[0], key[2])
     assert torch.equal(v_cache.view(-1, 1, 3)[5], -key[0])
     assert int((flat_k != 0).any(-1).sum()) == 2
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 64), (8, 2, 128), (6, 1, 64)])
+def test_fresh_prefill_attention_matches_dense(hq: int, hkv: int, d: int) -> None:
+    ctx_lens = q_lens = [7, 33, 16]
+    q, k, v, _, _, meta, full_k, full_v = build_step(ctx_lens, q_lens, hkv, hq, d, bs=16,
+                                                     num_blocks=64, seed=d)
+    out = fresh_prefill_attention(q, k, v, meta, d**-0.5)
+    start = 0
+    for ql, fk, fv in zip(q_lens, full_k, full_v):
+        want = dense_attention(q[start : start + ql], fk, fv, 0, d**-0.5)
+        torch.testing.assert_close(out[start : start + ql], want, atol=1e-5, rtol=1e-5)
+        start += ql

@@ -77,7 +77,7 @@ class LLMEngine:
                            config.load_format)
         log.info("loaded %s (%s) in %.1fs", self.source.name, self.dtype,
                  time.monotonic() - started)
-        batched_tokens = config.batched_tokens(self.max_model_len)
+        batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
         num_blocks = self._num_kv_blocks(model, batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
