@@ -14,10 +14,13 @@ behind `write_kv` and `paged_attention` with the same signatures.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass
@@ -120,15 +123,30 @@ def fresh_prefill_attention(
     """Causal attention of whole prompts over their own KV with PyTorch's fused attention
     (FlashAttention on CUDA), which beats the paged kernel when no KV comes from the cache."""
     out = torch.empty_like(query)
+    groups = query.shape[1] // key.shape[1]
     start = 0
     for q_len in meta.query_lens_cpu:
         rows = slice(start, start + q_len)
-        o = F.scaled_dot_product_attention(
-            query[rows].transpose(0, 1), key[rows].transpose(0, 1), value[rows].transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=True)  # [Hq, q_len, D]
-        out[rows] = o.transpose(0, 1)
+        # Contiguous [1, H, L, D] with KV heads repeated: the layout every fused backend takes.
+        q = query[rows].transpose(0, 1).unsqueeze(0).contiguous()
+        k = key[rows].transpose(0, 1).repeat_interleave(groups, dim=0).unsqueeze(0)
+        v = value[rows].transpose(0, 1).repeat_interleave(groups, dim=0).unsqueeze(0)
+        with _fused_backends(query.is_cuda):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out[rows] = o[0].transpose(0, 1)
         start += q_len
     return out
+
+
+@contextlib.contextmanager
+def _fused_backends(on_gpu: bool) -> Iterator[None]:
+    """On a GPU, never let attention fall back to the unfused (quadratic memory) kernel."""
+    if not on_gpu:
+        yield
+        return
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                      SDPBackend.EFFICIENT_ATTENTION]):
+        yield
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
