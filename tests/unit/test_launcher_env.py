@@ -1,0 +1,18 @@
+"""What environment `meshserve up` gives each child service."""
+
+from meshserve.services.launcher import child_env
+
+
+def test_workers_get_sleeping_openmp_threads_unless_told_otherwise() -> None:
+    assert child_env("worker", {"PATH": "/bin"})["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert child_env("worker", {"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "OMP_WAIT_POLICY" not in child_env("gateway", {"PATH": "/bin"})
+
+
+def test_children_get_only_the_meshserve_variables_their_config_knows() -> None:
+    environ = {"MESHSERVE_API_KEY": "k", "MESHSERVE_BLOCK_SIZE": "32", "HOME": "/root"}
+    gateway = child_env("gateway", environ)
+    assert gateway["MESHSERVE_API_KEY"] == "k" and "MESHSERVE_BLOCK_SIZE" not in gateway
+    worker = child_env("worker", environ)
+    assert worker["MESHSERVE_BLOCK_SIZE"] == "32" and "MESHSERVE_API_KEY" not in worker
+    assert worker["HOME"] == gateway["HOME"] == "/root"
