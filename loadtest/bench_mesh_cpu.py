@@ -10,16 +10,22 @@ worker so that it is comparable with the single in-process engine.
 
 from __future__ import annotations
 
+import os
+
+# Both sides run with the OpenMP wait policy `meshserve up` gives its services (idle threads
+# sleep), set before torch loads; see docs/behaviour.md.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import asyncio
 import json
-import os
 import platform
 import tempfile
 import time
 from pathlib import Path
 
-import openai
+import aiohttp
+import orjson
 import torch
 
 from meshserve.services.launcher import LauncherConfig, start_stack
@@ -42,27 +48,36 @@ def requests(count: int) -> list[list[dict[str, str]]]:
             for i in range(count)]
 
 
-async def one(client: openai.AsyncOpenAI, model: str, messages, max_tokens: int) -> dict:
+async def one(session: aiohttp.ClientSession, url: str, model: str, messages,
+              max_tokens: int) -> dict:
+    """One streaming chat request, read as raw SSE (a light client, as vLLM's serving
+    benchmark uses, so that the load generator does not eat the cores it measures)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     started = time.perf_counter()
     first = None
     tokens = 0
-    stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter() - started
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+    async with session.post(url, data=orjson.dumps(body),
+                            headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = orjson.loads(line[6:])
+            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter() - started
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
     return {"ttft_s": first, "tokens": tokens, "e2e_s": time.perf_counter() - started}
 
 
 async def through_gateway(base_url: str, model: str, convs, max_tokens: int) -> dict:
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0,
-                                  timeout=600) as client:
-        await one(client, model, convs[0], 4)  # warm up the path
+    url = f"{base_url}/chat/completions"
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await one(session, url, model, convs[0], 4)  # warm up the path
         started = time.perf_counter()
-        rows = await asyncio.gather(*(one(client, model, c, max_tokens) for c in convs))
+        rows = await asyncio.gather(*(one(session, url, model, c, max_tokens) for c in convs))
         elapsed = time.perf_counter() - started
     ttfts = sorted(r["ttft_s"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
@@ -104,7 +119,8 @@ def main() -> None:
             mesh = asyncio.run(through_gateway(stack.base_url, "bench", convs, args.max_tokens))
     ratio = mesh["output_tokens_per_s"] / offline["output_tokens_per_s"]
     result = {"machine": {"cpu": platform.processor() or platform.machine(),
-                          "cores": os.cpu_count(), "torch": torch.__version__},
+                          "cores": os.cpu_count(), "torch": torch.__version__,
+                          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
               "model": args.model or "SmolLM2-135M-Instruct (GGUF, float32)",
               "max_tokens": args.max_tokens, "concurrency": args.requests,
               "gateway_streaming": mesh, "run_batch_in_process": offline,

@@ -169,11 +169,10 @@ def child_env(role: str, environ: Mapping[str, str]) -> dict[str, str]:
         importlib.import_module(f"meshserve.services.{role}.config"), _CONFIG_CLASSES[role])
     known = {name for f in dataclasses.fields(config_cls) for name in config_cls.env_names(f)}
     env = {k: v for k, v in environ.items() if not k.startswith(ENV_PREFIX) or k in known}
-    if role == "worker":
-        # The worker shares the machine with the other services: idle OpenMP threads must
-        # sleep, not spin, or they take the cores the gateway and tokenizer need between
-        # steps (on 2 cores, spinning cost the mesh a third of its throughput).
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # The services share the machine: idle OpenMP threads must sleep, not spin, or they take
+    # the cores that the worker's engine and the other services need (on 2 cores, spinning
+    # cost the mesh a third of its throughput).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

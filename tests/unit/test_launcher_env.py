@@ -3,10 +3,10 @@
 from meshserve.services.launcher import child_env
 
 
-def test_workers_get_sleeping_openmp_threads_unless_told_otherwise() -> None:
-    assert child_env("worker", {"PATH": "/bin"})["OMP_WAIT_POLICY"] == "PASSIVE"
+def test_services_get_sleeping_openmp_threads_unless_told_otherwise() -> None:
+    for role in ("worker", "gateway", "tokenizer"):
+        assert child_env(role, {"PATH": "/bin"})["OMP_WAIT_POLICY"] == "PASSIVE"
     assert child_env("worker", {"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert "OMP_WAIT_POLICY" not in child_env("gateway", {"PATH": "/bin"})
 
 
 def test_children_get_only_the_meshserve_variables_their_config_knows() -> None:
