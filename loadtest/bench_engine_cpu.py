@@ -74,7 +74,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
 
 
 def run_transformers(source, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32).eval()

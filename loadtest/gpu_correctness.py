@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny_models import build_tiny_model  # noqa: E402
+from tiny_models import build_tiny_model
 
-from meshserve.services.worker.engine.config import EngineConfig  # noqa: E402
-from meshserve.services.worker.engine.engine import LLMEngine  # noqa: E402
-from meshserve.services.worker.engine.sampling_params import SamplingParams  # noqa: E402
+from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.sampling_params import SamplingParams
 
 LENGTHS = [1, 5, 17, 64, 130, 300, 33, 2, 90, 250, 16, 48]
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernel_ops"))
-import test_triton_kernels as kt  # noqa: E402
+import test_triton_kernels as kt
 
-from meshserve.kernels import triton_activation, triton_attention, triton_norm  # noqa: E402
-from meshserve.kernels.activation import silu_and_mul_reference  # noqa: E402
-from meshserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
+from meshserve.kernels import triton_activation, triton_attention, triton_norm
+from meshserve.kernels.activation import silu_and_mul_reference
+from meshserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 
 
 def cuda_step(step: kt.Step) -> kt.Step:
@@ -89,7 +89,7 @@ def main() -> int:
         try:
             check()
             results[name] = "ok"
-        except Exception:  # report every failing case, not just the first
+        except Exception:  # noqa: BLE001 (report every failing case, not just the first)
             results[name] = traceback.format_exc(limit=3)
     failed = {k: v for k, v in results.items() if v != "ok"}
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed "

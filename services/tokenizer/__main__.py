@@ -10,10 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from meshserve.proto.v1 import tokenizer_pb2_grpc
 from meshserve.services.tokenizer.config import TokenizerConfig
@@ -22,11 +19,9 @@ from meshserve.services.tokenizer.service import SERVICE_NAME, ServedModel, Toke
 from meshserve.services.worker.models.loader import load_model_config, resolve_model
 from meshserve.shared.errors import ConfigError, MeshError
 from meshserve.shared.grpc_server import GrpcServer
-from meshserve.shared.logs import setup_logging
-from meshserve.shared.telemetry import Telemetry
+from meshserve.shared.service_main import in_daemon_thread, run_service, service_telemetry
 
 _log = logging.getLogger("meshserve.services.tokenizer")
-_T = TypeVar("_T")
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -57,38 +52,11 @@ def load_served_model(config: TokenizerConfig) -> ServedModel:
     return ServedModel(tokenizer, names, max_model_len, read_chat_template(config.chat_template))
 
 
-async def _in_daemon_thread(fn: Callable[[TokenizerConfig], _T], config: TokenizerConfig) -> _T:
-    """Run `fn(config)` in a daemon thread, so that a stop during a long load (a model
-    download) does not wait for it: asyncio.to_thread's workers are joined at exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[_T] = loop.create_future()
-
-    def settle(result: _T | None, error: BaseException | None) -> None:
-        if future.cancelled():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        try:
-            result, error = fn(config), None
-        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting task)
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop has closed: the service stopped while loading
-            pass
-
-    threading.Thread(target=run, name="tokenizer-load", daemon=True).start()
-    return await future
-
-
 async def _load_and_serve(config: TokenizerConfig, server: GrpcServer,
                           servicer: TokenizerServicer) -> int:
     """Load the model, go SERVING, and wait for a stop; 0 when drained, 1 if loading failed."""
-    loading = asyncio.ensure_future(_in_daemon_thread(load_served_model, config))
+    loading = asyncio.ensure_future(
+        in_daemon_thread(lambda: load_served_model(config), "tokenizer-load"))
     stopping = asyncio.ensure_future(server.wait_for_termination())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():
@@ -119,39 +87,19 @@ async def _load_and_serve(config: TokenizerConfig, server: GrpcServer,
 
 async def serve(config: TokenizerConfig) -> int:
     """Run the service until it is stopped and drained; the process exit code."""
-    telemetry = Telemetry("tokenizer", otlp_endpoint=config.otlp_endpoint)
-    telemetry.install_global()
-    servicer = TokenizerServicer(telemetry=telemetry)
-    server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
-                        telemetry=telemetry, grace_s=config.drain_grace_s)
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
-    metrics = None
-    try:
-        if config.metrics_port is not None:
-            metrics = await telemetry.start_metrics_server(config.host, config.metrics_port)
+    async with service_telemetry("tokenizer", config) as telemetry:
+        servicer = TokenizerServicer(telemetry=telemetry)
+        server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
+                            telemetry=telemetry, grace_s=config.drain_grace_s)
+        tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
         await server.start()
         server.install_signal_handlers()
         return await _load_and_serve(config, server, servicer)
-    finally:
-        if metrics is not None:
-            await metrics.cleanup()
-        telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `meshserve tokenizer` / `python -m meshserve.services.tokenizer`."""
-    try:
-        config = TokenizerConfig.from_args(argv, prog="meshserve tokenizer")
-    except ConfigError as exc:
-        print(f"meshserve tokenizer: {exc.message}", file=sys.stderr)
-        return 2
-    setup_logging("tokenizer", config.log_level, fmt=config.log_format)
-    try:
-        return asyncio.run(serve(config))
-    except MeshError as exc:  # e.g. the port is taken
-        _log.error("tokenizer failed: %s", exc.message,
-                   extra={"error_kind": exc.kind, "error_param": exc.param})
-        return 1
+    return run_service("tokenizer", TokenizerConfig, serve, argv)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
 
 import grpc
 import redis.asyncio as aioredis
@@ -34,19 +31,18 @@ from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.kv_publisher import KVEventPublisher
 from meshserve.services.worker.registration import Registration
 from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
-from meshserve.shared.errors import ConfigError, MeshError, UnavailableError
+from meshserve.shared.errors import UnavailableError
 from meshserve.shared.grpc_client import GrpcClient
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.kv_events import AllBlocksCleared
 from meshserve.shared.kv_index import KVIndex
-from meshserve.shared.logs import setup_logging
 from meshserve.shared.redis_server import connect
+from meshserve.shared.service_main import in_daemon_thread, run_service, service_telemetry
 from meshserve.shared.telemetry import Telemetry
 from meshserve.shared.worker_registry import WorkerInfo, WorkerRegistry
 
 SERVICE_NAME = "meshserve.v1.Worker"
 _log = logging.getLogger("meshserve.services.worker")
-_T = TypeVar("_T")
 
 
 def build_engine(config: WorkerConfig) -> LLMEngine:
@@ -64,33 +60,6 @@ def build_engine(config: WorkerConfig) -> LLMEngine:
         "max_model_len": engine.max_model_len, "num_kv_blocks": engine.kv.num_blocks,
         "seconds": round(time.monotonic() - started, 2)})
     return engine
-
-
-async def in_daemon_thread(fn: Callable[[], _T]) -> _T:
-    """Run `fn()` in a daemon thread, so that a stop during a long load does not wait for it."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[_T] = loop.create_future()
-
-    def settle(result: _T | None, error: BaseException | None) -> None:
-        if future.cancelled():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        try:
-            result, error = fn(), None
-        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting task)
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop closed: the service stopped while loading
-            pass
-
-    threading.Thread(target=run, name="worker-load", daemon=True).start()
-    return await future
 
 
 def kv_namespace(model_name: str, engine: LLMEngine) -> str:
@@ -230,14 +199,9 @@ class WorkerProcess:
 
 async def serve(config: WorkerConfig) -> int:
     """Run the worker until stopped and drained; the process exit code."""
-    telemetry = Telemetry("worker", otlp_endpoint=config.otlp_endpoint)
-    telemetry.install_global()
-    metrics = None
-    try:
-        engine = await in_daemon_thread(lambda: build_engine(config))
+    async with service_telemetry("worker", config) as telemetry:
+        engine = await in_daemon_thread(lambda: build_engine(config), "worker-load")
         worker = WorkerProcess(config, engine, telemetry)
-        if config.metrics_port is not None:
-            metrics = await telemetry.start_metrics_server(config.host, config.metrics_port)
         try:
             await worker.start()
             await worker.run_until_stopped()
@@ -247,28 +211,11 @@ async def serve(config: WorkerConfig) -> int:
             _log.error("worker stopped after an engine failure: %r", worker.failure)
             return 1
         return 0
-    finally:
-        if metrics is not None:
-            await metrics.cleanup()
-        telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `meshserve worker` / `python -m meshserve.services.worker`."""
-    try:
-        config = WorkerConfig.from_args(argv, prog="meshserve worker")
-    except ConfigError as exc:
-        print(f"meshserve worker: {exc.message}", file=sys.stderr)
-        return 2
-    setup_logging("worker", config.log_level, fmt=config.log_format)
-    try:
-        return asyncio.run(serve(config))
-    except MeshError as exc:  # model load errors, a taken port, Redis unreachable at start
-        _log.error("worker failed: %s", exc.message,
-                   extra={"error_kind": exc.kind, "error_param": exc.param})
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return run_service("worker", WorkerConfig, serve, argv)
 
 
 if __name__ == "__main__":

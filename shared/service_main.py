@@ -1,0 +1,99 @@
+"""The common start of every service process: config, logs, telemetry and exit codes.
+
+    def main(argv=None) -> int:
+        return run_service("kvstore", KVStoreConfig, serve, argv)
+
+    async def serve(config) -> int:
+        async with service_telemetry("kvstore", config) as telemetry:
+            ...
+
+Exit codes: 0 after a clean drain, 1 when the service failed (a MeshError: a taken port, a
+model that does not load, Redis unreachable at start), 2 for a bad command line or
+environment, 130 when interrupted before the service installed its own signal handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from meshserve.shared.config import ServiceConfig
+from meshserve.shared.errors import ConfigError, MeshError
+from meshserve.shared.logs import setup_logging
+from meshserve.shared.telemetry import Telemetry
+
+C = TypeVar("C", bound=ServiceConfig)
+T = TypeVar("T")
+_log = logging.getLogger("meshserve.service")
+
+
+def run_service(role: str, config_cls: type[C], serve: Callable[[C], Awaitable[int]],
+                argv: Sequence[str] | None = None) -> int:
+    """Parse the config, set up logs, run `serve(config)` in a new event loop."""
+    try:
+        config = config_cls.from_args(argv, prog=f"meshserve {role}")
+    except ConfigError as exc:
+        print(f"meshserve {role}: {exc.message}", file=sys.stderr)
+        return 2
+    setup_logging(role, config.log_level, fmt=config.log_format)
+    try:
+        return asyncio.run(serve(config))  # type: ignore[arg-type]
+    except MeshError as exc:
+        _log.error("%s failed: %s", role, exc.message,
+                   extra={"error_kind": exc.kind, "error_param": exc.param})
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+@asynccontextmanager
+async def service_telemetry(role: str, config: ServiceConfig) -> AsyncIterator[Telemetry]:
+    """The service's tracer (installed as the global one) and, with --metrics-port, its
+    Prometheus endpoint; both are shut down on leaving."""
+    telemetry = Telemetry(role, otlp_endpoint=config.otlp_endpoint)
+    telemetry.install_global()
+    metrics = None
+    try:
+        if config.metrics_port is not None:
+            metrics = await telemetry.start_metrics_server(config.host, config.metrics_port)
+        yield telemetry
+    finally:
+        if metrics is not None:
+            await metrics.cleanup()
+        telemetry.shutdown()
+
+
+async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
+    """Run `fn()` in a daemon thread and await its result.
+
+    Unlike asyncio.to_thread, whose workers are joined at exit, a stop during a long load
+    (a model download, weights) does not wait for it.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting task)
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop has closed: the service stopped while loading
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
