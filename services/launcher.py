@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -218,6 +219,14 @@ class Stack:
         """The OpenAI API root (`{gateway_url}/v1`)."""
         return f"{self.gateway_url}/v1"
 
+    def model_names(self) -> list[str]:
+        """The model ids the gateway serves (what clients pass as `model`)."""
+        request = urllib.request.Request(f"{self.base_url}/models")
+        if self.config.api_key:
+            request.add_header("Authorization", f"Bearer {self.config.api_key}")
+        with urllib.request.urlopen(request, timeout=10.0) as response:
+            return [m["id"] for m in json.loads(response.read())["data"]]
+
     @staticmethod
     def _free() -> str:
         return f"{_LOOPBACK}:{find_free_port(_LOOPBACK)}"
@@ -409,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         say("interrupted while starting; stopped")
         return 130
     with stack:
-        model = config.served_model_name or config.model or "default"
+        model = ", ".join(stack.model_names())
         print(f"meshserve is up: {stack.base_url} (model {model}, {config.workers} "
               f"worker(s)); logs in {stack.run_dir}; Ctrl-C stops", flush=True)
         code = stack.wait()

@@ -81,6 +81,11 @@ def batch_reference(model_dir: Path, tmp_path: Path, bodies: list[tuple[str, dic
     return [line["response"]["body"] for line in lines]
 
 
+def test_the_stack_names_the_model_clients_use(stack, client) -> None:
+    assert stack.model_names() == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
 PROMPT = "The quick brown fox jumps over the lazy dog"
 CJK_PROMPT = "你好世界 🙂 こんにちは 🌍"
 
