@@ -269,6 +269,14 @@ def model_info(model: torch.nn.Module, name: str, architecture: str) -> dict[str
             "weight_bytes": sum(p.numel() * p.element_size() for p in params)}
 
 
+def engine_info(engine: LLMEngine) -> dict[str, Any]:
+    """The KV cache the engine sized and the decode CUDA graphs it captured (None on CPU or
+    with --enforce-eager): buckets, capture seconds and memory."""
+    graphs = engine.graph_report
+    return {"kv_cache_blocks": engine.kv.num_blocks, "block_size": engine.kv.block_size,
+            "cuda_graphs": dataclasses.asdict(graphs) if graphs is not None else None}
+
+
 def write_json(path: Path | None, result: dict[str, Any]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -390,7 +398,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"meshserve bench {kind}: {exc.message}", file=sys.stderr)
         return 1
     result = {"benchmark": kind, "backend": "meshserve", "config": config.as_dict(),
-              "environment": environment_info(engine.device),
+              "environment": {**environment_info(engine.device), "engine": engine_info(engine)},
               "model": model_info(engine.runner.model, engine.source.name,
                                   engine.model_config.architecture), **figures}
     print(summary(kind, result))

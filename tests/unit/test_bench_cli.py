@@ -61,6 +61,9 @@ def test_latency_writes_consistent_figures(tiny_llama_dir: Path, tmp_path: Path,
     assert r["model"]["num_params"] == num_params
     assert r["weight_bytes"] == r["model"]["weight_bytes"] == 4 * num_params  # float32 on CPU
     assert r["copy_bandwidth_bytes_per_s"] > 0
+    engine = r["environment"]["engine"]
+    assert engine["kv_cache_blocks"] > 0 and engine["block_size"] == 16
+    assert engine["cuda_graphs"] is None  # CPU: no graphs captured
     assert r["floor_s_per_token"] == pytest.approx(r["weight_bytes"]
                                                    / r["copy_bandwidth_bytes_per_s"])
     assert r["tpot_over_floor"] == pytest.approx(r["tpot_s"]["avg"] / r["floor_s_per_token"])
