@@ -35,25 +35,9 @@ from meshserve.services.worker.request_stream import (
 )
 from meshserve.shared.errors import InternalError, InvalidRequestError, MeshError
 from meshserve.shared.kv_events import KVEvent
+from meshserve.shared.worker_registry import WorkerLoad
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """The engine's load after its latest step (what heartbeats and GetLoad report)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_pending_prefill_tokens: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    max_running: int = 0
-    snapshot_unix_ns: int = 0
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_total_blocks - self.num_free_blocks
 
 
 @dataclass(frozen=True)
@@ -326,15 +310,15 @@ class EngineThread:
             self._kv_seq += 1
             batch.kv = KVEventBatch(self.epoch, self._kv_seq, tuple(events))
 
-    def _snapshot(self) -> EngineLoad:
+    def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
         running, waiting = list(scheduler.running), list(scheduler.waiting)
         pending = sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
                       for seq in running + waiting)
-        return EngineLoad(
+        free, total = self.engine.kv.num_free_blocks, self.engine.kv.num_blocks
+        return WorkerLoad(
             num_running=len(running), num_waiting=len(waiting),
-            num_pending_prefill_tokens=pending,
-            num_free_blocks=self.engine.kv.num_free_blocks,
-            num_total_blocks=self.engine.kv.num_blocks,
+            num_pending_prefill_tokens=pending, num_used_blocks=total - free,
+            num_free_blocks=free, num_total_blocks=total,
             max_running=self.engine.config.max_num_seqs,
             snapshot_unix_ns=time.time_ns())

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from meshserve.services.worker.engine.request import TokenLogprobs
 from meshserve.services.worker.engine.sampling_params import SamplingParams
-from meshserve.services.worker.engine_thread import EngineLoad, EngineThread
+from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.request_stream import RequestTimes, SequenceDelta, StreamUpdate
 from meshserve.shared.errors import (
     DeadlineExceededError,
@@ -31,7 +31,7 @@ from meshserve.shared.errors import (
     InvalidRequestError,
     NotFoundError,
 )
-from meshserve.shared.worker_registry import WorkerInfo
+from meshserve.shared.worker_registry import WorkerInfo, WorkerLoad
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_ABORT}
@@ -114,7 +114,7 @@ def generate_response(update: StreamUpdate, now: float) -> worker_pb2.GenerateRe
             num_preemptions=times.num_preemptions, sent_unix_ns=time.time_ns()))
 
 
-def worker_load_pb(load: EngineLoad, worker_id: str, epoch: int,
+def worker_load_pb(load: WorkerLoad, worker_id: str, epoch: int,
                    draining: bool) -> common_pb2.WorkerLoad:
     """The proto WorkerLoad of an engine load snapshot."""
     return common_pb2.WorkerLoad(
