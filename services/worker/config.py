@@ -45,6 +45,9 @@ class EngineOptions(Config):
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
     scheduling_policy: Literal["fcfs", "priority"] = option("fcfs", "local queue order")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
+    async_scheduling: Literal["auto", "on", "off"] = option(
+        "auto", "overlap the CPU's work for the next step with the device's current step "
+                "(auto: on a GPU)")
     num_threads: int | None = option(None, "CPU threads for torch (unset: torch's default); "
                                            "`meshserve up` gives each worker a share of the cores")
 

@@ -43,8 +43,9 @@ def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def test_seeded_sampling_is_reproducible_alone_and_in_a_mixed_batch(folder: Path) -> None:
-    engine = make_engine(folder)
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_seeded_sampling_is_reproducible_alone_and_in_a_mixed_batch(folder: Path, async_scheduling: str) -> None:
+    engine = make_engine(folder, async_scheduling=async_scheduling)
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)
     target = prompt(rng, 21, vocab)
@@ -75,8 +76,9 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_mixed_batch(folder: Path
     assert tokens(drain(engine)[("other-seed", 0)]) != alone
 
 
-def test_free_blocks_return_after_finish_and_abort_at_any_point(folder: Path) -> None:
-    engine = make_engine(folder, max_num_batched_tokens=32)
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_free_blocks_return_after_finish_and_abort_at_any_point(folder: Path, async_scheduling: str) -> None:
+    engine = make_engine(folder, max_num_batched_tokens=32, async_scheduling=async_scheduling)
     baseline = engine.kv.num_free_blocks
     rng = random.Random(1)
     vocab = engine.model_config.vocab_size
@@ -151,8 +153,9 @@ def test_duplicate_request_id_is_rejected(folder: Path) -> None:
         engine.add_request("same", [4, 5], SamplingParams(max_tokens=2))
 
 
-def test_stop_token_ids_min_tokens_and_eos(folder: Path) -> None:
-    engine = make_engine(folder)
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_stop_token_ids_min_tokens_and_eos(folder: Path, async_scheduling: str) -> None:
+    engine = make_engine(folder, async_scheduling=async_scheduling)
     base = [9, 10, 11, 12]
     engine.add_request("free", base, SamplingParams(temperature=0.0, max_tokens=12,
                                                     ignore_eos=True))
@@ -173,8 +176,10 @@ def test_stop_token_ids_min_tokens_and_eos(folder: Path) -> None:
     assert len(got) >= first + 2
 
 
-def test_priority_policy_runs_urgent_requests_first(folder: Path) -> None:
-    engine = make_engine(folder, scheduling_policy="priority", max_num_seqs=1)
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_priority_policy_runs_urgent_requests_first(folder: Path, async_scheduling: str) -> None:
+    engine = make_engine(folder, scheduling_policy="priority", max_num_seqs=1,
+                         async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     engine.add_request("low", [4, 5, 6], params, priority=10)
     engine.add_request("high", [4, 5, 7], params, priority=-10)

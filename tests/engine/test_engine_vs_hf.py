@@ -84,7 +84,12 @@ ENGINE_SETUPS = {
     "no-prefix-cache": {"enable_prefix_caching": False, "max_num_batched_tokens": 64},
     "tiny-cache-preempts": {"num_kv_blocks": 12, "block_size": 16, "max_num_batched_tokens": 64},
     "batch-of-one": {"max_num_seqs": 1},
+    # The overlapped loop (the GPU default), forced on for the CPU path.
+    "async-chunked": {"max_num_batched_tokens": 40, "async_scheduling": "on"},
+    "async-tiny-cache-preempts": {"num_kv_blocks": 12, "block_size": 16,
+                                  "max_num_batched_tokens": 64, "async_scheduling": "on"},
 }
+STAGGERED = ("chunked", "async-chunked")
 
 
 @pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
@@ -92,20 +97,22 @@ def test_greedy_matches_transformers(arch_setup, setup: str) -> None:
     folder, _, prompts, expected = arch_setup
     engine = make_engine(folder, **ENGINE_SETUPS[setup])
     free_at_start = engine.kv.num_free_blocks
-    outputs = run_all(engine, prompts, GREEDY, stagger=setup == "chunked")
+    outputs = run_all(engine, prompts, GREEDY, stagger=setup in STAGGERED)
     for i, want in enumerate(expected):
         got = tokens_of(outputs[f"r{i}"])
         assert got == want, f"prompt {i} (len {len(prompts[i])}) under {setup}"
         assert outputs[f"r{i}"][-1].finish_reason == "length"
     assert engine.kv.num_free_blocks == free_at_start
-    if setup == "chunked":
+    if setup in STAGGERED:
         cached = {i: outputs[f"r{i}"][-1].num_cached_tokens for i in (7, 8)}
         assert cached == {7: 48, 8: 32}, "later requests should reuse the shared prefix blocks"
 
 
-def test_preemption_happens_and_outputs_still_match(arch_setup) -> None:
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_preemption_happens_and_outputs_still_match(arch_setup, async_scheduling: str) -> None:
     folder, _, prompts, expected = arch_setup
-    engine = make_engine(folder, num_kv_blocks=10, max_num_batched_tokens=64)
+    engine = make_engine(folder, num_kv_blocks=10, max_num_batched_tokens=64,
+                         async_scheduling=async_scheduling)
     preempted: set[str] = set()
     original = engine.scheduler._preempt
 
@@ -121,9 +128,10 @@ def test_preemption_happens_and_outputs_still_match(arch_setup) -> None:
     assert engine.kv.num_free_blocks == 10
 
 
-def test_logprobs_match_transformers_log_softmax(arch_setup) -> None:
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_logprobs_match_transformers_log_softmax(arch_setup, async_scheduling: str) -> None:
     folder, hf, prompts, _expected = arch_setup
-    engine = make_engine(folder, max_num_batched_tokens=48)
+    engine = make_engine(folder, max_num_batched_tokens=48, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5,
                             prompt_logprobs=3)
     outputs = run_all(engine, prompts[2:6], params)

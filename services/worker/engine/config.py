@@ -29,6 +29,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
     enforce_eager: bool = False
+    # Overlapped loop: queue step N+1 before reading step N's tokens (auto: on a GPU).
+    async_scheduling: str = "auto"  # auto | on | off
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str, param: str) -> None:
@@ -53,6 +55,9 @@ class EngineConfig:
               "--max-num-batched-tokens must be positive", "max_num_batched_tokens")
         check(self.max_model_len is None or self.max_model_len > 1,
               "--max-model-len must be at least 2", "max_model_len")
+        check(self.async_scheduling in ("auto", "on", "off"),
+              f"--async-scheduling must be auto, on or off, got {self.async_scheduling!r}",
+              "async_scheduling")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")

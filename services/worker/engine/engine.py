@@ -1,7 +1,15 @@
 """The engine: one model replica with a paged KV cache and continuous batching.
 
-`step()` is the whole loop body: schedule, execute, apply results. It is
-synchronous; the worker service runs it in its own thread.
+`step()` is the whole loop body: schedule, launch on the device, apply results.
+The worker service runs it in a thread of its own.
+
+With async scheduling (the default on a GPU), a step queues its work on the device
+and then reads the results of the step before it, so the CPU schedules and prepares
+step N+1 while the device runs step N. Tokens that step N samples stay on the device
+as step N+1's inputs; the host sees them one step later, and a sequence that turns
+out to have stopped at N (EOS, a stop token) spends one discarded token of N+1.
+Length limits are known in advance and never waste one. Steps whose sequences need
+their whole token history on the host (penalties) wait for the step before them.
 """
 
 from __future__ import annotations
@@ -15,12 +23,14 @@ import torch
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.model_runner import (
+    LaunchedStep,
     ModelRunner,
     StepResult,
     kv_cache_bytes_per_block,
     profile_activation_bytes,
 )
 from meshserve.services.worker.engine.request import (
+    PENDING_TOKEN,
     Request,
     RequestOutput,
     RequestStatus,
@@ -31,7 +41,6 @@ from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.services.worker.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
-    SchedulerOutput,
 )
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.loader import (
@@ -96,6 +105,9 @@ class LLMEngine:
                                           num_blocks, config.block_size)
         self._groups: dict[str, list[Request]] = {}
         self._aborted: list[Request] = []
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.device.type == "cuda")
+        self._in_flight: LaunchedStep | None = None  # queued, results not read yet
         log.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     # ----- sizing -------------------------------------------------------------
@@ -163,16 +175,22 @@ class LLMEngine:
         ignored."""
         for seq in self._groups.get(request_id, []):
             if not seq.is_finished and (indices is None or seq.index in indices):
-                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+                self._finish(seq, RequestStatus.FINISHED_ABORTED)
                 self._aborted.append(seq)
         self._forget_if_done(request_id)
+
+    def _finish(self, seq: Request, status: RequestStatus) -> None:
+        # A step still on the device may hold the sequence: its token there is dropped,
+        # and the blocks it writes are reused only by steps queued after it.
+        seq.drop_pending()
+        self.scheduler.finish(seq, status)
 
     def sequences(self, request_id: str) -> list[Request]:
         """The unfinished request's sequences (empty once it is done or unknown)."""
         return list(self._groups.get(request_id, ()))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or bool(self._aborted)
+        return bool(self._groups) or bool(self._aborted) or self._in_flight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -183,49 +201,71 @@ class LLMEngine:
 
     # ----- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return what the last completed step produced."""
         outputs = [self._output(seq, []) for seq in self._aborted]
         self._aborted = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and self._needs_history(previous):
+            outputs.extend(self._apply(previous.result()))
+            previous = None
         scheduled = self.scheduler.schedule()
-        if scheduled.empty:
-            return outputs
-        result = self.runner.execute(scheduled)
-        self.scheduler.advance(scheduled)
-        outputs.extend(self._apply(scheduled, result))
+        launched = None
+        if not scheduled.empty:
+            launched = self.runner.launch(scheduled, previous)
+            self.scheduler.advance(scheduled)
+            for seq in launched.sample_requests:  # their tokens' places, until read
+                seq.output_token_ids.append(PENDING_TOKEN)
+                seq.num_pending += 1
+        if previous is not None:
+            outputs.extend(self._apply(previous.result()))
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                outputs.extend(self._apply(launched.result()))
         return outputs
 
-    def _apply(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+    @staticmethod
+    def _needs_history(step: LaunchedStep) -> bool:
+        """Whether the next step needs `step`'s tokens on the host before it samples."""
+        return any(seq.params.needs_penalties and not seq.is_finished
+                   for seq in step.sample_requests)
+
+    def _apply(self, result: StepResult) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        for request_id, (start, scored) in result.prompt_logprobs.items():
-            request = next(s.request for s in scheduled.scheduled
-                           if s.request.request_id == request_id)
+        for request, start, scored in result.prompt_logprobs:
             request.prompt_logprobs[start : start + len(scored)] = scored
         now = time.monotonic()
-        for s in scheduled.scheduled:
-            seq = s.request
-            sampled = result.sampled.get(seq.request_id)
-            if sampled is None:
+        for seq, token, logprobs in result.sampled:
+            if seq.is_finished:  # aborted, or stopped by the step before, while queued
                 continue
-            token, logprobs = sampled
-            seq.output_token_ids.append(token)
+            # The oldest pending place is this step's (a later step's may follow it).
+            place = len(seq.output_token_ids) - seq.num_pending
+            seq.output_token_ids[place] = token
+            seq.num_pending -= 1
+            count = place + 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            status = self._stop_status(seq, token)
+            status = self._stop_status(seq, token, count)
             if status is not None:
-                self.scheduler.finish(seq, status)
+                self._finish(seq, status)
                 self._forget_if_done(seq.group_id)
-            outputs.append(self._output(seq, [token], logprobs))
+            else:
+                self.kv.cache_computed_blocks(seq)
+            outputs.append(self._output(seq, [token], logprobs, count))
         return outputs
 
-    def _stop_status(self, seq: Request, token: int) -> RequestStatus | None:
-        """How the sequence finishes after appending `token`, or None if it goes on."""
+    def _stop_status(self, seq: Request, token: int, count: int) -> RequestStatus | None:
+        """How the sequence finishes with `token` as its output token number `count`, or
+        None if it goes on."""
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
+        if count >= params.min_tokens:
             if token in params.stop_token_ids:
                 seq.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token in seq.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        if count >= seq.max_tokens or seq.num_prompt_tokens + count >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -234,9 +274,14 @@ class LLMEngine:
         if group is not None and all(s.is_finished for s in group):
             del self._groups[group_id]
 
-    def _output(self, seq: Request, tokens: list[int], logprobs: object = None) -> RequestOutput:
+    def _output(self, seq: Request, tokens: list[int], logprobs: object = None,
+                count: int | None = None) -> RequestOutput:
+        """The delta of `tokens`, which end at output token number `count` (default: the
+        last known one)."""
+        if count is None:
+            count = seq.num_output_tokens - seq.num_pending
         prompt_logprobs = None
-        if (seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(tokens) == 1):
+        if seq.params.prompt_logprobs is not None and count == len(tokens) == 1:
             prompt_logprobs = seq.prompt_logprobs or [None]
         return RequestOutput(
             request_id=seq.group_id,
@@ -249,7 +294,7 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=count,
         )
 
 

@@ -35,10 +35,12 @@ class KVCacheManager:
     def _update_hashes(self, request: Request) -> None:
         """Extend the request's chained block hashes over its newly full blocks."""
         known = len(request.block_hashes)
-        if request.num_tokens // self.block_size > known:
+        num_known = request.num_known_tokens  # pending tokens have no id yet
+        if num_known // self.block_size > known:
             parent = request.block_hashes[-1] if known else None
             request.block_hashes.extend(hash_blocks(
-                request.all_token_ids, self.block_size, request.extra_keys, parent, known))
+                request.token_ids(0, num_known), self.block_size, request.extra_keys, parent,
+                known))
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """Longest run of leading blocks already cached for this request's tokens.
@@ -89,7 +91,7 @@ class KVCacheManager:
             return
         rid = request.request_id
         start = max(self._num_cached.get(rid, 0), num_hits)
-        end = min(num_tokens, request.num_tokens) // self.block_size
+        end = min(num_tokens, request.num_known_tokens) // self.block_size
         self._num_cached[rid] = max(end, start)
         if end <= start:
             return
@@ -99,10 +101,16 @@ class KVCacheManager:
         self.pool.cache_full_blocks(
             held[start:end],
             request.block_hashes[start:end],
-            request.all_token_ids[start * bs : end * bs],
+            request.token_ids(start * bs, end * bs),
             bs,
             request.block_hashes[start - 1] if start else None,
         )
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Index the request's full computed blocks whose token ids have just become known
+        (a block holding a pending token waits for its id)."""
+        if request.request_id in self._blocks:
+            self._cache_new_full_blocks(request, request.num_computed_tokens, 0)
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (its tail first in eviction order)."""

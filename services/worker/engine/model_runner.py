@@ -11,23 +11,28 @@ from meshserve.services.worker.engine.cuda_graphs import CaptureReport, CudaGrap
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.request import Request, TokenLogprobs
 from meshserve.services.worker.engine.sampler import (
+    HostCopy,
+    PendingSample,
     Sampler,
     SamplingRow,
-    compute_logprobs,
+    logprob_entries,
+    logprob_table,
 )
 from meshserve.services.worker.engine.scheduler import SchedulerOutput
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
+from meshserve.shared.errors import InternalError
 
 
 @dataclass
 class StepResult:
-    """What the model produced in one step, keyed by request id."""
+    """What the model produced in one step."""
 
-    sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
-    # request id -> (first prompt position scored, logprobs from that position on)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs | None]]] = field(
-        default_factory=dict)
+    # (sequence, its token, that token's logprobs) for every sequence that sampled
+    sampled: list[tuple[Request, int, TokenLogprobs | None]] = field(default_factory=list)
+    # (sequence, first prompt position scored, logprobs from that position on)
+    prompt_logprobs: list[tuple[Request, int, list[TokenLogprobs | None]]] = field(
+        default_factory=list)
 
 
 @dataclass
@@ -41,6 +46,44 @@ class StepInputs:
     sample_requests: list[Request]
     # Requests wanting prompt logprobs, with the rows whose logits score their next prompt token.
     prompt_rows: list[tuple[Request, list[int]]]
+    # Rows whose token was sampled by the previous step and is still on the device, and
+    # where that step's sampled tokens hold it.
+    pending_rows: list[int] = field(default_factory=list)
+    pending_sources: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _PromptScores:
+    request: Request
+    first_position: int
+    table: HostCopy  # logprob_table's rows, on their way to the host
+    leading_none: bool  # position 0 has no logprob (nothing precedes it)
+
+
+class LaunchedStep:
+    """A step queued on the device: its sampled tokens stay there for the next step's
+    inputs, and `result()` waits for them on the host (the one wait of a step)."""
+
+    def __init__(self, scheduled: SchedulerOutput, sample_requests: list[Request],
+                 sample: PendingSample | None, prompt_scores: list[_PromptScores]) -> None:
+        self.scheduled = scheduled
+        self.sample_requests = sample_requests
+        self.sample = sample
+        self.prompt_scores = prompt_scores
+        # Sequence (by identity) -> its row in `sample.token_ids`.
+        self.sample_index = {id(r): i for i, r in enumerate(sample_requests)}
+
+    def result(self) -> StepResult:
+        result = StepResult()
+        for scores in self.prompt_scores:
+            entries: list[TokenLogprobs | None] = [None] if scores.leading_none else []
+            entries.extend(logprob_entries(scores.table.get().tolist()))
+            result.prompt_logprobs.append((scores.request, scores.first_position, entries))
+        if self.sample is not None:
+            sampled = self.sample.read()
+            result.sampled = list(zip(self.sample_requests, sampled.token_ids,
+                                      sampled.logprobs, strict=True))
+        return result
 
 
 @torch.inference_mode()
@@ -126,20 +169,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        inputs = self.prepare(out)
-        hidden = self._forward(inputs)
-        result = StepResult()
-        self._score_prompts(hidden, inputs, result)
-        if inputs.sample_rows:
-            rows = torch.tensor(inputs.sample_rows, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])  # [S, V] float32
-            sampled = self.sampler.sample(logits, [_row(r) for r in inputs.sample_requests])
-            for request, token, logprobs in zip(
-                    inputs.sample_requests, sampled.token_ids, sampled.logprobs, strict=True):
-                result.sampled[request.request_id] = (token, logprobs)
-        return result
+        """Run one step and wait for its results."""
+        return self.launch(out).result()
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None
+               ) -> LaunchedStep:
+        """Queue one step on the device without waiting for it.
+
+        Tokens of the step's sequences that `previous` sampled (pending on the host) are
+        taken from `previous`'s sampled tokens on the device.
+        """
+        inputs = self.prepare(out, previous)
+        if inputs.pending_rows:
+            assert previous is not None and previous.sample is not None
+            sources = self._tensor(inputs.pending_sources, torch.long)
+            inputs.input_ids[self._tensor(inputs.pending_rows, torch.long)] = (
+                previous.sample.token_ids[sources])
+        hidden = self._forward(inputs)
+        prompt_scores = self._score_prompts(hidden, inputs)
+        sample = None
+        if inputs.sample_rows:
+            rows = self._tensor(inputs.sample_rows, torch.long)
+            logits = self.model.compute_logits(hidden[rows])  # [S, V] float32
+            sample = self.sampler.sample_async(
+                logits, [_row(r) for r in inputs.sample_requests])
+        return LaunchedStep(out, inputs.sample_requests, sample, prompt_scores)
+
+    def prepare(self, out: SchedulerOutput, previous: LaunchedStep | None = None
+                ) -> StepInputs:
         """Flatten the step's requests into one token batch with its attention metadata."""
         bs = self.block_size
         ids: list[int] = []
@@ -151,17 +209,27 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_rows: list[tuple[Request, list[int]]] = []
+        pending_rows: list[int] = []
+        pending_sources: list[int] = []
         for s in out.scheduled:
             r, n = s.request, s.num_new_tokens
             start = r.num_computed_tokens
             table = self.kv.block_ids(r.request_id)
             row0 = len(ids)
-            ids.extend(r.all_token_ids[start : start + n])
+            ids.extend(r.token_ids(start, start + n))
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
+            known = r.num_known_tokens
+            if start + n > known:  # the last token was sampled by the step still running
+                if start + n - known > 1 or previous is None or (
+                        id(r) not in previous.sample_index):
+                    raise InternalError(f"{r.request_id}: tokens {known}..{start + n} are not "
+                                        f"known and not sampled by the running step")
+                pending_rows.append(row0 + n - 1)
+                pending_sources.append(previous.sample_index[id(r)])
             if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
                 last = min(start + n, r.num_prompt_tokens - 1)
                 prompt_rows.append((r, list(range(row0, row0 + last - start))))
@@ -175,6 +243,8 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_requests=sample_requests,
             prompt_rows=prompt_rows,
+            pending_rows=pending_rows,
+            pending_sources=pending_sources,
         )
 
     def _metadata(self, slots: list[int], query_lens: list[int], seq_lens: list[int],
@@ -201,17 +271,18 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _score_prompts(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
-        """Logprobs of prompt tokens, for requests that asked for prompt_logprobs."""
+    def _score_prompts(self, hidden: torch.Tensor, inputs: StepInputs) -> list[_PromptScores]:
+        """Logprobs of prompt tokens, for requests that asked for prompt_logprobs (queued)."""
+        scores = []
         for request, rows in inputs.prompt_rows:
             start = request.num_computed_tokens
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-            targets = torch.tensor(
-                request.prompt_token_ids[start + 1 : start + 1 + len(rows)], device=self.device)
-            # Position 0 has no logprob (nothing precedes it).
-            scored: list[TokenLogprobs | None] = [None] if start == 0 else []
-            scored.extend(compute_logprobs(logits, targets, request.params.prompt_logprobs or 0))
-            result.prompt_logprobs[request.request_id] = (0 if start == 0 else start + 1, scored)
+            logits = self.model.compute_logits(hidden[self._tensor(rows, torch.long)])
+            targets = self._tensor(
+                request.prompt_token_ids[start + 1 : start + 1 + len(rows)], torch.long)
+            table = logprob_table(logits, targets, request.params.prompt_logprobs or 0)
+            scores.append(_PromptScores(request, 0 if start == 0 else start + 1,
+                                        HostCopy(table), leading_none=start == 0))
+        return scores
 
 
 def _row(request: Request) -> SamplingRow:

@@ -34,12 +34,20 @@ class TokenLogprobs:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+# Stands in the output for a token sampled by a step still running on the device.
+PENDING_TOKEN = -1
+
+
 class Request:
     """One sequence: a prompt and the tokens generated for it so far.
 
     `num_computed_tokens` counts tokens whose KV is in the cache (prefix-cache
     hits included); the scheduler advances it. A request with n > 1 becomes n
     sequences sharing `group_id`, indexed by `index`.
+
+    With the overlapped loop, a token sampled by a step still on the device is
+    already counted: `PENDING_TOKEN` holds its place at the end of the output
+    until the step's results are read (`num_pending` of them, at most two).
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class Request:
         self.leader = leader
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending = 0  # trailing PENDING_TOKEN entries of output_token_ids
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache, set once
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
@@ -90,6 +99,26 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host (all but the pending ones at the end)."""
+        return self.num_tokens - self.num_pending
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def drop_pending(self) -> None:
+        """Forget tokens still on their way (the sequence has finished without them)."""
+        if self.num_pending:
+            del self.output_token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -49,6 +49,55 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+class HostCopy:
+    """A device tensor on its way to pinned host memory; `get()` waits for it alone.
+
+    The copy is queued behind the work that produces the tensor, so later work can be
+    queued before anyone waits. On a CPU device the tensor is already there.
+    """
+
+    def __init__(self, tensor: Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if tensor.device.type != "cuda":
+            self._host = tensor
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def get(self) -> Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
+class PendingSample:
+    """The tokens of one sample call: on the device at once (the next step can take its
+    inputs from `token_ids` there), on the host after `read()`, the step's one wait."""
+
+    def __init__(self, token_ids: Tensor, table: Tensor | None, wanted: list[int],
+                 counts: list[int]) -> None:
+        self.token_ids = token_ids  # [B] int64, on the logits' device
+        self._wanted = wanted
+        self._counts = counts
+        packed = token_ids if table is None else torch.cat(
+            [token_ids.to(torch.float64), table.flatten()])
+        self._copy = HostCopy(packed)
+        self._output: SamplerOutput | None = None
+
+    def read(self) -> SamplerOutput:
+        if self._output is None:
+            host = self._copy.get().tolist()
+            num_rows = self.token_ids.shape[0]
+            if not self._wanted:
+                self._output = SamplerOutput(token_ids=host, logprobs=[None] * num_rows)
+            else:
+                self._output = _unpack(host, num_rows, self._wanted, self._counts)
+        return self._output
+
+
 def make_generator(seed: int, device: torch.device, index: int = 0) -> torch.Generator:
     """The generator of sequence `index` of a request seeded with `seed`.
 
@@ -70,10 +119,10 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> list[To
     logits: [N, V] float32, token_ids: [N]. Rank is 1-based among all V tokens by logit (1 for
     the argmax); `top` is sorted by descending logprob. Used for output and prompt logprobs.
     """
-    return _logprob_entries(_logprob_table(logits, token_ids, num_top).tolist())
+    return logprob_entries(logprob_table(logits, token_ids, num_top).tolist())
 
 
-def _logprob_table(logits: Tensor, token_ids: Tensor, num_top: int) -> Tensor:
+def logprob_table(logits: Tensor, token_ids: Tensor, num_top: int) -> Tensor:
     """[N, 3 + 2 * num_top] float64: token id, logprob, rank, num_top ids, num_top logprobs.
 
     One tensor, so that it comes back to the host in one copy; float64 holds the ids, ranks
@@ -90,8 +139,8 @@ def _logprob_table(logits: Tensor, token_ids: Tensor, num_top: int) -> Tensor:
     return torch.cat([c.to(torch.float64) for c in columns], dim=1)
 
 
-def _logprob_entries(table: list[list[float]]) -> list[TokenLogprobs]:
-    """TokenLogprobs from the rows of a `_logprob_table` read back to the host."""
+def logprob_entries(table: list[list[float]]) -> list[TokenLogprobs]:
+    """TokenLogprobs from the rows of a `logprob_table` read back to the host."""
     entries = []
     for row in table:
         num_top = (len(row) - 3) // 2
@@ -207,14 +256,19 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """One token per row of `logits` [B, V] float32, and logprobs where asked."""
+        return self.sample_async(logits, rows).read()
+
+    @torch.inference_mode()
+    def sample_async(self, logits: Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """`sample` without waiting: the work is queued on the device, read() waits."""
         processed = self._process(logits, rows)
         tokens = self._pick(processed, rows)  # [B]
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanted:
-            return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(rows))
+            return PendingSample(tokens, None, [], [])
         counts = [rows[i].params.logprobs or 0 for i in wanted]
-        table = self._logprob_table(logits, tokens, wanted, max(counts))  # [L, W]
-        return _read_back(tokens, table, wanted, counts)
+        table = self._wanted_logprob_table(logits, tokens, wanted, max(counts))  # [L, W]
+        return PendingSample(tokens, table, wanted, counts)
 
     @torch.inference_mode()
     def process(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
@@ -354,24 +408,23 @@ class Sampler:
         # u = 0 gives q = inf and p / q = 0; q is never 0, so p / q is never NaN.
         return probs.div_(noise.log_().neg_()).argmax(dim=-1)
 
-    def _logprob_table(self, logits: Tensor, tokens: Tensor, wanted: list[int],
+    def _wanted_logprob_table(self, logits: Tensor, tokens: Tensor, wanted: list[int],
                        num_top: int) -> Tensor:
         """The raw logits' logprob table for the rows in `wanted`."""
         if len(wanted) == logits.shape[0]:
-            return _logprob_table(logits, tokens, num_top)
+            return logprob_table(logits, tokens, num_top)
         index = self._index(wanted)
-        return _logprob_table(logits[index], tokens[index], num_top)
+        return logprob_table(logits[index], tokens[index], num_top)
 
     def _index(self, values: Sequence[int]) -> Tensor:
         return _to_device(values, torch.long, self.device)
 
 
-def _read_back(tokens: Tensor, table: Tensor, wanted: list[int],
-               counts: list[int]) -> SamplerOutput:
-    """Token ids [B] and the logprob table [L, W] of rows `wanted`, to the host in one copy."""
-    num_rows, width = tokens.shape[0], table.shape[1]
-    host = torch.cat([tokens.to(torch.float64), table.flatten()]).tolist()
-    entries = _logprob_entries([host[num_rows + k * width:num_rows + (k + 1) * width]
+def _unpack(host: list[float], num_rows: int, wanted: list[int],
+            counts: list[int]) -> SamplerOutput:
+    """Token ids [B] and the logprob table [L, W] of rows `wanted`, read back in one copy."""
+    width = (len(host) - num_rows) // len(wanted)
+    entries = logprob_entries([host[num_rows + k * width:num_rows + (k + 1) * width]
                                 for k in range(len(wanted))])
     logprobs: list[TokenLogprobs | None] = [None] * num_rows
     for i, count, entry in zip(wanted, counts, entries):

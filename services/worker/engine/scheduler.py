@@ -109,6 +109,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if self._at_length_limit(request):
+                continue  # its last token is still on the device: it finishes when read
             num_new = request.num_tokens - request.num_computed_tokens
             if self.config.enable_chunked_prefill:
                 num_new = min(num_new, budget)
@@ -142,6 +144,8 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if request.num_pending:
+                continue  # preempted while its last token was on the device: wait for it
             if request.leader is not None and not self._leader_done(request.leader):
                 continue  # an n>1 sibling waits to share its leader's prompt blocks
             computed = self.kv.get_computed_blocks(request)
@@ -163,6 +167,10 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+
+    def _at_length_limit(self, request: Request) -> bool:
+        return (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.config.max_model_len)
 
     @staticmethod
     def _leader_done(leader: Request) -> bool:
