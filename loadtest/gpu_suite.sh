@@ -177,7 +177,7 @@ def ms(seconds): return f"{seconds * 1e3:.2f} ms"
 def figures(name, r):
     """(figures, budget check) of one step."""
     log = run / f"{name}.log"
-    if name == "kernel_check" and log.is_file():
+    if name in ("kernel_check", "correctness") and log.is_file():
         lines = [l for l in log.read_text().splitlines() if " passed, " in l]
         return (lines[-1] if lines else ""), ""
     if r is None:
@@ -246,6 +246,9 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformer
 # The Triton kernels compiled on this GPU against the PyTorch references.
 step kernel_check "${T_KERNEL_CHECK:-60}" 20 python3 loadtest/gpu_kernel_check.py \
   --out "$RUN_DIR/kernel_check.json"
+# Greedy outputs of the GPU path against the CPU path: float32 exact, bfloat16 within bounds.
+step correctness "${T_CORRECTNESS:-90}" 30 python3 loadtest/gpu_correctness.py \
+  --out "$RUN_DIR/correctness.json"
 if [ -n "${RUN_KERNEL_BENCH:-}" ]; then
   step kernels "${T_KERNELS:-35}" 20 python3 -m meshserve.kernels.bench_kernels \
     --out "$OUT/kernels.json"
@@ -254,6 +257,10 @@ fi
 bench latency "${T_LATENCY:-50}" 30 latency --input-len "$LATENCY_LEN" \
   --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" \
   --num-iters-warmup 2 --max-num-seqs 1
+# The same with the overlapped loop off: what overlapping the CPU's work buys.
+bench latency_sync "${T_LATENCY_SYNC:-50}" 30 latency --input-len "$LATENCY_LEN" \
+  --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" \
+  --num-iters-warmup 2 --max-num-seqs 1 --async-scheduling off
 bench sharegpt "${T_SHAREGPT:-75}" 40 throughput --dataset sharegpt-like \
   --num-prompts "$SHAREGPT_PROMPTS" --num-iters-warmup 1
 bench fixed_short "${T_SHORT:-55}" 30 throughput --input-len "$SHORT_IN" \

@@ -270,10 +270,12 @@ def model_info(model: torch.nn.Module, name: str, architecture: str) -> dict[str
 
 
 def engine_info(engine: LLMEngine) -> dict[str, Any]:
-    """The KV cache the engine sized and the decode CUDA graphs it captured (None on CPU or
-    with --enforce-eager): buckets, capture seconds and memory."""
+    """The KV cache the engine sized, whether its loop overlaps steps, and the decode CUDA
+    graphs it captured (None on CPU or with --enforce-eager): buckets, capture seconds and
+    memory."""
     graphs = engine.graph_report
     return {"kv_cache_blocks": engine.kv.num_blocks, "block_size": engine.kv.block_size,
+            "async_scheduling": engine.async_scheduling,
             "cuda_graphs": dataclasses.asdict(graphs) if graphs is not None else None}
 
 
