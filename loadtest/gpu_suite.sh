@@ -78,39 +78,7 @@ done
 export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
 
 # ---- 2. the model: a Llama-3.1-8B-shaped config.json (weights are dummy) -----------------
-if [ -z "${MODEL_DIR:-}" ]; then
-  MODEL_DIR=$RUN_DIR/llama-3.1-8b
-  mkdir -p "$MODEL_DIR"
-  cat >"$MODEL_DIR/config.json" <<'JSON'
-{
-  "architectures": ["LlamaForCausalLM"],
-  "model_type": "llama",
-  "attention_bias": false,
-  "attention_dropout": 0.0,
-  "bos_token_id": 128000,
-  "eos_token_id": [128001, 128008, 128009],
-  "head_dim": 128,
-  "hidden_act": "silu",
-  "hidden_size": 4096,
-  "initializer_range": 0.02,
-  "intermediate_size": 14336,
-  "max_position_embeddings": 131072,
-  "mlp_bias": false,
-  "num_attention_heads": 32,
-  "num_hidden_layers": 32,
-  "num_key_value_heads": 8,
-  "pretraining_tp": 1,
-  "rms_norm_eps": 1e-05,
-  "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-  "rope_theta": 500000.0,
-  "tie_word_embeddings": false,
-  "torch_dtype": "bfloat16",
-  "use_cache": true,
-  "vocab_size": 128256
-}
-JSON
-fi
+MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}  # config.json only
 
 # ---- 3. the steps ----------------------------------------------------------------------------
 # step NAME LIMIT_S MIN_S COMMAND...: run COMMAND under `timeout` (at most LIMIT_S, and never
@@ -277,7 +245,7 @@ hf_peer hf_throughput "${T_HF_THROUGHPUT:-90}" 40 throughput --input-len "$SHORT
   --output-len "$SHORT_OUT" --num-prompts "$HF_PROMPTS" --batch-sizes "$HF_BATCH_SIZES"
 
 # ---- 4. the table, last ----------------------------------------------------------------------
-tar -czf "$OUT/steps.tar.gz" -C "$RUN_DIR" --exclude=./pkgroot --exclude=./llama-3.1-8b . ||
+tar -czf "$OUT/steps.tar.gz" -C "$RUN_DIR" --exclude=./pkgroot . ||
   log "!! packing the steps' files failed"
 log "== suite finished in $((SECONDS - START))s"
 python3 "$RUN_DIR/report.py" table | tee -a "$OUT/suite.log"

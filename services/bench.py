@@ -276,7 +276,9 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
     graphs = engine.graph_report
     return {"kv_cache_blocks": engine.kv.num_blocks, "block_size": engine.kv.block_size,
             "async_scheduling": engine.async_scheduling,
-            "cuda_graphs": dataclasses.asdict(graphs) if graphs is not None else None}
+            "cuda_graphs": dataclasses.asdict(graphs) if graphs is not None else None,
+            "piecewise_cuda_graphs": (dataclasses.asdict(engine.piecewise_report)
+                                      if engine.piecewise_report is not None else None)}
 
 
 def write_json(path: Path | None, result: dict[str, Any]) -> None:

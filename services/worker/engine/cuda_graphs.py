@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from meshserve.kernels.attention import AttentionMetadata
+from meshserve.kernels.attention import AttentionMetadata, paged_attention
+from meshserve.services.worker.models.llama import CausalLM, DecoderLayer
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +121,150 @@ class CudaGraphRunner:
             self.seq_lens[num_seqs:batch].fill_(1)
         self.graphs[batch].replay()
         return self.outputs[batch][:num_seqs]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token counts to capture piecewise graphs for: 16..128 by 16, then 160..256 by 32,
+    320..512 by 64 and so on, capped at max_tokens, so that a step is padded by less than 16
+    tokens or a quarter of its tokens."""
+    sizes: list[int] = []
+    step, size = 16, 16
+    while size < max_tokens:
+        sizes.append(size)
+        if size >= 8 * step:
+            step *= 2
+        size += step
+    return sizes + [max_tokens]
+
+
+class PiecewiseGraphRunner:
+    """CUDA graphs for steps of any shape, cut at attention (prefill, chunked prefill, mixed).
+
+    Attention's launch shape depends on the step's sequences, so it runs eagerly; everything
+    between two attentions (o_proj, residual add, norm, MLP, the next layer's norm, QKV
+    projection, rotary and KV write) depends only on the number of tokens, and is captured
+    once per token bucket. A step of T tokens replays the pieces of the smallest bucket B >= T
+    with T real rows and B - T padding rows (no KV write, outputs ignored), and launches L
+    attentions in between: L + 1 graph replays and L attention launches instead of about ten
+    eager launches per layer. Pieces exchange q/k/v, the attention output and the residual
+    stream through static buffers sized for the largest bucket.
+    """
+
+    def __init__(self, model: CausalLM, kv_caches: list[KVCache], *, max_tokens: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.decoder = model.model
+        self.layers: list[DecoderLayer] = list(self.decoder.layers)  # type: ignore[arg-type]
+        self.kv_caches = kv_caches
+        self.device = device
+        self.buckets = token_buckets(max_tokens)
+        largest = self.buckets[-1]
+        attn = self.layers[0].self_attn
+        dtype = self.decoder.embed_tokens.weight.dtype
+        hidden_size = self.decoder.embed_tokens.weight.shape[1]
+
+        def buffer(*shape: int) -> torch.Tensor:
+            return torch.zeros(largest, *shape, dtype=dtype, device=device)
+
+        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
+        self.q = buffer(attn.num_heads, attn.head_dim)
+        self.k = buffer(attn.num_kv_heads, attn.head_dim)
+        self.v = buffer(attn.num_kv_heads, attn.head_dim)
+        self.attn_out = buffer(attn.num_heads, attn.head_dim)
+        self.residual = buffer(hidden_size)
+        self.hidden = buffer(hidden_size)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.pool: Any = None
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def _project(self, index: int, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 batch: int) -> None:
+        """Layer `index` up to attention; q/k/v and the residual stream into the buffers."""
+        layer = self.layers[index]
+        normed, residual = layer.input_norm(hidden, residual)
+        q, k, v = layer.self_attn.project(self.positions[:batch], normed, self.kv_caches[index],
+                                          self.slot_mapping[:batch], self.decoder.rotary_emb)
+        self.q[:batch].copy_(q)
+        self.k[:batch].copy_(k)
+        self.v[:batch].copy_(v)
+        self.residual[:batch].copy_(residual)
+
+    def _finish(self, index: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index` after attention: (MLP output, residual stream)."""
+        layer = self.layers[index]
+        attn_out = layer.self_attn.o_proj(self.attn_out[:batch].view(batch, -1))
+        return layer.finish(attn_out, self.residual[:batch])
+
+    def _piece(self, index: int, batch: int) -> None:
+        """Piece `index` of L + 1: from attention index - 1 to attention index."""
+        if index == 0:
+            self._project(0, self.decoder.embed_tokens(self.input_ids[:batch]), None, batch)
+            return
+        hidden, residual = self._finish(index - 1, batch)
+        if index < len(self.layers):
+            self._project(index, hidden, residual, batch)
+        else:
+            self.hidden[:batch].copy_(self.decoder.norm.add_forward(hidden, residual)[0])
+
+    def _attention(self, index: int, meta: AttentionMetadata, num_tokens: int) -> None:
+        k_cache, v_cache = self.kv_caches[index]
+        layer = self.layers[index]
+        out = paged_attention(self.q[:num_tokens], k_cache, v_cache, meta,
+                              layer.self_attn.scale, key=self.k[:num_tokens],
+                              value=self.v[:num_tokens])
+        self.attn_out[:num_tokens].copy_(out)
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureReport:
+        """Capture the L + 1 pieces of every bucket, largest first (smaller ones reuse its
+        pool memory)."""
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        started = time.perf_counter()
+        num_pieces = len(self.layers) + 1
+        for batch in reversed(self.buckets):
+            for index in range(num_pieces):  # warm-up: compiles kernels, settles allocations
+                self._piece(index, batch)
+            torch.cuda.synchronize(self.device)
+            graphs = []
+            for index in range(num_pieces):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._piece(index, batch)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                graphs.append(graph)
+            self.graphs[batch] = graphs
+        torch.cuda.synchronize(self.device)
+        report = CaptureReport(list(self.buckets), time.perf_counter() - started,
+                               free_before - torch.cuda.mem_get_info(self.device)[0])
+        log.info("captured %d piecewise CUDA graphs (%d token buckets up to %d) in %.1fs "
+                 "using %.0f MiB", num_pieces * len(self.buckets), len(self.buckets),
+                 self.max_tokens, report.seconds, report.memory_bytes / 2**20)
+        return report
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            ) -> torch.Tensor:  # [T, H]
+        num_tokens = input_ids.shape[0]
+        batch = next(b for b in self.buckets if b >= num_tokens)
+        self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
+        if batch > num_tokens:  # padding rows write no KV
+            self.input_ids[num_tokens:batch].fill_(0)
+            self.positions[num_tokens:batch].fill_(0)
+            self.slot_mapping[num_tokens:batch].fill_(-1)
+        graphs = self.graphs.get(batch)  # uncaptured (CPU tests): the pieces run eagerly
+        for index in range(len(self.layers) + 1):
+            if graphs is not None:
+                graphs[index].replay()
+            else:
+                self._piece(index, batch)
+            if index < len(self.layers):
+                self._attention(index, meta, num_tokens)
+        return self.hidden[:num_tokens]

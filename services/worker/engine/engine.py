@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 
 # Memory kept free for the decode CUDA graphs' pool (their activations are small).
 _GRAPH_MEMORY_RESERVE = 512 << 20
+# Steps of up to this many tokens replay piecewise CUDA graphs; larger ones are long
+# enough on the device for eager launches to keep up.
+PIECEWISE_MAX_TOKENS = 2048
 
 
 def resolve_device(name: str) -> torch.device:
@@ -98,9 +101,12 @@ class LLMEngine:
         ), self.kv)
         self.runner = ModelRunner(model, self.model_config, self.kv, self.dtype, self.device)
         self.graph_report = None
+        self.piecewise_report = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_report = self.runner.capture_graphs(config.max_num_seqs,
                                                            self.max_model_len)
+            self.piecewise_report = self.runner.capture_piecewise_graphs(
+                self._piecewise_tokens(batched_tokens))
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
                                           num_blocks, config.block_size)
         self._groups: dict[str, list[Request]] = {}
@@ -124,7 +130,11 @@ class LLMEngine:
                 min(self.config.max_num_seqs, batched_tokens), self.config.block_size,
                 self.dtype, self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            graphs = 0 if self.config.enforce_eager else _GRAPH_MEMORY_RESERVE
+            graphs = 0
+            if not self.config.enforce_eager:
+                # The piecewise graphs' pool holds the temporaries of their largest step.
+                pieces = self._piecewise_tokens(batched_tokens)
+                graphs = _GRAPH_MEMORY_RESERVE + activations * pieces // batched_tokens
             budget = (int(total * self.config.gpu_memory_utilization) - (total - free)
                       - activations - graphs)
             log.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.2f GiB activations, "
@@ -139,6 +149,10 @@ class LLMEngine:
                 f"budget is {budget} bytes (raise --kv-cache-memory or "
                 f"--gpu-memory-utilization)")
         return int(num_blocks)
+
+    @staticmethod
+    def _piecewise_tokens(batched_tokens: int) -> int:
+        return min(PIECEWISE_MAX_TOKENS, batched_tokens)
 
     # ----- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

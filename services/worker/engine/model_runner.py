@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 from meshserve.kernels.attention import AttentionMetadata
-from meshserve.services.worker.engine.cuda_graphs import CaptureReport, CudaGraphRunner
+from meshserve.services.worker.engine.cuda_graphs import (
+    CaptureReport,
+    CudaGraphRunner,
+    PiecewiseGraphRunner,
+)
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.request import Request, TokenLogprobs
 from meshserve.services.worker.engine.sampler import (
@@ -149,6 +153,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(config.vocab_size, device)
         self.graphs: CudaGraphRunner | None = None
+        self.pieces: PiecewiseGraphRunner | None = None
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> CaptureReport:
         """Capture decode CUDA graphs for batch buckets up to `max_num_seqs`."""
@@ -160,11 +165,22 @@ class ModelRunner:
             device=self.device)
         return self.graphs.capture()
 
+    def capture_piecewise_graphs(self, max_tokens: int) -> CaptureReport:
+        """Capture piecewise graphs (cut at attention) for steps of up to `max_tokens`."""
+        assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
+        self.pieces = PiecewiseGraphRunner(self.model, self.kv_caches, max_tokens=max_tokens,
+                                           device=self.device)
+        return self.pieces.capture()
+
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Decode steps replay a whole-step graph; other steps up to the piecewise limit
+        replay pieces around eager attention; larger ones run eagerly."""
         meta = inputs.meta
         if (self.graphs is not None and meta.decode_only
                 and meta.num_seqs <= self.graphs.max_batch):
             return self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        if self.pieces is not None and inputs.input_ids.shape[0] <= self.pieces.max_tokens:
+            return self.pieces.run(inputs.input_ids, inputs.positions, meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     @torch.inference_mode()

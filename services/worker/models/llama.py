@@ -60,6 +60,17 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        q, k, v = self.project(positions, hidden, kv_cache, meta.slot_mapping, rotary)
+        k_cache, v_cache = kv_cache
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v)  # [T, Hq, D]
+        return self.o_proj(out.reshape(-1, self.q_size))  # [T, H]
+
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [T, H*, D] of the tokens (rotated), with k and v written to the cache.
+
+        Everything before attention reads the cache: one piece of a piecewise CUDA graph."""
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -69,9 +80,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(-1, self.q_size))  # [T, H]
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -98,13 +108,21 @@ class DecoderLayer(nn.Module):
                 rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns this layer's MLP output and the residual stream before it is added:
         the add is fused into the next layer's input norm."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden, residual = self.input_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, rotary)
-        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.finish(hidden, residual)
+
+    def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed input, residual stream), adding the previous layer's output if any."""
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm.add_forward(hidden, residual)
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the layer after attention's o_proj: residual add, norm and MLP."""
+        hidden, residual = self.post_attention_layernorm.add_forward(attn_out, residual)
         return self.mlp(hidden), residual
 
 
