@@ -275,7 +275,8 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
     memory."""
     graphs = engine.graph_report
     return {"kv_cache_blocks": engine.kv.num_blocks, "block_size": engine.kv.block_size,
-            "async_scheduling": engine.async_scheduling,
+            "async_scheduling": engine.async_scheduling, "max_num_seqs": engine.max_num_seqs,
+            "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
             "cuda_graphs": dataclasses.asdict(graphs) if graphs is not None else None,
             "piecewise_cuda_graphs": (dataclasses.asdict(engine.piecewise_report)
                                       if engine.piecewise_report is not None else None)}

@@ -40,7 +40,9 @@ class EngineOptions(Config):
                                                       "(unset: 8192 on a GPU, 2048 on a CPU, "
                                                       "or at least the context length "
                                                       "without chunked prefill)")
-    max_num_seqs: int = option(256, "most sequences running at once")
+    max_num_seqs: int | None = option(None, "most sequences running at once (unset: 1024 on "
+                                            "a GPU of 70 GiB or more other than an A100, "
+                                            "else 256)")
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
     scheduling_policy: Literal["fcfs", "priority"] = option("fcfs", "local queue order")

@@ -320,5 +320,5 @@ class EngineThread:
             num_running=len(running), num_waiting=len(waiting),
             num_pending_prefill_tokens=pending, num_used_blocks=total - free,
             num_free_blocks=free, num_total_blocks=total,
-            max_running=self.engine.config.max_num_seqs,
+            max_running=self.engine.max_num_seqs,
             snapshot_unix_ns=time.time_ns())

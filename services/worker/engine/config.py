@@ -24,7 +24,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory this worker may use
     num_kv_blocks: int | None = None  # fixed block count (tests, benchmarks); overrides sizing
     max_num_batched_tokens: int | None = None  # per-step token budget
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # sequences running at once (None: by device, see seqs_limit)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
@@ -50,7 +50,8 @@ class EngineConfig:
               "--gpu-memory-utilization must be in (0, 1]", "gpu_memory_utilization")
         check(self.num_kv_blocks is None or self.num_kv_blocks > 0,
               "--num-kv-blocks must be positive", "num_kv_blocks")
-        check(self.max_num_seqs > 0, "--max-num-seqs must be positive", "max_num_seqs")
+        check(self.max_num_seqs is None or self.max_num_seqs > 0,
+              "--max-num-seqs must be positive", "max_num_seqs")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
               "--max-num-batched-tokens must be positive", "max_num_batched_tokens")
         check(self.max_model_len is None or self.max_model_len > 1,
@@ -61,6 +62,16 @@ class EngineConfig:
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")
+
+    def seqs_limit(self, gpu_memory_bytes: int = 0, gpu_name: str = "") -> int:
+        """The cap on running sequences. Unset, it is 1024 on a GPU of 70 GiB or more other
+        than an A100 (H100, H200: room for that many sequences' KV, and decode batches that
+        large keep the GPU busy) and 256 elsewhere, as vLLM's defaults are."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        if gpu_memory_bytes >= 70 * GiB and "a100" not in gpu_name.lower():
+            return 1024
+        return 256
 
     def batched_tokens(self, max_model_len: int, on_gpu: bool = False) -> int:
         """The per-step token budget. Without chunked prefill a whole prompt must fit one step.

@@ -63,6 +63,13 @@ _GRAPH_MEMORY_RESERVE = 512 << 20
 PIECEWISE_MAX_TOKENS = 2048
 
 
+def _gpu_memory_and_name(device: torch.device) -> tuple[int, str]:
+    if device.type != "cuda":
+        return 0, ""
+    props = torch.cuda.get_device_properties(device)
+    return props.total_memory, props.name
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,11 +97,12 @@ class LLMEngine:
         log.info("loaded %s (%s) in %.1fs", self.source.name, self.dtype,
                  time.monotonic() - started)
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
+        self.max_num_seqs = config.seqs_limit(*_gpu_memory_and_name(self.device))
         num_blocks = self._num_kv_blocks(model, batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=batched_tokens,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=self.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
             max_model_len=self.max_model_len,
@@ -103,7 +111,7 @@ class LLMEngine:
         self.graph_report = None
         self.piecewise_report = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graph_report = self.runner.capture_graphs(config.max_num_seqs,
+            self.graph_report = self.runner.capture_graphs(self.max_num_seqs,
                                                            self.max_model_len)
             self.piecewise_report = self.runner.capture_piecewise_graphs(
                 self._piecewise_tokens(batched_tokens))
@@ -127,7 +135,7 @@ class LLMEngine:
             # activations of the largest step and the decode graphs are accounted for.
             activations = profile_activation_bytes(
                 model, self.model_config, batched_tokens,
-                min(self.config.max_num_seqs, batched_tokens), self.config.block_size,
+                min(self.max_num_seqs, batched_tokens), self.config.block_size,
                 self.dtype, self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             graphs = 0
