@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+from engine_outputs import drain, tokens
 from tiny_models import build_tiny_model
 
 from meshserve.services.worker.engine.config import EngineConfig
@@ -54,18 +55,6 @@ class Recorder:
             return step
 
         engine.runner.launch = launch  # type: ignore[method-assign]
-
-
-def drain(engine: LLMEngine) -> dict[tuple[str, int], list[RequestOutput]]:
-    outputs: dict[tuple[str, int], list[RequestOutput]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault((out.request_id, out.index), []).append(out)
-    return outputs
-
-
-def tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def test_the_next_step_is_launched_before_the_last_one_is_read(folder: Path) -> None:

@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
+from engine_outputs import drain, tokens
 from tiny_models import build_tiny_model
 
 from meshserve.services.worker.engine.config import EngineConfig
@@ -25,18 +26,6 @@ def make_engine(folder: Path, **overrides: object) -> LLMEngine:
                "max_model_len": 256}
     cfg.update(overrides)
     return LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
-
-
-def drain(engine: LLMEngine) -> dict[tuple[str, int], list[RequestOutput]]:
-    outputs: dict[tuple[str, int], list[RequestOutput]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault((out.request_id, out.index), []).append(out)
-    return outputs
-
-
-def tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:

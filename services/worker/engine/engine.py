@@ -272,7 +272,8 @@ class LLMEngine:
             if status is not None:
                 self._finish(seq, status)
                 self._forget_if_done(seq.group_id)
-            else:
+            elif (seq.num_prompt_tokens + count) % self.kv.block_size == 0:
+                # This token completes a block whose hash waited for its id.
                 self.kv.cache_computed_blocks(seq)
             outputs.append(self._output(seq, [token], logprobs, count))
         return outputs
