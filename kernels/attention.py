@@ -121,31 +121,37 @@ def fresh_prefill_attention(
     meta: AttentionMetadata, scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of whole prompts over their own KV with PyTorch's fused attention
-    (FlashAttention on CUDA), which beats the paged kernel when no KV comes from the cache."""
-    out = torch.empty_like(query)
-    groups = query.shape[1] // key.shape[1]
+    (cuDNN's or FlashAttention on CUDA), which beats the paged kernel when no KV comes from the
+    cache.
+
+    The [T, H, D] tensors go in as [1, H, L, D] views with grouped-query attention enabled: no
+    copies of q, and no KV heads repeated. cuDNN then writes its output in the query's layout,
+    so a single prompt's output is already [T, Hq, D] and contiguous.
+    """
+    seqs = []
     start = 0
     for q_len in meta.query_lens_cpu:
         rows = slice(start, start + q_len)
-        # Contiguous [1, H, L, D] with KV heads repeated: the layout every fused backend takes.
-        q = query[rows].transpose(0, 1).unsqueeze(0).contiguous()
-        k = key[rows].transpose(0, 1).repeat_interleave(groups, dim=0).unsqueeze(0)
-        v = value[rows].transpose(0, 1).repeat_interleave(groups, dim=0).unsqueeze(0)
+        q, k, v = (t[rows].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
         with _fused_backends(query.is_cuda):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        out[rows] = o[0].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=k.shape[1] != q.shape[1])
+        seqs.append(o[0].transpose(0, 1))  # [L, Hq, D]
         start += q_len
-    return out
+    if len(seqs) == 1 and seqs[0].is_contiguous():
+        return seqs[0]
+    return torch.cat(seqs)
 
 
 @contextlib.contextmanager
 def _fused_backends(on_gpu: bool) -> Iterator[None]:
-    """On a GPU, never let attention fall back to the unfused (quadratic memory) kernel."""
+    """On a GPU, prefer cuDNN's attention (the fastest on Hopper, measured in
+    loadtest/gpu_op_probe.py), and never fall back to the unfused (quadratic memory) kernel."""
     if not on_gpu:
         yield
         return
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                      SDPBackend.EFFICIENT_ATTENTION]):
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                      SDPBackend.EFFICIENT_ATTENTION], set_priority=True):
         yield
 
 

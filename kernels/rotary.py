@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshserve.kernels.attention import write_kv
 from meshserve.shared.errors import ModelLoadError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -160,6 +161,23 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary(query, key, positions, self.cos_sin_cache)
+
+    def rotate_and_write_kv(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (query, key), with the rotated key and the value stored at each token's slot
+        of the caches (slots < 0 are skipped): one kernel on a GPU."""
+        if query.is_cuda:
+            from meshserve.kernels import triton_rotary  # GPU only
+
+            return triton_rotary.apply_rotary_and_write_kv(
+                query, key, value, positions, self.cos_sin_cache, k_cache, v_cache,
+                slot_mapping)
+        query, key = apply_rotary(query, key, positions, self.cos_sin_cache)
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return query, key
 
 
 def apply_rotary(

@@ -6,6 +6,9 @@ key head of that token in one pass. The arithmetic follows the reference operati
 operation, rounding to the activations' dtype after each product and each sum as PyTorch does,
 and floating-point contraction is disabled so float32 also matches it: the result equals the
 reference bit for bit.
+
+`apply_rotary_and_write_kv` is the same pass that also stores each token's rotated key and its
+value at the token's KV-cache slot, so a layer's projection ends in one launch instead of two.
 """
 
 from __future__ import annotations
@@ -25,6 +28,45 @@ def apply_rotary(
     cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]: cos half, then sin half
 ) -> tuple[torch.Tensor, torch.Tensor]:  # new contiguous tensors, shapes of query and key
     """Rotate the first rotary_dim dims of every head of q and k by each token's position."""
+    return _launch(query, key, positions, cos_sin_cache, None)
+
+
+def apply_rotary_and_write_kv(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int32/int64
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int32/int64, < 0 = not written
+) -> tuple[torch.Tensor, torch.Tensor]:  # rotated query and key, as `apply_rotary`
+    """`apply_rotary`, and each token's rotated key and its value stored at its cache slot
+    (cast to the cache dtype), in one launch."""
+    assert value.shape == key.shape and value.dtype == key.dtype, (
+        f"value {tuple(value.shape)} {value.dtype} must match key {tuple(key.shape)} {key.dtype}")
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"k_cache and v_cache must both be [N, bs, Hkv, D], got {tuple(k_cache.shape)} and "
+        f"{tuple(v_cache.shape)}")
+    assert key.shape[1:] == k_cache.shape[2:], (
+        f"key heads/dim {tuple(key.shape[1:])} do not match the cache's {tuple(k_cache.shape[2:])}")
+    assert slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0], (
+        f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    assert slot_mapping.dtype in (torch.int32, torch.int64), (
+        f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    tensors = (value, k_cache, v_cache, slot_mapping)
+    assert all(t.device == query.device for t in tensors), (
+        f"value, caches and slot_mapping must be on {query.device}, got "
+        f"{sorted({str(t.device) for t in tensors})}")
+    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
+    return _launch(query, key, positions, cos_sin_cache, (value, k_cache, v_cache, slot_mapping))
+
+
+def _launch(
+    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check(query, key, positions, cos_sin_cache)
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, rotary_dim = key.shape[1], cos_sin_cache.shape[1]
@@ -34,13 +76,23 @@ def apply_rotary(
         return q_out, k_out
     half = rotary_dim // 2
     rest = head_dim - rotary_dim  # dims past the rotary part pass through unchanged
+    if cache is None:  # the kernel never touches the cache arguments: stand-ins
+        value, slots = key, positions
+        k_cache = v_cache = k_out[:1].unsqueeze(0)  # [1, 1, Hkv, D]
+    else:
+        value, k_cache, v_cache, slots = cache
     _rotary_kernel[(num_tokens,)](
         query, key, q_out, k_out, positions, cos_sin_cache,
+        value, k_cache, v_cache, slots,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_sin_cache.stride(0),
+        value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         REST=rest, Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half), REST_PAD=triton.next_power_of_2(max(rest, 1)),
+        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        WRITE_KV=cache is not None,
         num_warps=4 if num_q_heads * head_dim < 4096 else 8, enable_fp_fusion=False)
     return q_out, k_out
 
@@ -53,10 +105,13 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, token, stride_t, stride_h, cos, sin,
+                  cache_ptr, cache_row, stride_ch, cache_ok,
                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                   REST: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-                  REST_PAD: tl.constexpr):
+                  REST_PAD: tl.constexpr, TO_CACHE: tl.constexpr):
     # x: [NUM_HEADS, HEAD_DIM] of one token; cos/sin: [1, HALF_PAD] float32 in x's dtype.
+    # With TO_CACHE (and cache_ok true) the rotated heads are also stored at element offset
+    # cache_row of cache_ptr, heads stride_ch apart, in the cache's dtype.
     h = tl.arange(0, HEADS_PAD)[:, None]
     j = tl.arange(0, HALF_PAD)[None, :]
     mask = (h < NUM_HEADS) & (j < HALF)
@@ -68,25 +123,40 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_t, stride_h, cos, sin,
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     # x1 * cos - x2 * sin and x2 * cos + x1 * sin, each step rounded as PyTorch rounds it.
-    o1 = _rounded(_rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype), dtype)
-    o2 = _rounded(_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype), dtype)
-    tl.store(dst + j, o1.to(dtype), mask=mask)
-    tl.store(dst + HALF + j, o2.to(dtype), mask=mask)
+    o1 = _rounded(_rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype), dtype).to(dtype)
+    o2 = _rounded(_rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype), dtype).to(dtype)
+    tl.store(dst + j, o1, mask=mask)
+    tl.store(dst + HALF + j, o2, mask=mask)
+    cache_dst = cache_ptr + cache_row + h * stride_ch
+    if TO_CACHE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if cache_ok:
+            cache_dtype = cache_ptr.dtype.element_ty
+            tl.store(cache_dst + j, o1.to(cache_dtype), mask=mask)
+            tl.store(cache_dst + HALF + j, o2.to(cache_dtype), mask=mask)
     if REST > 0:
         r = tl.arange(0, REST_PAD)[None, :]
         rest_mask = (h < NUM_HEADS) & (r < REST)
-        tl.store(dst + 2 * HALF + r, tl.load(src + 2 * HALF + r, mask=rest_mask),
-                 mask=rest_mask)
+        rest = tl.load(src + 2 * HALF + r, mask=rest_mask)
+        tl.store(dst + 2 * HALF + r, rest, mask=rest_mask)
+        if TO_CACHE:  # noqa: SIM102 (compile time, then run time)
+            if cache_ok:
+                tl.store(cache_dst + 2 * HALF + r, rest.to(cache_ptr.dtype.element_ty),
+                         mask=rest_mask)
 
 
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    stride_vt, stride_vh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr, REST: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
     KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, WRITE_KV: tl.constexpr,
 ):
+    # One program per token: rotate its query and key heads; with WRITE_KV also store the
+    # rotated key and the value at the token's cache slot (nothing when the slot is < 0).
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     j = tl.arange(0, HALF_PAD)[None, :]
@@ -95,10 +165,30 @@ def _rotary_kernel(
     dtype = q_ptr.dtype.element_ty
     cos = tl.load(row + j, mask=j < HALF, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(row + HALF + j, mask=j < HALF, other=0.0).to(dtype).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, cos, sin, NUM_Q_HEADS,
-                  HEAD_DIM, HALF, REST, Q_HEADS_PAD, HALF_PAD, REST_PAD)
-    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, cos, sin, NUM_KV_HEADS,
-                  HEAD_DIM, HALF, REST, KV_HEADS_PAD, HALF_PAD, REST_PAD)
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, cos, sin, k_cache_ptr, 0, 0,
+                  False, NUM_Q_HEADS, HEAD_DIM, HALF, REST, Q_HEADS_PAD, HALF_PAD, REST_PAD,
+                  False)
+    k_row = 0
+    v_row = 0
+    written = False
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        written = slot >= 0
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        k_row = block * stride_kcb + offset * stride_kcs
+        v_row = block * stride_vcb + offset * stride_vcs
+    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, cos, sin, k_cache_ptr, k_row,
+                  stride_kch, written, NUM_KV_HEADS, HEAD_DIM, HALF, REST, KV_HEADS_PAD,
+                  HALF_PAD, REST_PAD, WRITE_KV)
+    if WRITE_KV:  # noqa: SIM102 (compile time, then run time)
+        if written:
+            h = tl.arange(0, KV_HEADS_PAD)[:, None]
+            d = tl.arange(0, HEAD_PAD)[None, :]
+            v_mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+            v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=v_mask)
+            tl.store(v_cache_ptr + v_row + h * stride_vch + d,
+                     v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,

@@ -18,9 +18,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernel_ops"))
 import test_triton_kernels as kt
 
-from meshserve.kernels import triton_activation, triton_attention, triton_norm
+from meshserve.kernels import triton_activation, triton_attention, triton_norm, triton_rotary
 from meshserve.kernels.activation import silu_and_mul_reference
+from meshserve.kernels.attention import write_kv_reference
+from meshserve.kernels.linear import linear
 from meshserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from meshserve.kernels.rotary import RotaryEmbedding, apply_rotary
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def cuda_step(step: kt.Step) -> kt.Step:
@@ -74,8 +80,49 @@ def elementwise_cases():
             torch.testing.assert_close(got, want, rtol=rtol, atol=rtol)
             if t != torch.float32:  # 16-bit outputs: nearly all bit for bit
                 assert (got == want).float().mean() > 0.98
+        def rotary(t=dtype):
+            # The fused rotary + KV write against the CPU references, bit for bit.
+            g = torch.Generator().manual_seed(6)
+            rope = RotaryEmbedding(128, 128, max_position=8192, base=500000.0,
+                                   rope_scaling=LLAMA3_SCALING).to(t)
+            qkv = (2 * torch.randn(37, 48 * 128, generator=g)).to(t)
+            q, k, v = (qkv[:, :4096].view(37, 32, 128), qkv[:, 4096:5120].view(37, 8, 128),
+                       qkv[:, 5120:].view(37, 8, 128))
+            positions = torch.randint(0, 8192, (37,), generator=g)
+            slots = torch.randperm(64 * 16, generator=g)[:37]
+            slots[5] = -1
+            caches = [torch.randn(64, 16, 8, 128, generator=g).to(t) for _ in range(2)]
+            want_q, want_k = apply_rotary(q, k, positions, rope.cos_sin_cache)
+            want_caches = [c.clone() for c in caches]
+            write_kv_reference(want_k, v, *want_caches, slots)
+            gpu_caches = [c.cuda() for c in caches]
+            got_q, got_k = triton_rotary.apply_rotary_and_write_kv(
+                q.cuda(), k.cuda(), v.cuda(), positions.cuda(), rope.cos_sin_cache.cuda(),
+                *gpu_caches, slots.cuda())
+            assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_k.cpu(), want_k)
+            assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu_caches, want_caches))
         yield f"rms_norm {dtype}", norm
         yield f"silu_and_mul {dtype}", silu
+        yield f"rotary_and_write_kv {dtype}", rotary
+
+
+def linear_cases():
+    # The Llama-3.1-8B projections at decode sizes, and ragged shapes, against a float32
+    # product: float32 accumulation and one rounding, so within a 16-bit ulp or two.
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+              (1000, 3000), (77, 520)]
+    for dtype in (torch.bfloat16, torch.float16):
+        for n, k in shapes:
+            for rows in (1, 2, 8):
+                def check(n=n, k=k, rows=rows, t=dtype):
+                    g = torch.Generator(device="cuda").manual_seed(n + rows)
+                    x = torch.randn(rows, k, device="cuda", generator=g).to(t)
+                    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(t)
+                    want = x.float() @ w.float().T
+                    got = linear(x, w).float()
+                    err = ((got - want).norm() / want.norm()).item()
+                    assert err < 4e-3, f"relative error {err:.2e}"
+                yield f"linear {dtype} {rows}x{k} @ {n}x{k}", check
 
 
 def main() -> int:
@@ -85,7 +132,7 @@ def main() -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     assert triton_attention is not None
     results = {}
-    for name, check in [*attention_cases(), *elementwise_cases()]:
+    for name, check in [*attention_cases(), *elementwise_cases(), *linear_cases()]:
         try:
             check()
             results[name] = "ok"

@@ -3,10 +3,13 @@
 For the Llama-3.1-8B-shaped model of the GPU suite (dummy weights), prints:
 - single-stream decode: device time per step (CUDA graphs) against the step's wall time,
   and the kernels of one eager decode step, by total time;
+- batch-1 decode's host time per step by phase (scheduling, inputs, replay, sampler, wait);
+- the prefill of one 8k-token prompt (eager): its kernels by total time;
 - the ShareGPT-like workload: wall time split between decode-only and mixed steps, their
   token counts, and the kernels of a window of steps of each kind.
 
-    python loadtest/gpu_profile.py --model <folder> [--num-prompts 1000] --out $OUT/profile
+    python loadtest/gpu_profile.py --model <folder> [--num-prompts 1000] --out $OUT/profile \
+        [--parts single,host,prefill,sharegpt]
 """
 
 from __future__ import annotations
@@ -83,6 +86,78 @@ def single_stream(model: str, report: dict[str, Any], text: list[str]) -> None:
                     f" ms/step\n")
         del engine
         torch.cuda.empty_cache()
+
+
+def host_phases(model: str, report: dict[str, Any], text: list[str]) -> None:
+    """Host time per batch-1 decode step (graphs, overlapped loop) by phase, unprofiled: if the
+    phases other than the wait add up to the device's step time, the host sets the pace."""
+    from meshserve.services.worker.engine import model_runner
+
+    engine = engine_for(model, max_num_seqs=1)
+    prompt = random_prompts([128], engine.model_config, 0)[0]
+    engine.add_request("p", prompt, SamplingParams(max_tokens=400, ignore_eos=True))
+    for _ in range(30):
+        engine.step()
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - began
+        setattr(owner, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.runner, "prepare", "launch: prepare inputs")
+    timed(engine.runner, "_forward", "launch: graph replay")
+    timed(engine.runner.sampler, "sample_async", "launch: sampler")
+    timed(engine.runner, "launch", "launch (all)")
+    timed(model_runner.LaunchedStep, "result", "wait + read tokens")
+    timed(engine, "_apply", "apply outputs (incl. wait)")
+    steps = 200
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - started) / steps * 1e6
+    phases = {label: seconds / steps * 1e6 for label, seconds in spent.items()}
+    report["host_phases_b1"] = {"wall_us_per_step": wall, "phases_us_per_step": phases}
+    lines = [f"== batch-1 decode host phases (graphs, overlapped): wall {wall:.0f} us/step"]
+    lines += [f"   {label:32s} {us:8.0f} us/step" for label, us in phases.items()]
+    text.append("\n".join(lines) + "\n")
+    del engine
+    torch.cuda.empty_cache()
+
+
+def prefill(model: str, report: dict[str, Any], text: list[str], length: int = 8192) -> None:
+    """The kernels of one eager step prefilling a `length`-token prompt."""
+    engine = engine_for(model, max_num_seqs=1, enforce_eager=True, max_model_len=length + 256,
+                        max_num_batched_tokens=length)
+    prompts = random_prompts([length] * 3, engine.model_config, 0)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for i, prompt in enumerate(prompts[:2]):  # warm-up, and no prefix-cache hit after it
+        engine.add_request(f"warm{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.add_request("p", prompts[2], params)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - started) * 1e3
+    table, device = kernel_table(prof, 1, limit=30)
+    report["prefill"] = {"tokens": length, "device_ms": device, "wall_ms_profiled": wall}
+    text.append(f"== prefill of {length} tokens, eager: device {device:.3f} ms, wall "
+                f"{wall:.3f} ms (under the profiler)\n{table}\n")
+    del engine
+    torch.cuda.empty_cache()
 
 
 def sharegpt(model: str, num_prompts: int, flags: dict[str, Any], report: dict[str, Any],
@@ -172,6 +247,14 @@ def main() -> None:
     if "single" in parts:
         single_stream(args.model, report, text)
         print("\n".join(text), flush=True)
+    if "host" in parts:
+        start = len(text)
+        host_phases(args.model, report, text)
+        print("\n".join(text[start:]), flush=True)
+    if "prefill" in parts:
+        start = len(text)
+        prefill(args.model, report, text)
+        print("\n".join(text[start:]), flush=True)
     if "sharegpt" in parts:
         start = len(text)
         sharegpt(args.model, args.num_prompts, {}, report, text)

@@ -14,9 +14,11 @@ from meshserve.services.worker.engine.request import TokenLogprobs
 from meshserve.services.worker.engine.sampler import (
     Sampler,
     SamplingRow,
+    _argmax_chunks,
     apply_penalties,
     compute_logprobs,
     make_generator,
+    split_argmax,
 )
 from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import InternalError, InvalidRequestError
@@ -399,3 +401,26 @@ def test_bad_inputs_raise_typed_errors() -> None:
         sampler.sample(torch.zeros(2, 10), [make_row()])
     with pytest.raises(InternalError):
         sampler.sample(torch.zeros(1, 10, dtype=torch.float16), [make_row()])
+
+
+@pytest.mark.parametrize("chunks", [2, 7, 64])
+def test_split_argmax_equals_argmax_with_ties(chunks: int) -> None:
+    g = torch.Generator().manual_seed(chunks)
+    vocab = 64 * 7 * 3
+    x = torch.randint(-4, 4, (5, vocab), generator=g).float()  # many ties per row
+    x[1] = 0.0  # a row of all ties: the lowest id, 0
+    x[2, -1] = 100.0  # the max in the last chunk
+    x[3, [5, vocab - 5]] = 50.0  # tied maxima in the first and last chunks: the first wins
+    x[4, :] = float("-inf")
+    x[4, 300] = -1e30
+    got = split_argmax(x, chunks)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got.tolist()[:4] == [int(x[0].argmax()), 0, vocab - 1, 5]
+
+
+def test_argmax_chunks_divide_the_vocabulary() -> None:
+    for vocab in (128256, 151936, 49152, 32000, 32768):
+        chunks = _argmax_chunks(vocab)
+        assert chunks > 1 and vocab % chunks == 0 and vocab // chunks >= 64
+    assert _argmax_chunks(1000) == 1  # small vocabularies take one argmax
+    assert _argmax_chunks(65537) == 1  # a prime has no chunking

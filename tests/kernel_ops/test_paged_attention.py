@@ -116,3 +116,13 @@ def test_fresh_prefill_attention_matches_dense(hq: int, hkv: int, d: int) -> Non
         want = dense_attention(q[start : start + ql], fk, fv, 0, d**-0.5)
         torch.testing.assert_close(out[start : start + ql], want, atol=1e-5, rtol=1e-5)
         start += ql
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (4, 4)])
+def test_fresh_prefill_attention_of_one_prompt(hq: int, hkv: int) -> None:
+    q, k, v, _, _, meta, full_k, full_v = build_step([40], [40], hkv, hq, 64, bs=16,
+                                                     num_blocks=8, seed=hq)
+    out = fresh_prefill_attention(q, k, v, meta, 0.125)
+    assert out.shape == q.shape and out.is_contiguous()
+    torch.testing.assert_close(out, dense_attention(q, full_k[0], full_v[0], 0, 0.125),
+                               atol=1e-5, rtol=1e-5)

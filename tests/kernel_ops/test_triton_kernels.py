@@ -31,6 +31,7 @@ from meshserve.kernels import (
     bench_kernels,
     triton_activation,
     triton_attention,
+    triton_linear,
     triton_norm,
     triton_rotary,
 )
@@ -388,6 +389,84 @@ def test_rotary_matches_reference_bit_for_bit(dtype: torch.dtype, hq: int, hkv: 
 
 
 @in_interpreter
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32),  # cast to the cache dtype on the way in
+])
+@pytest.mark.parametrize(("hq", "hkv", "head_dim", "rotary_dim"), [(4, 2, 64, 64), (6, 3, 80, 32)])
+def test_rotary_and_write_kv_matches_rotary_then_write(
+        dtype: torch.dtype, cache_dtype: torch.dtype, hq: int, hkv: int, head_dim: int,
+        rotary_dim: int) -> None:
+    g = torch.Generator().manual_seed(hq + head_dim)
+    rope = RotaryEmbedding(head_dim, rotary_dim, max_position=256, base=10000.0).to(dtype)
+    qkv = (2 * torch.randn(6, (hq + 2 * hkv) * head_dim, generator=g)).to(dtype)
+    query = qkv[:, : hq * head_dim].view(6, hq, head_dim)  # strided views, as in the model
+    key = qkv[:, hq * head_dim : (hq + hkv) * head_dim].view(6, hkv, head_dim)
+    value = qkv[:, (hq + hkv) * head_dim :].view(6, hkv, head_dim)
+    positions = torch.tensor([0, 255, 7, 7, 100, 31])
+    slots = torch.tensor([17, -1, 0, 6, 19, 3])  # a padding token (-1) writes nothing
+    k_cache = torch.randn(5, 4, hkv, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(5, 4, hkv, head_dim, generator=g).to(cache_dtype)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    want_q, want_k = apply_rotary(query, key, positions, rope.cos_sin_cache)  # CPU reference
+    write_kv_reference(want_k, value, want_k_cache, want_v_cache, slots)
+    got_q, got_k = triton_rotary.apply_rotary_and_write_kv(
+        query, key, value, positions, rope.cos_sin_cache, k_cache, v_cache, slots.int())
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
+    # The CPU method gives the same through the PyTorch references.
+    cpu_k_cache, cpu_v_cache = want_k_cache.clone(), want_v_cache.clone()
+    cpu_q, cpu_k = rope.rotate_and_write_kv(positions, query, key, value, cpu_k_cache,
+                                            cpu_v_cache, slots)
+    assert torch.equal(cpu_q, want_q) and torch.equal(cpu_k, want_k)
+    assert torch.equal(cpu_k_cache, want_k_cache) and torch.equal(cpu_v_cache, want_v_cache)
+
+
+@in_interpreter
+def test_rotary_and_write_kv_rejects_mismatched_caches() -> None:
+    rope = RotaryEmbedding(64, 64, max_position=16, base=10000.0)
+    q, k = torch.randn(2, 4, 64), torch.randn(2, 2, 64)
+    cache = torch.zeros(3, 4, 2, 64)
+    with pytest.raises(AssertionError, match="do not match the cache"):
+        triton_rotary.apply_rotary_and_write_kv(q, k, k.clone(), torch.tensor([0, 1]),
+                                                rope.cos_sin_cache, cache[..., :32],
+                                                cache[..., :32], torch.tensor([0, 1]))
+    with pytest.raises(AssertionError, match="slot_mapping must be"):
+        triton_rotary.apply_rotary_and_write_kv(q, k, k.clone(), torch.tensor([0, 1]),
+                                                rope.cos_sin_cache, cache, cache,
+                                                torch.tensor([0]))
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 1024), (1, 37, 300), (3, 70, 512),
+                                              (8, 33, 200), (16, 64, 256)])
+def test_skinny_linear_matches_a_float32_product(dtype: torch.dtype, rows: int, n: int,
+                                                 k: int) -> None:
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, 2 * k, generator=g).to(dtype)[:, :k]  # rows 2k apart
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    want = x.float() @ weight.float().T
+    for config in (triton_linear.SkinnyConfig(16, 64, 4, 2),
+                   triton_linear.config_for(rows, n, k)):
+        got = triton_linear.skinny_linear(x, weight, config)
+        assert got.shape == (rows, n) and got.dtype == dtype
+        # float32 accumulation, one rounding to the 16-bit output
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+
+
+@in_interpreter
+def test_skinny_linear_rejects_what_it_cannot_do() -> None:
+    w = torch.randn(8, 32).half()
+    with pytest.raises(AssertionError, match="1..16 rows"):
+        triton_linear.skinny_linear(torch.randn(17, 32).half(), w)
+    with pytest.raises(AssertionError, match="must both be float16 or bfloat16"):
+        triton_linear.skinny_linear(torch.randn(1, 32), w.float())
+    with pytest.raises(AssertionError, match="x must be"):
+        triton_linear.skinny_linear(torch.randn(1, 31).half(), w)
+
+
+@in_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(4)
@@ -437,7 +516,8 @@ import json, os, re, subprocess, sys, tempfile
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from meshserve.kernels import triton_activation, triton_attention as ta, triton_norm, triton_rotary
+from meshserve.kernels import (triton_activation, triton_attention as ta, triton_linear,
+                               triton_norm, triton_rotary)
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -482,12 +562,19 @@ out.append(build(triton_norm._fused_add_rms_norm_kernel, bf16("x_ptr", "r_ptr", 
     "out_ptr", "new_r_ptr") | {"eps": "fp32"}, dict(BLOCK_H=8192), num_warps=8))
 out.append(build(triton_norm._rms_norm_kernel, bf16("x_ptr", "w_ptr", "out_ptr")
     | {"eps": "fp32"}, dict(BLOCK_H=4096), num_warps=8))
-out.append(build(triton_rotary._rotary_kernel, bf16("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr",
-    "cache_ptr") | {"pos_ptr": "*i64"}, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128,
-    HALF=64, REST=0, Q_HEADS_PAD=32, KV_HEADS_PAD=8, HALF_PAD=64, REST_PAD=1), num_warps=8,
-    enable_fp_fusion=False))
+for write_kv in (False, True):
+    out.append(build(triton_rotary._rotary_kernel, bf16("q_ptr", "k_ptr", "q_out_ptr",
+        "k_out_ptr", "cache_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")
+        | {"pos_ptr": "*i64", "slot_ptr": "*i64"}, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8,
+        HEAD_DIM=128, HALF=64, REST=0, Q_HEADS_PAD=32, KV_HEADS_PAD=8, HALF_PAD=64, REST_PAD=1,
+        HEAD_PAD=128, BLOCK_SIZE=16, WRITE_KV=write_kv), num_warps=8, enable_fp_fusion=False))
 out.append(build(triton_activation._silu_and_mul_kernel, bf16("x_ptr", "out_ptr"),
     dict(BLOCK=1024), num_warps=4))
+for rows, n, k in ((1, 4096, 14336), (1, 128256, 4096), (8, 28672, 4096)):
+    c = triton_linear.config_for(rows, n, k)
+    out.append(build(triton_linear._skinny_kernel, bf16("x_ptr", "w_ptr", "y_ptr"),
+        dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=True),
+        num_warps=c.num_warps, num_stages=c.num_stages))
 print(json.dumps(out))
 """
 
@@ -500,7 +587,7 @@ def test_kernels_compile_for_hopper_without_spills() -> None:
                           capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     launches = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(launches) == 11
+    assert len(launches) == 15
     for launch in launches:
         assert launch["shared"] <= 227 * 1024, launch  # Hopper's limit per block
         if launch["consts"].get("DOT_PRECISION") != "ieee":  # float32 may spill: tests only

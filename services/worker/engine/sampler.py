@@ -381,20 +381,23 @@ class Sampler:
     def _pick(self, processed: _Processed, rows: list[SamplingRow]) -> Tensor:
         """Token ids [B]: argmax for greedy rows (lowest id on ties), a draw for the others."""
         if processed.sampled is None:
-            return processed.adjusted.argmax(dim=-1)
+            return argmax_rows(processed.adjusted)
         generators = [rows[i].generator for i in processed.sampled_rows]
         drawn = self._draw(processed.sampled, generators)  # [S]
         if len(processed.sampled_rows) == len(rows):
             return drawn
-        tokens = processed.adjusted.argmax(dim=-1)
+        tokens = argmax_rows(processed.adjusted)
         tokens[self._index(processed.sampled_rows)] = drawn
         return tokens
 
     def _draw(self, logits: Tensor, generators: list[torch.Generator | None]) -> Tensor:
         """Exponential race: argmax(p / q) with q ~ Exp(1) per token picks a token with
-        probability p. q = -log(u), u ~ U[0, 1) from the row's generator, or the shared one."""
-        probs = logits.softmax(dim=-1)  # [S, V]
-        noise = torch.empty_like(probs)
+        probability p. q = -log(u), u ~ U[0, 1) from the row's generator, or the shared one.
+
+        log is monotonic and log p = logit - logsumexp(row), so the race is won by
+        argmax(logit - log q): no softmax is needed (the Gumbel-max form of the same draw).
+        """
+        noise = torch.empty_like(logits)
         shared = [j for j, g in enumerate(generators) if g is None]
         if len(shared) == len(generators):
             noise.uniform_(generator=self._generator)
@@ -405,8 +408,10 @@ class Sampler:
         for j, generator in enumerate(generators):
             if generator is not None:
                 noise[j].uniform_(generator=generator)
-        # u = 0 gives q = inf and p / q = 0; q is never 0, so p / q is never NaN.
-        return probs.div_(noise.log_().neg_()).argmax(dim=-1)
+        # u = 0 gives q = inf, log q = inf and a score of -inf: that token never wins. u < 1,
+        # so q > 0 and log q is finite otherwise; filtered (-inf) logits stay -inf.
+        log_q = noise.log_().neg_().log_()
+        return argmax_rows(log_q.neg_().add_(logits))
 
     def _wanted_logprob_table(self, logits: Tensor, tokens: Tensor, wanted: list[int],
                        num_top: int) -> Tensor:
@@ -418,6 +423,43 @@ class Sampler:
 
     def _index(self, values: Sequence[int]) -> Tensor:
         return _to_device(values, torch.long, self.device)
+
+
+# A single row's argmax over a large vocabulary is one slow reduction on a GPU; rows of at
+# least this many entries, in batches of at most _SPLIT_ARGMAX_ROWS, are reduced in two passes.
+_SPLIT_ARGMAX_MIN_VOCAB = 8192
+_SPLIT_ARGMAX_ROWS = 64
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """argmax over the last dim of x [B, V], the lowest index on ties (as torch.argmax).
+
+    On a GPU, few long rows are cut into C chunks: the max of each chunk, then the first chunk
+    holding the row's max. The first maximal chunk's first maximal entry is the first maximal
+    entry of the row, so ties resolve exactly as one argmax would.
+    """
+    rows, vocab = x.shape
+    chunks = _argmax_chunks(vocab)
+    if x.device.type == "cpu" or rows > _SPLIT_ARGMAX_ROWS or chunks == 1:
+        return x.argmax(dim=-1)
+    return split_argmax(x, chunks)
+
+
+def split_argmax(x: Tensor, chunks: int) -> Tensor:
+    """`argmax_rows` in two passes over `chunks` equal chunks of each row (chunks divides V)."""
+    rows, vocab = x.shape
+    width = vocab // chunks
+    values, inner = x.reshape(rows, chunks, width).max(dim=-1)  # [B, C] each
+    chunk = values.argmax(dim=-1, keepdim=True)  # [B, 1]
+    return (chunk * width + inner.gather(1, chunk)).squeeze(1)
+
+
+def _argmax_chunks(vocab: int) -> int:
+    """The largest divisor of vocab up to 1024 that leaves chunks of at least 64 entries
+    (1: no split)."""
+    if vocab < _SPLIT_ARGMAX_MIN_VOCAB:
+        return 1
+    return next((c for c in range(min(1024, vocab // 64), 1, -1) if vocab % c == 0), 1)
 
 
 def _unpack(host: list[float], num_rows: int, wanted: list[int],

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshserve.kernels.activation import silu_and_mul
-from meshserve.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from meshserve.kernels.attention import AttentionMetadata, paged_attention
+from meshserve.kernels.linear import linear
 from meshserve.kernels.norm import fused_add_rms_norm, rms_norm
 from meshserve.kernels.rotary import RotaryEmbedding
 from meshserve.services.worker.models.config import ModelConfig
@@ -28,6 +28,14 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [N, bs, 
 
 # Checkpoint entries that hold no weights of ours (old Llama files saved RoPE buffers).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".rotary_emb.cos_cached", ".rotary_emb.sin_cached")
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product goes through `meshserve.kernels.linear` (a Triton kernel for
+    decode-sized inputs on a GPU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -52,9 +60,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -78,18 +86,17 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        q, k = rotary.rotate_and_write_kv(positions, q, k, v, k_cache, v_cache, slot_mapping)
         return q, k, v
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                       bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
@@ -160,7 +167,7 @@ class CausalLM(nn.Module):
         # Tied models read the embedding matrix directly (no shared Parameter, so moving the
         # module between devices can never untie it).
         self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                        else Linear(config.hidden_size, config.vocab_size, bias=False))
 
     def forward(
         self,
@@ -175,7 +182,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] hidden states of the rows to sample -> [N, V] float32 logits."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def reset_buffers(self) -> None:
         """Recompute non-weight buffers (the RoPE table) after `to_empty` materialised them."""

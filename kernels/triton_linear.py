@@ -1,0 +1,115 @@
+"""A Triton matrix product for skinny inputs: y [M, N] = x [M, K] @ w [N, K]^T with M <= 16.
+
+Decoding few sequences multiplies a handful of rows by every weight matrix, so the step reads
+each weight once and does almost no arithmetic per byte: the product is a matrix-vector
+product bound by memory bandwidth. One program owns BLOCK_N output columns over the whole of K
+(no split-K, so no partial sums and no second reduction kernel) and streams its rows of w in
+BLOCK_K chunks, software-pipelined over NUM_STAGES. With M == 1 the products run on the FMA
+units, accumulated elementwise in a [BLOCK_N, BLOCK_K] tile that is reduced once at the end;
+with 1 < M <= 16 the rows are padded to 16 and multiplied with tl.dot.
+
+`skinny_linear` checks its inputs; `SkinnyConfig` is the launch shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch shape of `_skinny_kernel`."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+DEFAULT_CONFIG = SkinnyConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
+
+
+def config_for(rows: int, n: int, k: int) -> SkinnyConfig:
+    """The launch shape for an [rows, k] @ [n, k]^T product: the fastest of a grid measured
+    on an H100 (loadtest/gpu_op_probe.py) for each Llama-3.1-8B projection, by shape class.
+
+    One row: 8 columns per program in chunks of 512; 8 warps for the narrow (N <= 4096) and the
+    widest (the LM head) outputs, and 5 stages for the longest rows or the widest outputs. Several rows (tl.dot): 32 columns
+    per program for narrow outputs, else 64.
+    """
+    if rows == 1:
+        return SkinnyConfig(block_n=8, block_k=512, num_warps=4 if 4096 < n <= 65536 else 8,
+                            num_stages=5 if k > 8192 or n > 65536 else 3)
+    return SkinnyConfig(block_n=32 if n <= 4096 else 64, block_k=256, num_warps=4,
+                        num_stages=5)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
+                  config: SkinnyConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """x [M <= 16, K] @ weight [N, K]^T -> [M, N] in x's dtype (float32 accumulation)."""
+    assert x.device == weight.device, f"x on {x.device}, weight on {weight.device}"
+    assert x.is_cuda or isinstance(_skinny_kernel, InterpretedFunction), (
+        f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (
+        f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    assert 1 <= x.shape[0] <= MAX_ROWS, f"x must have 1..{MAX_ROWS} rows, got {x.shape[0]}"
+    assert x.dtype == weight.dtype and x.dtype in SUPPORTED_DTYPES, (
+        f"x {x.dtype} and weight {weight.dtype} must both be float16 or bfloat16")
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight must be contiguous in K"
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _skinny_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=1 if rows == 1 else MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    return out
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    # Rows of w past N read row N - 1 again (never stored), so the loads need no N mask.
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    kk = tl.arange(0, BLOCK_K)
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            if EVEN_K:
+                w = tl.load(w_rows + k[None, :])
+                x = tl.load(x_ptr + k)
+            else:
+                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+                x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)  # [BLOCK_N]
+        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            if EVEN_K:
+                w = tl.load(w_rows + k[None, :])
+            else:
+                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                        mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            acc2 = tl.dot(x, tl.trans(w), acc2)
+        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc2.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
