@@ -38,16 +38,16 @@ DEFAULT_CONFIG = SkinnyConfig(block_n=16, block_k=256, num_warps=4, num_stages=4
 
 
 def config_for(rows: int, n: int, k: int) -> SkinnyConfig:
-    """The launch shape for an [rows, k] @ [n, k]^T product: the fastest of a grid measured
-    on an H100 (loadtest/gpu_op_probe.py) for each Llama-3.1-8B projection, by shape class.
+    """The launch shape for an [rows, k] @ [n, k]^T product, from a grid measured on an H100
+    for each Llama-3.1-8B projection (loadtest/gpu_op_probe.py).
 
-    One row: 8 columns per program in chunks of 512; 8 warps for the narrow (N <= 4096) and the
-    widest (the LM head) outputs, and 5 stages for the longest rows or the widest outputs. Several rows (tl.dot): 32 columns
-    per program for narrow outputs, else 64.
+    One row: 4 columns per program in chunks of 1024 were the fastest or within 1% of it for
+    every projection; the LM head's very wide output wants 8 warps. Several rows (tl.dot): 32
+    columns per program for narrow outputs (N <= 4096), else 64.
     """
     if rows == 1:
-        return SkinnyConfig(block_n=8, block_k=512, num_warps=4 if 4096 < n <= 65536 else 8,
-                            num_stages=5 if k > 8192 or n > 65536 else 3)
+        return SkinnyConfig(block_n=4, block_k=1024, num_warps=8 if n > 65536 else 4,
+                            num_stages=3)
     return SkinnyConfig(block_n=32 if n <= 4096 else 64, block_k=256, num_warps=4,
                         num_stages=5)
 
