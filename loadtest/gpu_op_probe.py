@@ -7,6 +7,8 @@
    is read from L2 and launch gaps count as they do in a captured step.
 2. Causal attention of one 8k-token fresh prompt (prefill): PyTorch's fused attention with
    each backend, with the KV heads repeated or grouped-query attention enabled.
+3. Decode attention over the paged cache (`--parts decode_attention`) at ShareGPT-like batch
+   sizes and lengths, over a grid of tile shapes.
 
     python loadtest/gpu_op_probe.py --out $OUT/op_probe.json
 """
@@ -175,6 +177,67 @@ def probe_attention(report: dict[str, Any]) -> None:
     report["attention_8k"] = results
 
 
+def probe_decode_attention(report: dict[str, Any]) -> None:
+    """Decode attention over the paged cache at ShareGPT-like batch sizes and context lengths,
+    for a grid of tile shapes: time and the KV bandwidth it reaches."""
+    from meshserve.kernels import triton_attention
+    from meshserve.kernels.attention import AttentionMetadata
+
+    hq, hkv, d, bs = 32, 8, 128, 16
+    results: dict[str, Any] = {}
+    for num_seqs, lo, hi in ((1000, 150, 450), (100, 400, 1600), (8, 1000, 4000)):
+        g = torch.Generator().manual_seed(num_seqs)
+        lens = torch.randint(lo, hi, (num_seqs,), generator=g)
+        blocks = [-(-int(n) // bs) for n in lens]
+        total_blocks = sum(blocks) + 1
+        perm = torch.randperm(total_blocks, generator=g)
+        width = max(blocks)
+        tables = torch.zeros(num_seqs, width, dtype=torch.int32)
+        start = 0
+        for i, nb in enumerate(blocks):
+            tables[i, :nb] = perm[start:start + nb]
+            start += nb
+        k_cache = torch.randn(total_blocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(num_seqs, hq, d, device="cuda", dtype=torch.bfloat16)
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(num_seqs, dtype=torch.long, device="cuda"),
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda"),
+            seq_lens=lens.to(torch.int32).cuda(), block_tables=tables.cuda(),
+            max_query_len=1, max_seq_len=int(lens.max()),
+            query_lens_cpu=[1] * num_seqs, seq_lens_cpu=lens.tolist())
+        kv_bytes = int(lens.sum()) * hkv * d * 2 * 2
+        want = triton_attention.paged_attention(q, k_cache, v_cache, meta, d**-0.5).float()
+        rows = []
+        for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+            tiles = triton_attention.AttentionTiles(block_m=16, tile_n=tile_n, num_warps=warps,
+                                                    num_stages=stages)
+            try:
+                got = triton_attention.paged_attention(q, k_cache, v_cache, meta, d**-0.5,
+                                                       tiles=tiles).float()
+                err = ((got - want).norm() / want.norm()).item()
+                seconds = graph_time([partial(triton_attention.paged_attention, q, k_cache,
+                                              v_cache, meta, d**-0.5, tiles=tiles)] * 8)
+            except Exception as exc:  # noqa: BLE001 (a tile shape that does not fit)
+                print(f"decode b{num_seqs} {tiles}: {type(exc).__name__}"[:200])
+                continue
+            rows.append({"tile_n": tile_n, "num_warps": warps, "num_stages": stages,
+                         "us": seconds * 1e6, "tb_s": kv_bytes / seconds / 1e12,
+                         "rel_err": err})
+        rows.sort(key=lambda r: r["us"])
+        default = triton_attention.default_tiles(d, torch.bfloat16, True)
+        now = next(r for r in rows if (r["tile_n"], r["num_warps"], r["num_stages"]) == (
+            default.tile_n, default.num_warps, default.num_stages))
+        name = f"decode b{num_seqs} ctx {lo}-{hi}"
+        results[name] = {"kv_bytes": kv_bytes, "default": now, "all": rows}
+        print(f"{name}: default {now['us']:.0f} us ({now['tb_s']:.2f} TB/s); best "
+              f"{rows[0]['us']:.0f} us ({rows[0]['tb_s']:.2f} TB/s) tile_n {rows[0]['tile_n']} "
+              f"warps {rows[0]['num_warps']} stages {rows[0]['num_stages']}; next "
+              f"{[(r['tile_n'], r['num_warps'], r['num_stages'], round(r['us'])) for r in rows[1:5]]}",
+              flush=True)
+    report["decode_attention"] = results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -187,6 +250,8 @@ def main() -> None:
         probe_attention(report)
     if "linear" in parts:
         probe_linear(report)
+    if "decode_attention" in parts:
+        probe_decode_attention(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
 
