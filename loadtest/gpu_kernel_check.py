@@ -18,7 +18,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernel_ops"))
 import test_triton_kernels as kt
 
-from meshserve.kernels import triton_activation, triton_attention, triton_norm, triton_rotary
+from meshserve.kernels import (
+    triton_activation,
+    triton_attention,
+    triton_norm,
+    triton_rotary,
+    triton_sampling,
+)
 from meshserve.kernels.activation import silu_and_mul_reference
 from meshserve.kernels.attention import write_kv_reference
 from meshserve.kernels.linear import linear
@@ -106,6 +112,29 @@ def elementwise_cases():
         yield f"rotary_and_write_kv {dtype}", rotary
 
 
+def sampling_cases():
+    def distribution():
+        # 100,000 draws from one row over four chunks: the frequencies of the six likely
+        # tokens against the softmax (chi-square, 6 degrees of freedom with the rest).
+        vocab, draws = 3 * triton_sampling.BLOCK_V + 100, 100_000
+        picks = [5, 4100, vocab - 1, 8192, 8191, 9]
+        row = torch.full((vocab,), -12.0, device="cuda")
+        row[picks] = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], device="cuda")
+        logits = row.expand(draws, -1).contiguous()
+        seeds = torch.arange(draws, device="cuda", dtype=torch.int64) * 2654435761
+        tokens = triton_sampling.gumbel_argmax(logits, seeds)
+        probs = row.softmax(-1).double()
+        ids = torch.tensor(picks, device="cuda")
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        observed = torch.cat([counts[ids], (draws - counts[ids].sum()).view(1)])
+        expected = torch.cat([probs[ids], (1 - probs[ids].sum()).view(1)]) * draws
+        chi2 = float(((observed - expected) ** 2 / expected).sum())
+        assert chi2 < 22.46, f"chi-square {chi2:.1f} (6 dof, p = 0.001: 22.46)"
+        again = triton_sampling.gumbel_argmax(logits[1000:3000].contiguous(), seeds[1000:3000])
+        assert torch.equal(again, tokens[1000:3000])  # the same seeds in another batch
+    yield "gumbel_argmax distribution and seeds", distribution
+
+
 def linear_cases():
     # The Llama-3.1-8B projections at decode sizes, and ragged shapes, against a float32
     # product: float32 accumulation and one rounding, so within a 16-bit ulp or two.
@@ -132,7 +161,8 @@ def main() -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     assert triton_attention is not None
     results = {}
-    for name, check in [*attention_cases(), *elementwise_cases(), *linear_cases()]:
+    for name, check in [*attention_cases(), *elementwise_cases(), *sampling_cases(),
+                        *linear_cases()]:
         try:
             check()
             results[name] = "ok"

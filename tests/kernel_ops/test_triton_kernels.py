@@ -34,6 +34,7 @@ from meshserve.kernels import (
     triton_linear,
     triton_norm,
     triton_rotary,
+    triton_sampling,
 )
 from meshserve.kernels.activation import silu_and_mul_reference
 from meshserve.kernels.attention import (
@@ -44,6 +45,8 @@ from meshserve.kernels.attention import (
 from meshserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from meshserve.kernels.rotary import RotaryEmbedding, apply_rotary
 from meshserve.kernels.triton_attention import AttentionTiles
+from meshserve.services.worker.engine.sampler import Sampler, SamplingRow, make_generator
+from meshserve.services.worker.engine.sampling_params import SamplingParams
 
 # True in the child process: Triton's own library and our kernels are interpreted.
 INTERPRETED = all(isinstance(f, triton_interpreter.InterpretedFunction) for f in (
@@ -466,6 +469,63 @@ def test_skinny_linear_rejects_what_it_cannot_do() -> None:
         triton_linear.skinny_linear(torch.randn(1, 31).half(), w)
 
 
+# chi-square critical value for 5 degrees of freedom at p = 0.001
+CHI2_5DOF_P001 = 20.52
+
+
+@in_interpreter
+def test_gumbel_argmax_draws_follow_the_softmax() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    draws = 1000  # one program per draw, and the interpreter runs each in Python
+    seeds = torch.arange(draws, dtype=torch.int64) * 7919 + 12345
+    tokens = triton_sampling.gumbel_argmax(logits.expand(draws, -1).contiguous(), seeds)
+    counts = torch.bincount(tokens, minlength=6).double()
+    expected = logits.softmax(-1).double() * draws
+    assert float(((counts - expected) ** 2 / expected).sum()) < CHI2_5DOF_P001
+    # A flat distribution's counts are far from this one's: the test can fail.
+    flat = torch.full((6,), draws / 6, dtype=torch.float64)
+    assert float(((counts - flat) ** 2 / flat).sum()) > 10 * CHI2_5DOF_P001
+
+
+@in_interpreter
+def test_gumbel_argmax_is_keyed_by_seed_alone() -> None:
+    g = torch.Generator().manual_seed(8)
+    vocab = 2 * triton_sampling.BLOCK_V + 77  # three chunks, the last one ragged
+    logits = torch.randn(5, vocab, generator=g)
+    logits[1, :] = float("-inf")
+    logits[1, [3, vocab - 1]] = 0.0  # only two tokens can be drawn
+    logits[2, 2 * triton_sampling.BLOCK_V + 5] = 60.0  # certain, in the last chunk
+    seeds = torch.tensor([11, 12, 13, 14, 15], dtype=torch.int64)
+    tokens = triton_sampling.gumbel_argmax(logits, seeds)
+    assert tokens[1] in (3, vocab - 1) and tokens[2] == 2 * triton_sampling.BLOCK_V + 5
+    # The same rows in another order and another batch: the same tokens.
+    order = torch.tensor([4, 2, 0])
+    again = triton_sampling.gumbel_argmax(logits[order].contiguous(), seeds[order])
+    assert torch.equal(again, tokens[order])
+    # Other seeds draw differently from a flat row (all equal: 1 in 10^4 per pair).
+    flat = torch.zeros(8, vocab)
+    drawn = triton_sampling.gumbel_argmax(flat, torch.arange(8, dtype=torch.int64))
+    assert len(set(drawn.tolist())) > 4
+
+
+@in_interpreter
+def test_sampler_gpu_draw_keys_seeded_rows_by_position() -> None:
+    sampler = Sampler(vocab_size=64, device=torch.device("cpu"), seed=0)
+    logits = torch.zeros(3, 64)  # flat: any token may come
+    params = SamplingParams(temperature=1.0, seed=5)
+
+    def rows(outputs: list[int], seed: int | None = 5) -> list[SamplingRow]:
+        generator = None if seed is None else make_generator(seed, torch.device("cpu"))
+        return [SamplingRow(params=params, prompt_token_ids=[1], output_token_ids=outputs,
+                            generator=generator)]
+
+    alone = sampler._draw_on_gpu(logits[:1], rows([7, 8]))
+    batch = sampler._draw_on_gpu(logits, rows([1], None) + rows([7, 8]) + rows([], None))
+    assert int(alone[0]) == int(batch[1])  # same seed, same position: same token
+    by_position = [int(sampler._draw_on_gpu(logits[:1], rows([0] * n))[0]) for n in range(12)]
+    assert len(set(by_position)) > 3  # each position draws afresh
+
+
 @in_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
@@ -517,7 +577,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from meshserve.kernels import (triton_activation, triton_attention as ta, triton_linear,
-                               triton_norm, triton_rotary)
+                               triton_norm, triton_rotary, triton_sampling)
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -570,6 +630,9 @@ for write_kv in (False, True):
         HEAD_PAD=128, BLOCK_SIZE=16, WRITE_KV=write_kv), num_warps=8, enable_fp_fusion=False))
 out.append(build(triton_activation._silu_and_mul_kernel, bf16("x_ptr", "out_ptr"),
     dict(BLOCK=1024), num_warps=4))
+out.append(build(triton_sampling._gumbel_argmax_kernel, {"logits_ptr": "*fp32",
+    "seeds_ptr": "*i64", "best_ptr": "*fp32", "where_ptr": "*i64"},
+    dict(BLOCK=triton_sampling.BLOCK_V), num_warps=8))
 for rows, n, k in ((1, 4096, 14336), (1, 128256, 4096), (8, 28672, 4096)):
     c = triton_linear.config_for(rows, n, k)
     out.append(build(triton_linear._skinny_kernel, bf16("x_ptr", "w_ptr", "y_ptr"),
@@ -587,7 +650,7 @@ def test_kernels_compile_for_hopper_without_spills() -> None:
                           capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     launches = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(launches) == 15
+    assert len(launches) == 16
     for launch in launches:
         assert launch["shared"] <= 227 * 1024, launch  # Hopper's limit per block
         if launch["consts"].get("DOT_PRECISION") != "ieee":  # float32 may spill: tests only

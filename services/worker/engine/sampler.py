@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,8 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # The sequence's own generator when params.seed is set; advanced by every draw.
+    # The sequence's own generator when params.seed is set: advanced by every draw on a CPU;
+    # on a GPU its seed and the number of tokens so far key the draw.
     generator: torch.Generator | None = None
     # EOS ids + params.stop_token_ids: masked while len(output) < min_tokens.
     stop_ids: tuple[int, ...] = ()
@@ -252,6 +254,8 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed % 2**64)
+        # Seeds of the GPU draw for rows without a generator (drawn on the host: no sync).
+        self._host_rng = random.Random(seed)
 
     @torch.inference_mode()
     def sample(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -382,13 +386,29 @@ class Sampler:
         """Token ids [B]: argmax for greedy rows (lowest id on ties), a draw for the others."""
         if processed.sampled is None:
             return argmax_rows(processed.adjusted)
-        generators = [rows[i].generator for i in processed.sampled_rows]
-        drawn = self._draw(processed.sampled, generators)  # [S]
+        sampled_rows = [rows[i] for i in processed.sampled_rows]
+        if processed.sampled.is_cuda:
+            drawn = self._draw_on_gpu(processed.sampled, sampled_rows)  # [S]
+        else:
+            drawn = self._draw(processed.sampled, [row.generator for row in sampled_rows])
         if len(processed.sampled_rows) == len(rows):
             return drawn
         tokens = argmax_rows(processed.adjusted)
         tokens[self._index(processed.sampled_rows)] = drawn
         return tokens
+
+    def _draw_on_gpu(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+        """The exponential race of `_draw` in one Triton kernel, whose uniforms come from a
+        64-bit seed per row: for a seeded sequence a hash of its generator's seed and the
+        number of tokens it has, so the draw is the same alone or in any batch (and again
+        after a preemption); for the others, fresh values of the sampler's own source."""
+        from meshserve.kernels.triton_sampling import gumbel_argmax  # GPU only
+
+        base = self._host_rng.getrandbits(62)
+        seeds = [base + j if row.generator is None
+                 else _draw_seed(row.generator.initial_seed(), len(row.output_token_ids))
+                 for j, row in enumerate(rows)]
+        return gumbel_argmax(logits, _to_device(seeds, torch.int64, self.device))
 
     def _draw(self, logits: Tensor, generators: list[torch.Generator | None]) -> Tensor:
         """Exponential race: argmax(p / q) with q ~ Exp(1) per token picks a token with
@@ -460,6 +480,12 @@ def _argmax_chunks(vocab: int) -> int:
     if vocab < _SPLIT_ARGMAX_MIN_VOCAB:
         return 1
     return next((c for c in range(min(1024, vocab // 64), 1, -1) if vocab % c == 0), 1)
+
+
+def _draw_seed(generator_seed: int, position: int) -> int:
+    """The GPU draw's seed for a seeded sequence's token at `position`: 63 bits of a hash."""
+    digest = hashlib.blake2b(f"{generator_seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _unpack(host: list[float], num_rows: int, wanted: list[int],
