@@ -107,21 +107,7 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [T] int32/int64, < 0 = skip
 ) -> None:
     """Store each token's key and value at its slot, cast to the cache dtype."""
-    _check_device(_write_kv_kernel, key, value, k_cache, v_cache, slot_mapping)
-    assert key.dim() == 3 and key.shape == value.shape, (
-        f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} and "
-        f"{tuple(value.shape)}")
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
-        f"k_cache and v_cache must both be [N, bs, Hkv, D], got {tuple(k_cache.shape)} and "
-        f"{tuple(v_cache.shape)}")
-    assert key.shape[1:] == k_cache.shape[2:], (
-        f"key heads/dim {tuple(key.shape[1:])} do not match the cache's {tuple(k_cache.shape[2:])}")
-    assert slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0], (
-        f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    assert slot_mapping.dtype in (torch.int32, torch.int64), (
-        f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    _check_last_dim_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                               slot_mapping=slot_mapping)
+    check_kv_write(_write_kv_kernel, key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -159,6 +145,27 @@ def _write_kv_kernel(
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d,
              v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def check_kv_write(kernel: object, key: torch.Tensor, value: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """The inputs of a kernel that stores keys and values [T, Hkv, D] at cache slots."""
+    _check_device(kernel, key, value, k_cache, v_cache, slot_mapping)
+    assert key.dim() == 3 and key.shape == value.shape, (
+        f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} and "
+        f"{tuple(value.shape)}")
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"k_cache and v_cache must both be [N, bs, Hkv, D], got {tuple(k_cache.shape)} and "
+        f"{tuple(v_cache.shape)}")
+    assert key.shape[1:] == k_cache.shape[2:], (
+        f"key heads/dim {tuple(key.shape[1:])} do not match the cache's {tuple(k_cache.shape[2:])}")
+    assert slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0], (
+        f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    assert slot_mapping.dtype in (torch.int32, torch.int64), (
+        f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    _check_last_dim_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
+                               slot_mapping=slot_mapping)
 
 
 def paged_attention(

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from meshserve.kernels.triton_attention import check_kv_write
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -43,23 +45,8 @@ def apply_rotary_and_write_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated query and key, as `apply_rotary`
     """`apply_rotary`, and each token's rotated key and its value stored at its cache slot
     (cast to the cache dtype), in one launch."""
-    assert value.shape == key.shape and value.dtype == key.dtype, (
-        f"value {tuple(value.shape)} {value.dtype} must match key {tuple(key.shape)} {key.dtype}")
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
-        f"k_cache and v_cache must both be [N, bs, Hkv, D], got {tuple(k_cache.shape)} and "
-        f"{tuple(v_cache.shape)}")
-    assert key.shape[1:] == k_cache.shape[2:], (
-        f"key heads/dim {tuple(key.shape[1:])} do not match the cache's {tuple(k_cache.shape[2:])}")
-    assert slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0], (
-        f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    assert slot_mapping.dtype in (torch.int32, torch.int64), (
-        f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    tensors = (value, k_cache, v_cache, slot_mapping)
-    assert all(t.device == query.device for t in tensors), (
-        f"value, caches and slot_mapping must be on {query.device}, got "
-        f"{sorted({str(t.device) for t in tensors})}")
-    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
-        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
+    assert value.dtype == key.dtype, f"value {value.dtype} must match key {key.dtype}"
+    check_kv_write(_rotary_kernel, key, value, k_cache, v_cache, slot_mapping)
     return _launch(query, key, positions, cos_sin_cache, (value, k_cache, v_cache, slot_mapping))
 
 
