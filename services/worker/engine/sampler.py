@@ -12,6 +12,7 @@ non-blocking off the CPU), and the token ids and logprobs come back once at the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -474,6 +475,7 @@ def split_argmax(x: Tensor, chunks: int) -> Tensor:
     return (chunk * width + inner.gather(1, chunk)).squeeze(1)
 
 
+@functools.cache
 def _argmax_chunks(vocab: int) -> int:
     """The largest divisor of vocab up to 1024 that leaves chunks of at least 64 entries
     (1: no split)."""
