@@ -3,8 +3,8 @@
 On a GPU, a step of at most SKINNY_MAX_ROWS tokens (decode of a few sequences) in float16 or
 bfloat16 goes to the Triton kernel of `meshserve.kernels.triton_linear`: reading the weights
 is all such a product does, and that kernel reads them faster than cuBLAS and without cuBLAS's
-split-K reduction (loadtest/gpu_op_probe.py, on an H100: 5.18 against 5.59 ms of projections
-per token of an 8B model). Everything else is F.linear.
+split-K reduction (loadtest/gpu_op_probe.py, on an H100: 5.08 against 5.73 ms of projections
+per token of an 8B model, loadtest/reports/h100-probe/). Everything else is F.linear.
 """
 
 from __future__ import annotations
