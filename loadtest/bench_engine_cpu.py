@@ -21,7 +21,7 @@ import torch
 from meshserve.services.tokenizer.loader import load_tokenizer
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple terms.",

@@ -31,8 +31,8 @@ from tiny_models import build_tiny_model
 
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.request import TokenLogprobs
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.sampling_params import SamplingParams
 
 LENGTHS = [1, 5, 17, 64, 130, 300, 33, 2, 90, 250, 16, 48]
 TOP = 5

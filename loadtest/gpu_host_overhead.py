@@ -25,7 +25,7 @@ import torch
 from meshserve.services.bench import random_prompts
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import SamplingParams
 
 
 def host_profile(engine: LLMEngine, steps: int, title: str, out: list[str],

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from meshserve.services.bench import random_prompts, sharegpt_like_lengths
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import SamplingParams
 
 
 def kernel_table(prof: profile, steps: int, limit: int = 25) -> tuple[str, float]:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from meshserve.services.worker.config import EngineOptions
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import Request
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import SamplingParams
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, MeshError

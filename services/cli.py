@@ -75,9 +75,9 @@ def run_batch_main(argv: Sequence[str]) -> int:
     import torch
 
     from meshserve.services.tokenizer.loader import load_tokenizer
-    from meshserve.services.worker.batch import run_batch
+    from meshserve.services.offline.batch import run_batch
     from meshserve.services.worker.engine.engine import LLMEngine
-    from meshserve.services.worker.offline import OfflineLLM
+    from meshserve.services.offline.llm import OfflineLLM
 
     assert config.input_file is not None and config.output_file is not None
     try:

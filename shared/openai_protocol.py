@@ -19,9 +19,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from meshserve.services.worker.engine.request import TokenLogprobs
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.sampling_params import SamplingParams
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"

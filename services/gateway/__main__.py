@@ -11,6 +11,7 @@ from meshserve.services.gateway.app import Gateway
 from meshserve.services.gateway.config import GatewayConfig
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.service_main import run_service, service_telemetry
+from meshserve.shared.torch_free import forbid_torch
 
 
 async def serve(config: GatewayConfig) -> int:
@@ -34,6 +35,7 @@ async def serve(config: GatewayConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `meshserve gateway` / `python -m meshserve.services.gateway`."""
+    forbid_torch()  # text and HTTP only: see shared/torch_free.py
     return run_service("gateway", GatewayConfig, serve, argv)
 
 

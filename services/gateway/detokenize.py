@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import grpc
 
 from meshserve.proto.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import InternalError, UnavailableError
 from meshserve.shared.grpc_client import mesh_errors
+from meshserve.shared.sampling_params import SamplingParams
 
 _log = logging.getLogger(__name__)
 # Prompt tokens sent as detokenization context ("a few suffice").

@@ -12,14 +12,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshserve.services.worker.engine.request import TokenLogprobs
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import ContextLengthError
+from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestOptions,
 )
+from meshserve.shared.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshserve.services.gateway.job import ChoiceDelta, GenerationJob, GenerationUpdate
-from meshserve.services.worker.engine.request import TokenLogprobs
 from meshserve.shared import openai_protocol as oai
+from meshserve.shared.logprobs import TokenLogprobs
 
 
 @dataclass

@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 import orjson
 
 from meshserve.proto.v1 import common_pb2, tokenizer_pb2, worker_pb2
-from meshserve.services.worker.engine.request import TokenLogprobs
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.sampling_params import SamplingParams
 
 _UINT32_MAX = 2**32 - 1
 _INT32 = (-(2**31), 2**31 - 1)

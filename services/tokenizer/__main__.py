@@ -16,10 +16,12 @@ from meshserve.proto.v1 import tokenizer_pb2_grpc
 from meshserve.services.tokenizer.config import TokenizerConfig
 from meshserve.services.tokenizer.loader import load_tokenizer
 from meshserve.services.tokenizer.service import SERVICE_NAME, ServedModel, TokenizerServicer
-from meshserve.services.worker.models.loader import load_model_config, resolve_model
 from meshserve.shared.errors import ConfigError, MeshError
 from meshserve.shared.grpc_server import GrpcServer
+from meshserve.shared.model_config import max_model_len_of, read_model_files
+from meshserve.shared.model_source import resolve_model
 from meshserve.shared.service_main import in_daemon_thread, run_service, service_telemetry
+from meshserve.shared.torch_free import forbid_torch
 
 _log = logging.getLogger("meshserve.services.tokenizer")
 
@@ -46,7 +48,7 @@ def load_served_model(config: TokenizerConfig) -> ServedModel:
     """Find the model, load its tokenizer and read its context length (blocking)."""
     source = resolve_model(config.model)
     tokenizer = load_tokenizer(config.tokenizer or source)
-    max_model_len = config.max_model_len or load_model_config(source).max_model_len
+    max_model_len = config.max_model_len or max_model_len_of(read_model_files(source))
     name = config.served_model_name or source.name
     names = tuple(dict.fromkeys([name, source.name, config.model]))
     return ServedModel(tokenizer, names, max_model_len, read_chat_template(config.chat_template))
@@ -99,6 +101,7 @@ async def serve(config: TokenizerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `meshserve tokenizer` / `python -m meshserve.services.tokenizer`."""
+    forbid_torch()  # text and HTTP only: see shared/torch_free.py
     return run_service("tokenizer", TokenizerConfig, serve, argv)
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 # A UTF-8 character has at most 4 bytes, so at most 4 trailing tokens can hold

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
+from meshserve.shared.gguf_export import exported_folder
 
 # transformers marks "no limit" with a huge sentinel (int(1e30)).
 _NO_MAX_LENGTH = 10**12
@@ -34,7 +35,7 @@ def _bad(message: str, param: str) -> InvalidRequestError:
 
 
 class ModelSourceLike(Protocol):
-    """Where a model lives (see `meshserve.services.worker.models.loader.ModelSource`)."""
+    """Where a model lives (see `meshserve.shared.model_source.ModelSource`)."""
 
     name: str
     path: Path
@@ -335,14 +336,12 @@ def load_tokenizer(source: ModelSourceLike | str | os.PathLike[str]) -> Tokenize
     or a plain path to a folder or a .gguf file. Nothing is fetched from a hub.
     """
     name, folder, gguf_name = _resolve(source)
+    if gguf_name is not None:
+        # transformers' GGUF reader imports torch: read the exported folder instead.
+        folder = exported_folder(folder / gguf_name)
     from transformers import AutoTokenizer
     try:
-        if gguf_name is not None:
-            hf = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_name,
-                                               local_files_only=True)
-        else:
-            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        where = folder / gguf_name if gguf_name else folder
-        raise ModelLoadError(f"cannot load a tokenizer from {where}: {exc}") from exc
+        raise ModelLoadError(f"cannot load a tokenizer from {folder}: {exc}") from exc
     return Tokenizer(hf, name=name, extra_eos_token_ids=_generation_eos(folder))

@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from meshserve.proto.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from meshserve.services.tokenizer.detokenizer import TextDelta, TextStream
 from meshserve.services.tokenizer.loader import Tokenizer
-from meshserve.services.worker.engine.sampling_params import MAX_N, SamplingParams
 from meshserve.shared.errors import InvalidRequestError, NotFoundError, UnavailableError
+from meshserve.shared.sampling_params import MAX_N, SamplingParams
 from meshserve.shared.telemetry import Telemetry
 
 SERVICE_NAME = "meshserve.v1.Tokenizer"

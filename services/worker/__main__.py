@@ -26,7 +26,6 @@ from redis.exceptions import RedisError
 from meshserve.proto.v1 import common_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 from meshserve.services.worker.config import WorkerConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.kv_publisher import KVEventPublisher
 from meshserve.services.worker.registration import Registration
@@ -37,6 +36,7 @@ from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.kv_events import AllBlocksCleared
 from meshserve.shared.kv_index import KVIndex
 from meshserve.shared.redis_server import connect
+from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.service_main import in_daemon_thread, run_service, service_telemetry
 from meshserve.shared.telemetry import Telemetry
 from meshserve.shared.worker_registry import WorkerInfo, WorkerRegistry

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import Request, RequestOutput
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.services.worker.request_stream import (
     RequestStream,
     SequenceTimes,
@@ -35,6 +34,7 @@ from meshserve.services.worker.request_stream import (
 )
 from meshserve.shared.errors import InternalError, InvalidRequestError, MeshError
 from meshserve.shared.kv_events import KVEvent
+from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.worker_registry import WorkerLoad
 
 log = logging.getLogger(__name__)

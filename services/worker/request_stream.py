@@ -14,8 +14,9 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from meshserve.services.worker.engine.request import Request, RequestOutput, TokenLogprobs
+from meshserve.services.worker.engine.request import Request, RequestOutput
 from meshserve.shared.errors import MeshError
+from meshserve.shared.logprobs import TokenLogprobs
 
 ABORT = "abort"
 

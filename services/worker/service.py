@@ -21,8 +21,6 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from meshserve.services.worker.engine.request import TokenLogprobs
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.request_stream import RequestTimes, SequenceDelta, StreamUpdate
 from meshserve.shared.errors import (
@@ -31,6 +29,8 @@ from meshserve.shared.errors import (
     InvalidRequestError,
     NotFoundError,
 )
+from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.worker_registry import WorkerInfo, WorkerLoad
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,

@@ -16,7 +16,7 @@ from grpc_tools import protoc
 
 from meshserve.proto import generate
 from meshserve.proto.v1 import common_pb2, kvstore_pb2, tokenizer_pb2, worker_pb2
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import SamplingParams
 
 PROTO_FILES = ["common", "kvstore", "scheduler", "tokenizer", "worker"]
 

@@ -28,8 +28,7 @@ from meshserve.proto.v1 import (
 )
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.request import RequestOutput, TokenLogprobs
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.services.worker.engine.request import RequestOutput
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.kv_publisher import KVEventPublisher
 from meshserve.services.worker.registration import Registration
@@ -38,7 +37,9 @@ from meshserve.shared.block_hash import hash_blocks
 from meshserve.shared.grpc_client import GrpcClient, wait_until_serving
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.kv_index import KVIndex
+from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.redis_server import connect
+from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.status import ERROR_KIND_KEY
 from meshserve.shared.telemetry import Telemetry, metadata_with_trace
 from meshserve.shared.worker_registry import WorkerInfo

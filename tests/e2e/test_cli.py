@@ -22,9 +22,9 @@ from meshserve.services.launcher import LauncherConfig, start_stack
 from meshserve.services.tokenizer.loader import load_tokenizer
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.sampling_params import SamplingParams
-from meshserve.services.worker.offline import GenerationItem, GenerationResult, OfflineLLM
+from meshserve.services.offline.llm import GenerationItem, GenerationResult, OfflineLLM
 from meshserve.shared.errors import UnavailableError
+from meshserve.shared.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128",
                 "--max-model-len", "200", "--num-threads", "1"]

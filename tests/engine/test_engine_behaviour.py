@@ -12,8 +12,8 @@ from tiny_models import build_tiny_model
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import RequestOutput
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import ContextLengthError, InvalidRequestError
+from meshserve.shared.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

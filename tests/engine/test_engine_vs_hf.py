@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import RequestOutput
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import SamplingParams
 
 MAX_NEW = 10
 PROMPT_LENGTHS = [1, 3, 16, 17, 33, 64, 90]

@@ -20,11 +20,12 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from meshserve.services.tokenizer.loader import Tokenizer
-from meshserve.services.worker.batch import run_batch
-from meshserve.services.worker.engine.request import RequestOutput, TokenLogprobs
-from meshserve.services.worker.engine.sampling_params import SamplingParams
-from meshserve.services.worker.offline import GenerationItem, OfflineLLM
+from meshserve.services.offline.batch import run_batch
+from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.offline.llm import GenerationItem, OfflineLLM
 from meshserve.shared.errors import ContextLengthError, InternalError, InvalidRequestError
+from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.sampling_params import SamplingParams
 
 REPLIES = ("Sure! 你好 😀🎉 the fox STOP and more text", "Other 東京 🚀✨ reply, no stop here")
 MAX_MODEL_LEN = 48

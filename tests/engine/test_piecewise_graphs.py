@@ -12,7 +12,7 @@ from tiny_models import build_tiny_model
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.cuda_graphs import PiecewiseGraphRunner, token_buckets
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import SamplingParams
 
 
 def test_token_buckets_pad_by_less_than_a_quarter() -> None:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from meshserve.services.worker.engine import sampler as sampler_module
-from meshserve.services.worker.engine.request import TokenLogprobs
 from meshserve.services.worker.engine.sampler import (
     Sampler,
     SamplingRow,
@@ -20,8 +19,9 @@ from meshserve.services.worker.engine.sampler import (
     make_generator,
     split_argmax,
 )
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import InternalError, InvalidRequestError
+from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 # Chi-square critical value at p = 0.001 for 5 degrees of freedom (6 categories).

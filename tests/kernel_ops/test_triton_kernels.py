@@ -46,7 +46,7 @@ from meshserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_refere
 from meshserve.kernels.rotary import RotaryEmbedding, apply_rotary
 from meshserve.kernels.triton_attention import AttentionTiles
 from meshserve.services.worker.engine.sampler import Sampler, SamplingRow, make_generator
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import SamplingParams
 
 # True in the child process: Triton's own library and our kernels are interpreted.
 INTERPRETED = all(isinstance(f, triton_interpreter.InterpretedFunction) for f in (

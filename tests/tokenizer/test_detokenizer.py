@@ -25,8 +25,8 @@ from meshserve.services.tokenizer.detokenizer import (
     TextStream,
 )
 from meshserve.services.tokenizer.loader import Tokenizer, load_tokenizer, normalize_messages
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
+from meshserve.shared.sampling_params import SamplingParams
 
 CORPUS = [
     "Hello world, this is a tiny corpus for a tiny tokenizer.",

@@ -3,9 +3,9 @@
 from meshserve.services.worker.engine.block_pool import BlockPool
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.request import Request
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.block_hash import hash_blocks
 from meshserve.shared.kv_events import BlockRemoved, BlockStored
+from meshserve.shared.sampling_params import SamplingParams
 
 
 def make_request(rid: str, tokens: list[int], **params: object) -> Request:

@@ -7,9 +7,9 @@ import pytest
 from meshserve.services.gateway.admission import Admission
 from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.gateway.job import GenerationJob, PreparedPrompt, resolve_max_tokens
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import ConfigError, ContextLengthError, OverloadedError
 from meshserve.shared.openai_protocol import RequestOptions
+from meshserve.shared.sampling_params import SamplingParams
 
 
 def job(max_tokens: int | None, default: int | None, chat: bool = False) -> GenerationJob:

@@ -2,8 +2,8 @@
 
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.request import Request, RequestStatus
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from meshserve.shared.sampling_params import SamplingParams
 
 
 def req(rid: str, n_tokens: int, *, arrival: float, priority: int = 0, base: int = 0) -> Request:

@@ -12,9 +12,9 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from meshserve.services.worker.engine.request import TokenLogprobs
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.logprobs import TokenLogprobs
 
 
 class FakeRenderer:

@@ -37,7 +37,6 @@ from meshserve.services.worker.engine.request import (
 )
 from meshserve.services.worker.engine.request_validator import RequestValidator
 from meshserve.services.worker.engine.sampler import make_generator
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.services.worker.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
@@ -53,6 +52,7 @@ from meshserve.services.worker.models.loader import (
 from meshserve.shared.block_hash import extra_keys_for
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
 from meshserve.shared.kv_events import KVEvent
+from meshserve.shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

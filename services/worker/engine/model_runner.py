@@ -13,7 +13,7 @@ from meshserve.services.worker.engine.cuda_graphs import (
     PiecewiseGraphRunner,
 )
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.engine.request import Request, TokenLogprobs
+from meshserve.services.worker.engine.request import Request
 from meshserve.services.worker.engine.sampler import (
     HostCopy,
     PendingSample,
@@ -26,6 +26,7 @@ from meshserve.services.worker.engine.scheduler import SchedulerOutput
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
 from meshserve.shared.errors import InternalError
+from meshserve.shared.logprobs import TokenLogprobs
 
 
 @dataclass

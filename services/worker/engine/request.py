@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.block_hash import BlockHash
+from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -22,16 +23,6 @@ class RequestStatus(enum.Enum):
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                         RequestStatus.FINISHED_ABORTED)
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprob of the token at one position, with its rank and the top alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 # Stands in the output for a token sampled by a step still running on the device.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import ContextLengthError, InvalidRequestError
+from meshserve.shared.sampling_params import SamplingParams
 
 
 class RequestValidator:

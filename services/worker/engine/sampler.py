@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from meshserve.services.worker.engine.request import TokenLogprobs
-from meshserve.services.worker.engine.sampling_params import SamplingParams
 from meshserve.shared.errors import InternalError, InvalidRequestError
+from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshserve.kernels.rotary import compute_inv_freq, rope_type_of
-from meshserve.services.worker.models.registry import MODEL_TYPE_ARCHITECTURES, check_supported
+from meshserve.services.worker.models.registry import check_supported
 from meshserve.shared.errors import ModelLoadError
+from meshserve.shared.model_config import architecture_of, context_length, sliding_window_of
 
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "max_position_embeddings")
@@ -47,11 +48,8 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest context served. Attention is always full, so a sliding window caps it:
-        within the window full and sliding attention agree."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+        """Longest context served (`meshserve.shared.model_config.context_length`)."""
+        return context_length(self.max_position_embeddings, self.sliding_window)
 
     @property
     def q_size(self) -> int:
@@ -66,7 +64,7 @@ class ModelConfig:
                 source: str = "config.json") -> ModelConfig:
         """Build from a config dict or PretrainedConfig; `source` names the file in errors."""
         cfg: dict[str, Any] = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-        architecture = _architecture(cfg, source)
+        architecture = architecture_of(cfg, source)
         check_supported(architecture, source)
         for name in _REQUIRED_FIELDS:
             if cfg.get(name) is None:
@@ -93,7 +91,7 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(cfg, generation_config or {}),
             bos_token_id=_bos_token_id(cfg, generation_config or {}),
             torch_dtype=_dtype_name(cfg),
-            sliding_window=_sliding_window(architecture, cfg),
+            sliding_window=sliding_window_of(architecture, cfg),
         )
         config.validate(source)
         return config
@@ -113,19 +111,6 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ModelLoadError(f"{source}: head_dim {self.head_dim} must be even for RoPE",
                                  param="head_dim")
-
-
-def _architecture(cfg: dict[str, Any], source: str) -> str:
-    architectures = cfg.get("architectures") or []
-    if architectures:
-        return str(architectures[0])
-    model_type = cfg.get("model_type")
-    if model_type in MODEL_TYPE_ARCHITECTURES:
-        return MODEL_TYPE_ARCHITECTURES[model_type]
-    if model_type is None:
-        raise ModelLoadError(f"{source}: required field 'architectures' (or 'model_type') is "
-                             f"missing", param="architectures")
-    return str(model_type)
 
 
 def _check_mlp(cfg: dict[str, Any], source: str) -> None:
@@ -165,14 +150,6 @@ def _attention_options(architecture: str, cfg: dict[str, Any]) -> dict[str, bool
         return {"attention_bias": False, "o_proj_bias": False, "qk_norm": False}
     return {"attention_bias": configured_bias, "o_proj_bias": configured_bias,
             "qk_norm": architecture == "Qwen3ForCausalLM"}
-
-
-def _sliding_window(architecture: str, cfg: dict[str, Any]) -> int | None:
-    window = cfg.get("sliding_window")
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get(
-            "use_sliding_window", False):
-        return None
-    return int(window) if window else None
 
 
 def _as_ids(value: Any) -> list[int]:

@@ -7,17 +7,16 @@ default model (see default_model.py), or `dummy` random weights of the right sha
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
-from meshserve.services.worker.models.registry import MODEL_TYPE_ARCHITECTURES, get_model_class
+from meshserve.services.worker.models.registry import get_model_class
 from meshserve.shared.errors import ModelLoadError
+from meshserve.shared.model_config import MODEL_TYPE_ARCHITECTURES, read_json, read_model_files
 from meshserve.shared.model_source import (  # noqa: F401 (re-exported)
     LOAD_FORMATS,
     ModelSource,
@@ -33,38 +32,9 @@ _DUMMY_RANGE = 1e-3
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     """The model's config from config.json (+ generation_config.json) or GGUF metadata."""
-    if source.gguf_file is not None:
-        return ModelConfig.from_hf(_gguf_config_dict(source.gguf_file),
-                                   source=str(source.gguf_file))
-    config_path = source.path / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"{config_path} is missing", param="config.json")
-    generation_path = source.path / "generation_config.json"
-    generation = _read_json(generation_path) if generation_path.is_file() else None
-    return ModelConfig.from_hf(_read_json(config_path), generation_config=generation,
-                               source=str(config_path))
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not readable JSON: {exc}", param=path.name) from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object", param=path.name)
-    return data
-
-
-def _gguf_config_dict(gguf_file: Path) -> dict[str, Any]:
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    try:
-        parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=False)
-    except Exception as exc:  # gguf raises many kinds on a bad file
-        raise ModelLoadError(f"{gguf_file}: cannot read GGUF metadata: {exc}",
-                             param=gguf_file.name) from exc
-    config: dict[str, Any] = parsed["config"]
-    return config
+    files = read_model_files(source)
+    return ModelConfig.from_hf(files.config, generation_config=files.generation,
+                               source=files.where)
 
 
 def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
@@ -123,7 +93,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def _index_shards(index: Path) -> list[Path]:
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ModelLoadError(f"{index} has no 'weight_map'", param=index.name)
     shards = [index.parent / name for name in dict.fromkeys(weight_map.values())]

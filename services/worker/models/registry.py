@@ -23,15 +23,6 @@ _MODELS: dict[str, tuple[str, str]] = {
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
-# Hugging Face `model_type` -> architecture, for configs without `architectures` (GGUF metadata).
-MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
-
 def check_supported(architecture: str, source: str) -> None:
     """Raise ModelLoadError unless `architecture` is one meshserve runs."""
     if architecture not in _MODELS:

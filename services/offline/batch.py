@@ -25,10 +25,10 @@ import orjson
 from tqdm import tqdm
 
 from meshserve.services.tokenizer.loader import Tokenizer
-from meshserve.services.worker.engine.request import TokenLogprobs
-from meshserve.services.worker.offline import GenerationItem, GenerationResult, OfflineLLM
+from meshserve.services.offline.llm import GenerationItem, GenerationResult, OfflineLLM
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.errors import InvalidRequestError, MeshError, NotFoundError
+from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.status import http_error
 
 _SUPPORTED_URLS = (oai.COMPLETIONS_URL, oai.CHAT_COMPLETIONS_URL)

@@ -15,9 +15,10 @@ from typing import Any, Protocol
 
 from meshserve.services.tokenizer.detokenizer import TextStream
 from meshserve.services.tokenizer.loader import Tokenizer
-from meshserve.services.worker.engine.request import RequestOutput, TokenLogprobs
-from meshserve.services.worker.engine.sampling_params import SamplingParams
+from meshserve.services.worker.engine.request import RequestOutput
 from meshserve.shared.errors import InternalError, InvalidRequestError
+from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.sampling_params import SamplingParams
 
 
 class EngineLike(Protocol):

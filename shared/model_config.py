@@ -1,0 +1,119 @@
+"""Reading a model's configuration without torch: config.json, generation_config.json, GGUF.
+
+Every service that needs facts about a model (the worker's shapes, the tokenizer's context
+length) reads them through here, so that they agree:
+
+    files = read_model_files(source)        # ModelFiles(config, generation, where)
+    context_length(files.config)            # max_model_len as the worker serves it
+
+A GGUF file's metadata is read by transformers' GGUF support, which imports torch. The
+torch-free services get it through `gguf_export`: one child process turns the file's
+config and tokenizer into a small Hugging Face folder, cached on disk, which they read
+like any other folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from meshserve.shared.errors import ModelLoadError
+
+# Hugging Face `model_type` -> architecture, for configs without `architectures` (GGUF).
+MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+class SourceLike(Protocol):
+    """Where a model lives (`meshserve.shared.model_source.ModelSource`)."""
+
+    path: Path
+    gguf_file: Path | None
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The raw configuration dicts of a model and where they came from (for errors)."""
+
+    config: dict[str, Any]
+    generation: dict[str, Any] | None
+    where: str
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file; ModelLoadError naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not readable JSON: {exc}", param=path.name) from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object", param=path.name)
+    return data
+
+
+def read_folder(folder: Path) -> ModelFiles:
+    """config.json (required) and generation_config.json (optional) of a model folder."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{config_path} is missing", param="config.json")
+    generation_path = folder / "generation_config.json"
+    generation = read_json(generation_path) if generation_path.is_file() else None
+    return ModelFiles(read_json(config_path), generation, str(config_path))
+
+
+def read_model_files(source: SourceLike) -> ModelFiles:
+    """The configuration of a model folder, or of a GGUF file through its exported folder."""
+    if source.gguf_file is not None:
+        from meshserve.shared.gguf_export import exported_folder
+
+        files = read_folder(exported_folder(source.gguf_file))
+        return ModelFiles(files.config, None, str(source.gguf_file))
+    return read_folder(source.path)
+
+
+def architecture_of(cfg: dict[str, Any], where: str) -> str:
+    """The architecture a config names (`architectures[0]`, else from `model_type`)."""
+    architectures = cfg.get("architectures") or []
+    if architectures:
+        return str(architectures[0])
+    model_type = cfg.get("model_type")
+    if model_type in MODEL_TYPE_ARCHITECTURES:
+        return MODEL_TYPE_ARCHITECTURES[model_type]
+    if model_type is None:
+        raise ModelLoadError(f"{where}: required field 'architectures' (or 'model_type') is "
+                             f"missing", param="architectures")
+    return str(model_type)
+
+
+def sliding_window_of(architecture: str, cfg: dict[str, Any]) -> int | None:
+    """The attention window a config sets, None for full attention."""
+    window = cfg.get("sliding_window")
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get(
+            "use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def context_length(max_position_embeddings: int, sliding_window: int | None) -> int:
+    """Longest context served. Attention is always full, so a sliding window caps it:
+    within the window full and sliding attention agree."""
+    if sliding_window is not None:
+        return min(max_position_embeddings, sliding_window)
+    return max_position_embeddings
+
+
+def max_model_len_of(files: ModelFiles) -> int:
+    """The context length a worker serves for this model (before any --max-model-len)."""
+    cfg = files.config
+    if cfg.get("max_position_embeddings") is None:
+        raise ModelLoadError(f"{files.where}: required field 'max_position_embeddings' is "
+                             f"missing", param="max_position_embeddings")
+    architecture = architecture_of(cfg, files.where)
+    return context_length(int(cfg["max_position_embeddings"]),
+                          sliding_window_of(architecture, cfg))
