@@ -5,13 +5,19 @@
         ...
 
 Starts an embedded Redis (unless `--redis-url`), then the tokenizer(s), scheduler,
-kvstore, N workers and the gateway as `python -m meshserve.services.<role>` with
+kvstore, N workers and the gateway(s) as `python -m meshserve.services.<role>` with
 loopback ports chosen up front, and waits until every one is healthy (gRPC health
-SERVING, the gateway's /health 200, every worker registered), within
-`--startup-timeout-s`; a service that exits or stays unhealthy is named in the error
-with the tail of its log. Child logs go to files in a run folder. Stopping (Ctrl-C,
-SIGTERM, `Stack.stop()`) sends SIGTERM to the gateway first, then to the rest, and
-SIGKILL after `--stop-grace-s`; a child that dies on its own stops the whole stack.
+SERVING, every worker registered, each gateway listening as its own /metrics port
+reports, and /health 200 on the shared HTTP port), within `--startup-timeout-s`; a
+service that exits or stays unhealthy is named in the error with the tail of its log.
+Child logs go to files in a run folder. Stopping (Ctrl-C, SIGTERM, `Stack.stop()`) sends
+SIGTERM to the gateways first, then to the rest, and SIGKILL after `--stop-grace-s`; a
+child that dies on its own stops the whole stack.
+
+`--gateways N` (N > 1) starts N gateway processes, gateway-0..N-1, on the same host:port
+with SO_REUSEPORT: the kernel spreads new connections over them, and each keeps its own
+channels and sessions to the other services. A lone gateway is named `gateway` and
+listens without SO_REUSEPORT, so that a taken port is an error rather than shared.
 """
 
 from __future__ import annotations
@@ -26,17 +32,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
+from meshserve.services.launcher_probes import (
+    grpc_serving,
+    http_ok,
+    metric_is,
+    port_taken,
+    workers_registered,
+)
 from meshserve.services.worker.config import EngineOptions
 from meshserve.shared.config import ENV_PREFIX, Config, option
 from meshserve.shared.errors import ConfigError, MeshError, UnavailableError
@@ -44,6 +52,7 @@ from meshserve.shared.redis_server import EmbeddedRedis, find_free_port
 
 _LOOPBACK = "127.0.0.1"
 _LOG_TAIL_LINES = 40
+_GATEWAY_LISTENING = "meshserve_gateway_http_listening 1.0"  # a sample of its /metrics
 _CONFIG_CLASSES = {"tokenizer": "TokenizerConfig", "scheduler": "SchedulerConfig",
                    "kvstore": "KVStoreConfig", "worker": "WorkerConfig",
                    "gateway": "GatewayConfig"}
@@ -55,6 +64,8 @@ class LauncherConfig(EngineOptions):
 
     workers: int = option(1, "model workers to start")
     tokenizers: int = option(1, "tokenizer replicas to start")
+    gateways: int = option(1, "gateway processes sharing the HTTP port (SO_REUSEPORT when "
+                              "more than 1)")
     kvstore: bool = option(True, "start the KV-cache store")
     host: str = option(_LOOPBACK, "address the gateway listens on (0.0.0.0: all interfaces)")
     port: int = option(8000, "HTTP port of the gateway (0: any free port)")
@@ -74,7 +85,7 @@ class LauncherConfig(EngineOptions):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("workers", "tokenizers"):
+        for name in ("workers", "tokenizers", "gateways"):
             value = getattr(self, name)
             self.require(value >= 1, f"must be at least 1, got {value}", name)
         self.require(0 <= self.port <= 65535, f"must be in [0, 65535], got {self.port}", "port")
@@ -92,6 +103,7 @@ class ServiceProcess:
     argv: list[str]
     log_path: Path
     ready: Callable[[], bool]
+    metrics_url: str  # its own Prometheus endpoint (--metrics-port)
     process: subprocess.Popen[bytes] | None = None
 
     def start(self, env: Mapping[str, str]) -> None:
@@ -124,43 +136,6 @@ def _die_with_parent() -> None:
         import ctypes  # only in the forked child
 
         ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def grpc_serving(address: str) -> Callable[[], bool]:
-    """A check: the server at `address` answers health SERVING."""
-    def check() -> bool:
-        with grpc.insecure_channel(address) as channel:
-            try:
-                response = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=1.0)
-            except grpc.RpcError:
-                return False
-        return response.status == health_pb2.HealthCheckResponse.SERVING
-    return check
-
-
-def http_ok(url: str) -> Callable[[], bool]:
-    """A check: GET `url` answers 200."""
-    def check() -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=2.0) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-    return check
-
-
-def workers_registered(scheduler: str, worker_ids: set[str]) -> Callable[[], bool]:
-    """A check: the scheduler lists every one of `worker_ids`."""
-    def check() -> bool:
-        with grpc.insecure_channel(scheduler) as channel:
-            try:
-                listed = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
-                    scheduler_pb2.ListWorkersRequest(), timeout=2.0)
-            except grpc.RpcError:
-                return False
-        return worker_ids <= {w.info.worker_id for w in listed.workers}
-    return check
 
 
 def child_env(role: str, environ: Mapping[str, str]) -> dict[str, str]:
@@ -206,6 +181,7 @@ class Stack:
         self.services: list[ServiceProcess] = []
         port = config.port or find_free_port(_LOOPBACK)
         shown = _LOOPBACK if config.host in ("0.0.0.0", "::", "") else config.host
+        self._gateway_host = shown
         self.gateway_url = f"http://{shown}:{port}"
         self.gateway_port = port
         self.tokenizer_addresses = [self._free() for _ in range(config.tokenizers)]
@@ -213,11 +189,18 @@ class Stack:
         self.kvstore_address = self._free() if config.kvstore else None
         self.worker_addresses = [self._free() for _ in range(config.workers)]
         self.worker_ids = [f"worker-{i}" for i in range(config.workers)]
+        self.gateway_names = (["gateway"] if config.gateways == 1 else
+                              [f"gateway-{i}" for i in range(config.gateways)])
 
     @property
     def base_url(self) -> str:
         """The OpenAI API root (`{gateway_url}/v1`)."""
         return f"{self.gateway_url}/v1"
+
+    @property
+    def gateway_metrics_urls(self) -> list[str]:
+        """Each gateway's own /metrics (the shared HTTP port reaches any one of them)."""
+        return [s.metrics_url for s in self.services if s.role == "gateway"]
 
     def model_names(self) -> list[str]:
         """The model ids the gateway serves (what clients pass as `model`)."""
@@ -272,14 +255,31 @@ class Stack:
             gateway += ["--served-model-names", c.served_model_name]
         if c.api_key:
             gateway += ["--api-key", c.api_key]
-        self._add("gateway", "gateway", gateway, http_ok(f"{self.gateway_url}/health"))
+        if c.gateways > 1:
+            gateway.append("--reuse-port")
+        for name in self.gateway_names:
+            # Its own /metrics is the one probe that reaches this process and no other.
+            metrics_port = find_free_port(_LOOPBACK)
+            metrics_url = f"http://{self._gateway_host}:{metrics_port}/metrics"
+            self._add(name, "gateway", gateway, metric_is(metrics_url, _GATEWAY_LISTENING),
+                      metrics_port, self._gateway_host)
 
-    def _add(self, name: str, role: str, argv: list[str], ready: Callable[[], bool]) -> None:
-        self.services.append(ServiceProcess(name, role, argv, self.run_dir / f"{name}.log",
-                                            ready))
+    def _add(self, name: str, role: str, argv: list[str], ready: Callable[[], bool],
+             metrics_port: int | None = None, metrics_host: str = _LOOPBACK) -> None:
+        """Plan one child, with a /metrics port of its own (a free one unless given)."""
+        metrics_port = metrics_port or find_free_port(_LOOPBACK)
+        self.services.append(ServiceProcess(
+            name, role, [*argv, "--metrics-port", str(metrics_port)],
+            self.run_dir / f"{name}.log", ready,
+            f"http://{metrics_host}:{metrics_port}/metrics"))
 
     def start(self, say: Callable[[str], None] = lambda _: None) -> Self:
         """Start Redis and every service; return once all are healthy (else stop, raise)."""
+        if self.config.gateways > 1 and self.config.port and port_taken(
+                self.config.host, self.gateway_port):
+            raise UnavailableError(
+                f"port {self.gateway_port} on {self.config.host} is taken; the gateways "
+                f"listen with SO_REUSEPORT and would share it with its owner", param="port")
         try:
             if not self.redis_url:
                 self._redis = EmbeddedRedis().start()
@@ -296,27 +296,35 @@ class Stack:
         return self
 
     def _wait_ready(self, say: Callable[[str], None]) -> None:
-        """Bounded readiness probe of the children (they give no other signal we can wait on)."""
+        """Bounded readiness probe of the children (they give no other signal we can wait on).
+
+        Every process has its own check; two more are blamed on the first gateway: every
+        worker registered with the scheduler, and /health 200 on the shared HTTP port.
+        """
         deadline = time.monotonic() + self.config.startup_timeout_s
-        checks = [(s, s.ready) for s in self.services]
-        checks.append((self._service("gateway"),
-                       workers_registered(self.scheduler_address, set(self.worker_ids))))
+        checks = [(s, s.ready, f"{s.name} ready ({s.metrics_url})") for s in self.services]
+        first_gateway = self._service(self.gateway_names[0])
+        checks.append((first_gateway,
+                       workers_registered(self.scheduler_address, set(self.worker_ids)),
+                       f"all {len(self.worker_ids)} worker(s) registered"))
+        checks.append((first_gateway, http_ok(f"{self.gateway_url}/health"),
+                       f"{self.gateway_url}/health answers 200"))
         delay = 0.05
         while checks:
-            for service, check in list(checks):
+            for entry in list(checks):
+                service, check, done = entry
                 code = service.exit_code
                 if code is not None:
                     raise service.failure(f"exited with code {code} while starting")
                 if check():
-                    checks.remove((service, check))
-                    say(f"{service.name} ready" if check is service.ready
-                        else f"all {len(self.worker_ids)} worker(s) registered")
+                    checks.remove(entry)
+                    say(done)
             if not checks:
                 return
             if time.monotonic() > deadline:
                 late = checks[0][0]
                 raise late.failure(f"was not healthy within {self.config.startup_timeout_s}s "
-                                   f"(waiting on: {', '.join(s.name for s, _ in checks)})")
+                                   f"(waiting on: {', '.join(s.name for s, _, _ in checks)})")
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
 
@@ -328,7 +336,7 @@ class Stack:
         return [s for s in self.services if s.process is not None and s.exit_code is not None]
 
     def stop(self) -> None:
-        """SIGTERM the gateway, then the other services; SIGKILL whatever outlives the grace."""
+        """SIGTERM the gateways, then the other services; SIGKILL whatever outlives the grace."""
         gateway = [s for s in self.services if s.role == "gateway"]
         workers = [s for s in self.services if s.role == "worker"]
         rest = [s for s in self.services if s not in gateway and s not in workers]
@@ -420,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     with stack:
         model = ", ".join(stack.model_names())
         print(f"meshserve is up: {stack.base_url} (model {model}, {config.workers} "
-              f"worker(s)); logs in {stack.run_dir}; Ctrl-C stops", flush=True)
+              f"worker(s), {config.gateways} gateway(s)); logs in {stack.run_dir}; "
+              f"Ctrl-C stops", flush=True)
         code = stack.wait()
         say("stopping" if code == 0 else "a service died; stopping everything")
     return code

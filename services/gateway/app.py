@@ -67,18 +67,23 @@ class Gateway:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
-        """Listen on config.host:config.port; returns the bound port."""
+        """Listen on config.host:config.port (shared with other gateway processes when
+        config.reuse_port); returns the bound port."""
         runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
                                shutdown_timeout=self.config.drain_grace_s)
         await runner.setup()
-        await web.TCPSite(runner, self.config.host, self.config.port).start()
         self._runner = runner
+        await web.TCPSite(runner, self.config.host, self.config.port,
+                          reuse_port=self.config.reuse_port).start()
         port = int(runner.addresses[0][1])
-        _log.info("gateway listening", extra={"host": self.config.host, "port": port})
+        self.metrics.listening.set(1)
+        _log.info("gateway listening", extra={"host": self.config.host, "port": port,
+                                              "reuse_port": self.config.reuse_port})
         return port
 
     async def stop(self) -> None:
         """Stop accepting, give in-flight requests drain_grace_s, close every channel."""
+        self.metrics.listening.set(0)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -13,6 +13,10 @@ Choices, written down:
   and at least one worker is registered; otherwise 503 with what is missing.
 - An `api_key` guards `/v1/*`, `/tokenize` and `/detokenize` (as vLLM guards `/v1`);
   `/health`, `/version` and `/metrics` stay open for probes and scrapers.
+- `reuse_port` (SO_REUSEPORT, off by default) lets several gateway processes listen on
+  one host:port, the kernel spreading new connections over them; `meshserve up
+  --gateways N` turns it on when N > 1. Off otherwise, so that a second gateway started
+  by mistake on a taken port fails instead of silently sharing it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class GatewayConfig(ServiceConfig):
     """Settings of the gateway service (flags `--field-name`, env `MESHSERVE_FIELD_NAME`)."""
 
     port: int = option(8000, "HTTP port of the OpenAI API (0: any free port)")
+    reuse_port: bool = option(False, "listen with SO_REUSEPORT so that several gateway "
+                                     "processes share the port (the kernel spreads connections)")
     # Defaults: the tokenizer's and the scheduler's own default ports on this host.
     tokenizer_addresses: tuple[str, ...] = option(
         ("127.0.0.1:50051",), "tokenizer replicas host:port, comma-separated (round-robin)")
@@ -56,6 +62,9 @@ class GatewayConfig(ServiceConfig):
         self.require(bool(self.tokenizer_addresses), "needs at least one address",
                      "tokenizer_addresses")
         self.require(bool(self.scheduler_address), "must not be empty", "scheduler_address")
+        self.require(not (self.reuse_port and self.port == 0),
+                     "needs a fixed --port (with port 0 each process would get its own)",
+                     "reuse_port")
         self.require(self.api_key is None or bool(self.api_key), "must not be empty when set",
                      "api_key")
         for name in ("max_concurrent_requests", "max_body_bytes", "retry_after_s",

@@ -23,6 +23,11 @@ class GatewayMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        # What `meshserve up` probes on each gateway's own --metrics-port: with several
+        # gateways sharing one HTTP port, /health there may be answered by any of them.
+        self.listening = Gauge(
+            "meshserve_gateway_http_listening", "1 while this process accepts HTTP connections",
+            registry=registry)
         self.requests = Counter(
             "meshserve_gateway_requests", "HTTP requests answered, by endpoint and status",
             ["endpoint", "status"], registry=registry)
