@@ -38,6 +38,10 @@ METHOD_TIMEOUTS_S: Mapping[str, float] = MappingProxyType({
     # Streams that last as long as a generation.
     "meshserve.v1.Worker/Generate": 3600.0,
     "meshserve.v1.Tokenizer/Detokenize": 3600.0,
+    # The data plane's session streams last as long as the gateway (about 30 years);
+    # keepalive pings find a dead peer, each request has its own deadline inside.
+    "meshserve.v1.Worker/Session": 1e9,
+    "meshserve.v1.Tokenizer/DetokenizeSession": 1e9,
     # May wait in the global queue.
     "meshserve.v1.Scheduler/Route": 120.0,
     # Bulk KV transfers.

@@ -182,8 +182,10 @@ class GrpcServer:
             ("grpc.keepalive_time_ms", int(keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
-            # Clients ping every keepalive_time_s; accept pings up to 6x more often.
-            ("grpc.http2.min_recv_ping_interval_without_data_ms",
+            # Clients ping every keepalive_time_s, also on idle long-lived streams (the
+            # data plane's sessions); accept pings up to 6x more often than that, or the
+            # server answers "too many pings" and closes the connection.
+            ("grpc.http2.min_ping_interval_without_data_ms",
              int(keepalive_time_s * 1000 / 6)),
             # A second process on the same port must fail, not share it silently.
             ("grpc.so_reuseport", 0),

@@ -1,3 +1,4 @@
+from meshserve.proto.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -151,3 +152,71 @@ class DetokenizeResponse(_message.Message):
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceText]
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceText, _Mapping]]] = ...) -> None: ...
+
+class DetokenizeOpen(_message.Message):
+    __slots__ = ("handle", "options", "prompt_tails", "samples_per_prompt", "traceparent")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TAILS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    options: DetokenizeOptions
+    prompt_tails: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    samples_per_prompt: int
+    traceparent: str
+    def __init__(self, handle: _Optional[int] = ..., options: _Optional[_Union[DetokenizeOptions, _Mapping]] = ..., prompt_tails: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., samples_per_prompt: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeSessionRequest(_message.Message):
+    __slots__ = ("opens", "handles", "indices", "num_tokens", "token_ids", "finals", "stopped_on_tokens", "lookup_token_ids", "closes")
+    OPENS_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINALS_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_ON_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLOSES_FIELD_NUMBER: _ClassVar[int]
+    opens: _containers.RepeatedCompositeFieldContainer[DetokenizeOpen]
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finals: _containers.RepeatedScalarFieldContainer[bool]
+    stopped_on_tokens: _containers.RepeatedScalarFieldContainer[bool]
+    lookup_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    closes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, opens: _Optional[_Iterable[_Union[DetokenizeOpen, _Mapping]]] = ..., handles: _Optional[_Iterable[int]] = ..., indices: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finals: _Optional[_Iterable[bool]] = ..., stopped_on_tokens: _Optional[_Iterable[bool]] = ..., lookup_token_ids: _Optional[_Iterable[int]] = ..., closes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeSessionResponse(_message.Message):
+    __slots__ = ("texts", "stopped", "finished", "num_output_tokens", "stop_strings", "token_bytes", "errors")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    stopped: _containers.RepeatedScalarFieldContainer[bool]
+    finished: _containers.RepeatedScalarFieldContainer[bool]
+    num_output_tokens: _containers.RepeatedScalarFieldContainer[int]
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    token_bytes: _containers.RepeatedScalarFieldContainer[bytes]
+    errors: _containers.RepeatedCompositeFieldContainer[HandleError]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., stopped: _Optional[_Iterable[bool]] = ..., finished: _Optional[_Iterable[bool]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., token_bytes: _Optional[_Iterable[bytes]] = ..., errors: _Optional[_Iterable[_Union[HandleError, _Mapping]]] = ...) -> None: ...
+
+class HandleError(_message.Message):
+    __slots__ = ("handle", "error")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    error: _common_pb2.Error
+    def __init__(self, handle: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...

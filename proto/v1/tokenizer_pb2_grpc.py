@@ -45,6 +45,11 @@ class TokenizerStub:
                 request_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensRequest.SerializeToString,
                 response_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensResponse.FromString,
                 _registered_method=True)
+        self.DetokenizeSession = channel.stream_stream(
+                '/meshserve.v1.Tokenizer/DetokenizeSession',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionResponse.FromString,
+                _registered_method=True)
         self.Detokenize = channel.stream_stream(
                 '/meshserve.v1.Tokenizer/Detokenize',
                 request_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
@@ -71,10 +76,24 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DetokenizeSession(self, request_iterator, context):
+        """The detokenization data plane between a gateway and this replica (decision 5):
+        one long-lived stream per gateway process, multiplexing all of its requests. Each
+        message carries one engine step's new tokens for every request the gateway bound
+        to this replica; the server answers each with exactly one response, in order.
+        Requests are opened in the message that carries their first tokens (or earlier)
+        and forgotten once every sequence has finished or the gateway closes them; when
+        the stream ends, everything it opened is forgotten.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Detokenize(self, request_iterator, context):
-        """Turns token deltas into text deltas for all sequences of one request. The client
-        sends DetokenizeOptions first, then one DetokenizeDelta per worker stream message;
-        the server answers every delta with exactly one DetokenizeResponse, in order.
+        """Deprecated for serving (one stream per request); kept, unchanged, for
+        single-request clients. The client sends DetokenizeOptions first, then one
+        DetokenizeDelta per worker stream message; the server answers every delta with
+        exactly one DetokenizeResponse, in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +111,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.CountTokens,
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensRequest.FromString,
                     response_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensResponse.SerializeToString,
+            ),
+            'DetokenizeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.DetokenizeSession,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionResponse.SerializeToString,
             ),
             'Detokenize': grpc.stream_stream_rpc_method_handler(
                     servicer.Detokenize,
@@ -154,6 +178,33 @@ class Tokenizer:
             '/meshserve.v1.Tokenizer/CountTokens',
             meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensRequest.SerializeToString,
             meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetokenizeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/meshserve.v1.Tokenizer/DetokenizeSession',
+            meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from meshserve.proto.v1 import common_pb2 as meshserve_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmeshserve/proto/v1/worker.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07prompts\x18\x02 \x03(\x0b\x32\x14.meshserve.v1.Prompt\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x07lora_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x07 \x01(\x04\x42\n\n\x08_lora_id\"\x9c\x02\n\x0eSequenceOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.meshserve.v1.UsageB\x10\n\x0e_stop_token_id\"i\n\x10GenerateResponse\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.meshserve.v1.SequenceOutput\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.meshserve.v1.Timings\"3\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x10\n\x0eGetLoadRequest\"9\n\x0fGetLoadResponse\x12&\n\x04load\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\"\x10\n\x0eGetInfoRequest\"9\n\x0fGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerInfo2\xa7\x02\n\x06Worker\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.meshserve.v1.AbortRequest\x1a\x1b.meshserve.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.meshserve.v1.GetLoadRequest\x1a\x1d.meshserve.v1.GetLoadResponse\x12\x46\n\x07GetInfo\x12\x1c.meshserve.v1.GetInfoRequest\x1a\x1d.meshserve.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmeshserve/proto/v1/worker.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07prompts\x18\x02 \x03(\x0b\x32\x14.meshserve.v1.Prompt\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x07lora_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x07 \x01(\x04\x42\n\n\x08_lora_id\"\x9c\x02\n\x0eSequenceOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.meshserve.v1.UsageB\x10\n\x0e_stop_token_id\"i\n\x10GenerateResponse\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.meshserve.v1.SequenceOutput\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.meshserve.v1.Timings\"3\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x10\n\x0eGetLoadRequest\"9\n\x0fGetLoadResponse\x12&\n\x04load\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\"\x10\n\x0eGetInfoRequest\"9\n\x0fGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerInfo\"d\n\x0eSessionRequest\x12&\n\x04\x61\x64\x64s\x18\x01 \x03(\x0b\x32\x18.meshserve.v1.SessionAdd\x12*\n\x06\x61\x62orts\x18\x02 \x03(\x0b\x32\x1a.meshserve.v1.SessionAbort\"u\n\nSessionAdd\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12.\n\x07request\x18\x02 \x01(\x0b\x32\x1d.meshserve.v1.GenerateRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\"/\n\x0cSessionAbort\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\"\xd1\x02\n\x0fSessionResponse\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\x0e\x66inish_reasons\x18\x05 \x03(\x0e\x32\x1a.meshserve.v1.FinishReason\x12*\n\x07\x64\x65tails\x18\x06 \x03(\x0b\x32\x19.meshserve.v1.EntryDetail\x12*\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x1a.meshserve.v1.RequestError\x12\'\n\x04\x64one\x18\x08 \x03(\x0b\x32\x19.meshserve.v1.RequestDone\x12\x11\n\tnum_steps\x18\t \x01(\r\x12\x17\n\x0fstep_forward_ns\x18\n \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x0b \x01(\x04\"\xdd\x01\n\x0b\x45ntryDetail\x12\r\n\x05\x65ntry\x18\x01 \x01(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rcached_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\x10\n\x0e_cached_tokens\"B\n\x0cRequestError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Error\"E\n\x0bRequestDone\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.meshserve.v1.Timings2\xf8\x02\n\x06Worker\x12J\n\x07Session\x12\x1c.meshserve.v1.SessionRequest\x1a\x1d.meshserve.v1.SessionResponse(\x01\x30\x01\x12P\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse\"\x03\x88\x02\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.meshserve.v1.AbortRequest\x1a\x1b.meshserve.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.meshserve.v1.GetLoadRequest\x1a\x1d.meshserve.v1.GetLoadResponse\x12\x46\n\x07GetInfo\x12\x1c.meshserve.v1.GetInfoRequest\x1a\x1d.meshserve.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.proto.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_WORKER'].methods_by_name['Generate']._loaded_options = None
+  _globals['_WORKER'].methods_by_name['Generate']._serialized_options = b'\210\002\001'
   _globals['_PROMPT']._serialized_start=82
   _globals['_PROMPT']._serialized_end=109
   _globals['_GENERATEREQUEST']._serialized_start=112
@@ -52,6 +54,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_end=912
   _globals['_GETINFORESPONSE']._serialized_start=914
   _globals['_GETINFORESPONSE']._serialized_end=971
-  _globals['_WORKER']._serialized_start=974
-  _globals['_WORKER']._serialized_end=1269
+  _globals['_SESSIONREQUEST']._serialized_start=973
+  _globals['_SESSIONREQUEST']._serialized_end=1073
+  _globals['_SESSIONADD']._serialized_start=1075
+  _globals['_SESSIONADD']._serialized_end=1192
+  _globals['_SESSIONABORT']._serialized_start=1194
+  _globals['_SESSIONABORT']._serialized_end=1241
+  _globals['_SESSIONRESPONSE']._serialized_start=1244
+  _globals['_SESSIONRESPONSE']._serialized_end=1581
+  _globals['_ENTRYDETAIL']._serialized_start=1584
+  _globals['_ENTRYDETAIL']._serialized_end=1805
+  _globals['_REQUESTERROR']._serialized_start=1807
+  _globals['_REQUESTERROR']._serialized_end=1873
+  _globals['_REQUESTDONE']._serialized_start=1875
+  _globals['_REQUESTDONE']._serialized_end=1944
+  _globals['_WORKER']._serialized_start=1947
+  _globals['_WORKER']._serialized_end=2323
 # @@protoc_insertion_point(module_scope)

@@ -90,3 +90,87 @@ class GetInfoResponse(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.WorkerInfo
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("adds", "aborts")
+    ADDS_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
+    adds: _containers.RepeatedCompositeFieldContainer[SessionAdd]
+    aborts: _containers.RepeatedCompositeFieldContainer[SessionAbort]
+    def __init__(self, adds: _Optional[_Iterable[_Union[SessionAdd, _Mapping]]] = ..., aborts: _Optional[_Iterable[_Union[SessionAbort, _Mapping]]] = ...) -> None: ...
+
+class SessionAdd(_message.Message):
+    __slots__ = ("handle", "request", "traceparent", "tracestate")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    request: GenerateRequest
+    traceparent: str
+    tracestate: str
+    def __init__(self, handle: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class SessionAbort(_message.Message):
+    __slots__ = ("handle", "indices")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("handles", "indices", "num_tokens", "token_ids", "finish_reasons", "details", "errors", "done", "num_steps", "step_forward_ns", "sent_unix_ns")
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reasons: _containers.RepeatedScalarFieldContainer[_common_pb2.FinishReason]
+    details: _containers.RepeatedCompositeFieldContainer[EntryDetail]
+    errors: _containers.RepeatedCompositeFieldContainer[RequestError]
+    done: _containers.RepeatedCompositeFieldContainer[RequestDone]
+    num_steps: int
+    step_forward_ns: int
+    sent_unix_ns: int
+    def __init__(self, handles: _Optional[_Iterable[int]] = ..., indices: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., details: _Optional[_Iterable[_Union[EntryDetail, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., done: _Optional[_Iterable[_Union[RequestDone, _Mapping]]] = ..., num_steps: _Optional[int] = ..., step_forward_ns: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
+
+class EntryDetail(_message.Message):
+    __slots__ = ("entry", "logprobs", "prompt_logprobs", "stop_token_id", "cached_tokens")
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    entry: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    stop_token_id: int
+    cached_tokens: int
+    def __init__(self, entry: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., stop_token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("handle", "error")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    error: _common_pb2.Error
+    def __init__(self, handle: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+
+class RequestDone(_message.Message):
+    __slots__ = ("handle", "timings")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    timings: _common_pb2.Timings
+    def __init__(self, handle: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...

@@ -35,6 +35,11 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Session = channel.stream_stream(
+                '/meshserve.v1.Worker/Session',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/meshserve.v1.Worker/Generate',
                 request_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
@@ -61,20 +66,33 @@ class WorkerServicer:
     """Generation on one model replica.
     """
 
+    def Session(self, request_iterator, context):
+        """The data plane between a gateway and this worker (decision 5): one long-lived
+        stream per gateway process, multiplexing all of that gateway's requests. In:
+        commands (requests to add, sequences to abort), batched. Out: one message per
+        engine step that produced output for any request of the session, holding every
+        such request's new tokens; steps merge into one message while the gateway reads
+        slowly. Message count is O(steps), never O(steps x requests). When the stream
+        ends or breaks, every request of the session is aborted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
-        """Runs one request (all its sequences) and streams its output. A message carries,
-        per sequence, every token produced since the previous message: the worker sends
-        one message per engine step that produced tokens and coalesces steps while the
-        client reads slowly; never one message per token. The stream ends after every
-        sequence has finished; cancelling the call aborts all of them.
+        """Deprecated for serving (one stream per request: about three Python-level gRPC
+        messages per running request per step through the gateway); kept, unchanged, for
+        single-request clients. Runs one request (all its sequences) and streams its
+        output, every token of a sequence since the previous message, one message per
+        engine step that produced tokens; cancelling the call aborts the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts some or all sequences of a running request (e.g. one sequence hit a stop
-        string). Each aborted sequence ends on the Generate stream with FINISH_REASON_ABORT.
+        """Aborts some or all sequences of a running request, by request id, whichever
+        stream carries it. Each aborted sequence ends with FINISH_REASON_ABORT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,6 +115,11 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionResponse.SerializeToString,
+            ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
@@ -128,6 +151,33 @@ def add_WorkerServicer_to_server(servicer, server):
 class Worker:
     """Generation on one model replica.
     """
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/meshserve.v1.Worker/Session',
+            meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Generate(request,

@@ -1,9 +1,11 @@
-"""The gateway's channels and stubs: tokenizer replicas, the scheduler, and workers.
+"""The gateway's channels, stubs and data-plane streams: tokenizers, scheduler, workers.
 
 Channels are opened once and reused by every request (a channel multiplexes calls over
 one HTTP/2 connection); worker channels are opened on first use of a worker address
 and cached by address. Every channel carries the mesh's deadlines, retries for
-idempotent methods and trace-context propagation (`GrpcClient`).
+idempotent methods and trace-context propagation (`GrpcClient`). The data plane is one
+Session stream per worker and one DetokenizeSession stream per tokenizer replica,
+shared by every request of this gateway and opened again on first use after one broke.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ from meshserve.proto.v1 import (
     tokenizer_pb2_grpc,
     worker_pb2_grpc,
 )
+from meshserve.services.gateway.detokenize import DetokenizeStream
+from meshserve.services.gateway.worker_session import WorkerSession
 from meshserve.shared.errors import MeshError, UnavailableError
 from meshserve.shared.grpc_client import GrpcClient, mesh_errors
 
 TOKENIZER_SERVICE = "meshserve.v1.Tokenizer"
+# A replica whose stream broke is passed over for this long while another one is fine.
+_REPLICA_COOLDOWN_S = 5.0
 SCHEDULER_SERVICE = "meshserve.v1.Scheduler"
 _T = TypeVar("_T")
 
@@ -75,6 +81,10 @@ class MeshClients:
         self._workers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
         self._worker_cache: tuple[float, list[WorkerEntry]] | None = None
         self._cache_ttl_s = model_cache_ttl_s
+        self._sessions: dict[str, WorkerSession] = {}
+        self._detok_streams: list[DetokenizeStream | None] = [None] * len(self._tokenizers)
+        self._detok_failed_at = [float("-inf")] * len(self._tokenizers)
+        self._next_detok = 0
 
     # -- stubs ------------------------------------------------------------------------------
 
@@ -105,6 +115,35 @@ class MeshClients:
             entry = (channel, worker_pb2_grpc.WorkerStub(channel))
             self._workers[address] = entry
         return entry[1]
+
+    # -- data plane -------------------------------------------------------------------------
+
+    def worker_session(self, address: str) -> WorkerSession:
+        """This gateway's Session stream to the worker at `address` (opened on first use)."""
+        session = self._sessions.get(address)
+        if session is None or not session.usable:
+            session = self._sessions[address] = WorkerSession(self.worker(address), address)
+        return session
+
+    def detokenize_stream(self) -> DetokenizeStream:
+        """The DetokenizeSession stream of the next tokenizer replica (round-robin), passing
+        over replicas whose stream broke in the last few seconds while others are fine."""
+        count = len(self._tokenizers)
+        now = time.monotonic()
+        for _ in range(count):
+            i = self._next_detok % count
+            self._next_detok += 1
+            stream = self._detok_streams[i]
+            if stream is not None and not stream.usable:
+                self._detok_failed_at[i] = now
+                stream = self._detok_streams[i] = None
+            if stream is not None:
+                return stream
+            if now - self._detok_failed_at[i] >= _REPLICA_COOLDOWN_S:
+                break
+        stream = DetokenizeStream(self._tokenizers[i], self.tokenizer_addresses[i])
+        self._detok_streams[i] = stream
+        return stream
 
     # -- registry ---------------------------------------------------------------------------
 
@@ -159,6 +198,9 @@ class MeshClients:
 
     async def close(self) -> None:
         """Close every channel (in-flight calls are cancelled)."""
+        streams = [*self._sessions.values(), *(s for s in self._detok_streams if s)]
+        await asyncio.gather(*(s.aclose() for s in streams))
+        self._sessions.clear()
         channels = [*self._tokenizer_channels, self._scheduler_channel,
                     *(c for c, _ in self._workers.values())]
         self._workers.clear()

@@ -1,28 +1,43 @@
-"""The Detokenize side of one request: bidi streams to a tokenizer replica.
+"""The gateway's DetokenizeSession stream to one tokenizer replica (decision 5).
 
-One stream per prompt: a stream's options carry one prompt's tail as context (so the
-first output token is spaced as after that prompt), and its sequences are that
-prompt's n samples (stream index s is choice p * n + s). Each worker stream message
-becomes one DetokenizeDelta per prompt it touches, answered by exactly one response.
+    stream = DetokenizeStream(stub)                 # one per replica, opened on first use
+    stream.add(sink, handle, index, ids, ...)       # entries of one worker step ...
+    await stream.flush()                            # ... go out as one message
+    # the answer arrives on the stream's reader: sink.on_text(...) per entry, then
+    # sink.publish() once per sink touched by that message
+
+Every request the gateway binds to this replica is multiplexed on one bidirectional
+stream: each message carries one worker step's new tokens for all of them (columnar),
+and the replica answers each message with exactly one message, in order, so the reader
+pairs answers with the batches it sent (a FIFO). A request is opened in the message that
+carries its first tokens; it is forgotten by the tokenizer when all its sequences have
+ended, or when the gateway closes it. Token bytes for logprobs are asked for once per
+token id and kept (`TokenLookup`). If the stream breaks, every request bound to it fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import itertools
 import logging
-import uuid
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
 from meshserve.proto.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from meshserve.shared.errors import InternalError, UnavailableError
-from meshserve.shared.grpc_client import mesh_errors
+from meshserve.shared.errors import InternalError, MeshError, UnavailableError
+from meshserve.shared.grpc_client import error_from_rpc
+from meshserve.shared.proto_errors import error_from_pb
 from meshserve.shared.sampling_params import SamplingParams
 
 _log = logging.getLogger(__name__)
 # Prompt tokens sent as detokenization context ("a few suffice").
 PROMPT_CONTEXT_TOKENS = 8
+_one_shot_handles = itertools.count(1 << 62)  # far from the generations' handles
 
 
 class TokenLookup:
@@ -30,6 +45,9 @@ class TokenLookup:
 
     def __init__(self) -> None:
         self._bytes: dict[int, bytes] = {}
+
+    def __contains__(self, token_id: int) -> bool:
+        return token_id in self._bytes
 
     def add(self, token_ids: Sequence[int], token_bytes: Sequence[bytes]) -> None:
         if len(token_ids) != len(token_bytes):
@@ -48,112 +66,264 @@ class TokenLookup:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def options_for(params: SamplingParams, *, model: str, request_id: str, num_sequences: int,
-                prompt_token_ids: Sequence[int],
-                skip_special_tokens: bool | None = None) -> tokenizer_pb2.DetokenizeRequest:
-    """The first message of a Detokenize stream."""
-    return tokenizer_pb2.DetokenizeRequest(options=tokenizer_pb2.DetokenizeOptions(
-        model=model, request_id=request_id, num_sequences=num_sequences,
-        prompt_token_ids=list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]),
+def open_request(handle: int, params: SamplingParams, *, model: str, request_id: str,
+                 prompts: Sequence[Sequence[int]], samples_per_prompt: int,
+                 traceparent: str = "", skip_special_tokens: bool | None = None
+                 ) -> tokenizer_pb2.DetokenizeOpen:
+    """How the tokenizer must turn one request's tokens into text."""
+    options = tokenizer_pb2.DetokenizeOptions(
+        model=model, request_id=request_id, num_sequences=len(prompts) * samples_per_prompt,
         skip_special_tokens=(params.skip_special_tokens if skip_special_tokens is None
                              else skip_special_tokens),
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output,
-        min_tokens=params.min_tokens))
+        min_tokens=params.min_tokens)
+    return tokenizer_pb2.DetokenizeOpen(
+        handle=handle, options=options, samples_per_prompt=samples_per_prompt,
+        prompt_tails=[tokenizer_pb2.TokenIds(token_ids=list(p[-PROMPT_CONTEXT_TOKENS:]))
+                      for p in prompts], traceparent=traceparent)
 
 
-class DetokenizeSession:
-    """The Detokenize streams of one request (one per prompt), and the token lookup."""
+@dataclass(frozen=True)
+class SequenceText:
+    """What the tokenizer made of one entry."""
 
-    def __init__(self, stubs: Sequence[tokenizer_pb2_grpc.TokenizerStub], n: int) -> None:
-        """`stubs`: the replica of each prompt's stream; `n`: sequences per prompt."""
-        self._stubs = list(stubs)
-        self._n = n
-        self._calls: list[grpc.aio.StreamStreamCall] = []
+    text: str
+    stopped: bool
+    finished: bool
+    num_output_tokens: int
+    stop_string: str
+
+
+class TextSink(Protocol):
+    """Who gets the texts of the entries it added (a generation)."""
+
+    def on_text(self, ref: object, text: SequenceText) -> None:
+        """The text of one entry (`ref`: what the sink passed to `add`)."""
+
+    def publish(self) -> None:
+        """Every entry of one answer has been given (called once per answer per sink)."""
+
+    def on_detokenize_error(self, error: MeshError) -> None:
+        """The request failed at the tokenizer, or the stream broke."""
+
+
+@dataclass
+class _Batch:
+    """One message being built, then awaiting its answer."""
+
+    opens: list[tokenizer_pb2.DetokenizeOpen] = field(default_factory=list)
+    handles: list[int] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finals: list[bool] = field(default_factory=list)
+    stopped_on_tokens: list[bool] = field(default_factory=list)
+    lookups: list[int] = field(default_factory=list)
+    closes: list[int] = field(default_factory=list)
+    owners: list[tuple[TextSink, object]] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.opens or self.handles or self.closes or self.lookups)
+
+    def message(self) -> tokenizer_pb2.DetokenizeSessionRequest:
+        return tokenizer_pb2.DetokenizeSessionRequest(
+            opens=self.opens, handles=self.handles, indices=self.indices,
+            num_tokens=self.num_tokens, token_ids=self.token_ids, finals=self.finals,
+            stopped_on_tokens=self.stopped_on_tokens, lookup_token_ids=self.lookups,
+            closes=self.closes)
+
+
+class DetokenizeStream:
+    """One DetokenizeSession stream to one tokenizer replica (see the module doc)."""
+
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, address: str) -> None:
+        self.address = address
         self.lookup = TokenLookup()
+        self._stub = stub
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._batch = _Batch()
+        self._sent: deque[_Batch] = deque()
+        self._sinks: dict[int, TextSink] = {}  # handle -> its sink, while open
+        self._asked: set[int] = set()  # token ids asked for, answer pending
+        self._flush_task: asyncio.Task[None] | None = None
+        self._write_lock = asyncio.Lock()
+        self.failure: MeshError | None = None
 
-    async def open(self, options: Sequence[tokenizer_pb2.DetokenizeRequest],
-                   timeout_s: float) -> None:
-        """Open every stream and send its options (one per prompt)."""
-        assert len(options) == len(self._stubs), "one options message per prompt"
-        for stub in self._stubs:
-            self._calls.append(stub.Detokenize(timeout=timeout_s))
-        with mesh_errors():
-            await asyncio.gather(*(c.write(o) for c, o in zip(self._calls, options,
-                                                              strict=True)))
+    @property
+    def usable(self) -> bool:
+        """False once the stream has broken (a new one must be opened)."""
+        return self.failure is None
 
-    async def exchange(self, sequences: Sequence[tokenizer_pb2.SequenceTokens]
-                       ) -> list[tokenizer_pb2.SequenceText]:
-        """Send new tokens (choice indices), get the texts back in the same order."""
-        by_prompt: dict[int, list[tokenizer_pb2.SequenceTokens]] = {}
-        for seq in sequences:
-            by_prompt.setdefault(seq.index // self._n, []).append(seq)
-        if len(by_prompt) == 1:  # the usual case: no task per message
-            (prompt, seqs), = by_prompt.items()
-            answers = {prompt: await self._exchange_one(prompt, seqs)}
-        else:
-            results = await asyncio.gather(*(self._exchange_one(p, s)
-                                              for p, s in by_prompt.items()))
-            answers = dict(zip(by_prompt, results, strict=True))
-        texts: list[tokenizer_pb2.SequenceText] = []
-        for prompt, answer in answers.items():
-            for text in answer:
-                text.index += prompt * self._n  # back to choice indices
-                texts.append(text)
-        order = {seq.index: i for i, seq in enumerate(sequences)}
-        texts.sort(key=lambda t: order.get(t.index, len(order)))
-        return texts
+    def open(self, sink: TextSink, request: tokenizer_pb2.DetokenizeOpen) -> None:
+        """Bind a request to this stream; it opens with the next message."""
+        if self.failure is not None:
+            sink.on_detokenize_error(self.failure)
+            return
+        self._sinks[request.handle] = sink
+        self._batch.opens.append(request)
 
-    async def _exchange_one(self, prompt: int, sequences: list[tokenizer_pb2.SequenceTokens]
-                            ) -> list[tokenizer_pb2.SequenceText]:
-        base = prompt * self._n
-        local = [tokenizer_pb2.SequenceTokens(
-            index=s.index - base, token_ids=s.token_ids, final=s.final,
-            lookup_token_ids=s.lookup_token_ids) for s in sequences]
-        call = self._calls[prompt]
-        with mesh_errors():
-            await call.write(tokenizer_pb2.DetokenizeRequest(
-                delta=tokenizer_pb2.DetokenizeDelta(sequences=local)))
-            response = await call.read()
-        if response is grpc.aio.EOF:
-            raise UnavailableError("the tokenizer ended the Detokenize stream early")
-        texts = list(response.sequences)
-        if [t.index for t in texts] != [s.index for s in local]:
-            raise InternalError("Detokenize answered other sequences than it was sent")
-        for seq, text in zip(local, texts, strict=True):
-            self.lookup.add(seq.lookup_token_ids, text.token_bytes)
-        return texts
+    def add(self, sink: TextSink, ref: object, handle: int, index: int, token_ids: list[int],
+            final: bool, stopped_on_token: bool, lookups: Sequence[int] = ()) -> None:
+        """One entry of the next message; its text goes to `sink.on_text(ref, ...)`."""
+        batch = self._batch
+        batch.handles.append(handle)
+        batch.indices.append(index)
+        batch.num_tokens.append(len(token_ids))
+        batch.token_ids.extend(token_ids)
+        batch.finals.append(final)
+        batch.stopped_on_tokens.append(stopped_on_token)
+        batch.owners.append((sink, ref))
+        for token_id in lookups:
+            if token_id not in self.lookup and token_id not in self._asked:
+                self._asked.add(token_id)
+                batch.lookups.append(token_id)
 
-    async def finish(self) -> None:
-        """End the streams normally (no more deltas); the tokenizer then closes them."""
-        for call in self._calls:
-            if call.done():
-                continue
+    def close(self, handle: int) -> None:
+        """Forget a request (aborted, failed, retried); sent with the next message."""
+        if self._sinks.pop(handle, None) is not None and self.usable:
+            self._batch.closes.append(handle)
+            self._flush_soon()
+
+    def release(self, handle: int) -> None:
+        """The request ended on its own (the tokenizer forgot it): drop its sink."""
+        self._sinks.pop(handle, None)
+
+    def _flush_soon(self) -> None:
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.ensure_future(self.flush())
+
+    async def flush(self) -> None:
+        """Send what was added since the previous flush as one message (if anything)."""
+        if self._batch.empty():
+            return
+        if self.failure is not None:
+            self._fail_batch(self._batch, self.failure)
+            self._batch = _Batch()
+            return
+        batch, self._batch = self._batch, _Batch()
+        async with self._write_lock:  # messages go out in the order their batches closed
+            self._ensure_open()
+            assert self._call is not None
+            self._sent.append(batch)
             try:
-                await call.done_writing()
-            except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-                # The stream ended on its own meanwhile; every answer was already read.
-                _log.debug("Detokenize stream already closed: %s", exc)
+                await self._call.write(batch.message())
+            except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                self._break(_stream_error(exc, self.address))
 
-    def cancel(self) -> None:
-        """Cancel every stream at once (error, client gone)."""
-        for call in self._calls:
-            call.cancel()
+    def _ensure_open(self) -> None:
+        if self._call is not None:
+            return
+        # A clean context: the stream must not carry the trace of the request that opened it.
+        self._call = contextvars.Context().run(self._stub.DetokenizeSession)
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        assert self._call is not None
+        try:
+            while True:
+                response = await self._call.read()
+                if response is grpc.aio.EOF:
+                    raise UnavailableError(f"tokenizer {self.address} ended the "
+                                           "DetokenizeSession stream")
+                if not self._sent:
+                    raise InternalError("the tokenizer answered a message never sent")
+                self._answer(self._sent.popleft(), response)
+        except grpc.RpcError as exc:
+            self._break(_stream_error(exc, self.address))
+        except MeshError as exc:
+            self._break(exc)
+        except Exception as exc:  # noqa: BLE001 (a bug: fail its requests loudly, never hang)
+            _log.exception("detokenize stream to %s failed", self.address)
+            self._break(InternalError(f"detokenize stream to {self.address} failed: "
+                                      f"{type(exc).__name__}: {exc}"))
+
+    def _answer(self, batch: _Batch, response: tokenizer_pb2.DetokenizeSessionResponse) -> None:
+        self.lookup.add(batch.lookups, response.token_bytes)
+        self._asked.difference_update(batch.lookups)
+        for failed in response.errors:
+            sink = self._sinks.pop(failed.handle, None)
+            if sink is not None:
+                sink.on_detokenize_error(error_from_pb(failed.error))
+        if len(response.texts) != len(batch.owners):
+            raise InternalError(f"the tokenizer answered {len(response.texts)} entries of "
+                                f"{len(batch.owners)}")
+        stop_strings = iter(response.stop_strings)
+        touched: dict[int, TextSink] = {}
+        for (sink, ref), text, stopped, finished, count in zip(
+                batch.owners, response.texts, response.stopped, response.finished,
+                response.num_output_tokens, strict=True):
+            stop = next(stop_strings, "") if stopped else ""
+            sink.on_text(ref, SequenceText(text, stopped, finished, count, stop))
+            touched[id(sink)] = sink
+        for sink in touched.values():
+            sink.publish()
+
+    def _fail_batch(self, batch: _Batch, error: MeshError) -> None:
+        for sink in {id(s): s for s, _ in batch.owners}.values():
+            sink.on_detokenize_error(error)
+
+    def _break(self, error: MeshError) -> None:
+        """The stream is gone: every request bound to it fails."""
+        if self.failure is not None:
+            return
+        self.failure = error
+        _log.warning("detokenize stream to %s broke: %s", self.address, error)
+        sinks = list(self._sinks.values())
+        self._sinks.clear()
+        self._sent.clear()
+        for sink in {id(s): s for s in sinks}.values():
+            sink.on_detokenize_error(error)
+        if self._call is not None:
+            self._call.cancel()
+
+    async def aclose(self) -> None:
+        """End the stream (gateway shutdown)."""
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def detokenize(self, token_ids: Sequence[int], *, model: str, request_id: str,
+                         timeout_s: float) -> str:
+        """The text of `token_ids` (special tokens kept), as one finished sequence."""
+        sink = _OneShot()
+        handle = next(_one_shot_handles)
+        self.open(sink, open_request(handle, SamplingParams(max_tokens=None), model=model,
+                                     request_id=request_id, prompts=[()],
+                                     samples_per_prompt=1, skip_special_tokens=False))
+        self.add(sink, None, handle, 0, list(token_ids), True, False)
+        await self.flush()
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await sink.result
+        finally:
+            self.release(handle)
 
 
-async def detokenize_text(stub: tokenizer_pb2_grpc.TokenizerStub, token_ids: Sequence[int], *,
-                          model: str, deadline_s: float) -> str:
-    """The text of `token_ids` through one short Detokenize stream (special tokens kept)."""
-    request_id = f"detok-{uuid.uuid4().hex}"
-    session = DetokenizeSession([stub], 1)
-    options = options_for(SamplingParams(max_tokens=None), model=model, request_id=request_id,
-                          num_sequences=1, prompt_token_ids=(), skip_special_tokens=False)
-    try:
-        await session.open([options], deadline_s)
-        texts = await session.exchange([tokenizer_pb2.SequenceTokens(
-            index=0, token_ids=list(token_ids), final=True)])
-    except BaseException:
-        session.cancel()
-        raise
-    await session.finish()
-    return texts[0].text
+class _OneShot:
+    """A sink for one finished sequence (the /detokenize helper, echo of token prompts)."""
+
+    def __init__(self) -> None:
+        self.result: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._text = ""
+
+    def on_text(self, ref: object, text: SequenceText) -> None:
+        self._text += text.text
+
+    def publish(self) -> None:
+        if not self.result.done():
+            self.result.set_result(self._text)
+
+    def on_detokenize_error(self, error: MeshError) -> None:
+        if not self.result.done():
+            self.result.set_exception(error)
+
+
+def _stream_error(exc: BaseException, address: str) -> MeshError:
+    if isinstance(exc, grpc.RpcError):
+        error = error_from_rpc(exc)
+        return UnavailableError(f"tokenizer {address}: {error.message}")
+    return UnavailableError(f"tokenizer {address}: the DetokenizeSession stream closed")

@@ -1,26 +1,32 @@
-"""One running request: the worker's Generate stream piped through the Detokenize streams.
+"""One running request at the gateway: fed by the worker and detokenize sessions, read by
+its HTTP handler.
 
-Each worker stream message (every token since the previous one, for every sequence
-that progressed) becomes one DetokenizeDelta and then one `GenerationUpdate` with a
-`ChoiceDelta` per sequence: never one call or one update per token. When the
+    await generation.wait_started()           # first output, or the error (HTTP status)
+    async for update in generation.updates():  # one GenerationUpdate per worker step
+        ...
+
+A `Generation` is its request's `SessionRunner` on a worker session and its `TextSink`
+on a detokenize stream. Each worker entry (a sequence's new tokens) goes to the
+detokenize stream; each answer becomes a `ChoiceDelta`; all deltas of one answer become
+one `GenerationUpdate` in the mailbox, and the handler is woken once. When the
 detokenizer reports that a stop string ended a sequence, the sequence ends with
-finish_reason "stop", its later tokens are ignored, and the worker is told to abort it
-(the whole request once every sequence is done).
+finish_reason "stop", its later tokens are ignored, and the worker is told to abort it.
+If the worker is lost before anything was handed to the handler, the request starts
+again on another worker (`restart`, bounded); after that it ends with an error.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from opentelemetry.trace import Span
 
-from meshserve.proto.v1 import common_pb2, scheduler_pb2, tokenizer_pb2, worker_pb2
+from meshserve.proto.v1 import common_pb2, scheduler_pb2, worker_pb2
 from meshserve.services.gateway import wire
-from meshserve.services.gateway.detokenize import DetokenizeSession, TokenLookup
+from meshserve.services.gateway.detokenize import DetokenizeStream, SequenceText, TokenLookup
 from meshserve.services.gateway.job import (
     ChoiceDelta,
     GenerationJob,
@@ -28,11 +34,12 @@ from meshserve.services.gateway.job import (
     PreparedPrompt,
 )
 from meshserve.services.gateway.metrics import GatewayMetrics
-from meshserve.shared.errors import InternalError, UnavailableError
-from meshserve.shared.grpc_client import mesh_errors
+from meshserve.services.gateway.worker_session import WorkerSession
+from meshserve.shared.errors import InternalError, MeshError, UnavailableError
 from meshserve.shared.openai_protocol import usage as usage_body
 
 _UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
+_STOP = common_pb2.FINISH_REASON_STOP
 
 
 @dataclass
@@ -42,31 +49,90 @@ class _Sequence:
     num_tokens: int = 0  # output tokens that count (none past a stop string)
     cached_tokens: int = 0
     finish_reason: str | None = None
-    seen: bool = False  # its first message (the one with prompt logprobs) arrived
+    seen: bool = False  # its first entry (the one with prompt logprobs) was rendered
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One worker entry on its way through the detokenizer."""
+
+    handle: int
+    index: int
+    token_ids: list[int]
+    finish_reason: int
+    detail: worker_pb2.EntryDetail | None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one attempt of a request runs: its route, worker session and handle."""
+
+    route: scheduler_pb2.RouteResponse
+    session: WorkerSession
+    handle: int
+
+
+Restart = Callable[["Generation", UnavailableError], Awaitable[None]]
+"""Starts a request again on another worker (the orchestrator's), or raises."""
 
 
 class Generation:
-    """Reads one request's Generate stream and yields its updates (see the module doc)."""
+    """One request's state between the sessions and its HTTP handler (see the module doc)."""
 
-    def __init__(self, job: GenerationJob, prompts: Sequence[PreparedPrompt],
-                 call: grpc.aio.UnaryStreamCall, first: Any, detok: DetokenizeSession, *,
-                 route: scheduler_pb2.RouteResponse, abort: Callable[[list[int]], None], metrics: GatewayMetrics,
-                 span: Span) -> None:
-        """`first`: the stream's first message (already read) or grpc.aio.EOF;
-        `abort(indices)`: tells the worker to abort sequences ([] for all of them)."""
+    def __init__(self, job: GenerationJob, prompts: Sequence[PreparedPrompt], *,
+                 detok: DetokenizeStream, metrics: GatewayMetrics, span: Span,
+                 restart: Restart) -> None:
         self.job = job
         self.prompts = list(prompts)
-        self.route = route
-        self._call = call
-        self._first = first
+        self.placement: Placement | None = None
         self._detok = detok
-        self._abort = abort
         self._metrics = metrics
         self._span = span
+        self._restart = restart
         self._seqs = [_Sequence() for _ in range(job.num_choices)]
-        self._stopped_all = False  # every sequence ended on a stop string or was aborted
+        self._mailbox: list[GenerationUpdate] = []
+        self._deltas: list[ChoiceDelta] = []  # of the detokenizer answer being applied
+        self._stopped: list[int] = []
+        self._event = asyncio.Event()
+        self._error: MeshError | None = None
+        self._lost: MeshError | None = None
+        # Entries at the detokenizer, answer pending; a worker's error or loss waits for
+        # them, so that what was generated before it still reaches the client first.
+        self._in_detok = 0
+        self._deferred: Callable[[], None] | None = None
+        self._first: list[GenerationUpdate] | None = None
+        self._handed_out = False  # something went to the handler: no restart any more
+        self._closed = False
         self._last_token_time: float | None = None
         self._timings: common_pb2.Timings | None = None
+        self.attempts = 0
+        self.excluded: list[str] = []  # workers lost by earlier attempts
+
+    # -- placement --------------------------------------------------------------------------
+
+    @property
+    def handle(self) -> int:
+        assert self.placement is not None, "the generation was never placed"
+        return self.placement.handle
+
+    @property
+    def route(self) -> scheduler_pb2.RouteResponse:
+        assert self.placement is not None, "the generation was never placed"
+        return self.placement.route
+
+    def place(self, placement: Placement, detok_open: Callable[[int], Any],
+              add: worker_pb2.SessionAdd) -> None:
+        """Run (again) under `placement`: a fresh detokenizer state and a worker request."""
+        if self.placement is not None:  # a restart: forget the previous attempt
+            self._detok.close(self.placement.handle)
+            self._seqs = [_Sequence() for _ in range(self.job.num_choices)]
+            self._in_detok, self._deferred = 0, None
+        self.placement = placement
+        self.attempts += 1
+        self._detok.open(self, detok_open(placement.handle))
+        placement.session.submit(self, add)
+
+    # -- the handler's side -----------------------------------------------------------------
 
     @property
     def done(self) -> bool:
@@ -89,84 +155,169 @@ class Generation:
         return usage_body(sum(len(p.token_ids) for p in self.prompts),
                           sum(s.num_tokens for s in self._seqs), cached)
 
+    async def wait_started(self) -> None:
+        """Wait for the first output (or the end); raise the request's error if it failed."""
+        if self._first is None:
+            self._first = await self._next() or []
+
     async def updates(self) -> AsyncIterator[GenerationUpdate]:
-        """One update per worker message that brought news, until every sequence ends."""
-        message, self._first = self._first, None
-        while message is not grpc.aio.EOF:
-            update = await self._process(message)
-            if update.choices:
+        """One update per worker step that brought news, until every sequence ends."""
+        await self.wait_started()
+        batch, self._first = self._first, []
+        while batch:
+            for update in batch:
                 yield update
-            if self._stopped_all:
-                return
-            message = await self._read()
-        if not self.done:
-            raise UnavailableError("the worker ended the Generate stream before every "
-                                   "sequence finished")
+            batch = await self._next() or []
 
-    async def _read(self) -> Any:
-        with mesh_errors():
-            return await self._call.read()
+    async def _next(self) -> list[GenerationUpdate] | None:
+        """The updates gathered since the previous call; None once every sequence ended."""
+        while True:
+            if self._mailbox:
+                batch, self._mailbox = self._mailbox, []
+                self._handed_out = True
+                return batch
+            if self._error is not None:
+                raise self._error
+            if self._lost is not None:
+                lost, self._lost = self._lost, None
+                await self._handle_lost(lost)
+                continue
+            if self.done:
+                return None
+            self._event.clear()
+            await self._event.wait()
 
-    async def _process(self, message: worker_pb2.GenerateResponse) -> GenerationUpdate:
-        self._observe_timing(message)
-        outputs = [o for o in message.outputs if self._live(o.index)]
-        if not outputs:
-            return GenerationUpdate([])
-        texts = await self._detok.exchange([self._tokens_of(o) for o in outputs])
-        deltas = [self._delta(o, t) for o, t in zip(outputs, texts, strict=True)]
-        stopped = [t.index for t in texts if t.stopped]
-        if stopped:
-            self._stopped_all = self.done
-            self._abort([] if self._stopped_all else stopped)
-        return GenerationUpdate(deltas)
+    async def _handle_lost(self, lost: MeshError) -> None:
+        worker = self.placement.route.worker_id if self.placement else "?"
+        if self._handed_out:
+            raise UnavailableError(f"worker {worker} failed while generating this response: "
+                                   f"{lost.message}")
+        self._span.add_event("worker lost before any output, restarting", {
+            "meshserve.worker_id": worker, "exception.message": lost.message})
+        await self._restart(self, UnavailableError(lost.message, param=lost.param))
 
-    def _live(self, index: int) -> bool:
+    def _wake(self) -> None:
+        self._event.set()
+
+    # -- the worker session's side (SessionRunner) ------------------------------------------
+
+    def on_entry(self, index: int, token_ids: list[int], finish_reason: int,
+                 detail: worker_pb2.EntryDetail | None) -> DetokenizeStream | None:
         if index >= len(self._seqs):
-            raise InternalError(f"the worker sent sequence {index} of a request with "
-                                f"{len(self._seqs)} sequences")
-        return self._seqs[index].finish_reason is None
+            self.on_worker_error(InternalError(
+                f"the worker sent sequence {index} of a request with {len(self._seqs)}"))
+            return None
+        seq = self._seqs[index]
+        if seq.finish_reason is not None or self._closed:
+            return None
+        lookups: list[int] = []
+        if detail is not None:
+            if self.job.wants_logprobs:
+                lookups = wire.lookup_ids(detail.logprobs)
+            if self.job.echo and detail.prompt_logprobs and not seq.seen:
+                prompt = self.prompts[index // self.job.params.n]
+                lookups = [*prompt.token_ids, *wire.lookup_ids(detail.prompt_logprobs),
+                           *lookups]
+        handle = self.handle
+        self._in_detok += 1
+        self._detok.add(self, _Entry(handle, index, token_ids, finish_reason, detail),
+                        handle, index, token_ids, finish_reason != _UNFINISHED,
+                        finish_reason == _STOP, lookups)
+        return self._detok
 
-    def _tokens_of(self, output: worker_pb2.SequenceOutput) -> tokenizer_pb2.SequenceTokens:
-        lookups = wire.lookup_ids(output.logprobs) if self.job.wants_logprobs else []
-        if self.job.echo and output.prompt_logprobs and not self._seqs[output.index].seen:
-            prompt = self.prompts[output.index // self.job.params.n]
-            lookups = [*prompt.token_ids, *wire.lookup_ids(output.prompt_logprobs), *lookups]
-        # A worker's STOP is EOS or a stop token id (stop strings are the detokenizer's).
-        return tokenizer_pb2.SequenceTokens(
-            index=output.index, token_ids=output.token_ids,
-            final=output.finish_reason != _UNFINISHED, lookup_token_ids=lookups,
-            stopped_on_token=output.finish_reason == common_pb2.FINISH_REASON_STOP)
+    def on_worker_error(self, error: MeshError) -> None:
+        self._after_detok(lambda: self._fail(error))
 
-    def _delta(self, output: worker_pb2.SequenceOutput,
-               text: tokenizer_pb2.SequenceText) -> ChoiceDelta:
-        seq = self._seqs[output.index]
-        counted = len(output.token_ids)
+    def on_worker_done(self, timings: common_pb2.Timings) -> None:
+        self._timings = timings
+
+    def worker_lost(self, error: MeshError) -> None:
+        self._after_detok(lambda: self._set_lost(error))
+
+    def _set_lost(self, error: MeshError) -> None:
+        if not self._closed and not self.done:
+            self._lost = error
+            self._wake()
+
+    def _after_detok(self, action: Callable[[], None]) -> None:
+        """Run `action` once the entries already at the detokenizer have been answered."""
+        if self._in_detok:
+            self._deferred = action
+        else:
+            action()
+
+    # -- the detokenize stream's side (TextSink) --------------------------------------------
+
+    def on_text(self, ref: object, text: SequenceText) -> None:
+        assert isinstance(ref, _Entry), "a generation's entries carry _Entry refs"
+        self._in_detok -= 1
+        if self._closed or self.placement is None or ref.handle != self.placement.handle:
+            return  # a cancelled request, or an attempt that was restarted
+        seq = self._seqs[ref.index]
+        if seq.finish_reason is not None:
+            return
+        self._deltas.append(self._delta(seq, ref, text))
+        if text.stopped:
+            self._stopped.append(ref.index)
+
+    def publish(self) -> None:
+        if not self._in_detok and self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            deferred()
+        if not self._deltas:
+            return
+        update, self._deltas = GenerationUpdate(self._deltas), []
+        self._observe_timing(update)
+        self._mailbox.append(update)
+        stopped, self._stopped = self._stopped, []
+        placement = self.placement
+        assert placement is not None
+        if self.done:
+            placement.session.forget(placement.handle)
+            self._detok.release(placement.handle)
+        if stopped:  # the worker would go on: stop what a stop string ended
+            placement.session.abort(placement.handle, [] if self.done else stopped)
+        self._wake()
+
+    def on_detokenize_error(self, error: MeshError) -> None:
+        self._fail(error)
+
+    def _fail(self, error: MeshError) -> None:
+        if self._error is None and not self._closed:
+            self._error = error
+            self._wake()
+
+    def _delta(self, seq: _Sequence, entry: _Entry, text: SequenceText) -> ChoiceDelta:
+        counted = len(entry.token_ids)
         reason: str | None = None
         stop_reason: int | str | None = None
+        detail = entry.detail
         if text.stopped:  # only tokens up to the one completing the stop string count
             counted = min(counted, max(0, text.num_output_tokens - seq.num_tokens))
             reason, stop_reason = "stop", text.stop_string
-        elif output.finish_reason != _UNFINISHED:
-            reason = wire.FINISH_REASONS.get(output.finish_reason, "abort")
-            stop_reason = wire.stop_token_id(output)
+        elif entry.finish_reason != _UNFINISHED:
+            reason = wire.FINISH_REASONS.get(entry.finish_reason, "abort")
+            if detail is not None and detail.HasField("stop_token_id"):
+                stop_reason = detail.stop_token_id
         logprobs = None
-        if self.job.wants_logprobs:
-            logprobs = [wire.token_logprobs(e) for e in output.logprobs[:counted]]
         prompt_logprobs = None
-        if not seq.seen and output.prompt_logprobs:
-            prompt_logprobs = [None, *map(wire.token_logprobs, output.prompt_logprobs)]
+        if detail is not None:
+            if self.job.wants_logprobs:
+                logprobs = [wire.token_logprobs(e) for e in detail.logprobs[:counted]]
+            if not seq.seen and detail.prompt_logprobs:
+                prompt_logprobs = [None, *map(wire.token_logprobs, detail.prompt_logprobs)]
+            if detail.HasField("cached_tokens"):
+                seq.cached_tokens = detail.cached_tokens
+        elif self.job.wants_logprobs:
+            logprobs = []
         seq.seen = True
         seq.num_tokens += counted
-        if output.HasField("usage"):
-            seq.cached_tokens = output.usage.cached_tokens
         seq.finish_reason = reason
-        return ChoiceDelta(output.index, text.text, list(output.token_ids[:counted]), logprobs,
+        return ChoiceDelta(entry.index, text.text, entry.token_ids[:counted], logprobs,
                            prompt_logprobs, reason, stop_reason)
 
-    def _observe_timing(self, message: worker_pb2.GenerateResponse) -> None:
-        if message.HasField("timings"):
-            self._timings = message.timings
-        tokens = max((len(o.token_ids) for o in message.outputs), default=0)
+    def _observe_timing(self, update: GenerationUpdate) -> None:
+        tokens = max((len(c.token_ids) for c in update.choices), default=0)
         if not tokens:
             return
         now = asyncio.get_running_loop().time()
@@ -179,14 +330,12 @@ class Generation:
 
     # -- ending -----------------------------------------------------------------------------
 
-    async def finish(self) -> None:
-        """The caller is done reading: close the streams; abort what still runs."""
-        if not self._call.done():
-            self._call.cancel()  # only when stop strings ended it early (worker was told)
+    def finish(self) -> None:
+        """The handler read everything: metrics and the span (or cancel if it stopped early)."""
         if not self.done:
             self.cancel()
             return
-        await self._detok.finish()
+        self._closed = True
         loop_time = asyncio.get_running_loop().time()
         model = self.job.model
         self._metrics.e2e.labels(model).observe(loop_time - self.job.arrival)
@@ -197,15 +346,23 @@ class Generation:
 
     def cancel(self) -> None:
         """Tear everything down at once (error, deadline, client gone)."""
-        self._call.cancel()
-        self._detok.cancel()
-        if not self.done:
-            self._abort([])
+        if self._closed:
+            return
+        self._closed = True
+        placement = self.placement
+        if placement is not None:
+            if not self.done:
+                placement.session.abort(placement.handle)
+            placement.session.forget(placement.handle)
+            self._detok.close(placement.handle)
         self._record_span()
 
     def _record_span(self) -> None:
         reasons = [r or "abort" for r in self.finish_reasons]
         self._span.set_attribute("gen_ai.response.finish_reasons", reasons)
+        if self.placement is not None:
+            self._span.set_attributes({"meshserve.worker_id": self.placement.route.worker_id,
+                                       "meshserve.attempts": self.attempts})
         timings = self._timings
         if timings is not None:
             self._span.set_attributes({

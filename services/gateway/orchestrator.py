@@ -1,23 +1,29 @@
-"""One request across the mesh: Tokenize -> Route -> Generate piped into Detokenize.
+"""One request across the mesh: Tokenize -> Route -> the worker and detokenize sessions.
 
     async with orchestrator.generate(job) as generation:
         async for update in generation.updates():
             ...  # SSE chunks, or aggregate
 
-Token-id prompts skip Tokenize. Batched prompts and n > 1 travel as one Generate call
-with several prompts, each sampled n times. A worker that is unavailable before its
-first message is excluded and the request re-routed (`max_generate_attempts`). On
-leaving the block the streams end: normally when every sequence finished; otherwise
-(error, deadline, client gone) the Generate and Detokenize calls are cancelled at once
-and the worker is told to abort. The scheduler is told the request ended (Release).
+Token-id prompts skip Tokenize. Batched prompts and n > 1 travel as one worker request
+with several prompts, each sampled n times. The request joins this gateway's Session
+stream to the routed worker and its DetokenizeSession stream to one tokenizer replica
+(both shared by every request of the gateway: decision 5). The block is entered once
+the first output arrived, so that an error before it gets its own HTTP status. A worker
+lost before any output was handed out is excluded and the request routed again
+(`max_generate_attempts` in all). On leaving the block: normally every sequence has
+finished; otherwise (error, deadline, client gone) the worker is told to abort and the
+tokenizer to forget the request, at once. The scheduler is told each attempt ended
+(Release).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -26,16 +32,12 @@ import orjson
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
-from meshserve.proto.v1 import scheduler_pb2, tokenizer_pb2, worker_pb2
+from meshserve.proto.v1 import common_pb2, scheduler_pb2, tokenizer_pb2, worker_pb2
 from meshserve.services.gateway import wire
 from meshserve.services.gateway.clients import MeshClients
 from meshserve.services.gateway.config import GatewayConfig
-from meshserve.services.gateway.detokenize import (
-    DetokenizeSession,
-    detokenize_text,
-    options_for,
-)
-from meshserve.services.gateway.generation import Generation
+from meshserve.services.gateway.detokenize import open_request
+from meshserve.services.gateway.generation import Generation, Placement
 from meshserve.services.gateway.job import (
     ChatPrompt,
     GenerationJob,
@@ -51,6 +53,7 @@ from meshserve.shared.errors import (
     UnavailableError,
 )
 from meshserve.shared.grpc_client import mesh_errors
+from meshserve.shared.telemetry import inject_headers
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -68,6 +71,7 @@ class Orchestrator:
         self._metrics = metrics
         self._tracer = tracer
         self._background: set[asyncio.Task[None]] = set()
+        self._handles = itertools.count(1)  # session handles, unique in this gateway
 
     # -- models -----------------------------------------------------------------------------
 
@@ -125,8 +129,9 @@ class Orchestrator:
         ids = wire.check_token_ids(token_ids, "tokens")
         with self._tracer.start_as_current_span("detokenize", attributes={
                 "gen_ai.request.model": model, "meshserve.num_tokens": len(ids)}):
-            return await detokenize_text(self._clients.tokenizer(), ids, model=model,
-                                         deadline_s=self.remaining_s(deadline))
+            return await self._clients.detokenize_stream().detokenize(
+                ids, model=model, request_id=f"detok-{uuid.uuid4().hex}",
+                timeout_s=self.remaining_s(deadline))
 
     async def _prepare_one(self, job: GenerationJob, prompt: PromptInput) -> PreparedPrompt:
         if isinstance(prompt, tuple):  # token ids go straight through
@@ -157,31 +162,27 @@ class Orchestrator:
         """Run `job`; the block reads the Generation (see the module doc)."""
         prompts = await self._prepare(job)
         max_tokens = resolve_max_tokens(job, prompts)
-        detok_span = self._tracer.start_span("detokenize")
-        generate_span = self._tracer.start_span("generate", attributes={
+        span = self._tracer.start_span("generate", attributes={
             "gen_ai.request.model": job.model, "meshserve.request_id": job.request_id})
-        generation: Generation | None = None
-        detok = DetokenizeSession([self._clients.tokenizer() for _ in prompts], job.params.n)
+        request = self._generate_request(job, prompts, max_tokens)
+        generation = Generation(job, prompts, detok=self._clients.detokenize_stream(),
+                                metrics=self._metrics, span=span,
+                                restart=lambda g, lost: self._place(g, request, lost, span))
         try:
-            with trace.use_span(detok_span, end_on_exit=False):
-                await detok.open([options_for(
-                    job.params, model=job.model, request_id=job.request_id,
-                    num_sequences=job.params.n, prompt_token_ids=p.token_ids)
-                    for p in prompts], self.remaining_s(job.deadline))
-            generation = await self._start(job, prompts, max_tokens, detok, generate_span)
+            await self._place(generation, request, None, span)
+            with trace.use_span(span, end_on_exit=False):
+                await generation.wait_started()
             yield generation
         except BaseException as exc:
-            (generation.cancel() if generation is not None else detok.cancel())
-            for span in (generate_span, detok_span):
-                _record_failure(span, exc)
+            generation.cancel()
+            _record_failure(span, exc)
             raise
         else:
-            await generation.finish()
+            generation.finish()
         finally:
-            if generation is not None:
+            if generation.placement is not None:
                 self._release(job, generation.route)
-            generate_span.end()
-            detok_span.end()
+            span.end()
 
     def _generate_request(self, job: GenerationJob, prompts: Sequence[PreparedPrompt],
                           max_tokens: int | None) -> worker_pb2.GenerateRequest:
@@ -189,48 +190,36 @@ class Orchestrator:
             request_id=job.request_id,
             prompts=[worker_pb2.Prompt(token_ids=p.token_ids) for p in prompts],
             params=wire.sampling_params(job.params, max_tokens),
-            priority=job.options.priority, cache_salt=job.options.cache_salt or "",
-            deadline_unix_ns=self._deadline_unix_ns(job)), "priority")
+            priority=job.options.priority, cache_salt=job.options.cache_salt or ""), "priority")
 
-    async def _start(self, job: GenerationJob, prompts: list[PreparedPrompt],
-                     max_tokens: int | None, detok: DetokenizeSession,
-                     span: Span) -> Generation:
-        """Route and open Generate until a worker answers (re-routing unavailable ones)."""
-        request = self._generate_request(job, prompts, max_tokens)
-        excluded: list[str] = []
-        attempts = self._config.max_generate_attempts
-        for attempt in range(1, attempts + 1):
-            route = await self._route(job, prompts, max_tokens, excluded)
-            worker = self._clients.worker(route.address)
-            with trace.use_span(span, end_on_exit=False):
-                call = worker.Generate(request, timeout=self.remaining_s(job.deadline))
-            try:
-                with mesh_errors():
-                    first = await call.read()
-            except UnavailableError as exc:
-                call.cancel()
-                self._release(job, route)
-                if attempt == attempts:
-                    raise
-                span.add_event("worker unavailable, re-routing", {
-                    "meshserve.worker_id": route.worker_id, "exception.message": str(exc)})
-                excluded.append(route.worker_id)
-                continue
-            except BaseException:
-                call.cancel()
-                self._release(job, route)
-                raise
-            span.set_attributes({"meshserve.worker_id": route.worker_id,
-                                 "meshserve.attempts": attempt})
-            return Generation(job, prompts, call, first, detok, route=route,
-                              metrics=self._metrics, span=span,
-                              abort=self._aborter(job, route))
-        raise AssertionError("unreachable: the loop returns or raises")
+    async def _place(self, generation: Generation, request: worker_pb2.GenerateRequest,
+                     lost: UnavailableError | None, span: Span) -> None:
+        """Route the request (excluding workers already tried) and start it there."""
+        job = generation.job
+        if generation.placement is not None:
+            generation.excluded.append(generation.route.worker_id)
+            self._release(job, generation.route)
+        if generation.attempts >= self._config.max_generate_attempts:
+            assert lost is not None, "attempts are only used up by lost workers"
+            raise lost
+        route = await self._route(job, generation.prompts, request.params, generation.excluded)
+        with trace.use_span(span, end_on_exit=False):  # the worker's spans go under generate
+            carrier = inject_headers({})
+        request.deadline_unix_ns = self._deadline_unix_ns(job)
+        add = worker_pb2.SessionAdd(handle=next(self._handles), request=request,
+                                    traceparent=carrier.get("traceparent", ""),
+                                    tracestate=carrier.get("tracestate", ""))
+        placement = Placement(route, self._clients.worker_session(route.address), add.handle)
+        prompts = [p.token_ids for p in generation.prompts]
+        generation.place(placement, lambda handle: open_request(
+            handle, job.params, model=job.model, request_id=job.request_id, prompts=prompts,
+            samples_per_prompt=job.params.n, traceparent=carrier.get("traceparent", "")), add)
 
     async def _route(self, job: GenerationJob, prompts: list[PreparedPrompt],
-                     max_tokens: int | None, excluded: list[str]
+                     params: common_pb2.SamplingParams, excluded: list[str]
                      ) -> scheduler_pb2.RouteResponse:
         first = prompts[0]
+        max_tokens = params.max_tokens if params.HasField("max_tokens") else None
         expected = max_tokens or self._config.route_output_estimate
         if first.max_model_len is not None:
             expected = min(expected, first.max_model_len - len(first.token_ids))
@@ -257,16 +246,6 @@ class Orchestrator:
         return time.time_ns() + int(self.remaining_s(job.deadline) * 1e9)
 
     # -- best-effort cleanup ----------------------------------------------------------------
-
-    def _aborter(self, job: GenerationJob, route: scheduler_pb2.RouteResponse
-                 ) -> Callable[[list[int]], None]:
-        """Best-effort Worker.Abort of some sequences of `job` ([] for all)."""
-        worker = self._clients.worker(route.address)
-
-        def abort(indices: list[int]) -> None:
-            request = worker_pb2.AbortRequest(request_id=job.request_id, indices=indices)
-            self._spawn(worker.Abort(request, timeout=_CLEANUP_TIMEOUT_S), "Abort")
-        return abort
 
     def _release(self, job: GenerationJob, route: scheduler_pb2.RouteResponse) -> None:
         request = scheduler_pb2.ReleaseRequest(request_id=job.request_id,

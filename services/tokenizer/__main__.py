@@ -15,7 +15,8 @@ from pathlib import Path
 from meshserve.proto.v1 import tokenizer_pb2_grpc
 from meshserve.services.tokenizer.config import TokenizerConfig
 from meshserve.services.tokenizer.loader import load_tokenizer
-from meshserve.services.tokenizer.service import SERVICE_NAME, ServedModel, TokenizerServicer
+from meshserve.services.tokenizer.model import ServedModel
+from meshserve.services.tokenizer.service import SERVICE_NAME, TokenizerServicer
 from meshserve.shared.errors import ConfigError, MeshError
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.model_config import max_model_len_of, read_model_files

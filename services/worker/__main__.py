@@ -176,6 +176,7 @@ class WorkerProcess:
     async def _leave_on_drain(self) -> None:
         await self.server.drain_started.wait()
         self.draining = True
+        self.servicer.wake_sessions()  # idle sessions end; busy ones after their last request
         if self.registration is not None:
             await self.registration.stop(deregister=True)
 

@@ -108,8 +108,13 @@ class EngineThread:
         self._streams: dict[str, tuple[RequestStream, list[str]]] = {}
         # Engine-thread side: the sequences of each engine request, for their timestamps.
         self._sequences: dict[str, list[Request]] = {}
+        # Engine requests whose first-token time has been read (see _step).
+        self._first_timed: set[str] = set()
         self._pending_errors: list[tuple[str, MeshError]] = []
         self._kv_seq = 0
+        # Engine steps whose results reached the event loop, and the latest one's timing.
+        self.steps_delivered = 0
+        self.last_timing: StepTiming | None = None
         self.failure: BaseException | None = None
         self.load = self._snapshot()
 
@@ -123,11 +128,13 @@ class EngineThread:
 
     def submit(self, request_id: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
                *, priority: int = 0, cache_salt: str | None = None,
-               lora_id: int | None = None) -> RequestStream:
+               lora_id: int | None = None,
+               on_ready: Callable[[RequestStream], None] | None = None) -> RequestStream:
         """Queue a request; prompt p's sample s is sequence p * n + s of the stream.
 
         Errors the engine raises for the request (InvalidRequestError, ...) come out
-        of the stream's first `next()`.
+        of the stream's first `next()` (or its `error`, with `on_ready`; see
+        RequestStream).
         """
         self._check_usable()
         if request_id in self._streams:
@@ -136,7 +143,8 @@ class EngineThread:
         if not prompts:
             raise InvalidRequestError("a request needs at least one prompt", param="prompts")
         arrival = time.monotonic()
-        stream = RequestStream(request_id, [len(p) for p in prompts], params.n, arrival)
+        stream = RequestStream(request_id, [len(p) for p in prompts], params.n, arrival,
+                               on_ready)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}/{p}"
                                                       for p in range(len(prompts))]
         self._streams[request_id] = (stream, ids)
@@ -219,6 +227,9 @@ class EngineThread:
                 continue  # a request whose reader went away (its abort is on its way)
             route.stream.push(out, route.offset, batch.times.get(out.request_id))
             touched[id(route.stream)] = route.stream
+        if batch.timing is not None:
+            self.steps_delivered += 1
+            self.last_timing = batch.timing
         for stream in touched.values():
             stream.end_step(batch.timing)
             self._forget_if_done(stream)
@@ -277,6 +288,7 @@ class EngineThread:
                 self.engine.abort_request(command.engine_id, command.indices)
                 if not self.engine.sequences(command.engine_id):
                     self._sequences.pop(command.engine_id, None)
+                    self._first_timed.discard(command.engine_id)
 
     def _add(self, command: _Add) -> None:
         try:
@@ -296,13 +308,22 @@ class EngineThread:
         started = time.perf_counter_ns()
         batch.outputs = self.engine.step()
         batch.timing = StepTiming(time.perf_counter_ns() - started)
-        for engine_id in {out.request_id for out in batch.outputs}:
+        # Timestamps are read when they can have changed: until the first token is seen,
+        # and when a sequence finishes (preemption counts are final then). Reading them
+        # every step would cost the engine thread a pass over every sequence.
+        for out in batch.outputs:
+            engine_id = out.request_id
+            if out.finish_reason is None and engine_id in self._first_timed:
+                continue
             sequences = self._sequences.get(engine_id)
             if not sequences:
                 continue
-            batch.times[engine_id] = SequenceTimes.of(sequences)
+            times = batch.times[engine_id] = SequenceTimes.of(sequences)
+            if times.first_token is not None:
+                self._first_timed.add(engine_id)
             if all(seq.is_finished for seq in sequences):
                 del self._sequences[engine_id]
+                self._first_timed.discard(engine_id)
 
     def _take_kv_events(self, batch: _StepBatch) -> None:
         events = self.engine.take_kv_events()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from meshserve.services.worker.engine.request import Request, RequestOutput
@@ -73,7 +73,11 @@ class RequestTimes:
 
 @dataclass
 class SequenceDelta:
-    """What one sequence produced since the reader last took its output."""
+    """What one sequence produced since the reader last took its output.
+
+    `first`: this is the sequence's first delta (it carries the prompt logprobs and the
+    cached-token count the reader has not seen yet).
+    """
 
     index: int
     token_ids: list[int] = field(default_factory=list)
@@ -84,6 +88,7 @@ class SequenceDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    first: bool = False
 
     def merge(self, out: RequestOutput) -> None:
         """Append one engine delta of this sequence."""
@@ -111,25 +116,38 @@ class RequestStream:
     """Output of one request (all its sequences), merged until the reader takes it.
 
     Only the event loop touches a stream. Sequence p * n + s is sample s of prompt p.
+    A reader either awaits `next()` (one stream per call), or passes `on_ready`, called
+    whenever the stream has something new (output, an end, an error), and takes it with
+    `take()` (a session multiplexing many streams).
     """
 
     def __init__(self, request_id: str, prompt_lengths: Sequence[int], n: int,
-                 arrival: float) -> None:
+                 arrival: float, on_ready: Callable[[RequestStream], None] | None = None
+                 ) -> None:
         self.request_id = request_id
         self.num_sequences = len(prompt_lengths) * n
         self.times = RequestTimes(arrival=arrival)
-        self._last = [SequenceDelta(i, num_prompt_tokens=prompt_lengths[i // n])
-                      for i in range(self.num_sequences)]
+        self._prompt_lengths = prompt_lengths
+        self._n = n
+        # (prompt, cached, output) tokens of each sequence as last reported.
+        self._counts: dict[int, tuple[int, int, int]] = {}
         self._live = set(range(self.num_sequences))
+        self._seen: set[int] = set()  # sequences whose first delta was taken
         self._pending: dict[int, SequenceDelta] = {}
         self._preemptions: dict[int, int] = {}
-        self._error: MeshError | None = None
-        self._ready = asyncio.Event()
+        self.error: MeshError | None = None
+        self._on_ready = on_ready
+        self._ready = asyncio.Event() if on_ready is None else None
 
     @property
     def finished(self) -> bool:
         """Whether every sequence has finished (its last delta may still be unread)."""
         return not self._live
+
+    @property
+    def drained(self) -> bool:
+        """Whether every sequence has finished and every delta was taken (or it failed)."""
+        return not self._live and not self._pending
 
     def all_finished(self, indices: Iterable[int]) -> bool:
         return all(i not in self._live for i in indices)
@@ -141,10 +159,11 @@ class RequestStream:
             return  # aborted here already; the engine catches up a step later
         delta = self._pending.get(index)
         if delta is None:
-            delta = self._pending[index] = SequenceDelta(index)
+            delta = self._pending[index] = SequenceDelta(index, first=index not in self._seen)
+            self._seen.add(index)
         delta.merge(out)
-        self._last[index] = dataclasses.replace(delta, token_ids=[], logprobs=None,
-                                                prompt_logprobs=None)
+        self._counts[index] = (out.num_prompt_tokens, out.num_cached_tokens,
+                               out.num_output_tokens)
         if out.finish_reason is not None:
             self._live.discard(index)
         if times is not None:
@@ -168,39 +187,57 @@ class RequestStream:
         """Finish live sequences (all when `indices` is empty) as aborted; returns how many."""
         chosen = [i for i in (indices or sorted(self._live)) if i in self._live]
         for index in chosen:
-            delta = self._pending.get(index) or dataclasses.replace(self._last[index])
+            delta = self._pending.get(index)
+            if delta is None:
+                prompt, cached, output = self._counts.get(
+                    index, (self._prompt_lengths[index // self._n], 0, 0))
+                delta = self._pending[index] = SequenceDelta(
+                    index, num_prompt_tokens=prompt, num_cached_tokens=cached,
+                    num_output_tokens=output, first=index not in self._seen)
+                self._seen.add(index)
             delta.finish_reason, delta.stop_reason = ABORT, None
-            self._pending[index] = delta
             self._live.discard(index)
         if chosen:
             self._wake()
         return len(chosen)
 
     def fail(self, error: MeshError) -> None:
-        """End the stream with `error` (raised by the reader's next `next()`)."""
-        self._error = error
+        """End the stream with `error` (raised by `next()`, held in `error` for `take()`)."""
+        self.error = error
         self._live.clear()
+        self._pending.clear()
         self._wake()
+
+    def take(self) -> list[SequenceDelta]:
+        """Every delta since the previous take, by sequence index (empty when none)."""
+        if not self._pending:
+            return []
+        deltas = [self._pending[i] for i in sorted(self._pending)]
+        self._pending = {}
+        return deltas
 
     async def next(self) -> StreamUpdate | None:
         """Everything produced since the previous call; None once all sequences finished."""
+        assert self._ready is not None, "a stream with on_ready is read with take()"
         while True:
-            if self._error is not None:
-                raise self._error
+            if self.error is not None:
+                raise self.error
             if self._pending:
                 break
             if not self._live:
                 return None
             self._ready.clear()
             await self._ready.wait()
-        deltas = [self._pending[i] for i in sorted(self._pending)]
-        self._pending = {}
-        return StreamUpdate(deltas, dataclasses.replace(self.times))
+        return StreamUpdate(self.take(), dataclasses.replace(self.times))
 
     def _wake(self) -> None:
         if not self._live and self.times.finished is None:
             self.times.finished = time.monotonic()
-        self._ready.set()
+        if self._on_ready is not None:
+            self._on_ready(self)
+        else:
+            assert self._ready is not None
+            self._ready.set()
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

@@ -1,11 +1,13 @@
 """The gRPC Worker service: a thin edge over the engine thread.
 
-Generate converts the request to domain types, submits it, and writes one
-GenerateResponse per stream update, each carrying every token a sequence produced
-since the previous message (the stream merges while the client reads slowly). If
-the call ends early (client gone, deadline), the request is aborted at once. Each
-request's worker-side phases become spans (queue, prefill, decode) under the RPC's
-server span, from the engine's own timestamps.
+Session (the gateway's data plane) hands one bidirectional stream to a `WorkerSession`
+(session.py): commands in, one columnar message per engine step out, for every request
+the gateway runs here. Generate (deprecated for serving, kept for single-request
+clients) converts one request to domain types, submits it, and writes one
+GenerateResponse per stream update. Either way a request whose caller went away is
+aborted at once, and each request's worker-side phases become spans (queue, prefill,
+decode) from the engine's own timestamps: under the caller's trace context (Session:
+the one each request carries; Generate: the RPC's server span).
 """
 
 from __future__ import annotations
@@ -16,102 +18,22 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import grpc
-import orjson
 from opentelemetry import trace
+from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from meshserve.services.worker.engine_thread import EngineThread
-from meshserve.services.worker.request_stream import RequestTimes, SequenceDelta, StreamUpdate
+from meshserve.services.worker.request_stream import RequestTimes, StreamUpdate
+from meshserve.services.worker.session import SessionEntry, WorkerSession
+from meshserve.services.worker.wire import generate_response, sampling_params_from_proto
 from meshserve.shared.errors import (
     DeadlineExceededError,
-    InternalError,
     InvalidRequestError,
     NotFoundError,
 )
-from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.worker_registry import WorkerInfo, WorkerLoad
-
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-           "abort": common_pb2.FINISH_REASON_ABORT}
-
-
-def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    """The domain SamplingParams a proto carries (unset optionals take their defaults)."""
-    has = p.HasField
-    return SamplingParams(
-        n=p.n if has("n") else 1,
-        temperature=p.temperature if has("temperature") else 1.0,
-        top_p=p.top_p if has("top_p") else 1.0,
-        top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty if has("repetition_penalty") else 1.0,
-        logit_bias=dict(p.logit_bias) or None,
-        seed=p.seed if has("seed") else None,
-        min_tokens=p.min_tokens,
-        max_tokens=p.max_tokens if has("max_tokens") else None,
-        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
-        include_stop_str_in_output=p.include_stop_str_in_output, ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if has("logprobs") else None,
-        prompt_logprobs=p.prompt_logprobs if has("prompt_logprobs") else None,
-        skip_special_tokens=p.skip_special_tokens if has("skip_special_tokens") else True,
-        spaces_between_special_tokens=(p.spaces_between_special_tokens
-                                       if has("spaces_between_special_tokens") else True),
-        extra=_extra(p.extra_json))
-
-
-def _extra(extra_json: str) -> dict[str, object]:
-    if not extra_json:
-        return {}
-    try:
-        extra = orjson.loads(extra_json)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(f"extra_json is not valid JSON: {exc}",
-                                  param="extra_json") from None
-    if not isinstance(extra, dict):
-        raise InvalidRequestError("extra_json must be a JSON object", param="extra_json")
-    return extra
-
-
-def _logprobs_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
-    return common_pb2.TokenLogprobs(
-        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
-        top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
-
-
-def _sequence_pb(delta: SequenceDelta) -> worker_pb2.SequenceOutput:
-    out = worker_pb2.SequenceOutput(
-        index=delta.index, token_ids=delta.token_ids,
-        finish_reason=_FINISH.get(delta.finish_reason or "",
-                                  common_pb2.FINISH_REASON_UNSPECIFIED),
-        usage=common_pb2.Usage(prompt_tokens=delta.num_prompt_tokens,
-                               completion_tokens=delta.num_output_tokens,
-                               cached_tokens=delta.num_cached_tokens))
-    if delta.logprobs:
-        out.logprobs.extend(_logprobs_pb(lp) for lp in delta.logprobs)
-    if delta.prompt_logprobs:
-        # Position 0 has no logprob (nothing precedes it); the proto starts at position 1.
-        for position, lp in enumerate(delta.prompt_logprobs[1:], start=1):
-            if lp is None:
-                raise InternalError(f"the engine gave no logprob for prompt position "
-                                    f"{position}")
-            out.prompt_logprobs.append(_logprobs_pb(lp))
-    if delta.finish_reason == "stop" and isinstance(delta.stop_reason, int):
-        out.stop_token_id = delta.stop_reason
-    return out
-
-
-def generate_response(update: StreamUpdate, now: float) -> worker_pb2.GenerateResponse:
-    """One Generate message from a stream update (`now`: time.monotonic())."""
-    times = update.times
-    queued, prefill, decode = times.durations_ns(now)
-    return worker_pb2.GenerateResponse(
-        outputs=[_sequence_pb(d) for d in update.deltas],
-        timings=common_pb2.Timings(
-            queued_ns=queued, prefill_ns=prefill, decode_ns=decode,
-            step_forward_ns=times.step_forward_ns, num_steps=times.num_steps,
-            num_preemptions=times.num_preemptions, sent_unix_ns=time.time_ns()))
 
 
 def worker_load_pb(load: WorkerLoad, worker_id: str, epoch: int,
@@ -153,6 +75,10 @@ async def _deadline(deadline_unix_ns: int) -> AsyncIterator[None]:
                                     param="deadline_unix_ns") from None
 
 
+_REASON_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                 common_pb2.FINISH_REASON_ABORT: "abort"}
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """meshserve.v1.Worker over an EngineThread."""
 
@@ -171,6 +97,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._finished = Counter("meshserve_worker_sequences_finished",
                                  "Sequences finished, by reason", ["finish_reason"],
                                  registry=registry)
+        self._sessions: set[WorkerSession] = set()
+
+    def wake_sessions(self) -> None:
+        """Let every session re-check its state (the worker started draining)."""
+        for session in self._sessions:
+            session.wake()
+
+    async def Session(self, request_iterator: AsyncIterator[worker_pb2.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> None:
+        session = WorkerSession(self._engine, worker_id=self.info.worker_id,
+                                validate=self._validate, on_finished=self._session_finished,
+                                draining=self._draining)
+        self._sessions.add(session)
+        reader = asyncio.ensure_future(session.read(request_iterator))
+        try:
+            async for response in session.responses():
+                self._count_session(response)
+                await context.write(response)
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
+        finally:
+            reader.cancel()
+            session.close()
+            self._sessions.discard(session)
+
+    def _count_session(self, response: worker_pb2.SessionResponse) -> None:
+        self._tokens.inc(len(response.token_ids))
+        for reason in response.finish_reasons:
+            if reason:
+                self._finished.labels(_REASON_NAMES[reason]).inc()
+
+    def _session_finished(self, entry: SessionEntry, error_kind: str | None) -> None:
+        """A session request ended: its worker-side spans, under the gateway's trace."""
+        self._record_spans(entry.request, entry.params, entry.stream.times,
+                           context=WorkerSession.trace_parent(entry), error_kind=error_kind)
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
@@ -208,8 +169,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._finished.labels(delta.finish_reason).inc()
 
     def _record_spans(self, request: worker_pb2.GenerateRequest, params: SamplingParams,
-                      times: RequestTimes) -> None:
-        """worker.queue / worker.prefill / worker.decode spans under the current span."""
+                      times: RequestTimes, *, context: Context | None = None,
+                      error_kind: str | None = None) -> None:
+        """worker.queue / worker.prefill / worker.decode spans under `context` (default:
+        the current span)."""
         end = times.finished if times.finished is not None else time.monotonic()
         attributes = {
             "gen_ai.request.id": request.request_id, "gen_ai.request.n": params.n,
@@ -220,13 +183,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             "meshserve.worker.num_steps": times.num_steps,
             "meshserve.worker.num_preemptions": times.num_preemptions,
         }
+        if error_kind is not None:
+            attributes["meshserve.error_kind"] = error_kind
         phases = [("worker.queue", times.arrival, times.first_scheduled or end),
                   ("worker.prefill", times.first_scheduled, times.first_token or end),
                   ("worker.decode", times.first_token, end)]
         for name, start, stop in phases:
             if start is None:
                 continue
-            span = self._tracer.start_span(name, start_time=self._wall_ns(start),
+            span = self._tracer.start_span(name, context=context,
+                                           start_time=self._wall_ns(start),
                                            attributes=attributes)
             span.end(end_time=self._wall_ns(max(stop, start)))
 

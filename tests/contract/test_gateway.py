@@ -186,9 +186,10 @@ async def test_batched_prompts_and_n_are_one_generate(mesh: Mesh, api: AsyncOpen
     assert [list(p.token_ids) for p in request.prompts] == [[BOS, 97], [BOS, 98, 98]]
     assert request.params.n == 2
     assert mesh.scheduler.routes[0].num_sequences == 4
-    # One Detokenize stream per prompt, each with its own prompt as context.
-    assert [list(o.prompt_token_ids) for o in mesh.tokenizer.detokenize_options] == [
-        [BOS, 97], [BOS, 98, 98]]
+    # One detokenizer request, each prompt's tail the context of its own n samples.
+    (opened,) = mesh.tokenizer.detokenize_opens
+    assert [list(t.token_ids) for t in opened.prompt_tails] == [[BOS, 97], [BOS, 98, 98]]
+    assert opened.samples_per_prompt == 2 and opened.options.num_sequences == 4
     assert result.usage is not None
     assert result.usage.prompt_tokens == 5 and result.usage.completion_tokens == 20
     assert result.usage.prompt_tokens_details.cached_tokens == 2 * CACHED_TOKENS

@@ -18,6 +18,8 @@ from meshserve.shared.errors import InternalError, OverloadedError, UnavailableE
 
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+# More tokens than the fake worker's first message holds: the request outlives that message.
+LONG = {**COMPLETION, "max_tokens": 9}
 
 
 @pytest.fixture
@@ -127,7 +129,7 @@ async def test_admission_bound_is_429_with_retry_after() -> None:
     async with start_mesh(max_concurrent_requests=1, retry_after_s=3) as mesh, \
             aiohttp.ClientSession(mesh.base_url) as http:
         mesh.worker.hold_after_first = True
-        async with http.post("/v1/completions", json={**COMPLETION, "stream": True}) as first:
+        async with http.post("/v1/completions", json={**LONG, "stream": True}) as first:
             assert first.status == 200
             assert (await first.content.readline()).startswith(b"data: ")
             status, body, headers = await call(mesh, "/v1/completions", COMPLETION)
@@ -186,7 +188,7 @@ async def test_internal_error_is_500_and_fails_alone(mesh: Mesh) -> None:
 async def test_deadline_is_504_and_cancels_the_worker() -> None:
     async with start_mesh(request_timeout_s=0.5) as mesh:
         mesh.worker.hold_after_first = True
-        status, body, _ = await call(mesh, "/v1/completions", COMPLETION)
+        status, body, _ = await call(mesh, "/v1/completions", LONG)
         assert_error(status, body, 504, code="deadline_exceeded")
         await asyncio.wait_for(mesh.worker.cancelled.wait(), timeout=5)
 
@@ -194,7 +196,7 @@ async def test_deadline_is_504_and_cancels_the_worker() -> None:
 async def test_error_mid_stream_ends_the_stream_with_an_error_event(mesh: Mesh) -> None:
     mesh.worker.fail_after_first = UnavailableError("worker lost its GPU")
     async with aiohttp.ClientSession(mesh.base_url) as http, \
-            http.post("/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+            http.post("/v1/completions", json={**LONG, "stream": True}) as resp:
         assert resp.status == 200
         events = [line for line in (await resp.read()).split(b"\n\n") if line]
     assert len(events) == 3

@@ -32,8 +32,9 @@ from meshserve.proto.v1 import (
 )
 from meshserve.services.gateway.app import Gateway
 from meshserve.services.gateway.config import GatewayConfig
-from meshserve.shared.errors import MeshError, NotFoundError
+from meshserve.shared.errors import InternalError, MeshError, NotFoundError
 from meshserve.shared.grpc_server import GrpcServer
+from meshserve.shared.proto_errors import error_pb
 from meshserve.shared.telemetry import Telemetry
 
 MODEL = "tiny"
@@ -94,7 +95,9 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self) -> None:
         self.tokenize_calls: list[tokenizer_pb2.TokenizeRequest] = []
         self.detokenize_options: list[tokenizer_pb2.DetokenizeOptions] = []
-        self.metadata: list[dict[str, str]] = []
+        self.detokenize_opens: list[tokenizer_pb2.DetokenizeOpen] = []
+        self.metadata: list[dict[str, str]] = []  # per call, and per opened request
+        self.session_metadata: list[dict[str, str]] = []  # of the session streams
 
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
@@ -112,35 +115,50 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.TokenizeResponse(token_ids=ids, prompt_text=text,
                                               max_model_len=MAX_MODEL_LEN)
 
-    async def Detokenize(self, request_iterator: Any,
-                         context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        self.metadata.append(metadata_of(context))
-        options: tokenizer_pb2.DetokenizeOptions | None = None
-        states: dict[int, _DetokState] = {}
+    async def DetokenizeSession(self, request_iterator: Any,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        self.session_metadata.append(metadata_of(context))
+        requests: dict[int, tuple[tokenizer_pb2.DetokenizeOptions, dict[int, _DetokState]]] = {}
         async for message in request_iterator:
-            if message.HasField("options"):
-                options = message.options
-                self.detokenize_options.append(options)
-                states = {i: _DetokState() for i in range(options.num_sequences)}
-                continue
-            assert options is not None, "options must come first"
-            yield tokenizer_pb2.DetokenizeResponse(sequences=[
-                self._advance(options, states[s.index], s) for s in message.delta.sequences])
+            for opened in message.opens:
+                self.detokenize_opens.append(opened)
+                self.detokenize_options.append(opened.options)
+                if opened.traceparent:
+                    self.metadata.append({"traceparent": opened.traceparent})
+                requests[opened.handle] = (opened.options, {
+                    i: _DetokState() for i in range(opened.options.num_sequences)})
+            response = tokenizer_pb2.DetokenizeSessionResponse(
+                token_bytes=[token_bytes(t) for t in message.lookup_token_ids])
+            position = 0
+            for handle, index, size, final in zip(message.handles, message.indices,
+                                                  message.num_tokens, message.finals,
+                                                  strict=True):
+                ids = list(message.token_ids[position:position + size])
+                position += size
+                options, states = requests[handle]
+                text = self._advance(options, states[index], ids, final)
+                response.texts.append(text.text)
+                response.stopped.append(text.stopped)
+                response.finished.append(text.finished)
+                response.num_output_tokens.append(text.num_output_tokens)
+                if text.stopped:
+                    response.stop_strings.append(text.stop_string)
+            for handle in message.closes:
+                requests.pop(handle, None)
+            yield response
 
     @staticmethod
     def _advance(options: tokenizer_pb2.DetokenizeOptions, state: _DetokState,
-                 seq: tokenizer_pb2.SequenceTokens) -> tokenizer_pb2.SequenceText:
-        lookups = [token_bytes(t) for t in seq.lookup_token_ids]
+                 token_ids: list[int], final: bool) -> tokenizer_pb2.SequenceText:
         if state.done:
-            return tokenizer_pb2.SequenceText(index=seq.index, stopped=True, finished=True,
-                                              token_bytes=lookups,
+            return tokenizer_pb2.SequenceText(stopped=True, finished=True,
                                               num_output_tokens=len(state.ids))
-        for token in seq.token_ids:
+        for token in token_ids:
             state.ids.append(token)
             if token < 256:
                 state.data.append(token)
         data = bytes(state.data)
-        text = data.decode("utf-8", errors="replace") if seq.final else _valid_prefix(data)
+        text = data.decode("utf-8", errors="replace") if final else _valid_prefix(data)
         for stop in options.stop:
             at = text.find(stop)
             if at >= 0:
@@ -151,17 +169,17 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
                 state.done = True
                 out = text[state.emitted:cut]
                 return tokenizer_pb2.SequenceText(
-                    index=seq.index, text=out, stopped=True, stop_string=stop, finished=True,
-                    token_bytes=lookups, num_output_tokens=used)
+                    text=out, stopped=True, stop_string=stop, finished=True,
+                    num_output_tokens=used)
         # Hold back a tail that may still become a stop string.
-        held = 0 if seq.final else max(
+        held = 0 if final else max(
             (k for stop in options.stop for k in range(1, len(stop))
              if text.endswith(stop[:k])), default=0)
         ready = len(text) - held
         out, state.emitted = text[state.emitted:ready], max(state.emitted, ready)
-        state.done = seq.final
-        return tokenizer_pb2.SequenceText(index=seq.index, text=out, finished=seq.final,
-                                          token_bytes=lookups, num_output_tokens=len(state.ids))
+        state.done = final
+        return tokenizer_pb2.SequenceText(text=out, finished=final,
+                                          num_output_tokens=len(state.ids))
 
 
 def _valid_prefix(data: bytes) -> str:
@@ -225,10 +243,12 @@ def _logprobs(token_id: int, top: int) -> common_pb2.TokenLogprobs:
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
     """Streams `script(i)` then EOS for every sequence i, CHUNK tokens per message.
 
-    `hold_after_first`: after the first message, wait until cancelled (a long
-    generation). `fail_after_first`: raise this error after the first message.
-    `raise_first`: raise this exception before any message, for prompts that hold
-    `raise_marker`'s byte (every prompt when the marker is None).
+    Serves the Session stream: each added request runs on its own and every one of its
+    messages goes out as one SessionResponse. `hold_after_first`: after the first
+    message, wait until aborted (a long generation). `fail_after_first`: fail the
+    request with this error after the first message. `raise_first`: fail with this
+    exception before any message (a MeshError keeps its kind, anything else is
+    internal), for prompts that hold `raise_marker`'s byte (every prompt when None).
     """
 
     def __init__(self, encode: Callable[[str], list[int]] | None = None, eos: int = EOS) -> None:
@@ -236,7 +256,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.encode = encode or (lambda text: list(text.encode()))
         self.eos = eos
         self.requests: list[worker_pb2.GenerateRequest] = []
-        self.metadata: list[dict[str, str]] = []
+        self.metadata: list[dict[str, str]] = []  # the trace context of each request
+        self.session_metadata: list[dict[str, str]] = []  # of the session streams
         self.messages_sent = 0
         self.aborts: list[worker_pb2.AbortRequest] = []
         self.aborted = asyncio.Event()
@@ -248,25 +269,60 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.raise_marker: str | None = None
         self._abort_indices: dict[str, set[int] | None] = {}
 
-    async def Generate(self, request: worker_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        self.requests.append(request)
-        self.metadata.append(metadata_of(context))
-        self.started.set()
-        marked = self.raise_marker is None or ord(self.raise_marker) in request.prompts[0].token_ids
-        if self.raise_first is not None and marked:
-            raise self.raise_first
+    async def Session(self, request_iterator: Any,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        self.session_metadata.append(metadata_of(context))
+        out: asyncio.Queue[worker_pb2.SessionResponse] = asyncio.Queue()
+        running: dict[int, tuple[str, asyncio.Task[None]]] = {}
+
+        async def read() -> None:
+            async for message in request_iterator:
+                for add in message.adds:
+                    self.requests.append(add.request)
+                    self.metadata.append({"traceparent": add.traceparent})
+                    self.started.set()
+                    task = asyncio.ensure_future(self._run(add.handle, add.request, out))
+                    running[add.handle] = (add.request.request_id, task)
+                for abort in message.aborts:
+                    request_id, task = running.get(abort.handle, ("", None))
+                    self._abort(request_id, list(abort.indices))
+                    if not abort.indices and task is not None and self.hold_after_first:
+                        task.cancel()
+
+        reader = asyncio.ensure_future(read())
         try:
+            while True:
+                yield await out.get()
+        finally:
+            reader.cancel()
+            for _, task in running.values():
+                task.cancel()
+
+    async def _run(self, handle: int, request: worker_pb2.GenerateRequest,
+                   out: asyncio.Queue[worker_pb2.SessionResponse]) -> None:
+        marked = (self.raise_marker is None
+                  or ord(self.raise_marker) in request.prompts[0].token_ids)
+        try:
+            if self.raise_first is not None and marked:
+                raise self.raise_first
+            seen: set[int] = set()
             async for message in self._messages(request):
-                yield message
+                out.put_nowait(_session_response(handle, message, seen))
                 self.messages_sent += 1
                 if self.fail_after_first is not None:
                     raise self.fail_after_first
                 if self.hold_after_first:
                     await asyncio.Event().wait()
+            out.put_nowait(worker_pb2.SessionResponse(done=[worker_pb2.RequestDone(
+                handle=handle, timings=common_pb2.Timings(queued_ns=1000))]))
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+        except Exception as exc:  # noqa: BLE001 (the fake reports it as the worker would)
+            error = exc if isinstance(exc, MeshError) else InternalError(
+                f"internal error: {type(exc).__name__}: {exc}")
+            out.put_nowait(worker_pb2.SessionResponse(errors=[worker_pb2.RequestError(
+                handle=handle, error=error_pb(error))]))
 
     async def _messages(self, request: worker_pb2.GenerateRequest
                         ) -> AsyncIterator[worker_pb2.GenerateResponse]:
@@ -283,7 +339,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             live -= {o.index for o in outputs if o.finish_reason}
             yield worker_pb2.GenerateResponse(outputs=outputs, timings=common_pb2.Timings(
                 queued_ns=1000, num_steps=self.messages_sent + 1))
-            await asyncio.sleep(0)  # let an Abort in between messages
+            await asyncio.sleep(0)  # let an abort in between messages
 
     def _output(self, request: worker_pb2.GenerateRequest, index: int,
                 seq: tuple[list[int], list[int]], sent: dict[int, int],
@@ -312,16 +368,35 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             output.finish_reason = common_pb2.FINISH_REASON_STOP
         return output
 
-    async def Abort(self, request: worker_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
-        self.aborts.append(request)
-        current = self._abort_indices.setdefault(request.request_id, set())
-        if not request.indices:
-            self._abort_indices[request.request_id] = None
+    def _abort(self, request_id: str, indices: list[int]) -> None:
+        self.aborts.append(worker_pb2.AbortRequest(request_id=request_id, indices=indices))
+        current = self._abort_indices.setdefault(request_id, set())
+        if not indices:
+            self._abort_indices[request_id] = None
         elif current is not None:
-            current.update(request.indices)
+            current.update(indices)
         self.aborted.set()
-        return worker_pb2.AbortResponse(num_aborted=len(request.indices) or 1)
+
+
+def _session_response(handle: int, message: worker_pb2.GenerateResponse,
+                      seen: set[int]) -> worker_pb2.SessionResponse:
+    """One Generate-style message as a Session message (columnar, details where needed)."""
+    response = worker_pb2.SessionResponse(num_steps=1)
+    for entry, output in enumerate(message.outputs):
+        response.handles.append(handle)
+        response.indices.append(output.index)
+        response.num_tokens.append(len(output.token_ids))
+        response.token_ids.extend(output.token_ids)
+        response.finish_reasons.append(output.finish_reason)
+        detail = worker_pb2.EntryDetail(entry=entry, logprobs=output.logprobs,
+                                        prompt_logprobs=output.prompt_logprobs)
+        if output.HasField("stop_token_id"):
+            detail.stop_token_id = output.stop_token_id
+        if output.index not in seen:
+            seen.add(output.index)
+            detail.cached_tokens = output.usage.cached_tokens
+        response.details.append(detail)
+    return response
 
 
 # -- harness --------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ async def test_trace_context_reaches_every_service(mesh: Mesh) -> None:
     assert format(http_span.context.trace_id, "032x") == TRACE_ID
     assert http_span.parent is not None
     assert format(http_span.parent.span_id, "016x") == PARENT_SPAN_ID
-    for name in ("tokenize", "route", "generate", "detokenize"):
+    for name in ("tokenize", "route", "generate"):
         assert spans[name].context.trace_id == http_span.context.trace_id, name
         assert spans[name].parent is not None
         assert spans[name].parent.span_id == http_span.context.span_id, name
@@ -96,9 +96,13 @@ async def test_trace_context_reaches_every_service(mesh: Mesh) -> None:
     assert attributes["gen_ai.usage.output_tokens"] == 5
     assert tuple(attributes["gen_ai.response.finish_reasons"]) == ("length",)
     assert attributes["http.response.status_code"] == 200
-    # Each gRPC call carries the trace, with the span that made it as the parent.
+    # Each gRPC call, and each request inside a session stream, carries the trace, with
+    # the span that made it as the parent; the session streams themselves carry none.
+    assert mesh.worker.session_metadata and mesh.tokenizer.session_metadata
+    for metadata in (*mesh.worker.session_metadata, *mesh.tokenizer.session_metadata):
+        assert "traceparent" not in metadata
     expected_parents = {
-        "tokenizer": [spans["tokenize"], spans["detokenize"]],
+        "tokenizer": [spans["tokenize"], spans["generate"]],
         "scheduler": [spans["route"]],
         "worker": [spans["generate"]],
     }

@@ -16,7 +16,8 @@ from tiny_models import build_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from meshserve.services.tokenizer.loader import Tokenizer
-from meshserve.services.tokenizer.service import ServedModel, TokenizerServicer
+from meshserve.services.tokenizer.model import ServedModel
+from meshserve.services.tokenizer.service import TokenizerServicer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 你好"}]
 

@@ -33,12 +33,8 @@ from meshserve.proto.v1 import tokenizer_pb2 as pb
 from meshserve.proto.v1 import tokenizer_pb2_grpc
 from meshserve.services.tokenizer.__main__ import load_served_model, read_chat_template
 from meshserve.services.tokenizer.config import TokenizerConfig
-from meshserve.services.tokenizer.service import (
-    SERVICE_NAME,
-    PromptInput,
-    ServedModel,
-    TokenizerServicer,
-)
+from meshserve.services.tokenizer.model import PromptInput, ServedModel
+from meshserve.services.tokenizer.service import SERVICE_NAME, TokenizerServicer
 from meshserve.shared.errors import ConfigError
 from meshserve.shared.grpc_client import GrpcClient, error_from_rpc, wait_until_serving
 from meshserve.shared.grpc_server import GrpcServer

@@ -1,0 +1,194 @@
+"""The gateway's Session stream to one worker: all its requests there, one message a step.
+
+    session = WorkerSession(stub, address)          # opened on first submit
+    session.submit(runner, add)                     # commands are batched per loop turn
+    session.abort(handle, [index])
+
+Commands queued in one event-loop turn go out as one SessionRequest. The reader takes
+each SessionResponse (one engine step of every request here, columnar) and hands each
+entry to its request's `SessionRunner`, which forwards it to that request's detokenize
+stream; then every detokenize stream touched is flushed, so that one worker step becomes
+one message per tokenizer replica. If the stream breaks (worker gone, connection lost),
+every request still on it is told (`worker_lost`); a new session is opened on next use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import grpc
+
+from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from meshserve.services.gateway.detokenize import DetokenizeStream
+from meshserve.shared.errors import InternalError, MeshError, UnavailableError
+from meshserve.shared.grpc_client import error_from_rpc
+from meshserve.shared.proto_errors import error_from_pb
+
+_log = logging.getLogger(__name__)
+
+
+class SessionRunner(Protocol):
+    """What the session needs of one request (a generation)."""
+
+    def on_entry(self, index: int, token_ids: list[int], finish_reason: int,
+                 detail: worker_pb2.EntryDetail | None) -> DetokenizeStream | None:
+        """One entry of a step; returns the detokenize stream it was added to, if any."""
+
+    def on_worker_error(self, error: MeshError) -> None:
+        """The worker failed the request."""
+
+    def on_worker_done(self, timings: common_pb2.Timings) -> None:
+        """The worker finished every sequence of the request."""
+
+    def worker_lost(self, error: MeshError) -> None:
+        """The session broke before the request finished."""
+
+
+class WorkerSession:
+    """One Session stream to one worker (see the module doc)."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
+        self.address = address
+        self._stub = stub
+        self._runners: dict[int, SessionRunner] = {}
+        self._adds: list[worker_pb2.SessionAdd] = []
+        self._aborts: list[worker_pb2.SessionAbort] = []
+        self._wake_writer = asyncio.Event()
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.failure: MeshError | None = None
+
+    @property
+    def usable(self) -> bool:
+        """False once the stream has broken or ended (a new one must be opened)."""
+        return self.failure is None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._runners)
+
+    def submit(self, runner: SessionRunner, add: worker_pb2.SessionAdd) -> None:
+        """Start a request on the worker (sent with this loop turn's other commands)."""
+        if self.failure is not None:
+            runner.worker_lost(self.failure)
+            return
+        self._ensure_open()
+        self._runners[add.handle] = runner
+        self._adds.append(add)
+        self._wake_writer.set()
+
+    def abort(self, handle: int, indices: Sequence[int] = ()) -> None:
+        """Abort some (or all) sequences of a request; the session stops routing its
+        output once all are aborted."""
+        if not indices:
+            self._runners.pop(handle, None)
+        if self.failure is None and self._call is not None:
+            self._aborts.append(worker_pb2.SessionAbort(handle=handle, indices=indices))
+            self._wake_writer.set()
+
+    def forget(self, handle: int) -> None:
+        """Stop routing a request's output (it ended at the gateway)."""
+        self._runners.pop(handle, None)
+
+    def _ensure_open(self) -> None:
+        if self._call is not None:
+            return
+        # A clean context: the stream must not carry the trace of the request that opened it.
+        self._call = contextvars.Context().run(self._stub.Session)
+        self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
+
+    async def _write(self) -> None:
+        assert self._call is not None
+        try:
+            while True:
+                await self._wake_writer.wait()
+                self._wake_writer.clear()
+                adds, aborts = self._adds, self._aborts
+                self._adds, self._aborts = [], []
+                if adds or aborts:
+                    await self._call.write(worker_pb2.SessionRequest(adds=adds, aborts=aborts))
+        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            self._break(_stream_error(exc, self.address))
+
+    async def _read(self) -> None:
+        assert self._call is not None
+        try:
+            while True:
+                response = await self._call.read()
+                if response is grpc.aio.EOF:
+                    raise UnavailableError(f"worker {self.address} ended the Session stream")
+                await self._dispatch(response)
+        except grpc.RpcError as exc:
+            self._break(_stream_error(exc, self.address))
+        except MeshError as exc:
+            self._break(exc)
+        except Exception as exc:  # noqa: BLE001 (a bug: fail its requests loudly, never hang)
+            _log.exception("session to worker %s failed", self.address)
+            self._break(InternalError(f"session to worker {self.address} failed: "
+                                      f"{type(exc).__name__}: {exc}"))
+
+    async def _dispatch(self, response: worker_pb2.SessionResponse) -> None:
+        """Hand every entry to its request, then flush the detokenize streams touched."""
+        runners = self._runners
+        details = {d.entry: d for d in response.details} if response.details else {}
+        token_ids = list(response.token_ids)
+        touched: dict[int, DetokenizeStream] = {}
+        position = 0
+        for entry, (handle, index, size, reason) in enumerate(zip(
+                response.handles, response.indices, response.num_tokens,
+                response.finish_reasons, strict=True)):
+            ids = token_ids[position:position + size]
+            position += size
+            runner = runners.get(handle)
+            if runner is None:
+                continue  # aborted or ended at the gateway; its abort is on its way
+            stream = runner.on_entry(index, ids, reason, details.get(entry))
+            if stream is not None:
+                touched[id(stream)] = stream
+        for failed in response.errors:
+            runner = runners.pop(failed.handle, None)
+            if runner is not None:
+                runner.on_worker_error(error_from_pb(failed.error))
+        for done in response.done:
+            runner = runners.pop(done.handle, None)
+            if runner is not None:
+                runner.on_worker_done(done.timings)
+        for stream in touched.values():
+            await stream.flush()
+
+    def _break(self, error: MeshError) -> None:
+        """The stream is gone: every request still on it is told."""
+        if self.failure is not None:
+            return
+        self.failure = error
+        runners = list(self._runners.values())
+        self._runners.clear()
+        if runners:
+            _log.warning("session to worker %s broke with %d requests on it: %s",
+                         self.address, len(runners), error)
+        for runner in runners:
+            runner.worker_lost(error)
+        if self._call is not None:
+            self._call.cancel()
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    async def aclose(self) -> None:
+        """End the stream (gateway shutdown)."""
+        if self._call is not None:
+            self._call.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _stream_error(exc: BaseException, address: str) -> MeshError:
+    if isinstance(exc, grpc.RpcError):
+        error = error_from_rpc(exc)
+        return UnavailableError(f"worker {address}: {error.message}")
+    return UnavailableError(f"worker {address}: the Session stream closed")

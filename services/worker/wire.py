@@ -1,0 +1,109 @@
+"""Protobuf <-> domain conversions of the worker's edge (Generate, Session, load, info).
+
+The only worker modules that build or read `*_pb2` messages are this one, the servicer
+(service.py) and the session (session.py); the engine speaks SamplingParams,
+RequestOutput and TokenLogprobs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import orjson
+
+from meshserve.proto.v1 import common_pb2, worker_pb2
+from meshserve.services.worker.request_stream import RequestTimes, SequenceDelta, StreamUpdate
+from meshserve.shared.errors import InternalError, InvalidRequestError
+from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.sampling_params import SamplingParams
+
+FINISH_PB = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+             "abort": common_pb2.FINISH_REASON_ABORT}
+"""FinishReason of each domain finish reason."""
+
+
+def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """The domain SamplingParams a proto carries (unset optionals take their defaults)."""
+    has = p.HasField
+    return SamplingParams(
+        n=p.n if has("n") else 1,
+        temperature=p.temperature if has("temperature") else 1.0,
+        top_p=p.top_p if has("top_p") else 1.0,
+        top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if has("repetition_penalty") else 1.0,
+        logit_bias=dict(p.logit_bias) or None,
+        seed=p.seed if has("seed") else None,
+        min_tokens=p.min_tokens,
+        max_tokens=p.max_tokens if has("max_tokens") else None,
+        stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
+        include_stop_str_in_output=p.include_stop_str_in_output, ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if has("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if has("prompt_logprobs") else None,
+        skip_special_tokens=p.skip_special_tokens if has("skip_special_tokens") else True,
+        spaces_between_special_tokens=(p.spaces_between_special_tokens
+                                       if has("spaces_between_special_tokens") else True),
+        extra=_extra(p.extra_json))
+
+
+def _extra(extra_json: str) -> dict[str, object]:
+    if not extra_json:
+        return {}
+    try:
+        extra = orjson.loads(extra_json)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"extra_json is not valid JSON: {exc}",
+                                  param="extra_json") from None
+    if not isinstance(extra, dict):
+        raise InvalidRequestError("extra_json must be a JSON object", param="extra_json")
+    return extra
+
+
+def logprobs_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    """The wire form of one position's logprobs."""
+    return common_pb2.TokenLogprobs(
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+        top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+
+
+def prompt_logprobs_pb(entries: Sequence[TokenLogprobs | None]
+                       ) -> Iterator[common_pb2.TokenLogprobs]:
+    """Prompt logprobs from position 1 on: position 0 has none (nothing precedes it)."""
+    for position, lp in enumerate(entries[1:], start=1):
+        if lp is None:
+            raise InternalError(f"the engine gave no logprob for prompt position {position}")
+        yield logprobs_pb(lp)
+
+
+def sequence_pb(delta: SequenceDelta) -> worker_pb2.SequenceOutput:
+    """One sequence's delta as a Generate message entry."""
+    out = worker_pb2.SequenceOutput(
+        index=delta.index, token_ids=delta.token_ids,
+        finish_reason=FINISH_PB.get(delta.finish_reason or "",
+                                    common_pb2.FINISH_REASON_UNSPECIFIED),
+        usage=common_pb2.Usage(prompt_tokens=delta.num_prompt_tokens,
+                               completion_tokens=delta.num_output_tokens,
+                               cached_tokens=delta.num_cached_tokens))
+    if delta.logprobs:
+        out.logprobs.extend(logprobs_pb(lp) for lp in delta.logprobs)
+    if delta.prompt_logprobs:
+        out.prompt_logprobs.extend(prompt_logprobs_pb(delta.prompt_logprobs))
+    if delta.finish_reason == "stop" and isinstance(delta.stop_reason, int):
+        out.stop_token_id = delta.stop_reason
+    return out
+
+
+def timings_pb(times: RequestTimes, now: float) -> common_pb2.Timings:
+    """A request's Timings as of `now` (time.monotonic())."""
+    queued, prefill, decode = times.durations_ns(now)
+    return common_pb2.Timings(
+        queued_ns=queued, prefill_ns=prefill, decode_ns=decode,
+        step_forward_ns=times.step_forward_ns, num_steps=times.num_steps,
+        num_preemptions=times.num_preemptions, sent_unix_ns=time.time_ns())
+
+
+def generate_response(update: StreamUpdate, now: float) -> worker_pb2.GenerateResponse:
+    """One Generate message from a stream update (`now`: time.monotonic())."""
+    return worker_pb2.GenerateResponse(outputs=[sequence_pb(d) for d in update.deltas],
+                                       timings=timings_pb(update.times, now))

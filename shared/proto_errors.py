@@ -1,0 +1,22 @@
+"""Domain errors inside batched streams: MeshError <-> the `Error` message of common.proto.
+
+A failed call carries its error as a gRPC status; a request that fails inside a session
+stream (which goes on for the others) carries it as an `Error` entry instead, with the
+same kind, message and parameter, so that the receiver rebuilds the same MeshError.
+"""
+
+from __future__ import annotations
+
+from meshserve.proto.v1 import common_pb2
+from meshserve.shared.errors import MeshError, error_class_for_kind
+
+
+def error_pb(error: MeshError) -> common_pb2.Error:
+    """The wire form of a domain error."""
+    return common_pb2.Error(kind=error.kind, message=error.message, param=error.param or "")
+
+
+def error_from_pb(message: common_pb2.Error) -> MeshError:
+    """The domain error an `Error` message stands for (InternalError for unknown kinds)."""
+    return error_class_for_kind(message.kind or "internal")(
+        message.message or f"{message.kind or 'internal'} error", param=message.param or None)
