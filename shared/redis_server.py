@@ -187,21 +187,26 @@ class EmbeddedRedis:
 
 
 def connect(url: str, *, timeout_s: float = 5.0, retries: int = 2,
-            client_name: str | None = None) -> aioredis.Redis:
+            client_name: str | None = None, max_connections: int = 64) -> aioredis.Redis:
     """An asyncio Redis client for `url` with bounded connect and socket timeouts.
 
     Connection errors and timeouts are retried `retries` times with a short backoff.
-    Responses are bytes (decode_responses=False): block hashes and ids are decoded
-    by the modules that own the key schema.
+    At most `max_connections` are open at once; a call beyond them waits (up to
+    `timeout_s`) for one to come free instead of failing, so that a burst of a thousand
+    requests queues for the pool rather than erroring. Responses are bytes
+    (decode_responses=False): block hashes and ids are decoded by the modules that own
+    the key schema.
     """
     if not url:
         raise UnavailableError("empty Redis URL", param="redis_url")
-    return aioredis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=timeout_s,
+        socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
         socket_keepalive=True, health_check_interval=30, decode_responses=False,
         client_name=client_name,
         # redis-py retries 10 times by default; a call should fail within a few timeouts.
         retry=AsyncRetry(ExponentialBackoff(cap=0.25, base=0.02), retries))
+    return aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
 
 
 async def wait_for_redis(client: aioredis.Redis, timeout_s: float = 30.0) -> None:
