@@ -206,7 +206,7 @@ def connect(url: str, *, timeout_s: float = 5.0, retries: int = 2,
         client_name=client_name,
         # redis-py retries 10 times by default; a call should fail within a few timeouts.
         retry=AsyncRetry(ExponentialBackoff(cap=0.25, base=0.02), retries))
-    return aioredis.Redis(connection_pool=pool, auto_close_connection_pool=True)
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
 
 
 async def wait_for_redis(client: aioredis.Redis, timeout_s: float = 30.0) -> None:

@@ -16,8 +16,7 @@ import random
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,9 @@ import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from tokenizer_harness import NAME, Harness
+from transformers import PreTrainedTokenizerBase
 
 from meshserve.proto.v1 import tokenizer_pb2 as pb
 from meshserve.proto.v1 import tokenizer_pb2_grpc
@@ -38,10 +37,8 @@ from meshserve.services.tokenizer.service import SERVICE_NAME, TokenizerServicer
 from meshserve.shared.errors import ConfigError
 from meshserve.shared.grpc_client import GrpcClient, error_from_rpc, wait_until_serving
 from meshserve.shared.grpc_server import GrpcServer
-from meshserve.shared.telemetry import Telemetry
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-NAME = "tiny"
 TEXTS = [
     "The quick brown fox jumps over the lazy dog, said the model to the gateway.",
     "你好世界 模型服务 東京大阪 😀🚀 hello world 🌍🎉 こんにちは 세계안녕",
@@ -62,43 +59,6 @@ TOOLS_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {{ greeting }}\n{% endif %}")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
-
-
-@dataclass
-class Harness:
-    server: GrpcServer
-    stub: tokenizer_pb2_grpc.TokenizerStub
-    channel: grpc.aio.Channel
-    telemetry: Telemetry
-    exporter: InMemorySpanExporter
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
-    """The reference: the model folder's own Hugging Face tokenizer."""
-    return AutoTokenizer.from_pretrained(str(tiny_llama_dir), local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def served(tiny_llama_dir: Path) -> ServedModel:
-    return load_served_model(TokenizerConfig(model=str(tiny_llama_dir), served_model_name=NAME))
-
-
-@pytest.fixture
-async def harness(served: ServedModel) -> AsyncIterator[Harness]:
-    exporter = InMemorySpanExporter()
-    telemetry = Telemetry("tokenizer", span_exporter=exporter)
-    server = GrpcServer("127.0.0.1:0", service_names=[SERVICE_NAME], telemetry=telemetry,
-                        grace_s=5)
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(
-        TokenizerServicer(served, telemetry=telemetry), server.server)
-    port = await server.start()
-    await server.set_serving()
-    channel = GrpcClient().channel(f"127.0.0.1:{port}")
-    yield Harness(server, tokenizer_pb2_grpc.TokenizerStub(channel), channel, telemetry,
-                  exporter)
-    await channel.close()
-    await server.drain(grace_s=0)
 
 
 def _chat(messages: Sequence[dict[str, Any]]) -> pb.ChatMessages:

@@ -10,14 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from worker_harness import (
+    BLOCK,
+    EPOCH,
+    NAMESPACE,
+    NUM_BLOCKS,
+    PROMPTS,
+    WORKER_ID,
+    Harness,
+    collect,
+    greedy,
+    ref_tokens,
+    reference,
+    request,
+    wait_idle,
+)
 
 from meshserve.proto.v1 import (
     common_pb2,
@@ -26,126 +39,15 @@ from meshserve.proto.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import RequestOutput
-from meshserve.services.worker.engine_thread import EngineThread
-from meshserve.services.worker.kv_publisher import KVEventPublisher
 from meshserve.services.worker.registration import Registration
-from meshserve.services.worker.service import WorkerServicer
 from meshserve.shared.block_hash import hash_blocks
-from meshserve.shared.grpc_client import GrpcClient, wait_until_serving
+from meshserve.shared.grpc_client import GrpcClient
 from meshserve.shared.grpc_server import GrpcServer
-from meshserve.shared.kv_index import KVIndex
 from meshserve.shared.logprobs import TokenLogprobs
-from meshserve.shared.redis_server import connect
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.status import ERROR_KIND_KEY
-from meshserve.shared.telemetry import Telemetry, metadata_with_trace
-from meshserve.shared.worker_registry import WorkerInfo
-
-WORKER = "meshserve.v1.Worker"
-WORKER_ID = "worker-test"
-EPOCH = 7
-BLOCK = 16
-NUM_BLOCKS = 64
-NAMESPACE = "tiny@float32"
-PROMPTS = [[5, 17, 99, 3, 250, 42, 8], [300, 301, 302] * 14, list(range(60, 100))]
-
-
-@dataclass
-class Harness:
-    engine: LLMEngine
-    thread: EngineThread
-    publisher: KVEventPublisher
-    server: GrpcServer
-    stub: worker_pb2_grpc.WorkerStub
-    telemetry: Telemetry
-    exporter: InMemorySpanExporter
-    index: KVIndex
-
-
-def engine_config(folder: Path) -> EngineConfig:
-    return EngineConfig(model=str(folder), dtype="float32", device="cpu",
-                        num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=256)
-
-
-@pytest.fixture
-async def worker(tiny_llama_dir: Path, redis_url: str) -> AsyncIterator[Harness]:
-    engine = LLMEngine(engine_config(tiny_llama_dir))
-    redis = connect(redis_url)  # a clean database (the redis_url fixture empties it)
-    index = KVIndex(redis, NAMESPACE)
-    publisher = KVEventPublisher(index, WORKER_ID)
-    publisher.start()
-    thread = EngineThread(engine, epoch=EPOCH, on_kv_events=publisher.put)
-    thread.start()
-    exporter = InMemorySpanExporter()
-    telemetry = Telemetry("worker", span_exporter=exporter)
-    info = WorkerInfo(worker_id=WORKER_ID, address="127.0.0.1:0", model_names=("tiny",),
-                      block_size=BLOCK, max_model_len=engine.max_model_len,
-                      num_total_blocks=NUM_BLOCKS, kv_namespace=NAMESPACE, epoch=EPOCH)
-    servicer = WorkerServicer(thread, info, tracer=telemetry.tracer,
-                              registry=telemetry.registry)
-    server = GrpcServer("127.0.0.1:0", service_names=[WORKER], telemetry=telemetry,
-                        grace_s=1.0)
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
-    port = await server.start()
-    await server.set_serving()
-    channel = GrpcClient().channel(f"127.0.0.1:{port}")
-    await wait_until_serving(channel, WORKER, timeout_s=10)
-    try:
-        yield Harness(engine, thread, publisher, server, worker_pb2_grpc.WorkerStub(channel),
-                      telemetry, exporter, index)
-    finally:
-        await channel.close()
-        await server.drain(grace_s=1.0)
-        thread.stop()
-        await thread.wait_stopped()
-        await publisher.stop()
-        await redis.aclose()
-
-
-def reference(folder: Path, prompt: list[int], params: SamplingParams,
-              warm: list[int] | None = None) -> dict[int, list[RequestOutput]]:
-    """Run one request alone through an in-process engine (after `warm`, if given)."""
-    engine = LLMEngine(engine_config(folder))
-    if warm is not None:
-        engine.add_request("warm", warm, SamplingParams(temperature=0.0, max_tokens=1))
-        while engine.has_unfinished_requests():
-            engine.step()
-    engine.add_request("ref", prompt, params)
-    outputs: dict[int, list[RequestOutput]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault(out.index, []).append(out)
-    return outputs
-
-
-def ref_tokens(outputs: list[RequestOutput]) -> list[int]:
-    return [t for out in outputs for t in out.new_token_ids]
-
-
-def greedy(max_tokens: int, **kw: object) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-async def collect(call: grpc.aio.UnaryStreamCall) -> list[worker_pb2.GenerateResponse]:
-    """The rest of a stream (read() throughout: the call may have been read already)."""
-    messages = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        messages.append(message)
-    return messages
-
-
-async def wait_idle(worker: Harness, within_s: float) -> worker_pb2.GetLoadResponse:
-    """Poll GetLoad until nothing runs or waits (bounded)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        load = await worker.stub.GetLoad(worker_pb2.GetLoadRequest())
-        if load.load.num_running == 0 and load.load.num_waiting == 0:
-            return load
-        assert time.monotonic() < deadline, f"worker still busy after {within_s}s: {load}"
-        await asyncio.sleep(0.01)
+from meshserve.shared.telemetry import metadata_with_trace
 
 
 def tokens_by_index(messages: list[worker_pb2.GenerateResponse]) -> dict[int, list[int]]:
@@ -161,13 +63,6 @@ def final(messages: list[worker_pb2.GenerateResponse], index: int) -> worker_pb2
                 if o.index == index and o.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
     assert len(finished) == 1, f"sequence {index} finished {len(finished)} times"
     return finished[0]
-
-
-def request(rid: str, prompts: list[list[int]], params: common_pb2.SamplingParams
-            ) -> worker_pb2.GenerateRequest:
-    return worker_pb2.GenerateRequest(
-        request_id=rid, prompts=[worker_pb2.Prompt(token_ids=p) for p in prompts],
-        params=params)
 
 
 async def test_generate_matches_in_process_engine(worker: Harness,
