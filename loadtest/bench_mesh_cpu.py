@@ -29,11 +29,11 @@ import orjson
 import torch
 
 from meshserve.services.launcher import LauncherConfig, start_stack
-from meshserve.services.tokenizer.loader import load_tokenizer
 from meshserve.services.offline.batch import run_batch
+from meshserve.services.offline.llm import OfflineLLM
+from meshserve.services.tokenizer.loader import load_tokenizer
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.offline.llm import OfflineLLM
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple terms.",

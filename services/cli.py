@@ -74,10 +74,10 @@ def run_batch_main(argv: Sequence[str]) -> int:
     # Heavy imports only for the command that needs them.
     import torch
 
-    from meshserve.services.tokenizer.loader import load_tokenizer
     from meshserve.services.offline.batch import run_batch
-    from meshserve.services.worker.engine.engine import LLMEngine
     from meshserve.services.offline.llm import OfflineLLM
+    from meshserve.services.tokenizer.loader import load_tokenizer
+    from meshserve.services.worker.engine.engine import LLMEngine
 
     assert config.input_file is not None and config.output_file is not None
     try:

@@ -90,6 +90,11 @@ class Generation:
         self._span = span
         self._restart = restart
         self._seqs = [_Sequence() for _ in range(job.num_choices)]
+        self._num_live = job.num_choices  # sequences without a finish reason
+        self._wants_logprobs = job.wants_logprobs
+        # Labelled metric children, resolved once (a labels() lookup costs microseconds).
+        self._ttft = metrics.ttft.labels(job.model)
+        self._itl = metrics.itl.labels(job.model)
         self._mailbox: list[GenerationUpdate] = []
         self._deltas: list[ChoiceDelta] = []  # of the detokenizer answer being applied
         self._stopped: list[int] = []
@@ -126,6 +131,7 @@ class Generation:
         if self.placement is not None:  # a restart: forget the previous attempt
             self._detok.close(self.placement.handle)
             self._seqs = [_Sequence() for _ in range(self.job.num_choices)]
+            self._num_live = self.job.num_choices
             self._in_detok, self._deferred = 0, None
         self.placement = placement
         self.attempts += 1
@@ -137,7 +143,7 @@ class Generation:
     @property
     def done(self) -> bool:
         """Whether every sequence has finished."""
-        return all(s.finish_reason is not None for s in self._seqs)
+        return self._num_live == 0
 
     @property
     def lookup(self) -> TokenLookup:
@@ -212,7 +218,7 @@ class Generation:
             return None
         lookups: list[int] = []
         if detail is not None:
-            if self.job.wants_logprobs:
+            if self._wants_logprobs:
                 lookups = wire.lookup_ids(detail.logprobs)
             if self.job.echo and detail.prompt_logprobs and not seq.seen:
                 prompt = self.prompts[index // self.job.params.n]
@@ -302,17 +308,19 @@ class Generation:
         logprobs = None
         prompt_logprobs = None
         if detail is not None:
-            if self.job.wants_logprobs:
+            if self._wants_logprobs:
                 logprobs = [wire.token_logprobs(e) for e in detail.logprobs[:counted]]
             if not seq.seen and detail.prompt_logprobs:
                 prompt_logprobs = [None, *map(wire.token_logprobs, detail.prompt_logprobs)]
             if detail.HasField("cached_tokens"):
                 seq.cached_tokens = detail.cached_tokens
-        elif self.job.wants_logprobs:
+        elif self._wants_logprobs:
             logprobs = []
         seq.seen = True
         seq.num_tokens += counted
-        seq.finish_reason = reason
+        if reason is not None:
+            seq.finish_reason = reason
+            self._num_live -= 1
         return ChoiceDelta(entry.index, text.text, entry.token_ids[:counted], logprobs,
                            prompt_logprobs, reason, stop_reason)
 
@@ -321,11 +329,10 @@ class Generation:
         if not tokens:
             return
         now = asyncio.get_running_loop().time()
-        model = self.job.model
         if self._last_token_time is None:
-            self._metrics.ttft.labels(model).observe(now - self.job.arrival)
+            self._ttft.observe(now - self.job.arrival)
         else:
-            self._metrics.itl.labels(model).observe((now - self._last_token_time) / tokens)
+            self._itl.observe((now - self._last_token_time) / tokens)
         self._last_token_time = now
 
     # -- ending -----------------------------------------------------------------------------

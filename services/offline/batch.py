@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 from tqdm import tqdm
 
-from meshserve.services.tokenizer.loader import Tokenizer
 from meshserve.services.offline.llm import GenerationItem, GenerationResult, OfflineLLM
+from meshserve.services.tokenizer.loader import Tokenizer
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.errors import InvalidRequestError, MeshError, NotFoundError
 from meshserve.shared.logprobs import TokenLogprobs

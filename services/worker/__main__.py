@@ -90,6 +90,11 @@ async def claim_epoch(redis: aioredis.Redis | None, worker_id: str, url: str) ->
 def _load_gauges(telemetry: Telemetry, thread: EngineThread) -> None:
     """Prometheus gauges that read the engine's latest load snapshot at scrape time."""
     for name, help_text, read in (
+            ("engine_steps", "Engine steps since start", lambda: thread.steps_delivered),
+            ("engine_step_seconds", "Seconds spent in engine steps since start",
+             lambda: thread.step_ns_total / 1e9),
+            ("engine_tokens", "Tokens the engine produced since start",
+             lambda: thread.tokens_delivered),
             ("running", "Sequences running", lambda: thread.load.num_running),
             ("waiting", "Sequences waiting in the local queue", lambda: thread.load.num_waiting),
             ("kv_free_blocks", "Free KV blocks", lambda: thread.load.num_free_blocks),

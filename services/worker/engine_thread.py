@@ -112,9 +112,12 @@ class EngineThread:
         self._first_timed: set[str] = set()
         self._pending_errors: list[tuple[str, MeshError]] = []
         self._kv_seq = 0
-        # Engine steps whose results reached the event loop, and the latest one's timing.
+        # Engine steps whose results reached the event loop, the latest one's timing, and
+        # totals for the step-rate metrics (time in step(), tokens produced).
         self.steps_delivered = 0
         self.last_timing: StepTiming | None = None
+        self.step_ns_total = 0
+        self.tokens_delivered = 0
         self.failure: BaseException | None = None
         self.load = self._snapshot()
 
@@ -221,14 +224,18 @@ class EngineThread:
             if route is not None:
                 self.abort(route.stream.request_id)  # its other prompts, if any
                 route.stream.fail(error)
+        tokens = 0
         for out in batch.outputs:
+            tokens += len(out.new_token_ids)
             route = self._routes.get(out.request_id)
             if route is None:
                 continue  # a request whose reader went away (its abort is on its way)
             route.stream.push(out, route.offset, batch.times.get(out.request_id))
             touched[id(route.stream)] = route.stream
+        self.tokens_delivered += tokens
         if batch.timing is not None:
             self.steps_delivered += 1
+            self.step_ns_total += batch.timing.forward_ns
             self.last_timing = batch.timing
         for stream in touched.values():
             stream.end_step(batch.timing)

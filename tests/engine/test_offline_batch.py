@@ -19,10 +19,10 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from meshserve.services.tokenizer.loader import Tokenizer
 from meshserve.services.offline.batch import run_batch
-from meshserve.services.worker.engine.request import RequestOutput
 from meshserve.services.offline.llm import GenerationItem, OfflineLLM
+from meshserve.services.tokenizer.loader import Tokenizer
+from meshserve.services.worker.engine.request import RequestOutput
 from meshserve.shared.errors import ContextLengthError, InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
