@@ -1,4 +1,6 @@
 """`meshserve bench latency|throughput`: the in-process engine under vLLM's benchmark workloads.
+(`meshserve bench serve`, the same prompts over HTTP against any OpenAI-compatible server, is
+`meshserve.services.bench_serve`; torch and the engine load only for latency and throughput.)
 
     meshserve bench latency --model M --load-format dummy --input-len 128 --output-len 128
     meshserve bench throughput --model M --load-format dummy --num-prompts 1000 \
@@ -8,51 +10,55 @@ Every engine flag applies; `--seed` seeds the engine and the prompts (`random_pr
 for every request and iteration, so no timed prefill is a prefix-cache hit). Greedy with
 ignore_eos: every request yields exactly its output length. latency: each batch runs alone;
 e2e, ttft, tpot, the decode floor and prefill FLOP/s (`latency_report`). throughput: every
-request is added at once and run to completion (`throughput_report`, preemptions). Both print
+request is added at once and run to completion (`throughput_report`, preemptions, and each
+request's TTFT, ITL, TPOT and e2e under bench serve's names: `TokenTimes`). Both print
 a summary, show progress on stderr and write `--output-json` with config and environment.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
-import math
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
+from meshserve.services.bench_serve import datasets, metrics
+from meshserve.services.bench_serve.datasets import (  # noqa: F401 (the bench's names)
+    MAX_LEN,
+    MIN_LEN,
+    SHAREGPT_INPUT_MEDIAN,
+    SHAREGPT_OUTPUT_MEDIAN,
+    SHAREGPT_SIGMA,
+    sharegpt_like_lengths,
+)
 from meshserve.services.worker.config import EngineOptions
-from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import Request
-from meshserve.shared.sampling_params import SamplingParams
-from meshserve.services.worker.models.config import ModelConfig
 from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, MeshError
+from meshserve.shared.sampling_params import SamplingParams
 
-# The ShareGPT-like mix: lognormal lengths with these medians (exp(mu)) and log-space spread,
-# clipped to [MIN_LEN, MAX_LEN]. sigma 0.6 puts the means at about 1.2x the medians (~240 in,
-# ~215 out), near the ~200 in / ~180 out of the filtered ShareGPT set of vLLM's benchmarks.
-SHAREGPT_INPUT_MEDIAN = 200
-SHAREGPT_OUTPUT_MEDIAN = 180
-SHAREGPT_SIGMA = 0.6
-MIN_LEN = 4
-MAX_LEN = 1024
+if TYPE_CHECKING:
+    # torch and the engine load in main(): `meshserve bench serve` runs without them.
+    import torch
+
+    from meshserve.services.worker.engine.engine import LLMEngine
+    from meshserve.services.worker.models.config import ModelConfig
+
 # Buffers of the copy-bandwidth probe: far above a GPU's L2 (50-60 MB) and CPU caches.
 _GPU_COPY_BYTES = 1 << 30
 _CPU_COPY_BYTES = 64 << 20
-_USAGE = "usage: meshserve bench {latency,throughput} [FLAGS]   (flags: see --help of each)"
+_USAGE = ("usage: meshserve bench {latency,throughput,serve} [FLAGS]   "
+          "(flags: see --help of each)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,40 +121,14 @@ class ThroughputConfig(BenchOptions):
         return [(self.input_len, self.output_len)] * self.num_prompts
 
 
-def sharegpt_like_lengths(num_prompts: int, seed: int, max_model_len: int
-                          ) -> list[tuple[int, int]]:
-    """(input_len, output_len) pairs of a synthetic ShareGPT-like mix, the same for a seed.
-
-    Each length is round(lognormal(mu=ln(median), sigma=SHAREGPT_SIGMA)) with medians 200
-    (input) and 180 (output), clipped to [MIN_LEN, MAX_LEN] = [4, 1024]; then the output is cut
-    to max_model_len - 4 and the input to what the output leaves of max_model_len.
-    """
-    if max_model_len <= MIN_LEN:
-        raise ConfigError(f"max_model_len must exceed {MIN_LEN} for the ShareGPT-like mix, "
-                          f"got {max_model_len}", param="max_model_len")
-    rng = random.Random(seed)
-
-    def draw(median: int) -> int:
-        length = round(rng.lognormvariate(math.log(median), SHAREGPT_SIGMA))
-        return min(max(length, MIN_LEN), MAX_LEN)
-
-    pairs: list[tuple[int, int]] = []
-    for _ in range(num_prompts):
-        input_len, output_len = draw(SHAREGPT_INPUT_MEDIAN), draw(SHAREGPT_OUTPUT_MEDIAN)
-        output_len = min(output_len, max_model_len - MIN_LEN)
-        pairs.append((min(input_len, max_model_len - output_len), output_len))
-    return pairs
-
-
 def random_prompts(lengths: Sequence[int], config: ModelConfig, seed: int) -> list[list[int]]:
     """One prompt per length, fixed by `seed`: ids uniform over the vocabulary minus the
-    model's special ids (eos ids and bos id)."""
-    special = {*config.eos_token_ids, config.bos_token_id} - {None}
-    allowed = torch.tensor(sorted(set(range(config.vocab_size)) - special))
-    generator = torch.Generator().manual_seed(seed)
-    flat = allowed[torch.randint(len(allowed), (sum(lengths),), generator=generator)].tolist()
-    offsets = [0, *itertools.accumulate(lengths)]
-    return [flat[start:end] for start, end in itertools.pairwise(offsets)]
+    model's special ids (eos ids and bos id); `datasets.random_prompts`, which `meshserve
+    bench serve` draws its token prompts from too."""
+    special = set(config.eos_token_ids)
+    if config.bos_token_id is not None:
+        special.add(config.bos_token_id)
+    return datasets.random_prompts(lengths, config.vocab_size, special, seed)
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
@@ -206,6 +186,8 @@ def throughput_report(num_requests: int, input_tokens: int, output_tokens: int,
 
 
 def synchronize(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -219,6 +201,8 @@ def measure_copy_bandwidth(device: torch.device | str, num_bytes: int | None = N
     at which a decode step can stream its weights. The buffer is 1 GiB on a GPU, 64 MiB on a
     CPU (unless `num_bytes`); the figure is over `iters` copies after two untimed ones.
     """
+    import torch
+
     device = torch.device(device)
     gpu = device.type == "cuda"
     size = num_bytes or (_GPU_COPY_BYTES if gpu else _CPU_COPY_BYTES)
@@ -249,6 +233,8 @@ def gpu_driver_version() -> str | None:
 
 def environment_info(device: torch.device) -> dict[str, Any]:
     """Versions and hardware the run used."""
+    import torch
+
     installed = {(d.metadata["Name"] or "").lower(): d.version for d in metadata.distributions()}
     info: dict[str, Any] = {
         "python": platform.python_version(), "platform": platform.platform(),
@@ -342,7 +328,7 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
         run_batch(engine, warm, min(8, lengths[0][1]), f"warm{run}")
     prompts = random_prompts([i for i, _ in lengths], engine.model_config, config.seed)
     sequences: list[Request] = []
-    produced = 0
+    times = TokenTimes()
     started = time.perf_counter()
     for i, (prompt, (_, output_len)) in enumerate(zip(prompts, lengths, strict=True)):
         engine.add_request(f"tput-{i}", prompt,
@@ -350,24 +336,69 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
         sequences.extend(engine.sequences(f"tput-{i}"))
     with progress_bar(len(prompts), config.progress, "req") as bar:
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                produced += len(out.new_token_ids)
+            outputs = engine.step()
+            now = time.perf_counter() - started
+            for out in outputs:
+                times.add(out.request_id, len(out.new_token_ids), out.finished, now)
                 bar.update(int(out.finished))
-    report = throughput_report(len(prompts), sum(i for i, _ in lengths), produced,
-                               time.perf_counter() - started)
+    report = throughput_report(len(prompts), sum(i for i, _ in lengths),
+                               sum(times.tokens.values()), time.perf_counter() - started)
     report.update(num_preemptions=sum(seq.num_preemptions for seq in sequences),
                   mean_input_len=report["input_tokens"] / len(prompts),
-                  mean_output_len=sum(o for _, o in lengths) / len(prompts))
+                  mean_output_len=sum(o for _, o in lengths) / len(prompts),
+                  **times.latency_fields())
     return report
+
+
+@dataclasses.dataclass
+class TokenTimes:
+    """When each request of a timed run got its tokens, in seconds since the run started.
+
+    TTFT: the first delivery; ITL: the gap between a request's successive deliveries, split
+    evenly over the tokens of a delivery that brings several; e2e: when it finished. Reported
+    under the names `meshserve bench serve` uses (`mean_ttft_ms`, `p99_itl_ms`, ...).
+    """
+
+    ttft: dict[str, float] = dataclasses.field(default_factory=dict)
+    last: dict[str, float] = dataclasses.field(default_factory=dict)
+    itl: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    e2e: dict[str, float] = dataclasses.field(default_factory=dict)
+    tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def add(self, request_id: str, count: int, finished: bool, now: float) -> None:
+        """`count` new tokens of `request_id` delivered at `now`."""
+        if count:
+            previous = self.last.get(request_id)
+            if previous is None:
+                self.ttft[request_id] = now
+            else:
+                self.itl.setdefault(request_id, []).extend([(now - previous) / count] * count)
+            self.last[request_id] = now
+            self.tokens[request_id] = self.tokens.get(request_id, 0) + count
+        if finished:
+            self.e2e[request_id] = now
+
+    def latency_fields(self) -> dict[str, float]:
+        """ttft/tpot/itl/e2el mean, median, std, p90, p99 in ms over the finished requests."""
+        done = [r for r in self.e2e if r in self.ttft]
+        tpots = [metrics.request_tpot(self.e2e[r], self.ttft[r], self.tokens[r])
+                 for r in done if self.tokens[r] > 1]
+        return metrics.latency_fields([self.ttft[r] for r in done], tpots,
+                                      (gap for r in done for gap in self.itl.get(r, ())),
+                                      [self.e2e[r] for r in done])
 
 
 def summary(kind: str, r: dict[str, Any]) -> str:
     """A few human lines of a latency or throughput result."""
     if kind == "throughput":
+        # The transformers peer (loadtest/hf_peer_bench.py) has no per-request latencies.
+        latencies = "" if "mean_ttft_ms" not in r else "\n" + ", ".join(
+            f"{name} mean {r[f'mean_{name}_ms']:.2f} ms p99 {r[f'p99_{name}_ms']:.2f} ms"
+            for name in metrics.METRICS)
         return (f"throughput: {r['num_requests']} requests in {r['elapsed_s']:.2f}s: "
                 f"{r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output "
                 f"tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s, "
-                f"{r['num_preemptions']} preemptions")
+                f"{r['num_preemptions']} preemptions{latencies}")
     lines = [f"{key[:-2]}: " + ", ".join(f"{q} {v * 1e3:.3f} ms" for q, v in r[key].items())
              for key in ("latency_s", "ttft_s", "tpot_s") if r[key] is not None]
     ratio = "" if r["tpot_over_floor"] is None else f"; tpot = {r['tpot_over_floor']:.2f}x floor"
@@ -379,8 +410,12 @@ def summary(kind: str, r: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    """`meshserve bench latency|throughput ...`; returns the exit code."""
+    """`meshserve bench latency|throughput|serve ...`; returns the exit code."""
     args = list(argv)
+    if args and args[0] == "serve":
+        from meshserve.services.bench_serve.cli import main as serve_main
+
+        return serve_main(args[1:])
     if not args or args[0] not in ("latency", "throughput"):
         asked = bool(args) and args[0] in ("-h", "--help")
         print(_USAGE, file=sys.stdout if asked else sys.stderr)
@@ -393,6 +428,10 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"meshserve bench {kind}: {exc.message}", file=sys.stderr)
         return 2
+    import torch
+
+    from meshserve.services.worker.engine.engine import LLMEngine
+
     try:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
