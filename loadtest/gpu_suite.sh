@@ -19,8 +19,10 @@
 #   kernels.json    the kernel micro-benchmarks (kernels/bench_kernels.py --out)
 #   steps.tar.gz    each step's own <step>.log and <step>.json
 #   summary.md      the final table
+#   mesh_summary.md (PARTS=mesh) the mesh against the in-process engine, figure by figure
 #
-# Knobs (environment): SUITE_BUDGET_S (570), PEAK_TFLOPS (989: H100 SXM dense bf16; 989 also
+# Knobs (environment): PARTS ("engine"; "mesh" for the mesh against the engine, "engine mesh"
+# for both, which needs more than one call's 10 minutes), SUITE_BUDGET_S (570), PEAK_TFLOPS (989: H100 SXM dense bf16; 989 also
 # for an H200), MODEL_DIR (a model folder to use instead of the Llama-3.1-8B-shaped config),
 # ENGINE_FLAGS, prompt counts SHAREGPT_PROMPTS (1000), SHORT_PROMPTS (500, 1024 in/128 out),
 # LONG_PROMPTS (256, 1000/1000), HF_PROMPTS (128, 1024/128), HF_BATCH_SIZES, HF_FLAGS,
@@ -41,6 +43,11 @@ export OUT RUN_DIR PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 BUDGET_S=${SUITE_BUDGET_S:-570}
+# Parts to run, space-separated: engine (kernels, correctness, in-process benchmarks, the
+# transformers peer) and/or mesh (the same prompts through `meshserve up` and
+# `meshserve bench serve`, next to the in-process engine; loadtest/gpu_mesh.sh).
+PARTS=${PARTS:-engine}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 SHAREGPT_PROMPTS=${SHAREGPT_PROMPTS:-1000}
 SHORT_PROMPTS=${SHORT_PROMPTS:-500}
 SHORT_IN=${SHORT_IN:-1024}
@@ -152,6 +159,11 @@ def figures(name, r):
         return "", ""
     if name == "kernels":
         return f"{len(r.get('results', []))} cases on {r.get('device')}", ""
+    if name == "mesh_report":
+        ratio = r.get("throughput_ratio")
+        text = "see mesh_summary.md" + (f"; mesh/in-process output tok/s {ratio:.3f}"
+                                        if ratio is not None else "")
+        return text, ""
     if r.get("benchmark") == "latency" and r["tpot_s"] is None:  # the prefill
         p = r["prefill"]
         tflops = p["flops_per_s"] / 1e12
@@ -211,41 +223,62 @@ import sys, torch, transformers
 import meshserve.services.bench
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers',
       transformers.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
-# The Triton kernels compiled on this GPU against the PyTorch references.
-step kernel_check "${T_KERNEL_CHECK:-60}" 20 python3 loadtest/gpu_kernel_check.py \
-  --out "$RUN_DIR/kernel_check.json"
-# Greedy outputs of the GPU path against the CPU path: float32 exact, bfloat16 within bounds.
-step correctness "${T_CORRECTNESS:-90}" 30 python3 loadtest/gpu_correctness.py \
-  --out "$RUN_DIR/correctness.json"
-if [ -n "${RUN_KERNEL_BENCH:-}" ]; then
-  step kernels "${T_KERNELS:-35}" 20 python3 -m meshserve.kernels.bench_kernels \
-    --out "$OUT/kernels.json"
+if want engine; then
+  # The Triton kernels compiled on this GPU against the PyTorch references.
+  step kernel_check "${T_KERNEL_CHECK:-60}" 20 python3 loadtest/gpu_kernel_check.py \
+    --out "$RUN_DIR/kernel_check.json"
+  # Greedy outputs of the GPU path against the CPU path: float32 exact, bfloat16 within bounds.
+  step correctness "${T_CORRECTNESS:-90}" 30 python3 loadtest/gpu_correctness.py \
+    --out "$RUN_DIR/correctness.json"
+  if [ -n "${RUN_KERNEL_BENCH:-}" ]; then
+    step kernels "${T_KERNELS:-35}" 20 python3 -m meshserve.kernels.bench_kernels \
+      --out "$OUT/kernels.json"
+  fi
+  # One sequence at a time: --max-num-seqs 1 captures only the batch-1 decode graph.
+  bench latency "${T_LATENCY:-50}" 30 latency --input-len "$LATENCY_LEN" \
+    --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" \
+    --num-iters-warmup 2 --max-num-seqs 1
+  # The same with the overlapped loop off: what overlapping the CPU's work buys.
+  bench latency_sync "${T_LATENCY_SYNC:-50}" 30 latency --input-len "$LATENCY_LEN" \
+    --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" \
+    --num-iters-warmup 2 --max-num-seqs 1 --async-scheduling off
+  bench sharegpt "${T_SHAREGPT:-75}" 40 throughput --dataset sharegpt-like \
+    --num-prompts "$SHAREGPT_PROMPTS" --num-iters-warmup 1
+  bench fixed_short "${T_SHORT:-55}" 30 throughput --input-len "$SHORT_IN" \
+    --output-len "$SHORT_OUT" --num-prompts "$SHORT_PROMPTS" --num-iters-warmup 1
+  bench fixed_long "${T_LONG:-70}" 30 throughput --input-len "$LONG_IN" \
+    --output-len "$LONG_OUT" --num-prompts "$LONG_PROMPTS" --num-iters-warmup 1
+  # The whole prompt in one step (token budget = prompt), no decode graphs needed.
+  bench prefill "${T_PREFILL:-40}" 20 latency --input-len "$PREFILL_LEN" --output-len 1 \
+    --batch-size 1 --num-iters "$PREFILL_ITERS" --num-iters-warmup 1 \
+    --max-num-batched-tokens "$PREFILL_LEN" --max-num-seqs 1 --enforce-eager
+  hf_peer hf_latency "${T_HF_LATENCY:-90}" 40 latency --input-len "$LATENCY_LEN" \
+    --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" --num-iters-warmup 2
+  hf_peer hf_throughput "${T_HF_THROUGHPUT:-90}" 40 throughput --input-len "$SHORT_IN" \
+    --output-len "$SHORT_OUT" --num-prompts "$HF_PROMPTS" --batch-sizes "$HF_BATCH_SIZES"
 fi
-# One sequence at a time: --max-num-seqs 1 captures only the batch-1 decode graph.
-bench latency "${T_LATENCY:-50}" 30 latency --input-len "$LATENCY_LEN" \
-  --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" \
-  --num-iters-warmup 2 --max-num-seqs 1
-# The same with the overlapped loop off: what overlapping the CPU's work buys.
-bench latency_sync "${T_LATENCY_SYNC:-50}" 30 latency --input-len "$LATENCY_LEN" \
-  --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" \
-  --num-iters-warmup 2 --max-num-seqs 1 --async-scheduling off
-bench sharegpt "${T_SHAREGPT:-75}" 40 throughput --dataset sharegpt-like \
-  --num-prompts "$SHAREGPT_PROMPTS" --num-iters-warmup 1
-bench fixed_short "${T_SHORT:-55}" 30 throughput --input-len "$SHORT_IN" \
-  --output-len "$SHORT_OUT" --num-prompts "$SHORT_PROMPTS" --num-iters-warmup 1
-bench fixed_long "${T_LONG:-70}" 30 throughput --input-len "$LONG_IN" \
-  --output-len "$LONG_OUT" --num-prompts "$LONG_PROMPTS" --num-iters-warmup 1
-# The whole prompt in one step (token budget = prompt), no decode graphs needed.
-bench prefill "${T_PREFILL:-40}" 20 latency --input-len "$PREFILL_LEN" --output-len 1 \
-  --batch-size 1 --num-iters "$PREFILL_ITERS" --num-iters-warmup 1 \
-  --max-num-batched-tokens "$PREFILL_LEN" --max-num-seqs 1 --enforce-eager
-hf_peer hf_latency "${T_HF_LATENCY:-90}" 40 latency --input-len "$LATENCY_LEN" \
-  --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" --num-iters-warmup 2
-hf_peer hf_throughput "${T_HF_THROUGHPUT:-90}" 40 throughput --input-len "$SHORT_IN" \
-  --output-len "$SHORT_OUT" --num-prompts "$HF_PROMPTS" --batch-sizes "$HF_BATCH_SIZES"
+if want mesh; then
+  # The in-process references of the mesh runs (the same steps as the engine part; run here
+  # when that part is not), then the same prompts through `meshserve up`.
+  if ! want engine; then
+    bench latency "${T_LATENCY:-50}" 30 latency --input-len "$LATENCY_LEN" \
+      --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" \
+      --num-iters-warmup 2 --max-num-seqs 1
+    bench sharegpt "${T_SHAREGPT:-75}" 40 throughput --dataset sharegpt-like \
+      --num-prompts "$SHAREGPT_PROMPTS" --num-iters-warmup 1
+  fi
+  MESH_MODEL=$RUN_DIR/mesh-model
+  step mesh_model 60 10 python3 loadtest/make_tokenizer.py --config "$MODEL_DIR/config.json" \
+    --out "$MESH_MODEL"
+  # shellcheck disable=SC2086  # ENGINE_FLAGS is a list of flags
+  step mesh "${T_MESH:-420}" 150 env SHAREGPT_PROMPTS="$SHAREGPT_PROMPTS" LATENCY_LEN="$LATENCY_LEN" \
+    bash loadtest/gpu_mesh.sh "$MESH_MODEL" "$RUN_DIR/mesh" $ENGINE_FLAGS
+  step mesh_report 30 5 python3 loadtest/mesh_report.py --run-dir "$RUN_DIR" \
+    --out "$RUN_DIR/mesh_report.json" --summary "$OUT/mesh_summary.md"
+fi
 
 # ---- 4. the table, last ----------------------------------------------------------------------
-tar -czf "$OUT/steps.tar.gz" -C "$RUN_DIR" --exclude=./pkgroot . ||
+tar -czf "$OUT/steps.tar.gz" -C "$RUN_DIR" --exclude=./pkgroot --exclude=./mesh-model . ||
   log "!! packing the steps' files failed"
 log "== suite finished in $((SECONDS - START))s"
 python3 "$RUN_DIR/report.py" table | tee -a "$OUT/suite.log"

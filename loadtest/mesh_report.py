@@ -1,0 +1,183 @@
+"""The mesh against the in-process engine, figure by figure, from one gpu_suite.sh run.
+
+    python loadtest/mesh_report.py --run-dir RUN_DIR --out mesh_report.json --summary mesh.md
+
+Reads the in-process results (`sharegpt.json`: `meshserve bench throughput`, 1000
+ShareGPT-like requests at once, with per-request TTFT/ITL; `latency.json`: one stream) and
+the mesh results of loadtest/gpu_mesh.sh (`mesh/mesh_sharegpt.json`, `mesh/mesh_sweep_C.json`,
+`mesh/mesh_latency.json`, `mesh/worker_metrics.json`), and checks them against the issue's
+targets: mesh throughput >= 0.92x in process, TTFT and ITL p50 within 1.2x, single-stream
+TPOT <= 1.05x, throughput never falling as concurrency rises, no failed request. Prints a
+markdown table and writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+THROUGHPUT_RATIO = 0.92
+LATENCY_RATIO = 1.2
+TPOT_RATIO = 1.05
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
+
+
+def serve_result(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The one result of a `bench serve` JSON (a sweep's first point)."""
+    if doc is None:
+        return None
+    results = doc.get("results")
+    if isinstance(results, list):
+        return results[0] if results else None
+    return doc
+
+
+def check(value: float | None, target: float, *, at_least: bool) -> str:
+    if value is None:
+        return "not measured"
+    ok = value >= target if at_least else value <= target
+    return f"{'meets' if ok else 'MISSES'} {'>=' if at_least else '<='} {target}"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def worker_step_rate(metrics: dict[str, Any] | None) -> dict[str, float] | None:
+    """Engine steps, time inside them and tokens during the 1000-request run."""
+    if metrics is None:
+        return None
+    before, after = metrics["before"], metrics["after"]
+
+    def delta(name: str) -> float:
+        return float(after.get(name, 0.0)) - float(before.get(name, 0.0))
+
+    steps = delta("meshserve_worker_engine_steps")
+    busy = delta("meshserve_worker_engine_step_seconds")
+    tokens = delta("meshserve_worker_engine_tokens")
+    wall = float(after["unix_s"]) - float(before["unix_s"])
+    if not steps or not wall:
+        return None
+    return {"steps": steps, "tokens": tokens, "wall_s": wall, "busy_s": busy,
+            "mean_step_ms": 1e3 * busy / steps, "tokens_per_step": tokens / steps,
+            "busy_fraction": busy / wall}
+
+
+def summary(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A result without its per-request arrays (they stay in the run's own JSON files)."""
+    if result is None:
+        return None
+    return {k: v for k, v in result.items() if not (isinstance(v, list) and len(v) > 16)}
+
+
+def build(run_dir: Path) -> dict[str, Any]:
+    inproc = load(run_dir / "sharegpt.json")
+    latency = load(run_dir / "latency.json")
+    mesh_dir = run_dir / "mesh"
+    mesh = serve_result(load(mesh_dir / "mesh_sharegpt.json"))
+    single = serve_result(load(mesh_dir / "mesh_latency.json"))
+    sweep = []
+    for path in sorted(mesh_dir.glob("mesh_sweep_*.json"),
+                       key=lambda p: int(p.stem.rsplit("_", 1)[1])):
+        point = serve_result(load(path))
+        if point is not None:
+            sweep.append(point)
+    figures: dict[str, Any] = {"in_process": summary(inproc), "mesh": summary(mesh),
+                               "single_stream": summary(single),
+                               "sweep": [summary(p) for p in sweep],
+                               "worker": worker_step_rate(load(mesh_dir / "worker_metrics.json"))}
+    rows: list[tuple[str, str, str, str]] = []
+    if inproc and mesh:
+        tput = ratio(mesh["output_throughput"], inproc["output_tokens_per_s"])
+        ttft = ratio(mesh["median_ttft_ms"], inproc.get("median_ttft_ms"))
+        itl = ratio(mesh["median_itl_ms"], inproc.get("median_itl_ms"))
+        rows += [
+            ("output tok/s, 1000 at once", f"{inproc['output_tokens_per_s']:.0f}",
+             f"{mesh['output_throughput']:.0f} ({mesh['completed']} done, {mesh['failed']} "
+             f"failed)", f"{tput:.3f}x: {check(tput, THROUGHPUT_RATIO, at_least=True)}"),
+            ("TTFT p50 (ms)", _fmt(inproc.get("median_ttft_ms")), _fmt(mesh["median_ttft_ms"]),
+             _ratio_text(ttft, LATENCY_RATIO)),
+            ("ITL p50 (ms)", _fmt(inproc.get("median_itl_ms")), _fmt(mesh["median_itl_ms"]),
+             _ratio_text(itl, LATENCY_RATIO)),
+            ("ITL p99 (ms)", _fmt(inproc.get("p99_itl_ms")), _fmt(mesh["p99_itl_ms"]), ""),
+        ]
+        figures.update(throughput_ratio=tput, ttft_p50_ratio=ttft, itl_p50_ratio=itl)
+    if latency and single:
+        inproc_tpot = latency["tpot_s"]["avg"] * 1e3
+        tpot = ratio(single["mean_tpot_ms"], inproc_tpot)
+        rows.append(("single-stream TPOT (ms)", _fmt(inproc_tpot),
+                     _fmt(single["mean_tpot_ms"]), _ratio_text(tpot, TPOT_RATIO)))
+        figures["tpot_ratio"] = tpot
+    if sweep:
+        rates = [p["output_throughput"] for p in sweep]
+        never_falls = all(b >= a for a, b in zip(rates, rates[1:], strict=False))
+        figures["sweep_never_falls"] = never_falls
+        points = ", ".join(f"{p['max_concurrency']}: {p['output_throughput']:.0f} tok/s "
+                           f"(ITL p50 {p['median_itl_ms']:.1f} ms, {p['failed']} failed)"
+                           for p in sweep)
+        rows.append(("sweep, output tok/s by concurrency", "", points,
+                     "never falls" if never_falls else "FALLS somewhere"))
+    worker = figures["worker"]
+    if worker:
+        rows.append(("worker engine during the 1000-request run", "",
+                     f"{worker['steps']:.0f} steps, {worker['mean_step_ms']:.1f} ms each, "
+                     f"{worker['tokens_per_step']:.0f} tokens/step, busy "
+                     f"{100 * worker['busy_fraction']:.1f}% of the wall time", ""))
+    failed = sum(p.get("failed", 0) for p in [mesh, single, *sweep] if p)
+    figures["failed_requests"] = failed
+    rows.append(("failed requests, all mesh runs", "", str(failed),
+                 "none" if failed == 0 else "SOME FAILED"))
+    figures["rows"] = rows
+    return figures
+
+
+def plot_sweep(mesh_dir: Path, path: Path) -> None:
+    """The sweep's PNG, drawn as `meshserve bench serve --plot` draws a sweep."""
+    from meshserve.services.bench_serve.plot import require_matplotlib, write_plot
+
+    require_matplotlib()
+    points = [serve_result(load(p)) for p in sorted(
+        mesh_dir.glob("mesh_sweep_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))]
+    write_plot(path, [p for p in points if p is not None], sweep=True)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _ratio_text(value: float | None, target: float) -> str:
+    return "-" if value is None else f"{value:.3f}x: {check(value, target, at_least=False)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--summary", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="also draw the sweep (throughput and ITL against concurrency, "
+                             "latency CDFs) into this PNG; needs matplotlib")
+    args = parser.parse_args()
+    figures = build(args.run_dir)
+    if args.plot is not None:
+        plot_sweep(args.run_dir / "mesh", args.plot)
+    lines = ["| figure | in process | through the mesh | against the target |",
+             "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in figures["rows"]]
+    table = "\n".join(lines)
+    print(table)
+    args.out.write_text(json.dumps(figures, indent=1, default=str) + "\n")
+    if args.summary is not None:
+        args.summary.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
