@@ -14,6 +14,7 @@ markdown table and writes the figures as JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -101,8 +102,9 @@ def build(run_dir: Path) -> dict[str, Any]:
         itl = ratio(mesh["median_itl_ms"], inproc.get("median_itl_ms"))
         rows += [
             ("output tok/s, 1000 at once", f"{inproc['output_tokens_per_s']:.0f}",
-             f"{mesh['output_throughput']:.0f} ({mesh['completed']} done, {mesh['failed']} "
-             f"failed)", f"{tput:.3f}x: {check(tput, THROUGHPUT_RATIO, at_least=True)}"),
+             (f"{mesh['output_throughput']:.0f} ({mesh['completed']} done, "
+              f"{mesh['failed']} failed)"),
+             f"{tput:.3f}x: {check(tput, THROUGHPUT_RATIO, at_least=True)}"),
             ("TTFT p50 (ms)", _fmt(inproc.get("median_ttft_ms")), _fmt(mesh["median_ttft_ms"]),
              _ratio_text(ttft, LATENCY_RATIO)),
             ("ITL p50 (ms)", _fmt(inproc.get("median_itl_ms")), _fmt(mesh["median_itl_ms"]),
@@ -118,7 +120,7 @@ def build(run_dir: Path) -> dict[str, Any]:
         figures["tpot_ratio"] = tpot
     if sweep:
         rates = [p["output_throughput"] for p in sweep]
-        never_falls = all(b >= a for a, b in zip(rates, rates[1:], strict=False))
+        never_falls = all(b >= a for a, b in itertools.pairwise(rates))
         figures["sweep_never_falls"] = never_falls
         points = ", ".join(f"{p['max_concurrency']}: {p['output_throughput']:.0f} tok/s "
                            f"(ITL p50 {p['median_itl_ms']:.1f} ms, {p['failed']} failed)"
@@ -128,9 +130,9 @@ def build(run_dir: Path) -> dict[str, Any]:
     worker = figures["worker"]
     if worker:
         rows.append(("worker engine during the 1000-request run", "",
-                     f"{worker['steps']:.0f} steps, {worker['mean_step_ms']:.1f} ms each, "
-                     f"{worker['tokens_per_step']:.0f} tokens/step, busy "
-                     f"{100 * worker['busy_fraction']:.1f}% of the wall time", ""))
+                     (f"{worker['steps']:.0f} steps, {worker['mean_step_ms']:.1f} ms each, "
+                      f"{worker['tokens_per_step']:.0f} tokens/step, busy "
+                      f"{100 * worker['busy_fraction']:.1f}% of the wall time"), ""))
     failed = sum(p.get("failed", 0) for p in [mesh, single, *sweep] if p)
     figures["failed_requests"] = failed
     rows.append(("failed requests, all mesh runs", "", str(failed),
