@@ -18,11 +18,13 @@
 #   results.json    every step's status and JSON result, rewritten after each step
 #   kernels.json    the kernel micro-benchmarks (kernels/bench_kernels.py --out)
 #   steps.tar.gz    each step's own <step>.log and <step>.json
+#   mesh_gG.tar.xz  (PARTS=mesh) gpu_mesh.sh's files of the run with G gateways
 #   summary.md      the final table
-#   mesh_summary.md (PARTS=mesh) the mesh against the in-process engine, figure by figure
+#   mesh_summary_gG.md (PARTS=mesh) the mesh with G gateways against the in-process engine
 #
 # Knobs (environment): PARTS ("engine"; "mesh" for the mesh against the engine, "engine mesh"
-# for both, which needs more than one call's 10 minutes), SUITE_BUDGET_S (570), PEAK_TFLOPS (989: H100 SXM dense bf16; 989 also
+# for both, which needs more than one call's 10 minutes), MESH_GATEWAYS ("1 2"),
+# SUITE_BUDGET_S (570), PEAK_TFLOPS (989: H100 SXM dense bf16; 989 also
 # for an H200), MODEL_DIR (a model folder to use instead of the Llama-3.1-8B-shaped config),
 # ENGINE_FLAGS, prompt counts SHAREGPT_PROMPTS (1000), SHORT_PROMPTS (500, 1024 in/128 out),
 # LONG_PROMPTS (256, 1000/1000), HF_PROMPTS (128, 1024/128), HF_BATCH_SIZES, HF_FLAGS,
@@ -47,6 +49,7 @@ BUDGET_S=${SUITE_BUDGET_S:-570}
 # transformers peer) and/or mesh (the same prompts through `meshserve up` and
 # `meshserve bench serve`, next to the in-process engine; loadtest/gpu_mesh.sh).
 PARTS=${PARTS:-engine}
+MESH_GATEWAYS=${MESH_GATEWAYS:-1 2}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 SHAREGPT_PROMPTS=${SHAREGPT_PROMPTS:-1000}
 SHORT_PROMPTS=${SHORT_PROMPTS:-500}
@@ -72,7 +75,7 @@ log() { echo "$*" | tee -a "$OUT/suite.log"; }
 if compgen -G ".whl/*.whl" >/dev/null; then
   if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl; then
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
   else
     log "!! installing the wheels of .whl/ failed"
   fi
@@ -159,7 +162,7 @@ def figures(name, r):
         return "", ""
     if name == "kernels":
         return f"{len(r.get('results', []))} cases on {r.get('device')}", ""
-    if name == "mesh_report":
+    if name.startswith("mesh_report"):
         ratio = r.get("throughput_ratio")
         text = "see mesh_summary.md" + (f"; mesh/in-process output tok/s {ratio:.3f}"
                                         if ratio is not None else "")
@@ -270,15 +273,27 @@ if want mesh; then
   MESH_MODEL=$RUN_DIR/mesh-model
   step mesh_model 60 10 python3 loadtest/make_tokenizer.py --config "$MODEL_DIR/config.json" \
     --out "$MESH_MODEL"
-  # shellcheck disable=SC2086  # ENGINE_FLAGS is a list of flags
-  step mesh "${T_MESH:-420}" 150 env SHAREGPT_PROMPTS="$SHAREGPT_PROMPTS" LATENCY_LEN="$LATENCY_LEN" \
-    bash loadtest/gpu_mesh.sh "$MESH_MODEL" "$RUN_DIR/mesh" $ENGINE_FLAGS
-  step mesh_report 30 5 python3 loadtest/mesh_report.py --run-dir "$RUN_DIR" \
-    --out "$RUN_DIR/mesh_report.json" --summary "$OUT/mesh_summary.md"
+  # Once per gateway count of MESH_GATEWAYS ("1 2": the default `meshserve up`, then two
+  # gateway processes on the one port).
+  for g in $MESH_GATEWAYS; do
+    # shellcheck disable=SC2086  # ENGINE_FLAGS is a list of flags
+    step "mesh_g$g" "${T_MESH:-300}" 150 env GATEWAYS="$g" SHAREGPT_PROMPTS="$SHAREGPT_PROMPTS" \
+      LATENCY_LEN="$LATENCY_LEN" bash loadtest/gpu_mesh.sh "$MESH_MODEL" "$RUN_DIR/mesh_g$g" \
+      $ENGINE_FLAGS
+    step "mesh_report_g$g" 30 5 python3 loadtest/mesh_report.py --run-dir "$RUN_DIR" \
+      --mesh-dir "$RUN_DIR/mesh_g$g" --out "$RUN_DIR/mesh_report_g$g.json" \
+      --summary "$OUT/mesh_summary_g$g.md"
+  done
 fi
 
 # ---- 4. the table, last ----------------------------------------------------------------------
-tar -czf "$OUT/steps.tar.gz" -C "$RUN_DIR" --exclude=./pkgroot --exclude=./mesh-model . ||
-  log "!! packing the steps' files failed"
+tar -czf "$OUT/steps.tar.gz" -C "$RUN_DIR" --exclude=./pkgroot --exclude=./mesh-model \
+  --exclude='./mesh_g*' . || log "!! packing the steps' files failed"
+# Each mesh run's files (per-request latencies of every run) on their own, xz-packed.
+for dir in "$RUN_DIR"/mesh_g*/; do
+  [ -d "$dir" ] || continue
+  tar -cJf "$OUT/$(basename "$dir").tar.xz" -C "$RUN_DIR" "$(basename "$dir")" ||
+    log "!! packing $dir failed"
+done
 log "== suite finished in $((SECONDS - START))s"
 python3 "$RUN_DIR/report.py" table | tee -a "$OUT/suite.log"

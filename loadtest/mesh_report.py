@@ -4,8 +4,8 @@
 
 Reads the in-process results (`sharegpt.json`: `meshserve bench throughput`, 1000
 ShareGPT-like requests at once, with per-request TTFT/ITL; `latency.json`: one stream) and
-the mesh results of loadtest/gpu_mesh.sh (`mesh/mesh_sharegpt.json`, `mesh/mesh_sweep_C.json`,
-`mesh/mesh_latency.json`, `mesh/worker_metrics.json`), and checks them against the issue's
+the mesh results of loadtest/gpu_mesh.sh (`mesh_sharegpt.json`, `mesh_sweep_C.json`,
+`mesh_latency.json`, `worker_metrics.json` in --mesh-dir), and checks them against the issue's
 targets: mesh throughput >= 0.92x in process, TTFT and ITL p50 within 1.2x, single-stream
 TPOT <= 1.05x, throughput never falling as concurrency rises, no failed request. Prints a
 markdown table and writes the figures as JSON.
@@ -79,10 +79,9 @@ def summary(result: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: v for k, v in result.items() if not (isinstance(v, list) and len(v) > 16)}
 
 
-def build(run_dir: Path) -> dict[str, Any]:
+def build(run_dir: Path, mesh_dir: Path) -> dict[str, Any]:
     inproc = load(run_dir / "sharegpt.json")
     latency = load(run_dir / "latency.json")
-    mesh_dir = run_dir / "mesh"
     mesh = serve_result(load(mesh_dir / "mesh_sharegpt.json"))
     single = serve_result(load(mesh_dir / "mesh_latency.json"))
     sweep = []
@@ -161,16 +160,20 @@ def _ratio_text(value: float | None, target: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--run-dir", type=Path, required=True,
+                        help="the suite's run folder (the in-process results)")
+    parser.add_argument("--mesh-dir", type=Path, default=None,
+                        help="gpu_mesh.sh's output folder (default: RUN_DIR/mesh)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--summary", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None,
                         help="also draw the sweep (throughput and ITL against concurrency, "
                              "latency CDFs) into this PNG; needs matplotlib")
     args = parser.parse_args()
-    figures = build(args.run_dir)
+    mesh_dir = args.mesh_dir or args.run_dir / "mesh"
+    figures = build(args.run_dir, mesh_dir)
     if args.plot is not None:
-        plot_sweep(args.run_dir / "mesh", args.plot)
+        plot_sweep(mesh_dir, args.plot)
     lines = ["| figure | in process | through the mesh | against the target |",
              "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in figures["rows"]]
