@@ -13,7 +13,8 @@
 #   mesh_latency.json       single stream, random LATENCY_LEN in / LATENCY_LEN out
 #                           (LATENCY_PROMPTS requests)
 #   worker_metrics.json     the worker's engine counters before and after the 1000-request run
-#   pyspy_gateway.txt, pyspy_worker.txt   raw py-spy samples during that run (when py-spy works)
+#   pyspy_ROLE.txt          raw py-spy samples of gateway, scheduler, tokenizer and worker
+#                           during that run (when py-spy works there)
 #   up.log, run/            `meshserve up`'s output and every service's log
 # Knobs: GATEWAYS (1), PORT (8123), SWEEP ("1 16 64 256 1024"), SHAREGPT_PROMPTS (1000),
 # LATENCY_LEN (128), LATENCY_PROMPTS (8), PYSPY_S (12).
@@ -64,7 +65,7 @@ serve() {  # serve NAME FLAGS...: one `meshserve bench serve` run into OUT_DIR/N
   echo "== bench serve $name: $*"
   python3 -m meshserve.services.cli bench serve --base-url "http://127.0.0.1:$PORT" \
     --model "$NAME" --model-config "$MODEL" --prompt-format token-ids --ignore-eos \
-    --no-progress --seed 0 --output-json "$OUT_DIR/$name.json" "$@"
+    --no-progress --num-warmup 8 --output-json "$OUT_DIR/$name.json" "$@"
 }
 
 scrape() {  # the worker's engine counters as JSON
@@ -83,15 +84,17 @@ PY
 BEFORE=$(scrape)
 PYSPY=""
 if command -v py-spy >/dev/null; then
-  ( sleep 4
-    py-spy record -f raw -r 50 -d "$PYSPY_S" --pid "$(pid_of gateway)" \
-      -o "$OUT_DIR/pyspy_gateway.txt" >/dev/null 2>&1 &
+  ( sleep 1  # the warm-up requests first
+    for role in gateway scheduler tokenizer; do
+      py-spy record -f raw -r 50 -d "$PYSPY_S" --pid "$(pid_of "$role")" \
+        -o "$OUT_DIR/pyspy_$role.txt" >/dev/null 2>&1 &
+    done
     py-spy record -f raw -r 50 -d "$PYSPY_S" --threads --pid "$(pid_of worker)" \
       -o "$OUT_DIR/pyspy_worker.txt" >/dev/null 2>&1 &
     wait ) &
   PYSPY=$!
 fi
-serve mesh_sharegpt --dataset sharegpt-like --num-prompts "$SHAREGPT_PROMPTS"
+serve mesh_sharegpt --dataset sharegpt-like --num-prompts "$SHAREGPT_PROMPTS" --seed 0
 AFTER=$(scrape)
 printf '{"before": %s, "after": %s}\n' "$BEFORE" "$AFTER" >"$OUT_DIR/worker_metrics.json"
 [ -n "$PYSPY" ] && wait "$PYSPY"
@@ -101,11 +104,13 @@ for c in $SWEEP; do
   n=$((4 * c))
   ((n < 8)) && n=8
   ((n > SHAREGPT_PROMPTS)) && n=$SHAREGPT_PROMPTS
-  serve "mesh_sweep_$c" --dataset sharegpt-like --num-prompts "$n" --max-concurrency "$c"
+  # A seed of its own per point: prompts run before would be prefix-cache hits.
+  serve "mesh_sweep_$c" --dataset sharegpt-like --num-prompts "$n" --max-concurrency "$c" \
+    --seed $((1000 + c))
 done
 
 # 3. One stream at a time, the in-process latency benchmark's shape.
-serve mesh_latency --dataset random --random-input-len "$LATENCY_LEN" \
+serve mesh_latency --dataset random --seed 7 --random-input-len "$LATENCY_LEN" \
   --random-output-len "$LATENCY_LEN" \
   --num-prompts "$LATENCY_PROMPTS" --max-concurrency 1
 echo "== mesh runs done"

@@ -128,10 +128,17 @@ def build(run_dir: Path, mesh_dir: Path) -> dict[str, Any]:
                      "never falls" if never_falls else "FALLS somewhere"))
     worker = figures["worker"]
     if worker:
-        rows.append(("worker engine during the 1000-request run", "",
+        inproc_steps = ("" if not inproc or "num_steps" not in inproc else
+                        f"{inproc['num_steps']} steps, {inproc['mean_step_ms']:.1f} ms each")
+        step_ratio = (ratio(worker["mean_step_ms"], inproc["mean_step_ms"])
+                      if inproc and "mean_step_ms" in inproc else None)
+        figures["step_time_ratio"] = step_ratio
+        rows.append(("engine steps during the 1000-request run", inproc_steps,
                      (f"{worker['steps']:.0f} steps, {worker['mean_step_ms']:.1f} ms each, "
                       f"{worker['tokens_per_step']:.0f} tokens/step, busy "
-                      f"{100 * worker['busy_fraction']:.1f}% of the wall time"), ""))
+                      f"{100 * worker['busy_fraction']:.1f}% of the wall time"),
+                     "-" if step_ratio is None else
+                     f"mean step {step_ratio:.3f}x in process (GIL and event-loop cost)"))
     failed = sum(p.get("failed", 0) for p in [mesh, single, *sweep] if p)
     figures["failed_requests"] = failed
     rows.append(("failed requests, all mesh runs", "", str(failed),

@@ -334,10 +334,14 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
         engine.add_request(f"tput-{i}", prompt,
                            SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
         sequences.extend(engine.sequences(f"tput-{i}"))
+    steps, step_s = 0, 0.0
     with progress_bar(len(prompts), config.progress, "req") as bar:
         while engine.has_unfinished_requests():
+            before = time.perf_counter()
             outputs = engine.step()
             now = time.perf_counter() - started
+            steps += 1
+            step_s += now + started - before
             for out in outputs:
                 times.add(out.request_id, len(out.new_token_ids), out.finished, now)
                 bar.update(int(out.finished))
@@ -346,6 +350,7 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
     report.update(num_preemptions=sum(seq.num_preemptions for seq in sequences),
                   mean_input_len=report["input_tokens"] / len(prompts),
                   mean_output_len=sum(o for _, o in lengths) / len(prompts),
+                  num_steps=steps, mean_step_ms=1e3 * step_s / max(steps, 1),
                   **times.latency_fields())
     return report
 

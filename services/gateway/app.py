@@ -74,7 +74,7 @@ class Gateway:
         await runner.setup()
         self._runner = runner
         await web.TCPSite(runner, self.config.host, self.config.port,
-                          reuse_port=self.config.reuse_port).start()
+                          reuse_port=self.config.reuse_port, backlog=self.config.backlog).start()
         port = int(runner.addresses[0][1])
         self.metrics.listening.set(1)
         _log.info("gateway listening", extra={"host": self.config.host, "port": port,

@@ -81,6 +81,7 @@ class MeshClients:
         self._workers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
         self._worker_cache: tuple[float, list[WorkerEntry]] | None = None
         self._cache_ttl_s = model_cache_ttl_s
+        self._worker_refresh: asyncio.Future[list[WorkerEntry]] | None = None
         self._sessions: dict[str, WorkerSession] = {}
         self._detok_streams: list[DetokenizeStream | None] = [None] * len(self._tokenizers)
         self._detok_failed_at = [float("-inf")] * len(self._tokenizers)
@@ -148,15 +149,25 @@ class MeshClients:
     # -- registry ---------------------------------------------------------------------------
 
     async def list_workers(self, *, refresh: bool = False) -> list[WorkerEntry]:
-        """Registered workers, cached for the configured TTL."""
+        """Registered workers, cached for the configured TTL.
+
+        Concurrent callers share one ListWorkers call: a burst of a thousand requests
+        arriving as the cache expires costs the scheduler one call, not a thousand.
+        """
         now = time.monotonic()
         if not refresh and self._worker_cache and now - self._worker_cache[0] < self._cache_ttl_s:
             return self._worker_cache[1]
+        if self._worker_refresh is None or self._worker_refresh.done():
+            self._worker_refresh = asyncio.ensure_future(self._fetch_workers())
+        # shield: one caller going away must not cancel the others' shared call.
+        return await asyncio.shield(self._worker_refresh)
+
+    async def _fetch_workers(self) -> list[WorkerEntry]:
         with mesh_errors():
             response = await self.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest())
         workers = [WorkerEntry(w.info.worker_id, tuple(w.info.model_names), w.info.max_model_len)
                    for w in response.workers]
-        self._worker_cache = (now, workers)
+        self._worker_cache = (time.monotonic(), workers)
         return workers
 
     async def model_names(self, *, refresh: bool = False) -> list[str]:

@@ -31,6 +31,10 @@ class GatewayConfig(ServiceConfig):
     """Settings of the gateway service (flags `--field-name`, env `MESHSERVE_FIELD_NAME`)."""
 
     port: int = option(8000, "HTTP port of the OpenAI API (0: any free port)")
+    backlog: int = option(
+        4096, "pending connections the listening socket queues (a burst of N clients "
+              "opening connections at once needs N; past it the kernel drops their SYNs and "
+              "they retry a second later); capped by net.core.somaxconn")
     reuse_port: bool = option(False, "listen with SO_REUSEPORT so that several gateway "
                                      "processes share the port (the kernel spreads connections)")
     # Defaults: the tokenizer's and the scheduler's own default ports on this host.
@@ -62,6 +66,7 @@ class GatewayConfig(ServiceConfig):
         self.require(bool(self.tokenizer_addresses), "needs at least one address",
                      "tokenizer_addresses")
         self.require(bool(self.scheduler_address), "must not be empty", "scheduler_address")
+        self.require(self.backlog >= 1, f"must be >= 1, got {self.backlog}", "backlog")
         self.require(not (self.reuse_port and self.port == 0),
                      "needs a fixed --port (with port 0 each process would get its own)",
                      "reuse_port")

@@ -84,7 +84,7 @@ def open_request(handle: int, params: SamplingParams, *, model: str, request_id:
                       for p in prompts], traceparent=traceparent)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SequenceText:
     """What the tokenizer made of one entry."""
 

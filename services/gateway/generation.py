@@ -42,7 +42,7 @@ _UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
 _STOP = common_pb2.FINISH_REASON_STOP
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sequence:
     """What the gateway tracks of one sequence (choice)."""
 
@@ -52,7 +52,7 @@ class _Sequence:
     seen: bool = False  # its first entry (the one with prompt logprobs) was rendered
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Entry:
     """One worker entry on its way through the detokenizer."""
 
@@ -325,7 +325,9 @@ class Generation:
                            prompt_logprobs, reason, stop_reason)
 
     def _observe_timing(self, update: GenerationUpdate) -> None:
-        tokens = max((len(c.token_ids) for c in update.choices), default=0)
+        tokens = 0
+        for choice in update.choices:
+            tokens = max(tokens, len(choice.token_ids))
         if not tokens:
             return
         now = asyncio.get_running_loop().time()

@@ -105,7 +105,7 @@ class PreparedPrompt:
     max_model_len: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceDelta:
     """What one choice gained from one worker stream message.
 
@@ -123,7 +123,7 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class GenerationUpdate:
     """Every choice delta of one worker stream message (choices without news left out)."""
 

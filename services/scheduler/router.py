@@ -1,7 +1,8 @@
 """The router: live workers and prefix hits from Redis, the policy, the global queue.
 
 One placement attempt reads the registry and the block index in ONE Redis round trip
-(a pipeline of two kinds of Lua script), adds the provisional load of requests this
+(a pipeline of two kinds of Lua script; the attempts of one event-loop turn share it,
+reads.py), adds the provisional load of requests this
 replica routed since each worker's last heartbeat, and asks the policy. When every
 worker is full the request waits in the global queue, which retries on every change of
 load: heartbeats, releases and registrations, whichever scheduler replica received them
@@ -21,15 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 
 from meshserve.services.scheduler.inflight import Assignment, InFlight
 from meshserve.services.scheduler.policy import Candidate, RoutingPolicy
 from meshserve.services.scheduler.queue import GlobalQueue
-from meshserve.shared.block_hash import BlockHash, extra_keys_for, hash_blocks
+from meshserve.services.scheduler.reads import Group, PlacementReads, PromptHashes
+from meshserve.shared.block_hash import BlockHash
 from meshserve.shared.errors import InvalidRequestError, UnavailableError
 from meshserve.shared.kv_index import KVSTORE_HOLDER_PREFIX, KVIndex
-from meshserve.shared.redis_server import run_pipeline
 from meshserve.shared.worker_registry import (
     LOAD_CHANNEL,
     WorkerInfo,
@@ -40,7 +40,6 @@ from meshserve.shared.worker_registry import (
 
 _log = logging.getLogger(__name__)
 _HASH_BYTES = 32
-_Group = tuple[str, int]  # (kv namespace, block size): workers whose block hashes agree
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ class Router:
         self._on_route = on_route
         self.inflight = InFlight()
         self._indexes: dict[str, KVIndex] = {}
-        self._groups: dict[str, set[_Group]] = {}  # model -> groups seen at the last read
+        self._reads = PlacementReads(redis, registry, self._index)
         self._listener: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -179,7 +178,8 @@ class Router:
         UnavailableError when no live worker serves the model, OverloadedError when the
         queue is full, DeadlineExceededError when the query's deadline passes.
         """
-        hashes = _PromptHashes(query, self.block_size)
+        hashes = PromptHashes(query.prompt_token_ids, query.block_hashes, query.lora_id,
+                              query.cache_salt, self.block_size)
         started = time.monotonic_ns()
         last_try = [started]
 
@@ -194,8 +194,8 @@ class Router:
             self._on_route(decision)
         return decision
 
-    async def _try_place(self, query: RouteQuery, hashes: _PromptHashes) -> RouteDecision | None:
-        records, matches = await self._read(query.model, hashes)
+    async def _try_place(self, query: RouteQuery, hashes: PromptHashes) -> RouteDecision | None:
+        records, matches = await self._reads.read(query.model, hashes)
         self.inflight.keep_only({r.worker_id for r in records})
         serving = [r for r in records if r.info.serves(query.model)]
         usable = [r for r in serving if r.worker_id not in query.exclude_worker_ids]
@@ -211,27 +211,6 @@ class Router:
         record = next(r for r in usable if r.worker_id == choice.worker_id)
         return self._assign(record, choice, query, matches)
 
-    async def _read(self, model: str, hashes: _PromptHashes
-                    ) -> tuple[list[WorkerRecord], dict[_Group, dict[str, int]]]:
-        """Live workers and per-group prefix matches, in one round trip when groups are known."""
-        groups = sorted(self._groups.get(model, ()))
-
-        def build(pipe: Pipeline) -> None:
-            self.registry.queue_scan(pipe)
-            for namespace, block_size in groups:
-                self._index(namespace).queue_match(pipe, hashes.get(block_size))
-
-        scripts = [*self.registry.scripts, *(self._index(groups[0][0]).scripts if groups else ())]
-        raw = await run_pipeline(self.redis, build, scripts)
-        records = await self.registry.records_from_scan(raw[0])
-        matches = {g: KVIndex.parse_match(r) for g, r in zip(groups, raw[1:], strict=True)}
-        wanted = {(r.info.namespace, r.info.block_size) for r in records if r.info.serves(model)}
-        self._groups[model] = wanted
-        for namespace, block_size in wanted - set(groups):  # a new kind of worker: one more trip
-            matches[(namespace, block_size)] = await self._index(namespace).match_prefix(
-                hashes.get(block_size))
-        return records, matches
-
     def _index(self, namespace: str) -> KVIndex:
         index = self._indexes.get(namespace)
         if index is None:
@@ -239,7 +218,7 @@ class Router:
         return index
 
     def _candidate(self, record: WorkerRecord, query: RouteQuery,
-                   matches: Mapping[_Group, dict[str, int]]) -> Candidate:
+                   matches: Mapping[Group, dict[str, int]]) -> Candidate:
         load, info = record.load, record.info
         matched = matches[(info.namespace, info.block_size)].get(record.worker_id, 0)
         extra = self.inflight.extra_load(record.worker_id, record.epoch,
@@ -253,7 +232,7 @@ class Router:
             num_matched_blocks=matched)
 
     def _assign(self, record: WorkerRecord, choice: Candidate, query: RouteQuery,
-                matches: Mapping[_Group, dict[str, int]]) -> RouteDecision:
+                matches: Mapping[Group, dict[str, int]]) -> RouteDecision:
         """Record the provisional load of the choice and describe it."""
         info = record.info
         output_blocks = math.ceil(query.expected_output_tokens * query.num_sequences
@@ -269,26 +248,3 @@ class Router:
             worker_id=record.worker_id, address=info.address, epoch=record.epoch,
             block_size=info.block_size, num_matched_blocks=choice.num_matched_blocks,
             num_kvstore_blocks=max(0, in_kvstore - choice.num_matched_blocks))
-
-
-class _PromptHashes:
-    """A query's block hashes per block size, computed once per request."""
-
-    def __init__(self, query: RouteQuery, mesh_block_size: int) -> None:
-        self._query = query
-        self._mesh_block_size = mesh_block_size
-        self._extra_keys = extra_keys_for(query.lora_id, query.cache_salt or None)
-        self._by_size: dict[int, list[BlockHash]] = {}
-
-    def get(self, block_size: int) -> list[BlockHash]:
-        """Hashes of the prompt's full blocks at `block_size` (none if they cannot be known)."""
-        hashes = self._by_size.get(block_size)
-        if hashes is None:
-            if self._query.prompt_token_ids:
-                hashes = hash_blocks(self._query.prompt_token_ids, block_size, self._extra_keys)
-            elif block_size == self._mesh_block_size:
-                hashes = list(self._query.block_hashes)
-            else:
-                hashes = []
-            self._by_size[block_size] = hashes
-        return hashes

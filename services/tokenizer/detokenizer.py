@@ -169,7 +169,7 @@ class StopChecker:
         return 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TextDelta:
     """New output text of one sequence, and whether a stop string ended it."""
 

@@ -15,7 +15,7 @@ from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SequenceUpdate:
     """What one sequence's new tokens turned into."""
 

@@ -71,7 +71,7 @@ class RequestTimes:
         return tuple(max(int(d * 1e9), 0) for d in (queued, prefill, decode))  # type: ignore
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceDelta:
     """What one sequence produced since the reader last took its output.
 

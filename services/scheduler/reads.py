@@ -1,0 +1,136 @@
+"""The placement reads of concurrent routes, coalesced into one Redis round trip.
+
+    reads = PlacementReads(redis, registry, index_for, groups)
+    records, matches = await reads.read(model, hashes)
+
+Every route needs the live workers (the registry) and, per group of workers whose block
+hashes agree, how many of its prompt's leading blocks each holder has (the block index).
+Routes that ask in the same event-loop turn share one pipeline: one registry scan and one
+prefix match per route and group. A burst of a thousand requests costs a few round trips
+and registry scans instead of a thousand of each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+
+from meshserve.shared.block_hash import BlockHash, extra_keys_for, hash_blocks
+from meshserve.shared.kv_index import KVIndex
+from meshserve.shared.redis_server import run_pipeline
+from meshserve.shared.worker_registry import WorkerRecord, WorkerRegistry
+
+Group = tuple[str, int]
+"""(kv namespace, block size): workers whose block hashes agree."""
+Matches = dict[Group, dict[str, int]]
+"""Per group: holder -> leading prompt blocks it holds."""
+
+
+class PromptHashes:
+    """A prompt's full-block hashes per block size, computed once per request."""
+
+    def __init__(self, token_ids: tuple[int, ...], block_hashes: tuple[BlockHash, ...],
+                 lora_id: int | None, cache_salt: str, mesh_block_size: int) -> None:
+        """`block_hashes`: hashes at `mesh_block_size`, used when there are no token ids."""
+        self._token_ids = token_ids
+        self._block_hashes = block_hashes
+        self._mesh_block_size = mesh_block_size
+        self._extra_keys = extra_keys_for(lora_id, cache_salt or None)
+        self._by_size: dict[int, list[BlockHash]] = {}
+
+    def get(self, block_size: int) -> list[BlockHash]:
+        """Hashes of the prompt's full blocks at `block_size` (none if they cannot be known)."""
+        hashes = self._by_size.get(block_size)
+        if hashes is None:
+            if self._token_ids:
+                hashes = hash_blocks(self._token_ids, block_size, self._extra_keys)
+            elif block_size == self._mesh_block_size:
+                hashes = list(self._block_hashes)
+            else:
+                hashes = []
+            self._by_size[block_size] = hashes
+        return hashes
+
+
+@dataclass
+class _Ask:
+    model: str
+    hashes: PromptHashes
+    groups: list[Group]
+    answer: asyncio.Future[tuple[list[WorkerRecord], Matches]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class PlacementReads:
+    """Reads for placement attempts, batched per event-loop turn (see the module doc)."""
+
+    def __init__(self, redis: aioredis.Redis, registry: WorkerRegistry,
+                 index_for: Callable[[str], KVIndex]) -> None:
+        self._redis = redis
+        self._registry = registry
+        self._index_for = index_for
+        self._groups: dict[str, set[Group]] = {}  # model -> groups seen at its last read
+        self._asks: list[_Ask] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def read(self, model: str, hashes: PromptHashes
+                   ) -> tuple[list[WorkerRecord], Matches]:
+        """The live workers and the prompt's prefix matches per group of `model`'s workers."""
+        ask = _Ask(model, hashes, sorted(self._groups.get(model, ())))
+        self._asks.append(ask)
+        if len(self._asks) == 1:  # the first of this turn: read once the turn is over
+            asyncio.get_running_loop().call_soon(self._flush)
+        records, matches = await ask.answer
+        wanted = {(r.info.namespace, r.info.block_size) for r in records
+                  if r.info.serves(model)}
+        self._groups[model] = wanted
+        for namespace, block_size in wanted - set(ask.groups):  # a new kind of worker
+            matches[(namespace, block_size)] = await self._index_for(namespace).match_prefix(
+                hashes.get(block_size))
+        return records, matches
+
+    def _flush(self) -> None:
+        asks, self._asks = self._asks, []
+        task = asyncio.ensure_future(self._run(asks))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, asks: list[_Ask]) -> None:
+        try:
+            answers = await self._read_all(asks)
+        except BaseException as exc:  # every asker gets the failure (cancellation too)
+            for ask in asks:
+                if not ask.answer.done():
+                    ask.answer.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for ask, answer in zip(asks, answers, strict=True):
+            if not ask.answer.done():
+                ask.answer.set_result(answer)
+
+    async def _read_all(self, asks: list[_Ask]) -> list[tuple[list[WorkerRecord], Matches]]:
+        def build(pipe: Pipeline) -> None:
+            self._registry.queue_scan(pipe)
+            for ask in asks:
+                for namespace, block_size in ask.groups:
+                    self._index_for(namespace).queue_match(pipe, ask.hashes.get(block_size))
+
+        namespaces = {namespace for ask in asks for namespace, _ in ask.groups}
+        scripts = [*self._registry.scripts,
+                   *(self._index_for(next(iter(namespaces))).scripts if namespaces else ())]
+        raw = await run_pipeline(self._redis, build, scripts)
+        records = await self._registry.records_from_scan(raw[0])
+        position = 1
+        answers = []
+        for ask in asks:
+            matches: Matches = {}
+            for group in ask.groups:
+                matches[group] = KVIndex.parse_match(raw[position])
+                position += 1
+            answers.append((list(records), matches))
+        return answers
