@@ -15,6 +15,7 @@
 #   worker_metrics.json     the worker's engine counters before and after the 1000-request run
 #   pyspy_ROLE.txt          raw py-spy samples of gateway, scheduler, tokenizer and worker
 #                           during that run (when py-spy works there)
+#   worker_steps.jsonl.W    every engine step of worker W (--step-trace), all runs
 #   up.log, run/            `meshserve up`'s output and every service's log
 # Knobs: GATEWAYS (1), PORT (8123), SWEEP ("1 16 64 256 1024"), SHAREGPT_PROMPTS (1000),
 # LATENCY_LEN (128), LATENCY_PROMPTS (8), PYSPY_S (12).
@@ -36,7 +37,8 @@ mkdir -p "$OUT_DIR/run"
 
 python3 -m meshserve.services.cli up --model "$MODEL" --served-model-name "$NAME" \
   --port "$PORT" --gateways "$GATEWAYS" --run-dir "$OUT_DIR/run" --startup-timeout-s 400 \
-  --stop-grace-s 10 "${ENGINE[@]}" >"$OUT_DIR/up.log" 2>&1 &
+  --stop-grace-s 10 --step-trace "$OUT_DIR/worker_steps.jsonl" "${ENGINE[@]}" \
+  >"$OUT_DIR/up.log" 2>&1 &
 UP=$!
 stop_stack() {
   kill -TERM "$UP" 2>/dev/null

@@ -268,7 +268,8 @@ if want mesh; then
       --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" \
       --num-iters-warmup 2 --max-num-seqs 1
     bench sharegpt "${T_SHAREGPT:-75}" 40 throughput --dataset sharegpt-like \
-      --num-prompts "$SHAREGPT_PROMPTS" --num-iters-warmup 1
+      --num-prompts "$SHAREGPT_PROMPTS" --num-iters-warmup 1 \
+      --step-trace "$RUN_DIR/sharegpt_steps.jsonl"
   fi
   MESH_MODEL=$RUN_DIR/mesh-model
   step mesh_model 60 10 python3 loadtest/make_tokenizer.py --config "$MODEL_DIR/config.json" \

@@ -43,6 +43,7 @@ from meshserve.services.bench_serve.datasets import (  # noqa: F401 (the bench's
 )
 from meshserve.services.worker.config import EngineOptions
 from meshserve.services.worker.engine.request import Request
+from meshserve.services.worker.step_trace import StepRecord, write_step_trace
 from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, MeshError
 from meshserve.shared.sampling_params import SamplingParams
@@ -335,6 +336,7 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
                            SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
         sequences.extend(engine.sequences(f"tput-{i}"))
     steps, step_s = 0, 0.0
+    trace: list[StepRecord] = []
     with progress_bar(len(prompts), config.progress, "req") as bar:
         while engine.has_unfinished_requests():
             before = time.perf_counter()
@@ -342,9 +344,17 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
             now = time.perf_counter() - started
             steps += 1
             step_s += now + started - before
+            if config.step_trace:
+                scheduler = engine.scheduler
+                trace.append(StepRecord(
+                    now + started, now + started - before, len(scheduler.running),
+                    len(scheduler.waiting), len(prompts) if steps == 1 else 0, len(outputs),
+                    sum(len(out.new_token_ids) for out in outputs)))
             for out in outputs:
                 times.add(out.request_id, len(out.new_token_ids), out.finished, now)
                 bar.update(int(out.finished))
+    if config.step_trace:
+        write_step_trace(config.step_trace, trace)
     report = throughput_report(len(prompts), sum(i for i, _ in lengths),
                                sum(times.tokens.values()), time.perf_counter() - started)
     report.update(num_preemptions=sum(seq.num_preemptions for seq in sequences),

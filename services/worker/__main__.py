@@ -30,6 +30,7 @@ from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.kv_publisher import KVEventPublisher
 from meshserve.services.worker.registration import Registration
 from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
+from meshserve.services.worker.step_trace import write_step_trace
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.grpc_client import GrpcClient
 from meshserve.shared.grpc_server import GrpcServer
@@ -113,6 +114,8 @@ class WorkerProcess:
         self.failure: BaseException | None = None
         self.draining = False
         self.thread = EngineThread(engine, on_fatal=self._on_fatal)
+        if config.step_trace:
+            self.thread.step_trace = []
         names = config.model_names(engine.source.name)
         self.info = WorkerInfo(  # address and epoch are set once the port is bound
             worker_id="pending", address="pending", model_names=tuple(names),
@@ -194,6 +197,11 @@ class WorkerProcess:
                     await self.thread.wait_stopped()
             except TimeoutError:
                 _log.warning("engine thread did not stop within 10s")
+        if self.thread.step_trace is not None and self.config.step_trace:
+            path = f"{self.config.step_trace}.{self.info.worker_id}"
+            write_step_trace(path, self.thread.step_trace)
+            _log.info("engine step trace written", extra={"path": path,
+                                                          "steps": len(self.thread.step_trace)})
         if self.publisher is not None:
             await self.publisher.stop()
             await self.publisher.index.clear_holder(self.info.worker_id, self.info.epoch)

@@ -50,6 +50,10 @@ class EngineOptions(Config):
     async_scheduling: Literal["auto", "on", "off"] = option(
         "auto", "overlap the CPU's work for the next step with the device's current step "
                 "(auto: on a GPU)")
+    step_trace: str | None = option(
+        None, "diagnostics: record every engine step (time, duration, running and waiting "
+              "sequences, requests added, tokens) and write them as JSON lines to this file "
+              "(a worker adds its id to the name) when the engine stops")
     num_threads: int | None = option(None, "CPU threads for torch (unset: torch's default); "
                                            "`meshserve up` gives each worker a share of the cores")
 

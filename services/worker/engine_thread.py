@@ -32,6 +32,7 @@ from meshserve.services.worker.request_stream import (
     SequenceTimes,
     StepTiming,
 )
+from meshserve.services.worker.step_trace import StepRecord
 from meshserve.shared.errors import InternalError, InvalidRequestError, MeshError
 from meshserve.shared.kv_events import KVEvent
 from meshserve.shared.sampling_params import SamplingParams
@@ -118,6 +119,9 @@ class EngineThread:
         self.last_timing: StepTiming | None = None
         self.step_ns_total = 0
         self.tokens_delivered = 0
+        # Diagnostics (set before start()): one StepRecord per loop turn that stepped.
+        self.step_trace: list[StepRecord] | None = None
+        self._added_since_step = 0
         self.failure: BaseException | None = None
         self.load = self._snapshot()
 
@@ -270,6 +274,8 @@ class EngineThread:
                 self._take_errors(batch)
                 self._take_kv_events(batch)
                 self.load = self._snapshot()
+                if self.step_trace is not None and batch.timing is not None:
+                    self._trace(batch)
                 if batch.outputs or batch.errors or batch.kv is not None:
                     self._to_loop(self._deliver, batch)
         except Exception as exc:  # a device or engine error is fatal for the worker
@@ -291,6 +297,7 @@ class EngineThread:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+                self._added_since_step += 1
             elif isinstance(command, _Abort):
                 self.engine.abort_request(command.engine_id, command.indices)
                 if not self.engine.sequences(command.engine_id):
@@ -331,6 +338,14 @@ class EngineThread:
             if all(seq.is_finished for seq in sequences):
                 del self._sequences[engine_id]
                 self._first_timed.discard(engine_id)
+
+    def _trace(self, batch: _StepBatch) -> None:
+        assert self.step_trace is not None and batch.timing is not None
+        self.step_trace.append(StepRecord(
+            time.perf_counter(), batch.timing.forward_ns / 1e9, self.load.num_running,
+            self.load.num_waiting, self._added_since_step, len(batch.outputs),
+            sum(len(out.new_token_ids) for out in batch.outputs)))
+        self._added_since_step = 0
 
     def _take_kv_events(self, batch: _StepBatch) -> None:
         events = self.engine.take_kv_events()
