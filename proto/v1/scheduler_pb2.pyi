@@ -130,3 +130,39 @@ class ListWorkersResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class RouteSessionRequest(_message.Message):
+    __slots__ = ("routes", "releases", "cancels")
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    routes: _containers.RepeatedCompositeFieldContainer[RouteTicket]
+    releases: _containers.RepeatedCompositeFieldContainer[ReleaseRequest]
+    cancels: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, routes: _Optional[_Iterable[_Union[RouteTicket, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRequest, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RouteTicket(_message.Message):
+    __slots__ = ("ticket", "request", "traceparent")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    request: RouteRequest
+    traceparent: str
+    def __init__(self, ticket: _Optional[int] = ..., request: _Optional[_Union[RouteRequest, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class RouteSessionResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[RouteOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[RouteOutcome, _Mapping]]] = ...) -> None: ...
+
+class RouteOutcome(_message.Message):
+    __slots__ = ("ticket", "route", "error")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    route: RouteResponse
+    error: _common_pb2.Error
+    def __init__(self, ticket: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...

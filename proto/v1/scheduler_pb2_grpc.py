@@ -65,6 +65,11 @@ class SchedulerStub:
                 request_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.RouteSession = channel.stream_stream(
+                '/meshserve.v1.Scheduler/RouteSession',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteSessionRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteSessionResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -117,6 +122,18 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RouteSession(self, request_iterator, context):
+        """Route and Release for every request of one gateway, on one long-lived stream
+        (decision 5: batches, not requests). In: the routes to decide, releases and
+        cancellations queued in one event-loop turn of the gateway. Out: outcomes, each
+        route answered once when decided (as Route would answer it); a route waiting in the
+        global queue holds up no other. When the stream ends, routes still undecided are
+        dropped and decided ones not yet released are released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +166,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ListWorkersRequest.FromString,
                     response_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'RouteSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.RouteSession,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteSessionRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +336,33 @@ class Scheduler:
             '/meshserve.v1.Scheduler/ListWorkers',
             meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
             meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RouteSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/meshserve.v1.Scheduler/RouteSession',
+            meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteSessionRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

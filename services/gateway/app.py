@@ -87,6 +87,5 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        await self.orchestrator.aclose()
         await self.clients.close()
         _log.info("gateway stopped")

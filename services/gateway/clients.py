@@ -26,6 +26,7 @@ from meshserve.proto.v1 import (
     worker_pb2_grpc,
 )
 from meshserve.services.gateway.detokenize import DetokenizeStream
+from meshserve.services.gateway.route_session import RouteStream
 from meshserve.services.gateway.worker_session import WorkerSession
 from meshserve.shared.errors import MeshError, UnavailableError
 from meshserve.shared.grpc_client import GrpcClient, mesh_errors
@@ -83,6 +84,7 @@ class MeshClients:
         self._cache_ttl_s = model_cache_ttl_s
         self._worker_refresh: asyncio.Future[list[WorkerEntry]] | None = None
         self._sessions: dict[str, WorkerSession] = {}
+        self._routes: RouteStream | None = None
         self._detok_streams: list[DetokenizeStream | None] = [None] * len(self._tokenizers)
         self._detok_failed_at = [float("-inf")] * len(self._tokenizers)
         self._next_detok = 0
@@ -118,6 +120,12 @@ class MeshClients:
         return entry[1]
 
     # -- data plane -------------------------------------------------------------------------
+
+    def route_stream(self) -> RouteStream:
+        """This gateway's RouteSession stream to the scheduler (opened on first use)."""
+        if self._routes is None or not self._routes.usable:
+            self._routes = RouteStream(self.scheduler)
+        return self._routes
 
     def worker_session(self, address: str) -> WorkerSession:
         """This gateway's Session stream to the worker at `address` (opened on first use)."""
@@ -209,7 +217,8 @@ class MeshClients:
 
     async def close(self) -> None:
         """Close every channel (in-flight calls are cancelled)."""
-        streams = [*self._sessions.values(), *(s for s in self._detok_streams if s)]
+        streams = [*self._sessions.values(), *(s for s in self._detok_streams if s),
+                   *([self._routes] if self._routes is not None else [])]
         await asyncio.gather(*(s.aclose() for s in streams))
         self._sessions.clear()
         channels = [*self._tokenizer_channels, self._scheduler_channel,

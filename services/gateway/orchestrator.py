@@ -5,15 +5,16 @@
             ...  # SSE chunks, or aggregate
 
 Token-id prompts skip Tokenize. Batched prompts and n > 1 travel as one worker request
-with several prompts, each sampled n times. The request joins this gateway's Session
-stream to the routed worker and its DetokenizeSession stream to one tokenizer replica
-(both shared by every request of the gateway: decision 5). The block is entered once
+with several prompts, each sampled n times. The request is routed on this gateway's
+RouteSession stream to the scheduler, then joins its Session stream to the routed worker
+and its DetokenizeSession stream to one tokenizer replica (all three shared by every
+request of the gateway: decision 5). The block is entered once
 the first output arrived, so that an error before it gets its own HTTP status. A worker
 lost before any output was handed out is excluded and the request routed again
 (`max_generate_attempts` in all). On leaving the block: normally every sequence has
 finished; otherwise (error, deadline, client gone) the worker is told to abort and the
 tokenizer to forget the request, at once. The scheduler is told each attempt ended
-(Release).
+(a release on the route stream).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import grpc
 import orjson
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
@@ -52,13 +52,10 @@ from meshserve.shared.errors import (
     NotFoundError,
     UnavailableError,
 )
-from meshserve.shared.grpc_client import mesh_errors
 from meshserve.shared.telemetry import inject_headers
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-# Abort and Release are best effort and must not outlive a request by much.
-_CLEANUP_TIMEOUT_S = 5.0
 
 
 class Orchestrator:
@@ -70,7 +67,6 @@ class Orchestrator:
         self._clients = clients
         self._metrics = metrics
         self._tracer = tracer
-        self._background: set[asyncio.Task[None]] = set()
         self._handles = itertools.count(1)  # session handles, unique in this gateway
 
     # -- models -----------------------------------------------------------------------------
@@ -232,9 +228,10 @@ class Orchestrator:
         with self._tracer.start_as_current_span("route", attributes={
                 "gen_ai.request.model": job.model,
                 "meshserve.num_excluded": len(excluded)}) as span:
-            with mesh_errors():
-                response = await self._clients.scheduler.Route(
-                    request, timeout=self.remaining_s(job.deadline))
+            carrier = inject_headers({})
+            response = await self._clients.route_stream().route(
+                request, traceparent=carrier.get("traceparent", ""),
+                timeout_s=self.remaining_s(job.deadline))
             span.set_attributes({
                 "meshserve.worker_id": response.worker_id,
                 "meshserve.matched_blocks": response.num_matched_blocks,
@@ -248,27 +245,8 @@ class Orchestrator:
     # -- best-effort cleanup ----------------------------------------------------------------
 
     def _release(self, job: GenerationJob, route: scheduler_pb2.RouteResponse) -> None:
-        request = scheduler_pb2.ReleaseRequest(request_id=job.request_id,
-                                               worker_id=route.worker_id)
-        self._spawn(self._clients.scheduler.Release(request, timeout=_CLEANUP_TIMEOUT_S),
-                    "Release")
-
-    def _spawn(self, call: Awaitable[Any], what: str) -> None:
-        task = asyncio.ensure_future(_best_effort(call, what))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def aclose(self) -> None:
-        """Wait for outstanding Abort / Release calls (on shutdown)."""
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=_CLEANUP_TIMEOUT_S)
-
-
-async def _best_effort(call: Awaitable[Any], what: str) -> None:
-    try:
-        await call
-    except grpc.RpcError as exc:
-        _log.warning("best-effort %s failed: %s", what, exc)
+        """Tell the scheduler an attempt ended (best effort, batched on the route stream)."""
+        self._clients.route_stream().release(job.request_id, route.worker_id)
 
 
 async def _gather_all(coros: Sequence[Awaitable[_T]]) -> list[_T]:

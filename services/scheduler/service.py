@@ -1,9 +1,11 @@
-"""The Scheduler gRPC servicer (thin: protobuf <-> domain at the edge) and its assembly."""
+"""The Scheduler gRPC servicer (thin: protobuf <-> domain at the edge, wire.py) and its
+assembly; a gateway's RouteSession stream is a RouteSession (route_session.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -11,77 +13,27 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from meshserve.proto.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
 from meshserve.services.scheduler.config import SchedulerConfig
 from meshserve.services.scheduler.metrics import SchedulerMetrics
 from meshserve.services.scheduler.policy import RoutingPolicy
 from meshserve.services.scheduler.queue import GlobalQueue
-from meshserve.services.scheduler.router import RouteDecision, RouteQuery, Router
+from meshserve.services.scheduler.route_session import RouteSession
+from meshserve.services.scheduler.router import Router
+from meshserve.services.scheduler.wire import (
+    decision_to_proto,
+    info_from_proto,
+    load_from_proto,
+    query_from_proto,
+    record_to_proto,
+)
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.redis_server import connect, wait_for_redis
 from meshserve.shared.telemetry import Telemetry
-from meshserve.shared.worker_registry import WorkerInfo, WorkerLoad, WorkerRecord, WorkerRegistry
+from meshserve.shared.worker_registry import WorkerRegistry
 
 SERVICE_NAME = "meshserve.v1.Scheduler"
-
-
-def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
-    return WorkerInfo(
-        worker_id=msg.worker_id, address=msg.address, model_names=tuple(msg.model_names),
-        block_size=msg.block_size, max_model_len=msg.max_model_len,
-        num_total_blocks=msg.num_total_blocks, lora_ids=tuple(msg.lora_ids),
-        tensor_parallel_size=msg.tensor_parallel_size or 1, kv_namespace=msg.kv_namespace,
-        epoch=msg.epoch)
-
-
-def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
-    return WorkerLoad(
-        num_running=msg.num_running, num_waiting=msg.num_waiting,
-        num_pending_prefill_tokens=msg.num_pending_prefill_tokens,
-        num_used_blocks=msg.num_used_blocks, num_free_blocks=msg.num_free_blocks,
-        num_total_blocks=msg.num_total_blocks, max_running=msg.max_running,
-        draining=msg.draining, snapshot_unix_ns=msg.snapshot_unix_ns)
-
-
-def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
-    info, load = record.info, record.load
-    return scheduler_pb2.WorkerStatus(
-        info=common_pb2.WorkerInfo(
-            worker_id=info.worker_id, epoch=record.epoch, address=info.address,
-            model_names=info.model_names, block_size=info.block_size,
-            max_model_len=info.max_model_len, num_total_blocks=info.num_total_blocks,
-            lora_ids=info.lora_ids, tensor_parallel_size=info.tensor_parallel_size,
-            kv_namespace=info.kv_namespace),
-        load=common_pb2.WorkerLoad(
-            worker_id=info.worker_id, epoch=record.epoch, num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            num_pending_prefill_tokens=load.num_pending_prefill_tokens,
-            num_used_blocks=load.num_used_blocks, num_free_blocks=load.num_free_blocks,
-            num_total_blocks=load.num_total_blocks, max_running=load.max_running,
-            draining=load.draining, snapshot_unix_ns=load.snapshot_unix_ns),
-        last_heartbeat_unix_ns=record.last_heartbeat_unix_ns)
-
-
-def query_from_proto(msg: scheduler_pb2.RouteRequest, wait_s: float) -> RouteQuery:
-    """The domain query; it gives up waiting after `wait_s` (from now)."""
-    return RouteQuery(
-        request_id=msg.request_id, model=msg.model,
-        prompt_token_ids=tuple(msg.prompt_token_ids), block_hashes=tuple(msg.block_hashes),
-        num_prompt_tokens=msg.num_prompt_tokens,
-        lora_id=msg.lora_id if msg.HasField("lora_id") else None, cache_salt=msg.cache_salt,
-        priority=msg.priority, deadline=asyncio.get_running_loop().time() + wait_s,
-        expected_output_tokens=msg.expected_output_tokens,
-        num_sequences=max(1, msg.num_sequences),
-        exclude_worker_ids=frozenset(msg.exclude_worker_ids))
-
-
-def decision_to_proto(decision: RouteDecision) -> scheduler_pb2.RouteResponse:
-    return scheduler_pb2.RouteResponse(
-        worker_id=decision.worker_id, address=decision.address, epoch=decision.epoch,
-        num_matched_blocks=decision.num_matched_blocks,
-        num_kvstore_blocks=decision.num_kvstore_blocks, block_size=decision.block_size,
-        queued_ns=decision.queued_ns)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -133,16 +85,29 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         released = self._router.release(request.request_id, request.worker_id)
         return scheduler_pb2.ReleaseResponse(released=released)
 
+    async def RouteSession(self, request_iterator: AsyncIterator[
+                               scheduler_pb2.RouteSessionRequest],
+                           context: grpc.aio.ServicerContext) -> None:
+        session = RouteSession(self._router, wait_s=lambda r: self._wait_s(r, None),
+                               tracer=trace.get_tracer("meshserve.scheduler"))
+        reader = asyncio.ensure_future(session.read(request_iterator))
+        try:
+            async for response in session.responses(reader):
+                await context.write(response)
+        finally:
+            reader.cancel()
+            session.close()
+
     async def ListWorkers(self, request: scheduler_pb2.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> scheduler_pb2.ListWorkersResponse:
         records = await self._router.list_workers(request.model or None)
         return scheduler_pb2.ListWorkersResponse(workers=[record_to_proto(r) for r in records])
 
     def _wait_s(self, request: scheduler_pb2.RouteRequest,
-                context: grpc.aio.ServicerContext) -> float:
+                context: grpc.aio.ServicerContext | None) -> float:
         """Longest the request may wait: its own deadline, the call's, the configured cap."""
         limits = [self._config.max_queue_wait_s]
-        remaining = context.time_remaining()
+        remaining = context.time_remaining() if context is not None else None
         if remaining is not None:
             limits.append(remaining)
         if request.deadline_unix_ns:

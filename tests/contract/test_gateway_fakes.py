@@ -32,7 +32,7 @@ from meshserve.proto.v1 import (
 )
 from meshserve.services.gateway.app import Gateway
 from meshserve.services.gateway.config import GatewayConfig
-from meshserve.shared.errors import InternalError, MeshError, NotFoundError
+from meshserve.shared.errors import InternalError, MeshError, NotFoundError, UnavailableError
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.proto_errors import error_pb
 from meshserve.shared.telemetry import Telemetry
@@ -202,26 +202,52 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.routes: list[scheduler_pb2.RouteRequest] = []
         self.released: list[str] = []
         self.release_seen = asyncio.Event()
-        self.metadata: list[dict[str, str]] = []
+        self.metadata: list[dict[str, str]] = []  # per call, and per route on a stream
+        self.session_metadata: list[dict[str, str]] = []  # of the route streams
         self.route_error: MeshError | None = None
 
     async def Route(self, request: scheduler_pb2.RouteRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.RouteResponse:
-        self.routes.append(request)
         self.metadata.append(metadata_of(context))
+        return self._route(request)
+
+    def _route(self, request: scheduler_pb2.RouteRequest) -> scheduler_pb2.RouteResponse:
+        self.routes.append(request)
         if self.route_error is not None:
             raise self.route_error
         for worker_id, address in self.workers:
             if worker_id not in request.exclude_worker_ids:
                 return scheduler_pb2.RouteResponse(worker_id=worker_id, address=address,
                                                    epoch=1, block_size=16)
-        raise AssertionError("every worker excluded")
+        raise UnavailableError("every worker excluded")
 
     async def Release(self, request: scheduler_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> scheduler_pb2.ReleaseResponse:
         self.released.append(request.request_id)
         self.release_seen.set()
         return scheduler_pb2.ReleaseResponse(released=True)
+
+    async def RouteSession(self, request_iterator: Any,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Route and Release for a stream of tickets, answered in the order they came."""
+        self.session_metadata.append(metadata_of(context))
+        async for message in request_iterator:
+            outcomes = []
+            for ticket in message.routes:
+                self.metadata.append({"traceparent": ticket.traceparent})
+                try:
+                    route = self._route(ticket.request)
+                except MeshError as exc:
+                    outcomes.append(scheduler_pb2.RouteOutcome(ticket=ticket.ticket,
+                                                               error=error_pb(exc)))
+                else:
+                    outcomes.append(scheduler_pb2.RouteOutcome(ticket=ticket.ticket,
+                                                               route=route))
+            for release in message.releases:
+                self.released.append(release.request_id)
+                self.release_seen.set()
+            if outcomes:
+                yield scheduler_pb2.RouteSessionResponse(outcomes=outcomes)
 
     async def ListWorkers(self, request: scheduler_pb2.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> scheduler_pb2.ListWorkersResponse:

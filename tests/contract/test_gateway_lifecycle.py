@@ -99,7 +99,9 @@ async def test_trace_context_reaches_every_service(mesh: Mesh) -> None:
     # Each gRPC call, and each request inside a session stream, carries the trace, with
     # the span that made it as the parent; the session streams themselves carry none.
     assert mesh.worker.session_metadata and mesh.tokenizer.session_metadata
-    for metadata in (*mesh.worker.session_metadata, *mesh.tokenizer.session_metadata):
+    assert mesh.scheduler.session_metadata
+    for metadata in (*mesh.worker.session_metadata, *mesh.tokenizer.session_metadata,
+                     *mesh.scheduler.session_metadata):
         assert "traceparent" not in metadata
     expected_parents = {
         "tokenizer": [spans["tokenize"], spans["generate"]],

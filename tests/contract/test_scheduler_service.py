@@ -246,3 +246,64 @@ async def test_two_replicas_share_workers_and_wake_each_other(
     await a.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load("w1", running=0,
                                                                     max_running=1)))
     assert (await asyncio.wait_for(waiting, 5)).worker_id == "w1"
+
+
+class RouteSessionClient:
+    """The client side of one RouteSession stream."""
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+        self.queue: asyncio.Queue[scheduler_pb2.RouteSessionRequest | None] = asyncio.Queue()
+        self.call = stub.RouteSession(self._requests())
+
+    async def _requests(self) -> AsyncIterator[scheduler_pb2.RouteSessionRequest]:
+        while (message := await self.queue.get()) is not None:
+            yield message
+
+    def send(self, **fields: Any) -> None:
+        self.queue.put_nowait(scheduler_pb2.RouteSessionRequest(**fields))
+
+    async def outcomes(self, count: int) -> dict[int, scheduler_pb2.RouteOutcome]:
+        got: dict[int, scheduler_pb2.RouteOutcome] = {}
+        async with asyncio.timeout(10):
+            while len(got) < count:
+                message = await self.call.read()
+                assert message is not grpc.aio.EOF
+                for outcome in message.outcomes:
+                    assert outcome.ticket not in got, "a ticket answered twice"
+                    got[outcome.ticket] = outcome
+        return got
+
+
+def ticket(number: int, request_id: str, **fields: Any) -> scheduler_pb2.RouteTicket:
+    return scheduler_pb2.RouteTicket(ticket=number, request=route_request(request_id, **fields))
+
+
+async def test_route_session_answers_each_ticket_and_queues_alone(
+        start_replica: Callable[..., Awaitable[Replica]]) -> None:
+    replica = await start_replica(max_waiting_per_worker=0, queue_capacity=4)
+    stub = replica.stub
+    await register(stub, "w0", max_running=2)
+    session = RouteSessionClient(stub)
+    # Four routes in one message: two fit, two wait in the queue; one more names no model.
+    session.send(routes=[ticket(1, "a"), ticket(2, "b"), ticket(3, "c"), ticket(4, "d"),
+                         scheduler_pb2.RouteTicket(ticket=5, request=scheduler_pb2.RouteRequest(
+                             request_id="bad", prompt_token_ids=PROMPT))])
+    first = await session.outcomes(3)
+    assert {t: o.WhichOneof("result") for t, o in first.items()} == {
+        1: "route", 2: "route", 5: "error"}
+    assert first[5].error.kind == "invalid_request" and first[5].error.param == "model"
+    # Releasing one frees a place: exactly one waiting route is decided.
+    session.send(releases=[scheduler_pb2.ReleaseRequest(request_id="a", worker_id="w0")])
+    (decided,) = (await session.outcomes(1)).values()
+    assert decided.ticket in (3, 4) and decided.route.worker_id == "w0"
+    # The other waiting one is cancelled; ending the stream releases what it had decided.
+    session.send(cancels=[7 - decided.ticket])
+    assert len(replica.service.router.inflight) == 2  # b and the decided one
+    session.queue.put_nowait(None)
+    assert await session.call.read() is grpc.aio.EOF
+    await eventually(lambda: _no_inflight(replica))
+    assert len(replica.service.router.queue) == 0
+
+
+async def _no_inflight(replica: Replica) -> bool:
+    return len(replica.service.router.inflight) == 0

@@ -1,0 +1,67 @@
+"""Protobuf <-> domain conversions of the scheduler's edge."""
+
+from __future__ import annotations
+
+import asyncio
+
+from meshserve.proto.v1 import common_pb2, scheduler_pb2
+from meshserve.services.scheduler.router import RouteDecision, RouteQuery
+from meshserve.shared.worker_registry import WorkerInfo, WorkerLoad, WorkerRecord
+
+
+def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=msg.worker_id, address=msg.address, model_names=tuple(msg.model_names),
+        block_size=msg.block_size, max_model_len=msg.max_model_len,
+        num_total_blocks=msg.num_total_blocks, lora_ids=tuple(msg.lora_ids),
+        tensor_parallel_size=msg.tensor_parallel_size or 1, kv_namespace=msg.kv_namespace,
+        epoch=msg.epoch)
+
+
+def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        num_running=msg.num_running, num_waiting=msg.num_waiting,
+        num_pending_prefill_tokens=msg.num_pending_prefill_tokens,
+        num_used_blocks=msg.num_used_blocks, num_free_blocks=msg.num_free_blocks,
+        num_total_blocks=msg.num_total_blocks, max_running=msg.max_running,
+        draining=msg.draining, snapshot_unix_ns=msg.snapshot_unix_ns)
+
+
+def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
+    info, load = record.info, record.load
+    return scheduler_pb2.WorkerStatus(
+        info=common_pb2.WorkerInfo(
+            worker_id=info.worker_id, epoch=record.epoch, address=info.address,
+            model_names=info.model_names, block_size=info.block_size,
+            max_model_len=info.max_model_len, num_total_blocks=info.num_total_blocks,
+            lora_ids=info.lora_ids, tensor_parallel_size=info.tensor_parallel_size,
+            kv_namespace=info.kv_namespace),
+        load=common_pb2.WorkerLoad(
+            worker_id=info.worker_id, epoch=record.epoch, num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_pending_prefill_tokens=load.num_pending_prefill_tokens,
+            num_used_blocks=load.num_used_blocks, num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks, max_running=load.max_running,
+            draining=load.draining, snapshot_unix_ns=load.snapshot_unix_ns),
+        last_heartbeat_unix_ns=record.last_heartbeat_unix_ns)
+
+
+def query_from_proto(msg: scheduler_pb2.RouteRequest, wait_s: float) -> RouteQuery:
+    """The domain query; it gives up waiting after `wait_s` (from now)."""
+    return RouteQuery(
+        request_id=msg.request_id, model=msg.model,
+        prompt_token_ids=tuple(msg.prompt_token_ids), block_hashes=tuple(msg.block_hashes),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        lora_id=msg.lora_id if msg.HasField("lora_id") else None, cache_salt=msg.cache_salt,
+        priority=msg.priority, deadline=asyncio.get_running_loop().time() + wait_s,
+        expected_output_tokens=msg.expected_output_tokens,
+        num_sequences=max(1, msg.num_sequences),
+        exclude_worker_ids=frozenset(msg.exclude_worker_ids))
+
+
+def decision_to_proto(decision: RouteDecision) -> scheduler_pb2.RouteResponse:
+    return scheduler_pb2.RouteResponse(
+        worker_id=decision.worker_id, address=decision.address, epoch=decision.epoch,
+        num_matched_blocks=decision.num_matched_blocks,
+        num_kvstore_blocks=decision.num_kvstore_blocks, block_size=decision.block_size,
+        queued_ns=decision.queued_ns)
