@@ -42,6 +42,7 @@ METHOD_TIMEOUTS_S: Mapping[str, float] = MappingProxyType({
     # keepalive pings find a dead peer, each request has its own deadline inside.
     "meshserve.v1.Worker/Session": 1e9,
     "meshserve.v1.Tokenizer/DetokenizeSession": 1e9,
+    "meshserve.v1.Scheduler/RouteSession": 1e9,
     # May wait in the global queue.
     "meshserve.v1.Scheduler/Route": 120.0,
     # Bulk KV transfers.

@@ -1,8 +1,9 @@
 """The one telemetry setup: OpenTelemetry traces and Prometheus metrics of a service process.
 
 - `Telemetry(service_name, otlp_endpoint=...)` owns the process's tracer provider
-  (resource `service.name`), exporting over OTLP/gRPC when an endpoint is configured
-  and nowhere otherwise, and the process's Prometheus registry.
+  (resource `service.name`), exporting over OTLP/gRPC when an endpoint is configured;
+  with no exporter it records no span of its own making (trace context still
+  propagates, and a sampled parent is honoured). It also owns the Prometheus registry.
 - W3C trace context (`traceparent`, `tracestate`) rides in HTTP headers
   (`inject_headers` / `extract_context`) and gRPC metadata
   (`trace_context_interceptors()` on channels, `Telemetry.server_rpc` around every
@@ -25,6 +26,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import (
@@ -100,15 +102,14 @@ class _StreamUnaryTrace(grpc.aio.StreamUnaryClientInterceptor):
         return await continuation(_with_trace(client_call_details), request_iterator)
 
 
-class _StreamStreamTrace(grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
-                                      request_iterator: Any) -> Any:
-        return await continuation(_with_trace(client_call_details), request_iterator)
-
-
 def trace_context_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """Channel interceptors that put the current trace context into every call's metadata."""
-    return [_UnaryUnaryTrace(), _UnaryStreamTrace(), _StreamUnaryTrace(), _StreamStreamTrace()]
+    """Channel interceptors that put the current trace context into a call's metadata.
+
+    Bidirectional streams get none: they are the long-lived session streams, which carry
+    each request's trace context inside their messages (an interceptor would also route
+    every message through an extra queue and task).
+    """
+    return [_UnaryUnaryTrace(), _UnaryStreamTrace(), _StreamUnaryTrace()]
 
 
 def _normalise_endpoint(endpoint: str) -> str:
@@ -126,7 +127,12 @@ class Telemetry:
         self.service_name = service_name
         resource = Resource.create({"service.name": service_name,
                                     "service.namespace": "meshserve"})
-        self.tracer_provider = TracerProvider(resource=resource)
+        # With nowhere to export, spans are not recorded (their context still travels, so
+        # a caller that samples is honoured): a recorded span costs tens of microseconds a
+        # request on the hot path for nothing.
+        exports = bool(otlp_endpoint) or span_exporter is not None
+        sampler = ParentBased(ALWAYS_ON if exports else ALWAYS_OFF)
+        self.tracer_provider = TracerProvider(resource=resource, sampler=sampler)
         if otlp_endpoint:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
             exporter = OTLPSpanExporter(endpoint=_normalise_endpoint(otlp_endpoint))

@@ -342,3 +342,22 @@ def test_setup_logging_writes_json_lines_and_replaces_itself() -> None:
     assert (record["level"], record["logger"], record["block"]) == ("DEBUG", "meshserve.test", 3)
     assert (record["trace_id"], record["span_id"]) == ("", "")
     assert "KeyError: 'missing'" in record["exception"]
+
+
+def test_session_streams_outlive_any_request_deadline() -> None:
+    # The data plane's bidirectional streams live as long as their gateway: a default
+    # unary deadline would cut them (and every request on them) after seconds.
+    from meshserve.proto.v1 import scheduler_pb2, tokenizer_pb2, worker_pb2
+    from meshserve.shared.grpc_client import METHOD_TIMEOUTS_S
+
+    sessions = [f"{service.full_name}/{method.name}"
+                for module in (scheduler_pb2, tokenizer_pb2, worker_pb2)
+                for service in module.DESCRIPTOR.services_by_name.values()
+                for method in service.methods
+                if method.client_streaming and method.server_streaming
+                and method.name.endswith("Session")]
+    assert sorted(sessions) == ["meshserve.v1.Scheduler/RouteSession",
+                                "meshserve.v1.Tokenizer/DetokenizeSession",
+                                "meshserve.v1.Worker/Session"]
+    for name in sessions:
+        assert METHOD_TIMEOUTS_S.get(name, 0) >= 86400 * 365, name
