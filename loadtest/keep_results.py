@@ -4,12 +4,13 @@
 
 FILES_DIR holds what the suite left in $OUT. The summaries, results.json and suite.log are
 copied; each mesh run's `bench serve` JSON files are kept without their per-request arrays
-(ttfts, itls, ...: the figures computed from them stay), and its py-spy samples and service
-logs are kept as they are.
+(ttfts, itls, ...: the figures computed from them stay), its engine step traces are gzipped,
+and its py-spy samples and service logs are kept as they are.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import sys
@@ -32,7 +33,7 @@ def main() -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for name in ("summary.md", "results.json", "suite.log", "steps.tar.gz"):
         if (src / name).is_file():
-            shutil.copy(src / name, dst / name)
+            shutil.copyfile(src / name, dst / name)
     for summary in src.glob("mesh_summary*.md"):
         shutil.copy(summary, dst / summary.name)
     for packed in src.glob("mesh_g*.tar.xz"):
@@ -45,6 +46,9 @@ def main() -> None:
                 data = tar.extractfile(member).read()  # type: ignore[union-attr]
                 if member.name.endswith(".json") and "/run/" not in member.name:
                     data = (json.dumps(strip(json.loads(data)), indent=1) + "\n").encode()
+                if "worker_steps.jsonl" in member.name:  # a line per engine step: packed
+                    target = target.with_name(target.name + ".gz")
+                    data = gzip.compress(data)
                 target.write_bytes(data)
 
 

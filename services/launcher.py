@@ -51,6 +51,9 @@ from meshserve.shared.errors import ConfigError, MeshError, UnavailableError
 from meshserve.shared.redis_server import EmbeddedRedis, find_free_port
 
 _LOOPBACK = "127.0.0.1"
+# --gateways 0: one gateway per this many cores, at most this many gateways.
+_CORES_PER_GATEWAY = 8
+_MAX_AUTO_GATEWAYS = 4
 _LOG_TAIL_LINES = 40
 _GATEWAY_LISTENING = "meshserve_gateway_http_listening 1.0"  # a sample of its /metrics
 _CONFIG_CLASSES = {"tokenizer": "TokenizerConfig", "scheduler": "SchedulerConfig",
@@ -64,8 +67,8 @@ class LauncherConfig(EngineOptions):
 
     workers: int = option(1, "model workers to start")
     tokenizers: int = option(1, "tokenizer replicas to start")
-    gateways: int = option(1, "gateway processes sharing the HTTP port (SO_REUSEPORT when "
-                              "more than 1)")
+    gateways: int = option(0, "gateway processes sharing the HTTP port (SO_REUSEPORT when "
+                              "more than 1); 0: one per 8 CPU cores, from 1 to 4")
     kvstore: bool = option(True, "start the KV-cache store")
     host: str = option(_LOOPBACK, "address the gateway listens on (0.0.0.0: all interfaces)")
     port: int = option(8000, "HTTP port of the gateway (0: any free port)")
@@ -83,11 +86,22 @@ class LauncherConfig(EngineOptions):
     startup_timeout_s: float = option(600.0, "how long the services may take to be healthy")
     stop_grace_s: float = option(30.0, "how long services may drain before SIGKILL")
 
+    @property
+    def num_gateways(self) -> int:
+        """Gateway processes to start: --gateways, or by cores when it is 0. One gateway is
+        one event-loop thread; past a few hundred concurrent streams (or a burst of
+        requests arriving at once) one core no longer keeps up (docs/scaling.md)."""
+        if self.gateways:
+            return self.gateways
+        return min(max((os.cpu_count() or 1) // _CORES_PER_GATEWAY, 1), _MAX_AUTO_GATEWAYS)
+
     def validate(self) -> None:
         super().validate()
-        for name in ("workers", "tokenizers", "gateways"):
+        for name in ("workers", "tokenizers"):
             value = getattr(self, name)
             self.require(value >= 1, f"must be at least 1, got {value}", name)
+        self.require(self.gateways >= 0, f"must be >= 0 (0: by cores), got {self.gateways}",
+                     "gateways")
         self.require(0 <= self.port <= 65535, f"must be in [0, 65535], got {self.port}", "port")
         for name in ("startup_timeout_s", "stop_grace_s"):
             value = getattr(self, name)
@@ -189,8 +203,8 @@ class Stack:
         self.kvstore_address = self._free() if config.kvstore else None
         self.worker_addresses = [self._free() for _ in range(config.workers)]
         self.worker_ids = [f"worker-{i}" for i in range(config.workers)]
-        self.gateway_names = (["gateway"] if config.gateways == 1 else
-                              [f"gateway-{i}" for i in range(config.gateways)])
+        self.gateway_names = (["gateway"] if config.num_gateways == 1 else
+                              [f"gateway-{i}" for i in range(config.num_gateways)])
 
     @property
     def base_url(self) -> str:
@@ -255,7 +269,7 @@ class Stack:
             gateway += ["--served-model-names", c.served_model_name]
         if c.api_key:
             gateway += ["--api-key", c.api_key]
-        if c.gateways > 1:
+        if c.num_gateways > 1:
             gateway.append("--reuse-port")
         for name in self.gateway_names:
             # Its own /metrics is the one probe that reaches this process and no other.
@@ -275,7 +289,7 @@ class Stack:
 
     def start(self, say: Callable[[str], None] = lambda _: None) -> Self:
         """Start Redis and every service; return once all are healthy (else stop, raise)."""
-        if self.config.gateways > 1 and self.config.port and port_taken(
+        if self.config.num_gateways > 1 and self.config.port and port_taken(
                 self.config.host, self.gateway_port):
             raise UnavailableError(
                 f"port {self.gateway_port} on {self.config.host} is taken; the gateways "
@@ -428,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     with stack:
         model = ", ".join(stack.model_names())
         print(f"meshserve is up: {stack.base_url} (model {model}, {config.workers} "
-              f"worker(s), {config.gateways} gateway(s)); logs in {stack.run_dir}; "
+              f"worker(s), {config.num_gateways} gateway(s)); logs in {stack.run_dir}; "
               f"Ctrl-C stops", flush=True)
         code = stack.wait()
         say("stopping" if code == 0 else "a service died; stopping everything")

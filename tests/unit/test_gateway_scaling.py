@@ -17,18 +17,23 @@ def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-@pytest.mark.parametrize("gateways", [0, -1])
-def test_at_least_one_gateway(gateways: int) -> None:
-    with pytest.raises(ConfigError, match="gateways: must be at least 1"):
-        LauncherConfig(gateways=gateways)
+def test_gateways_cannot_be_negative() -> None:
+    with pytest.raises(ConfigError, match="gateways: must be >= 0"):
+        LauncherConfig(gateways=-1)
 
 
 def test_gateways_from_flag_and_environment() -> None:
-    assert LauncherConfig().gateways == 1
-    assert LauncherConfig.from_args(["--gateways", "3"], environ={}).gateways == 3
-    assert LauncherConfig.from_args([], environ={"MESHSERVE_GATEWAYS": "2"}).gateways == 2
-    with pytest.raises(ConfigError, match="gateways"):
-        LauncherConfig.from_args(["--gateways", "0"], environ={})
+    assert LauncherConfig.from_args(["--gateways", "3"], environ={}).num_gateways == 3
+    assert LauncherConfig.from_args([], environ={"MESHSERVE_GATEWAYS": "2"}).num_gateways == 2
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 1), (8, 1), (16, 2), (31, 3),
+                                                 (64, 4), (128, 4), (None, 1)])
+def test_by_default_one_gateway_per_eight_cores(monkeypatch: pytest.MonkeyPatch,
+                                                cores: int | None, expected: int) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    config = LauncherConfig()
+    assert config.gateways == 0 and config.num_gateways == expected
 
 
 def test_reuse_port_is_off_by_default_and_needs_a_fixed_port() -> None:
