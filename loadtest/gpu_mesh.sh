@@ -96,7 +96,9 @@ if command -v py-spy >/dev/null; then
     wait ) &
   PYSPY=$!
 fi
-serve mesh_sharegpt --dataset sharegpt-like --num-prompts "$SHAREGPT_PROMPTS" --seed 0
+# A full-size warm-up burst first (another seed, 16 tokens each), as the in-process run gets.
+serve mesh_sharegpt --dataset sharegpt-like --num-prompts "$SHAREGPT_PROMPTS" --seed 0 \
+  --num-warmup "$SHAREGPT_PROMPTS"
 AFTER=$(scrape)
 printf '{"before": %s, "after": %s}\n' "$BEFORE" "$AFTER" >"$OUT_DIR/worker_metrics.json"
 [ -n "$PYSPY" ] && wait "$PYSPY"

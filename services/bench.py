@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 # Buffers of the copy-bandwidth probe: far above a GPU's L2 (50-60 MB) and CPU caches.
 _GPU_COPY_BYTES = 1 << 30
 _CPU_COPY_BYTES = 64 << 20
+# Output tokens of each warm-up request (as `meshserve bench serve` warms up).
+_WARMUP_OUTPUT_LEN = 16
 _USAGE = ("usage: meshserve bench {latency,throughput,serve} [FLAGS]   "
           "(flags: see --help of each)")
 
@@ -103,9 +105,15 @@ class ThroughputConfig(BenchOptions):
                  "synthetic ShareGPT-like length mix (median 200 in, 180 out)")
     input_len: int | None = option(None, "prompt tokens of each request (--dataset fixed)")
     output_len: int | None = option(None, "output tokens of each request (--dataset fixed)")
+    warmup_prompts: int = option(
+        8, "prompts of each warm-up batch (another seed, at most 16 output tokens each); as "
+           "many as --num-prompts warms the kernels of full-size steps, as `bench serve "
+           "--num-warmup` does on a server")
 
     def validate(self) -> None:
         super().validate()
+        self.require(self.warmup_prompts >= 1, f"must be >= 1, got {self.warmup_prompts}",
+                     "warmup_prompts")
         self.require(self.num_prompts >= 1, f"must be >= 1, got {self.num_prompts}",
                      "num_prompts")
         for name in ("input_len", "output_len"):
@@ -322,11 +330,12 @@ def bench_latency(engine: LLMEngine, config: LatencyConfig) -> dict[str, Any]:
 def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, Any]:
     """Warm-up batches, then every request at once; the throughput JSON's figures."""
     lengths = config.lengths(engine.max_model_len)
-    # Warm-up prompts (up to 8, short outputs) come from another seed, so that they leave
-    # nothing of the timed prompts in the prefix cache.
-    warm = random_prompts([i for i, _ in lengths[:8]], engine.model_config, config.seed + 1)
+    # Warm-up prompts (short outputs) come from another seed, so that they leave nothing of
+    # the timed prompts in the prefix cache. Lengths cycle through the timed ones.
+    warm_lengths = [lengths[i % len(lengths)][0] for i in range(config.warmup_prompts)]
+    warm = random_prompts(warm_lengths, engine.model_config, config.seed + 1)
     for run in range(config.num_iters_warmup):
-        run_batch(engine, warm, min(8, lengths[0][1]), f"warm{run}")
+        run_batch(engine, warm, min(_WARMUP_OUTPUT_LEN, lengths[0][1]), f"warm{run}")
     prompts = random_prompts([i for i, _ in lengths], engine.model_config, config.seed)
     sequences: list[Request] = []
     times = TokenTimes()
