@@ -17,7 +17,7 @@
 #                           during that run (when py-spy works there)
 #   worker_steps.jsonl.W    every engine step of worker W (--step-trace), all runs
 #   up.log, run/            `meshserve up`'s output and every service's log
-# Knobs: GATEWAYS (0: `meshserve up`'s default, one per 8 cores), PORT (8123), SWEEP ("1 16 64 256 1024"), SHAREGPT_PROMPTS (1000),
+# Knobs: GATEWAYS (1, `meshserve up`'s default; 0: one per 8 cores), PORT (8123), SWEEP ("1 16 64 256 1024"), SHAREGPT_PROMPTS (1000),
 # LATENCY_LEN (128), LATENCY_PROMPTS (8), PYSPY_S (12).
 set -uo pipefail
 
@@ -25,7 +25,7 @@ MODEL=$1
 OUT_DIR=$2
 shift 2
 ENGINE=("$@")
-GATEWAYS=${GATEWAYS:-0}
+GATEWAYS=${GATEWAYS:-1}
 PORT=${PORT:-8123}
 SWEEP=${SWEEP:-1 16 64 256 1024}
 SHAREGPT_PROMPTS=${SHAREGPT_PROMPTS:-1000}

@@ -23,7 +23,7 @@
 #   mesh_summary_gG.md (PARTS=mesh) the mesh with --gateways G against the in-process engine
 #
 # Knobs (environment): PARTS ("engine"; "mesh" for the mesh against the engine, "engine mesh"
-# for both, which needs more than one call's 10 minutes), MESH_GATEWAYS ("0 1"),
+# for both, which needs more than one call's 10 minutes), MESH_GATEWAYS ("1 2"),
 # SUITE_BUDGET_S (570), PEAK_TFLOPS (989: H100 SXM dense bf16; 989 also
 # for an H200), MODEL_DIR (a model folder to use instead of the Llama-3.1-8B-shaped config),
 # ENGINE_FLAGS, prompt counts SHAREGPT_PROMPTS (1000), SHORT_PROMPTS (500, 1024 in/128 out),
@@ -49,7 +49,7 @@ BUDGET_S=${SUITE_BUDGET_S:-570}
 # transformers peer) and/or mesh (the same prompts through `meshserve up` and
 # `meshserve bench serve`, next to the in-process engine; loadtest/gpu_mesh.sh).
 PARTS=${PARTS:-engine}
-MESH_GATEWAYS=${MESH_GATEWAYS:-0 1}
+MESH_GATEWAYS=${MESH_GATEWAYS:-1 2}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 SHAREGPT_PROMPTS=${SHAREGPT_PROMPTS:-1000}
 SHORT_PROMPTS=${SHORT_PROMPTS:-500}
@@ -276,8 +276,8 @@ if want mesh; then
   MESH_MODEL=$RUN_DIR/mesh-model
   step mesh_model 60 10 python3 loadtest/make_tokenizer.py --config "$MODEL_DIR/config.json" \
     --out "$MESH_MODEL"
-  # Once per gateway count of MESH_GATEWAYS ("0 1": `meshserve up`'s default, one gateway
-  # per 8 cores, then a single gateway).
+  # Once per gateway count of MESH_GATEWAYS ("1 2": `meshserve up`'s default, then two
+  # gateway processes on the one port).
   for g in $MESH_GATEWAYS; do
     # shellcheck disable=SC2086  # ENGINE_FLAGS is a list of flags
     step "mesh_g$g" "${T_MESH:-300}" 150 env GATEWAYS="$g" SHAREGPT_PROMPTS="$SHAREGPT_PROMPTS" \

@@ -67,7 +67,7 @@ class LauncherConfig(EngineOptions):
 
     workers: int = option(1, "model workers to start")
     tokenizers: int = option(1, "tokenizer replicas to start")
-    gateways: int = option(0, "gateway processes sharing the HTTP port (SO_REUSEPORT when "
+    gateways: int = option(1, "gateway processes sharing the HTTP port (SO_REUSEPORT when "
                               "more than 1); 0: one per 8 CPU cores, from 1 to 4")
     kvstore: bool = option(True, "start the KV-cache store")
     host: str = option(_LOOPBACK, "address the gateway listens on (0.0.0.0: all interfaces)")

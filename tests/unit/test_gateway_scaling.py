@@ -23,17 +23,18 @@ def test_gateways_cannot_be_negative() -> None:
 
 
 def test_gateways_from_flag_and_environment() -> None:
+    assert LauncherConfig().num_gateways == 1
     assert LauncherConfig.from_args(["--gateways", "3"], environ={}).num_gateways == 3
     assert LauncherConfig.from_args([], environ={"MESHSERVE_GATEWAYS": "2"}).num_gateways == 2
 
 
 @pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 1), (8, 1), (16, 2), (31, 3),
                                                  (64, 4), (128, 4), (None, 1)])
-def test_by_default_one_gateway_per_eight_cores(monkeypatch: pytest.MonkeyPatch,
+def test_gateways_0_is_one_per_eight_cores(monkeypatch: pytest.MonkeyPatch,
                                                 cores: int | None, expected: int) -> None:
     monkeypatch.setattr("os.cpu_count", lambda: cores)
-    config = LauncherConfig()
-    assert config.gateways == 0 and config.num_gateways == expected
+    config = LauncherConfig(gateways=0)
+    assert config.num_gateways == expected
 
 
 def test_reuse_port_is_off_by_default_and_needs_a_fixed_port() -> None:
