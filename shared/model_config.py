@@ -108,6 +108,29 @@ def context_length(max_position_embeddings: int, sliding_window: int | None) -> 
     return max_position_embeddings
 
 
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def eos_token_ids(cfg: dict[str, Any], generation: dict[str, Any] | None) -> tuple[int, ...]:
+    """EOS ids: the config's and the generation config's, united, first seen first."""
+    ids = _as_ids(cfg.get("eos_token_id")) + _as_ids((generation or {}).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+def bos_token_id(cfg: dict[str, Any], generation: dict[str, Any] | None) -> int | None:
+    """The BOS id: the config's, else the generation config's (None when neither has one)."""
+    bos = cfg.get("bos_token_id")
+    if bos is None:
+        bos = (generation or {}).get("bos_token_id")
+    ids = _as_ids(bos)
+    return ids[0] if ids else None
+
+
 def max_model_len_of(files: ModelFiles) -> int:
     """The context length a worker serves for this model (before any --max-model-len)."""
     cfg = files.config

@@ -19,12 +19,16 @@ import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from meshserve.shared.errors import ConfigError, MeshError
-from meshserve.shared.model_config import max_model_len_of, read_folder
+from meshserve.shared.model_config import (
+    bos_token_id,
+    eos_token_ids,
+    max_model_len_of,
+    read_folder,
+)
 
 # The ShareGPT-like mix: lognormal lengths with these medians (exp(mu)) and log-space spread,
 # clipped to [MIN_LEN, MAX_LEN]. sigma 0.6 puts the means at about 1.2x the medians (~240 in,
@@ -63,14 +67,6 @@ class ModelFacts:
     max_model_len: int
 
 
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
 def model_facts(folder: Path) -> ModelFacts:
     """vocab_size, eos ids, bos id and context length of a model folder, read as the worker
     reads them (eos: config's and generation config's, united; bos: config's, else the
@@ -83,10 +79,8 @@ def model_facts(folder: Path) -> ModelFacts:
     except (MeshError, KeyError, TypeError, ValueError) as exc:
         message = exc.message if isinstance(exc, MeshError) else f"bad or missing field {exc}"
         raise ConfigError(f"--model-config {folder}: {message}", param="model_config") from exc
-    eos = _as_ids(cfg.get("eos_token_id")) + _as_ids(generation.get("eos_token_id"))
-    bos = cfg.get("bos_token_id")
-    bos_ids = _as_ids(bos if bos is not None else generation.get("bos_token_id"))
-    special = frozenset(eos) | frozenset(bos_ids[:1])
+    bos = bos_token_id(cfg, generation)
+    special = frozenset(eos_token_ids(cfg, generation)) | frozenset(() if bos is None else (bos,))
     return ModelFacts(Vocabulary(vocab_size, special), max_model_len)
 
 

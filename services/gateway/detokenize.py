@@ -18,7 +18,6 @@ token id and kept (`TokenLookup`). If the stream breaks, every request bound to 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import itertools
 import logging
 from collections import deque
@@ -26,11 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import grpc
-
 from meshserve.proto.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from meshserve.shared.errors import InternalError, MeshError, UnavailableError
-from meshserve.shared.grpc_client import error_from_rpc
+from meshserve.services.gateway.bidi_link import BidiLink
+from meshserve.shared.errors import InternalError, MeshError
 from meshserve.shared.proto_errors import error_from_pb
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -140,21 +137,23 @@ class DetokenizeStream:
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, address: str) -> None:
         self.address = address
         self.lookup = TokenLookup()
-        self._stub = stub
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._reader: asyncio.Task[None] | None = None
+        self._link = BidiLink(stub.DetokenizeSession, name=f"tokenizer {address}",
+                              on_message=self._on_answer, on_break=self._break)
         self._batch = _Batch()
         self._sent: deque[_Batch] = deque()
         self._sinks: dict[int, TextSink] = {}  # handle -> its sink, while open
         self._asked: set[int] = set()  # token ids asked for, answer pending
         self._flush_task: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
-        self.failure: MeshError | None = None
 
     @property
     def usable(self) -> bool:
         """False once the stream has broken (a new one must be opened)."""
-        return self.failure is None
+        return self._link.usable
+
+    @property
+    def failure(self) -> MeshError | None:
+        return self._link.failure
 
     def open(self, sink: TextSink, request: tokenizer_pb2.DetokenizeOpen) -> None:
         """Bind a request to this stream; it opens with the next message."""
@@ -204,40 +203,14 @@ class DetokenizeStream:
             return
         batch, self._batch = self._batch, _Batch()
         async with self._write_lock:  # messages go out in the order their batches closed
-            self._ensure_open()
-            assert self._call is not None
+            self._link.open()
             self._sent.append(batch)
-            try:
-                await self._call.write(batch.message())
-            except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-                self._break(_stream_error(exc, self.address))
+            await self._link.write(batch.message())  # a failure breaks the link
 
-    def _ensure_open(self) -> None:
-        if self._call is not None:
-            return
-        # A clean context: the stream must not carry the trace of the request that opened it.
-        self._call = contextvars.Context().run(self._stub.DetokenizeSession)
-        self._reader = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        assert self._call is not None
-        try:
-            while True:
-                response = await self._call.read()
-                if response is grpc.aio.EOF:
-                    raise UnavailableError(f"tokenizer {self.address} ended the "
-                                           "DetokenizeSession stream")
-                if not self._sent:
-                    raise InternalError("the tokenizer answered a message never sent")
-                self._answer(self._sent.popleft(), response)
-        except grpc.RpcError as exc:
-            self._break(_stream_error(exc, self.address))
-        except MeshError as exc:
-            self._break(exc)
-        except Exception as exc:  # noqa: BLE001 (a bug: fail its requests loudly, never hang)
-            _log.exception("detokenize stream to %s failed", self.address)
-            self._break(InternalError(f"detokenize stream to {self.address} failed: "
-                                      f"{type(exc).__name__}: {exc}"))
+    async def _on_answer(self, response: tokenizer_pb2.DetokenizeSessionResponse) -> None:
+        if not self._sent:
+            raise InternalError("the tokenizer answered a message never sent")
+        self._answer(self._sent.popleft(), response)
 
     def _answer(self, batch: _Batch, response: tokenizer_pb2.DetokenizeSessionResponse) -> None:
         self.lookup.add(batch.lookups, response.token_bytes)
@@ -266,25 +239,16 @@ class DetokenizeStream:
 
     def _break(self, error: MeshError) -> None:
         """The stream is gone: every request bound to it fails."""
-        if self.failure is not None:
-            return
-        self.failure = error
         _log.warning("detokenize stream to %s broke: %s", self.address, error)
         sinks = list(self._sinks.values())
         self._sinks.clear()
         self._sent.clear()
         for sink in {id(s): s for s in sinks}.values():
             sink.on_detokenize_error(error)
-        if self._call is not None:
-            self._call.cancel()
 
     async def aclose(self) -> None:
         """End the stream (gateway shutdown)."""
-        if self._call is not None:
-            self._call.cancel()
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        await self._link.aclose()
 
     async def detokenize(self, token_ids: Sequence[int], *, model: str, request_id: str,
                          timeout_s: float) -> str:
@@ -320,10 +284,3 @@ class _OneShot:
     def on_detokenize_error(self, error: MeshError) -> None:
         if not self.result.done():
             self.result.set_exception(error)
-
-
-def _stream_error(exc: BaseException, address: str) -> MeshError:
-    if isinstance(exc, grpc.RpcError):
-        error = error_from_rpc(exc)
-        return UnavailableError(f"tokenizer {address}: {error.message}")
-    return UnavailableError(f"tokenizer {address}: the DetokenizeSession stream closed")

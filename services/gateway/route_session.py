@@ -15,23 +15,12 @@ route waiting on it fails with UnavailableError; the next route opens a new stre
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import itertools
-import logging
-
-import grpc
 
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
-from meshserve.shared.errors import (
-    DeadlineExceededError,
-    InternalError,
-    MeshError,
-    UnavailableError,
-)
-from meshserve.shared.grpc_client import error_from_rpc
+from meshserve.services.gateway.bidi_link import BidiLink
+from meshserve.shared.errors import DeadlineExceededError, MeshError
 from meshserve.shared.proto_errors import error_from_pb
-
-_log = logging.getLogger(__name__)
 
 
 class RouteStream:
@@ -45,21 +34,20 @@ class RouteStream:
         self._releases: list[scheduler_pb2.ReleaseRequest] = []
         self._cancels: list[int] = []
         self._wake_writer = asyncio.Event()
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self.failure: MeshError | None = None
+        self._link = BidiLink(stub.RouteSession, name="scheduler", on_message=self._answer,
+                              on_break=self._break)
 
     @property
     def usable(self) -> bool:
         """False once the stream has broken (a new one must be opened)."""
-        return self.failure is None
+        return self._link.usable
 
     async def route(self, request: scheduler_pb2.RouteRequest, *, traceparent: str,
                     timeout_s: float) -> scheduler_pb2.RouteResponse:
         """The scheduler's decision for one request (its error, raised, when it has none)."""
-        if self.failure is not None:
-            raise self.failure
-        self._ensure_open()
+        if self._link.failure is not None:
+            raise self._link.failure
+        self._link.open(self._write)
         ticket = next(self._tickets)
         answer = asyncio.get_running_loop().create_future()
         self._waiting[ticket] = answer
@@ -82,82 +70,42 @@ class RouteStream:
 
     def release(self, request_id: str, worker_id: str) -> None:
         """Tell the scheduler a routed request ended (best effort)."""
-        if self.failure is None and self._call is not None:
+        if self._link.usable and self._link.opened:
             self._releases.append(scheduler_pb2.ReleaseRequest(request_id=request_id,
                                                                worker_id=worker_id))
             self._wake_writer.set()
 
     def _cancel(self, ticket: int) -> None:
         self._waiting.pop(ticket, None)
-        if self.failure is None:
+        if self._link.usable:
             self._cancels.append(ticket)
             self._wake_writer.set()
 
-    def _ensure_open(self) -> None:
-        if self._call is not None:
-            return
-        # A clean context: the stream must not carry the trace of the request that opened it.
-        self._call = contextvars.Context().run(self._stub.RouteSession)
-        self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
-
     async def _write(self) -> None:
-        assert self._call is not None
-        try:
-            while True:
-                await self._wake_writer.wait()
-                self._wake_writer.clear()
-                routes, releases, cancels = self._routes, self._releases, self._cancels
-                self._routes, self._releases, self._cancels = [], [], []
-                if routes or releases or cancels:
-                    await self._call.write(scheduler_pb2.RouteSessionRequest(
-                        routes=routes, releases=releases, cancels=cancels))
-        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-            self._break(_stream_error(exc))
+        while True:
+            await self._wake_writer.wait()
+            self._wake_writer.clear()
+            routes, releases, cancels = self._routes, self._releases, self._cancels
+            self._routes, self._releases, self._cancels = [], [], []
+            if (routes or releases or cancels) and not await self._link.write(
+                    scheduler_pb2.RouteSessionRequest(routes=routes, releases=releases,
+                                                      cancels=cancels)):
+                return
 
-    async def _read(self) -> None:
-        assert self._call is not None
-        try:
-            while True:
-                response = await self._call.read()
-                if response is grpc.aio.EOF:
-                    raise UnavailableError("the scheduler ended the RouteSession stream")
-                for outcome in response.outcomes:
-                    answer = self._waiting.pop(outcome.ticket, None)
-                    if answer is not None and not answer.done():
-                        answer.set_result(outcome)
-        except grpc.RpcError as exc:
-            self._break(_stream_error(exc))
-        except MeshError as exc:
-            self._break(exc)
-        except Exception as exc:  # noqa: BLE001 (a bug: fail its routes loudly, never hang)
-            _log.exception("route stream failed")
-            self._break(InternalError(f"route stream failed: {type(exc).__name__}: {exc}"))
+    async def _answer(self, response: scheduler_pb2.RouteSessionResponse) -> None:
+        for outcome in response.outcomes:
+            answer = self._waiting.pop(outcome.ticket, None)
+            if answer is not None and not answer.done():
+                answer.set_result(outcome)
 
     def _break(self, error: MeshError) -> None:
-        if self.failure is not None:
-            return
-        self.failure = error
+        """The stream is gone: every route waiting on it fails."""
         waiting = list(self._waiting.values())
         self._waiting.clear()
         for answer in waiting:
             if not answer.done():
                 answer.set_exception(error)
-        if self._call is not None:
-            self._call.cancel()
-        for task in self._tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
 
     async def aclose(self) -> None:
         """End the stream (gateway shutdown)."""
-        if self._call is not None:
-            self._call.cancel()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _stream_error(exc: BaseException) -> MeshError:
-    if isinstance(exc, grpc.RpcError):
-        return UnavailableError(f"scheduler: {error_from_rpc(exc).message}")
-    return UnavailableError("scheduler: the RouteSession stream closed")
+        await self._link.aclose()

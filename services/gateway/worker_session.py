@@ -15,17 +15,14 @@ every request still on it is told (`worker_lost`); a new session is opened on ne
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from collections.abc import Sequence
 from typing import Protocol
 
-import grpc
-
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from meshserve.services.gateway.bidi_link import BidiLink
 from meshserve.services.gateway.detokenize import DetokenizeStream
-from meshserve.shared.errors import InternalError, MeshError, UnavailableError
-from meshserve.shared.grpc_client import error_from_rpc
+from meshserve.shared.errors import MeshError
 from meshserve.shared.proto_errors import error_from_pb
 
 _log = logging.getLogger(__name__)
@@ -58,14 +55,17 @@ class WorkerSession:
         self._adds: list[worker_pb2.SessionAdd] = []
         self._aborts: list[worker_pb2.SessionAbort] = []
         self._wake_writer = asyncio.Event()
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self.failure: MeshError | None = None
+        self._link = BidiLink(stub.Session, name=f"worker {address}",
+                              on_message=self._dispatch, on_break=self._break)
 
     @property
     def usable(self) -> bool:
         """False once the stream has broken or ended (a new one must be opened)."""
-        return self.failure is None
+        return self._link.usable
+
+    @property
+    def failure(self) -> MeshError | None:
+        return self._link.failure
 
     @property
     def num_requests(self) -> int:
@@ -73,10 +73,10 @@ class WorkerSession:
 
     def submit(self, runner: SessionRunner, add: worker_pb2.SessionAdd) -> None:
         """Start a request on the worker (sent with this loop turn's other commands)."""
-        if self.failure is not None:
-            runner.worker_lost(self.failure)
+        if self._link.failure is not None:
+            runner.worker_lost(self._link.failure)
             return
-        self._ensure_open()
+        self._link.open(self._write)
         self._runners[add.handle] = runner
         self._adds.append(add)
         self._wake_writer.set()
@@ -86,7 +86,7 @@ class WorkerSession:
         output once all are aborted."""
         if not indices:
             self._runners.pop(handle, None)
-        if self.failure is None and self._call is not None:
+        if self._link.usable and self._link.opened:
             self._aborts.append(worker_pb2.SessionAbort(handle=handle, indices=indices))
             self._wake_writer.set()
 
@@ -94,42 +94,15 @@ class WorkerSession:
         """Stop routing a request's output (it ended at the gateway)."""
         self._runners.pop(handle, None)
 
-    def _ensure_open(self) -> None:
-        if self._call is not None:
-            return
-        # A clean context: the stream must not carry the trace of the request that opened it.
-        self._call = contextvars.Context().run(self._stub.Session)
-        self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
-
     async def _write(self) -> None:
-        assert self._call is not None
-        try:
-            while True:
-                await self._wake_writer.wait()
-                self._wake_writer.clear()
-                adds, aborts = self._adds, self._aborts
-                self._adds, self._aborts = [], []
-                if adds or aborts:
-                    await self._call.write(worker_pb2.SessionRequest(adds=adds, aborts=aborts))
-        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-            self._break(_stream_error(exc, self.address))
-
-    async def _read(self) -> None:
-        assert self._call is not None
-        try:
-            while True:
-                response = await self._call.read()
-                if response is grpc.aio.EOF:
-                    raise UnavailableError(f"worker {self.address} ended the Session stream")
-                await self._dispatch(response)
-        except grpc.RpcError as exc:
-            self._break(_stream_error(exc, self.address))
-        except MeshError as exc:
-            self._break(exc)
-        except Exception as exc:  # noqa: BLE001 (a bug: fail its requests loudly, never hang)
-            _log.exception("session to worker %s failed", self.address)
-            self._break(InternalError(f"session to worker {self.address} failed: "
-                                      f"{type(exc).__name__}: {exc}"))
+        while True:
+            await self._wake_writer.wait()
+            self._wake_writer.clear()
+            adds, aborts = self._adds, self._aborts
+            self._adds, self._aborts = [], []
+            if (adds or aborts) and not await self._link.write(
+                    worker_pb2.SessionRequest(adds=adds, aborts=aborts)):
+                return
 
     async def _dispatch(self, response: worker_pb2.SessionResponse) -> None:
         """Hand every entry to its request, then flush the detokenize streams touched."""
@@ -162,9 +135,6 @@ class WorkerSession:
 
     def _break(self, error: MeshError) -> None:
         """The stream is gone: every request still on it is told."""
-        if self.failure is not None:
-            return
-        self.failure = error
         runners = list(self._runners.values())
         self._runners.clear()
         if runners:
@@ -172,23 +142,7 @@ class WorkerSession:
                          self.address, len(runners), error)
         for runner in runners:
             runner.worker_lost(error)
-        if self._call is not None:
-            self._call.cancel()
-        for task in self._tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
 
     async def aclose(self) -> None:
         """End the stream (gateway shutdown)."""
-        if self._call is not None:
-            self._call.cancel()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _stream_error(exc: BaseException, address: str) -> MeshError:
-    if isinstance(exc, grpc.RpcError):
-        error = error_from_rpc(exc)
-        return UnavailableError(f"worker {address}: {error.message}")
-    return UnavailableError(f"worker {address}: the Session stream closed")
+        await self._link.aclose()

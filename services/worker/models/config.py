@@ -14,7 +14,13 @@ from typing import Any
 from meshserve.kernels.rotary import compute_inv_freq, rope_type_of
 from meshserve.services.worker.models.registry import check_supported
 from meshserve.shared.errors import ModelLoadError
-from meshserve.shared.model_config import architecture_of, context_length, sliding_window_of
+from meshserve.shared.model_config import (
+    architecture_of,
+    bos_token_id,
+    context_length,
+    eos_token_ids,
+    sliding_window_of,
+)
 
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "max_position_embeddings")
@@ -88,8 +94,8 @@ class ModelConfig:
             max_position_embeddings=int(cfg["max_position_embeddings"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **_attention_options(architecture, cfg),
-            eos_token_ids=_eos_token_ids(cfg, generation_config or {}),
-            bos_token_id=_bos_token_id(cfg, generation_config or {}),
+            eos_token_ids=eos_token_ids(cfg, generation_config),
+            bos_token_id=bos_token_id(cfg, generation_config),
             torch_dtype=_dtype_name(cfg),
             sliding_window=sliding_window_of(architecture, cfg),
         )
@@ -150,27 +156,6 @@ def _attention_options(architecture: str, cfg: dict[str, Any]) -> dict[str, bool
         return {"attention_bias": False, "o_proj_bias": False, "qk_norm": False}
     return {"attention_bias": configured_bias, "o_proj_bias": configured_bias,
             "qk_norm": architecture == "Qwen3ForCausalLM"}
-
-
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def _eos_token_ids(cfg: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
-    ids = _as_ids(cfg.get("eos_token_id")) + _as_ids(generation.get("eos_token_id"))
-    return tuple(dict.fromkeys(ids))  # union, first occurrence order
-
-
-def _bos_token_id(cfg: dict[str, Any], generation: dict[str, Any]) -> int | None:
-    bos = cfg.get("bos_token_id")
-    if bos is None:
-        bos = generation.get("bos_token_id")
-    ids = _as_ids(bos)
-    return ids[0] if ids else None
 
 
 def _dtype_name(cfg: dict[str, Any]) -> str | None:
