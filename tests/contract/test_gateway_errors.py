@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 from test_gateway_fakes import MAX_MODEL_LEN, MODEL, Mesh, start_mesh
 
@@ -203,3 +204,29 @@ async def test_error_mid_stream_ends_the_stream_with_an_error_event(mesh: Mesh) 
     assert events[0].startswith(b'data: {"id":"cmpl-')
     assert b'"error":' in events[1] and b"worker lost its GPU" in events[1]
     assert events[2] == b"data: [DONE]"
+
+
+async def test_worker_lost_mid_stream_ends_its_stream_with_an_error_event(mesh: Mesh) -> None:
+    mesh.worker.break_after_first = True
+    async with aiohttp.ClientSession(mesh.base_url) as http, \
+            http.post("/v1/completions", json={**LONG, "stream": True}) as resp:
+        assert resp.status == 200
+        events = [line for line in (await resp.read()).split(b"\n\n") if line]
+    # Output went to the client already: no retry, a clear error and the end of the stream.
+    assert events[0].startswith(b'data: {"id":"cmpl-')
+    error = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert "failed while generating" in error["message"] and error["code"] == "unavailable"
+    assert events[-1] == b"data: [DONE]"
+    assert len(mesh.worker.requests) == 1
+    mesh.worker.break_after_first = False
+    # The gateway opens a new session on the next request.
+    status, body, _ = await call(mesh, "/v1/completions", COMPLETION)
+    assert status == 200 and body["choices"][0]["text"]
+
+
+async def test_worker_lost_before_any_output_is_retried_elsewhere() -> None:
+    async with start_mesh(dead_workers=1, max_generate_attempts=2) as mesh:
+        status, body, _ = await call(mesh, "/v1/completions", COMPLETION)
+        assert status == 200 and body["choices"][0]["text"]
+        # The first route went to the dead worker, the second excluded it.
+        assert [list(r.exclude_worker_ids) for r in mesh.scheduler.routes] == [[], ["dead0"]]

@@ -271,7 +271,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     Serves the Session stream: each added request runs on its own and every one of its
     messages goes out as one SessionResponse. `hold_after_first`: after the first
-    message, wait until aborted (a long generation). `fail_after_first`: fail the
+    message, wait until aborted (a long generation). `break_after_first`: end the whole
+    Session stream with UNAVAILABLE after the first message with tokens (the worker
+    died). `fail_after_first`: fail the
     request with this error after the first message. `raise_first`: fail with this
     exception before any message (a MeshError keeps its kind, anything else is
     internal), for prompts that hold `raise_marker`'s byte (every prompt when None).
@@ -291,6 +293,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.started = asyncio.Event()
         self.hold_after_first = False
         self.fail_after_first: MeshError | None = None
+        self.break_after_first = False
         self.raise_first: BaseException | None = None
         self.raise_marker: str | None = None
         self._abort_indices: dict[str, set[int] | None] = {}
@@ -318,7 +321,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         reader = asyncio.ensure_future(read())
         try:
             while True:
-                yield await out.get()
+                message = await out.get()
+                yield message
+                if self.break_after_first and message.handles:
+                    # The worker is gone mid-generation: the whole stream breaks.
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost")
         finally:
             reader.cancel()
             for _, task in running.values():
