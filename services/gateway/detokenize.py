@@ -268,7 +268,7 @@ class DetokenizeStream:
 
 
 class _OneShot:
-    """A sink for one finished sequence (the /detokenize helper, echo of token prompts)."""
+    """A sink for one finished sequence (the /detokenize endpoint, echo of token prompts)."""
 
     def __init__(self) -> None:
         self.result: asyncio.Future[str] = asyncio.get_running_loop().create_future()
