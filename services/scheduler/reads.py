@@ -13,8 +13,9 @@ and registry scans instead of a thousand of each.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -79,19 +80,16 @@ class PlacementReads:
 
     async def read(self, model: str, hashes: PromptHashes
                    ) -> tuple[list[WorkerRecord], Matches]:
-        """The live workers and the prompt's prefix matches per group of `model`'s workers."""
+        """The live workers and the prompt's prefix matches per group of `model`'s workers.
+
+        The asks of one turn are answered together and in the order they asked, so that
+        routes placed from one burst are placed first come, first served.
+        """
         ask = _Ask(model, hashes, sorted(self._groups.get(model, ())))
         self._asks.append(ask)
         if len(self._asks) == 1:  # the first of this turn: read once the turn is over
             asyncio.get_running_loop().call_soon(self._flush)
-        records, matches = await ask.answer
-        wanted = {(r.info.namespace, r.info.block_size) for r in records
-                  if r.info.serves(model)}
-        self._groups[model] = wanted
-        for namespace, block_size in wanted - set(ask.groups):  # a new kind of worker
-            matches[(namespace, block_size)] = await self._index_for(namespace).match_prefix(
-                hashes.get(block_size))
-        return records, matches
+        return await ask.answer
 
     def _flush(self) -> None:
         asks, self._asks = self._asks, []
@@ -120,17 +118,41 @@ class PlacementReads:
                 for namespace, block_size in ask.groups:
                     self._index_for(namespace).queue_match(pipe, ask.hashes.get(block_size))
 
-        namespaces = {namespace for ask in asks for namespace, _ in ask.groups}
-        scripts = [*self._registry.scripts,
-                   *(self._index_for(next(iter(namespaces))).scripts if namespaces else ())]
-        raw = await run_pipeline(self._redis, build, scripts)
+        raw = await run_pipeline(self._redis, build, self._scripts(
+            group for ask in asks for group in ask.groups))
         records = await self._registry.records_from_scan(raw[0])
         position = 1
-        answers = []
+        matches: list[Matches] = []
         for ask in asks:
-            matches: Matches = {}
+            found: Matches = {}
             for group in ask.groups:
-                matches[group] = KVIndex.parse_match(raw[position])
+                found[group] = KVIndex.parse_match(raw[position])
                 position += 1
-            answers.append((list(records), matches))
-        return answers
+            matches.append(found)
+        await self._read_new_groups(asks, records, matches)
+        return [(list(records), found) for found in matches]
+
+    async def _read_new_groups(self, asks: list[_Ask], records: list[WorkerRecord],
+                               matches: list[Matches]) -> None:
+        """Match the groups the registry shows that the asks did not know (one round trip)."""
+        for model in {ask.model for ask in asks}:
+            self._groups[model] = {(r.info.namespace, r.info.block_size) for r in records
+                                   if r.info.serves(model)}
+        missing = [(found, ask.hashes, group) for ask, found in zip(asks, matches, strict=True)
+                   for group in sorted(self._groups[ask.model] - set(ask.groups))]
+        if not missing:
+            return
+
+        def build(pipe: Pipeline) -> None:
+            for _, hashes, (namespace, block_size) in missing:
+                self._index_for(namespace).queue_match(pipe, hashes.get(block_size))
+
+        raw = await run_pipeline(self._redis, build,
+                                 self._scripts(group for _, _, group in missing))
+        for (found, _, group), reply in zip(missing, raw, strict=True):
+            found[group] = KVIndex.parse_match(reply)
+
+    def _scripts(self, groups: Iterable[Group]) -> list[Any]:
+        namespaces = {namespace for namespace, _ in groups}
+        return [*self._registry.scripts,
+                *(self._index_for(next(iter(namespaces))).scripts if namespaces else ())]

@@ -284,7 +284,8 @@ async def test_route_session_answers_each_ticket_and_queues_alone(
     stub = replica.stub
     await register(stub, "w0", max_running=2)
     session = RouteSessionClient(stub)
-    # Four routes in one message: two fit, two wait in the queue; one more names no model.
+    # Four routes in one message: the first two fit (first come, first served), two wait in
+    # the queue; one more names no model.
     session.send(routes=[ticket(1, "a"), ticket(2, "b"), ticket(3, "c"), ticket(4, "d"),
                          scheduler_pb2.RouteTicket(ticket=5, request=scheduler_pb2.RouteRequest(
                              request_id="bad", prompt_token_ids=PROMPT))])
