@@ -82,6 +82,8 @@ class GrpcClient:
     max_backoff_s: float = 2.0
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
+    # A peer that restarts is found again within this many seconds (gRPC's own cap is 120).
+    max_reconnect_backoff_s: float = 5.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
@@ -117,7 +119,7 @@ class GrpcClient:
         return {"methodConfig": configs, "loadBalancingConfig": [{"round_robin": {}}]}
 
     def channel_options(self) -> list[tuple[str, Any]]:
-        """Channel arguments: keepalive, message limits, retries and the service config."""
+        """Channel arguments: keepalive, reconnects, message limits, retries, service config."""
         return [
             ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
@@ -126,6 +128,12 @@ class GrpcClient:
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.enable_retries", 1),
+            # Each channel owns its connections. With gRPC's process-wide pool, a new channel
+            # to a peer restarted on the same address shares the connection of an older
+            # channel still waiting out its reconnect backoff, and fails with "connection
+            # refused" although the peer is listening.
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.max_reconnect_backoff_ms", int(self.max_reconnect_backoff_s * 1000)),
             ("grpc.service_config", json.dumps(self.service_config())),
         ]
 

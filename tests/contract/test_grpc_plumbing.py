@@ -151,6 +151,27 @@ async def test_a_taken_port_is_an_error_not_a_shared_socket(harness: Harness) ->
     assert info.value.param == "address"
 
 
+async def test_a_new_channel_reaches_a_peer_restarted_on_the_same_port(
+        harness: Harness) -> None:
+    # The harness's channel saw the peer go away and waits out its reconnect backoff;
+    # a channel opened after the restart must not inherit that wait.
+    await harness.server.set_serving()
+    assert await _health(harness.channel) == SERVING
+    await harness.server.drain(grace_s=0)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _health(harness.channel)
+    assert info.value.code() == _C.UNAVAILABLE
+    restarted = GrpcServer(f"127.0.0.1:{harness.port}", service_names=[WORKER])
+    await restarted.start()
+    await restarted.set_serving()
+    channel = GrpcClient().channel(f"127.0.0.1:{harness.port}")
+    try:
+        assert await _health(channel) == SERVING
+    finally:
+        await channel.close()
+        await restarted.drain(grace_s=0)
+
+
 async def test_stream_carries_every_message(harness: Harness) -> None:
     responses = await _generate(harness.stub, "ok")
     tokens = [[list(o.token_ids) for o in r.outputs] for r in responses]
