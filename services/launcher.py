@@ -11,8 +11,13 @@ SERVING, every worker registered, each gateway listening as its own /metrics por
 reports, and /health 200 on the shared HTTP port), within `--startup-timeout-s`; a
 service that exits or stays unhealthy is named in the error with the tail of its log.
 Child logs go to files in a run folder. Stopping (Ctrl-C, SIGTERM, `Stack.stop()`) sends
-SIGTERM to the gateways first, then to the rest, and SIGKILL after `--stop-grace-s`; a
-child that dies on its own stops the whole stack.
+SIGTERM to the gateways first, then to the rest, and SIGKILL after `--stop-grace-s`.
+
+Once up, the stack is supervised (services/supervisor.py): a child, or the embedded Redis,
+that dies on its own is started again on the same address after a backoff, within
+`--restart-budget` restarts per `--restart-window-s`; past it that child is given up, and
+the stack stops (exit 1) only when what is left cannot serve. The launcher's own /metrics
+(`--metrics-port`) counts restarts per service.
 
 `--gateways N` (N > 1) starts N gateway processes, gateway-0..N-1, on the same host:port
 with SO_REUSEPORT: the kernel spreads new connections over them, and each keeps its own
@@ -31,12 +36,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, Self
+from typing import Any, Literal, Self
+
+from prometheus_client import start_http_server
 
 from meshserve.services.launcher_probes import (
     grpc_serving,
@@ -45,6 +53,7 @@ from meshserve.services.launcher_probes import (
     port_taken,
     workers_registered,
 )
+from meshserve.services.supervisor import RestartPolicy, Supervisor
 from meshserve.services.worker.config import EngineOptions
 from meshserve.shared.config import ENV_PREFIX, Config, option
 from meshserve.shared.errors import ConfigError, MeshError, UnavailableError
@@ -85,6 +94,12 @@ class LauncherConfig(EngineOptions):
                                        env="OTEL_EXPORTER_OTLP_ENDPOINT")
     startup_timeout_s: float = option(600.0, "how long the services may take to be healthy")
     stop_grace_s: float = option(30.0, "how long services may drain before SIGKILL")
+    restart_budget: int = option(5, "restarts of one service allowed per --restart-window-s "
+                                    "before it is given up (0: a service that dies stops the "
+                                    "stack)")
+    restart_window_s: float = option(300.0, "window of --restart-budget, in seconds")
+    metrics_port: int = option(0, "port of the launcher's own /metrics (service restarts; "
+                                  "0: any free port)")
 
     @property
     def num_gateways(self) -> int:
@@ -103,7 +118,11 @@ class LauncherConfig(EngineOptions):
         self.require(self.gateways >= 0, f"must be >= 0 (0: by cores), got {self.gateways}",
                      "gateways")
         self.require(0 <= self.port <= 65535, f"must be in [0, 65535], got {self.port}", "port")
-        for name in ("startup_timeout_s", "stop_grace_s"):
+        self.require(self.restart_budget >= 0, f"must be >= 0, got {self.restart_budget}",
+                     "restart_budget")
+        self.require(0 <= self.metrics_port <= 65535,
+                     f"must be in [0, 65535], got {self.metrics_port}", "metrics_port")
+        for name in ("startup_timeout_s", "stop_grace_s", "restart_window_s"):
             value = getattr(self, name)
             self.require(value > 0, f"must be positive, got {value}", name)
 
@@ -119,14 +138,20 @@ class ServiceProcess:
     ready: Callable[[], bool]
     metrics_url: str  # its own Prometheus endpoint (--metrics-port)
     process: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def start(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
         with self.log_path.open("ab") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(
                 [sys.executable, "-m", f"meshserve.services.{self.role}", *self.argv],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(env),
                 start_new_session=True,  # Ctrl-C reaches the launcher only; it stops us in order
                 preexec_fn=_die_with_parent)  # noqa: PLW1509 (only prctl, before exec)
+
+    def restart(self) -> None:
+        """Start it again the same way (the supervisor's call, after it died)."""
+        self.start(self.env)
 
     @property
     def exit_code(self) -> int | None:
@@ -142,6 +167,28 @@ class ServiceProcess:
     def failure(self, why: str) -> UnavailableError:
         return UnavailableError(f"{self.name} {why}; last lines of {self.log_path}:\n"
                                 f"{self.log_tail()}", param=self.name)
+
+
+@dataclasses.dataclass
+class RedisChild:
+    """The embedded Redis, as a child the supervisor can watch and restart."""
+
+    server: EmbeddedRedis
+    name: str = "redis"
+    role: str = "redis"
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.server.exit_code
+
+    def restart(self) -> None:
+        self.server.restart()
+
+    def ready(self) -> bool:
+        return self.server.answers()
+
+    def log_tail(self) -> str:
+        return "(the embedded Redis writes no log of its own)"
 
 
 def _die_with_parent() -> None:
@@ -205,6 +252,12 @@ class Stack:
         self.worker_ids = [f"worker-{i}" for i in range(config.workers)]
         self.gateway_names = (["gateway"] if config.num_gateways == 1 else
                               [f"gateway-{i}" for i in range(config.num_gateways)])
+        self._supervisor: Supervisor | None = None
+        self._metrics_server: Any = None
+        self.launcher_metrics_url = ""
+        self._fatal = threading.Event()
+        self.fatal_reason: str | None = None
+        self._stopped = False
 
     @property
     def base_url(self) -> str:
@@ -304,10 +357,73 @@ class Stack:
                 service.start(child_env(service.role, self._environ))
                 say(f"started {service.name} (log {service.log_path})")
             self._wait_ready(say)
+            self._supervise(say)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _supervise(self, say: Callable[[str], None]) -> None:
+        """Watch the children from now on (a thread), and serve the launcher's /metrics."""
+        children: list[Any] = list(self.services)
+        if self._redis is not None:
+            children.append(RedisChild(self._redis))
+        policy = RestartPolicy(budget=self.config.restart_budget,
+                               window_s=self.config.restart_window_s)
+        self._supervisor = Supervisor(children, policy, can_serve=self._cannot_serve_why,
+                                      say=say, on_fatal=lambda why: self._on_fatal(why, say))
+        port = self.config.metrics_port or find_free_port(_LOOPBACK)
+        self._metrics_server, _ = start_http_server(port, _LOOPBACK,
+                                                    registry=self._supervisor.registry)
+        self.launcher_metrics_url = f"http://{_LOOPBACK}:{port}/metrics"
+        self._supervisor.start()
+
+    def _cannot_serve_why(self, given_up: set[str]) -> str | None:
+        """Why the services not given up cannot serve, or None if they can."""
+        if "redis" in given_up:
+            return "the embedded Redis was given up"
+        for role in ("gateway", "tokenizer", "scheduler", "worker"):
+            names = {s.name for s in self.services if s.role == role}
+            if names and names <= given_up:
+                return f"every {role} was given up ({', '.join(sorted(names))})"
+        return None
+
+    def _on_fatal(self, why: str, say: Callable[[str], None]) -> None:
+        self.fatal_reason = why
+        say(f"the stack cannot serve: {why}")
+        self._fatal.set()
+
+    def running(self) -> bool:
+        """Started, not stopped, and able to serve (nothing essential given up)."""
+        return self._supervisor is not None and not self._stopped and not self._fatal.is_set()
+
+    def _child(self, name: str) -> Any:
+        if name == "redis":
+            assert self._redis is not None, "this stack uses an external Redis"
+            return RedisChild(self._redis)
+        return self._service(name)
+
+    def pid(self, name: str) -> int | None:
+        """The process id of a child ("redis": the embedded Redis), None if not running."""
+        if name == "redis":
+            return None if self._redis is None else self._redis.pid
+        process = self._service(name).process
+        return None if process is None or process.poll() is not None else process.pid
+
+    def kill(self, name: str, sig: int) -> None:
+        """Send `sig` to a child (fault drills: what the supervisor must survive)."""
+        pid = self.pid(name)
+        assert pid is not None, f"{name} is not running"
+        os.kill(pid, sig)
+
+    def service_healthy(self, name: str) -> bool:
+        """Whether a child runs and passes its readiness check right now."""
+        child = self._child(name)
+        return child.exit_code is None and child.ready()
+
+    def restarts(self, name: str) -> int:
+        """How many times the supervisor started `name` again."""
+        return 0 if self._supervisor is None else self._supervisor.restarts(name)
 
     def _wait_ready(self, say: Callable[[str], None]) -> None:
         """Bounded readiness probe of the children (they give no other signal we can wait on).
@@ -345,12 +461,14 @@ class Stack:
     def _service(self, name: str) -> ServiceProcess:
         return next(s for s in self.services if s.name == name)
 
-    def dead_services(self) -> list[ServiceProcess]:
-        """Children that have exited."""
-        return [s for s in self.services if s.process is not None and s.exit_code is not None]
-
     def stop(self) -> None:
         """SIGTERM the gateways, then the other services; SIGKILL whatever outlives the grace."""
+        self._stopped = True
+        if self._supervisor is not None:
+            self._supervisor.stop()  # nothing stopped on purpose is started again
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server = None
         gateway = [s for s in self.services if s.role == "gateway"]
         workers = [s for s in self.services if s.role == "worker"]
         rest = [s for s in self.services if s not in gateway and s not in workers]
@@ -359,21 +477,18 @@ class Stack:
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
+        if self._supervisor is not None:
+            self._supervisor.finish()
 
     def wait(self) -> int:
-        """Block until SIGINT/SIGTERM (0) or until a service dies on its own (1)."""
-        signals = {signal.SIGINT, signal.SIGTERM, signal.SIGCHLD}
+        """Block until SIGINT/SIGTERM (0) or until the stack can no longer serve (1)."""
+        signals = {signal.SIGINT, signal.SIGTERM}
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         try:
-            while True:
-                dead = self.dead_services()
-                if dead:
-                    for service in dead:
-                        print(service.failure(f"exited with code {service.exit_code}").message,
-                              file=sys.stderr)
-                    return 1
-                if signal.sigwaitinfo(signals).si_signo != signal.SIGCHLD:
+            while not self._fatal.is_set():
+                if signal.sigtimedwait(signals, 0.2) is not None:
                     return 0
+            return 1
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
@@ -443,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         model = ", ".join(stack.model_names())
         print(f"meshserve is up: {stack.base_url} (model {model}, {config.workers} "
               f"worker(s), {config.num_gateways} gateway(s)); logs in {stack.run_dir}; "
-              f"Ctrl-C stops", flush=True)
+              f"launcher metrics {stack.launcher_metrics_url}; Ctrl-C stops", flush=True)
         code = stack.wait()
-        say("stopping" if code == 0 else "a service died; stopping everything")
+        say("stopping" if code == 0 else "stopping everything")
     return code

@@ -86,6 +86,27 @@ class EmbeddedRedis:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        """The server's exit status once it has exited (None while it runs, or unstarted)."""
+        return None if self._process is None else self._process.poll()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def answers(self) -> bool:
+        """Whether the server runs and answers PING right now."""
+        return self.running and self._answers_ping()
+
+    def restart(self) -> Self:
+        """Start the server again on the same port (after it died); empty, as at first."""
+        port = self.port
+        self.stop()
+        if port is not None:
+            self._requested_port = port
+        return self.start()
+
     def start(self) -> Self:
         """Start the server and return once it answers PING (UnavailableError if it does not)."""
         if self.running:

@@ -1,0 +1,247 @@
+"""The fault matrix: `kill -9` each part of a running mesh under streaming load.
+
+    python loadtest/fault_matrix.py --model PATH [--streams 20] [--max-tokens 96] \
+        [--parts worker,tokenizer,scheduler,kvstore,redis] --out results.json
+
+For each part in turn, on one `meshserve up` stack with two workers (`start_stack`):
+N streaming `/v1/completions` run (greedy, `ignore_eos`); once every stream has sent a few
+chunks, the part's process gets SIGKILL. Then it records how each stream ended (its own
+`finish_reason` and `[DONE]`; an error event and `[DONE]`; cut without `[DONE]`; hung past its
+timeout), how long until a new request succeeded again, and how long until the killed part
+was back (restarted by the launcher: SERVING on its address, or registered again for a
+worker, or answering PING for Redis). The stack is checked to be still up at the end of each
+drill. `tests/e2e/test_fault_matrix.py` runs the same drill on a tiny model in CI and asserts
+the outcomes; this script records them on a real model (loadtest/reports/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+
+from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from meshserve.services.launcher import LauncherConfig, Stack, start_stack
+
+PARTS = ("worker", "tokenizer", "scheduler", "kvstore", "redis")
+_PROBE_INTERVAL_S = 0.1
+
+
+@dataclasses.dataclass
+class StreamEnd:
+    """How one client stream ended."""
+
+    chunks: int = 0
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None
+    done: bool = False  # `data: [DONE]` arrived
+    failure: str | None = None  # transport failure, HTTP status or timeout
+
+    @property
+    def outcome(self) -> str:
+        if self.failure is not None:
+            return "hung" if self.failure == "timeout" else "cut"
+        if not self.done:
+            return "cut"
+        return "error" if self.error is not None else "completed"
+
+
+@dataclasses.dataclass
+class DrillResult:
+    """One part's drill: stream outcomes and recovery times (seconds after the kill)."""
+
+    part: str
+    service: str
+    streams: int
+    completed: int
+    errored: int
+    cut: int
+    hung: int
+    running_on_killed_worker: int | None
+    first_success_s: float | None
+    part_back_s: float | None
+    stack_up: bool
+    errors: list[str]
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                  end: StreamEnd, started: Callable[[], None], timeout_s: float) -> None:
+    """One SSE stream; fills `end`; calls `started` once its third chunk arrived."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(url, json=body) as response:
+                if response.status != 200:
+                    end.failure = f"HTTP {response.status}"
+                    return
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        end.done = True
+                        continue
+                    event = json.loads(data)
+                    if "error" in event:
+                        end.error = event["error"]
+                        continue
+                    end.chunks += 1
+                    if end.chunks == 3:
+                        started()
+                    reason = event["choices"][0].get("finish_reason")
+                    end.finish_reason = reason or end.finish_reason
+    except TimeoutError:
+        end.failure = "timeout"
+    except aiohttp.ClientError as exc:
+        end.failure = f"{type(exc).__name__}: {exc}"
+
+
+async def _one_request(session: aiohttp.ClientSession, url: str, model: str) -> bool:
+    """A short non-streaming completion; True on 200."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    try:
+        async with asyncio.timeout(5.0):
+            async with session.post(url, json=body) as response:
+                await response.read()
+                return response.status == 200
+    except (TimeoutError, aiohttp.ClientError):
+        return False
+
+
+def _running_on(address: str) -> int:
+    """Requests running on the worker at `address` now (its own GetLoad)."""
+    with grpc.insecure_channel(address) as channel:
+        load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(),
+                                                           timeout=2.0).load
+    return int(load.num_running)
+
+
+def _running_per_worker(stack: Stack) -> dict[str, tuple[int, int]]:
+    """worker id -> (running requests, epoch), as the scheduler sees them."""
+    with grpc.insecure_channel(stack.scheduler_address) as channel:
+        listed = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
+            scheduler_pb2.ListWorkersRequest(), timeout=2.0)
+    return {w.info.worker_id: (w.load.num_running, w.info.epoch) for w in listed.workers}
+
+
+def _service_for(stack: Stack, part: str) -> str:
+    return {"worker": stack.worker_ids[0], "tokenizer": "tokenizer-0"}.get(part, part)
+
+
+def _part_back(stack: Stack, part: str, service: str, epoch: int | None) -> bool:
+    """Whether the killed part was restarted and is healthy (registered, for a worker)."""
+    if part == "worker":
+        try:
+            workers = _running_per_worker(stack)
+        except grpc.RpcError:
+            return False
+        return service in workers and workers[service][1] != epoch
+    return stack.service_healthy(service)
+
+
+async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
+                max_tokens: int = 96, stream_timeout_s: float = 120.0,
+                recover_timeout_s: float = 60.0, prompt: str = "Tell me a story.",
+                token_prompt: list[int] | None = None) -> DrillResult:
+    """Kill `part` of `stack` under `streams` streams; return how the mesh took it."""
+    assert part in PARTS, f"part must be one of {PARTS}: {part!r}"
+    service = _service_for(stack, part)
+    url = f"{stack.base_url}/completions"
+    headers = {"Authorization": f"Bearer {stack.config.api_key}"} if stack.config.api_key else {}
+
+    def body(i: int) -> dict[str, Any]:
+        # Prompts differ from their first token, so that no prefix draws them to one worker.
+        text: Any = [*token_prompt[i % len(token_prompt):], *token_prompt] if token_prompt \
+            else f"{i}. {prompt}"
+        return {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+
+    ends = [StreamEnd() for _ in range(streams)]
+    all_started = asyncio.Event()
+    count = 0
+
+    def started() -> None:
+        nonlocal count
+        count += 1
+        if count == streams:
+            all_started.set()
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
+        tasks = [asyncio.ensure_future(_stream(session, url, body(i), end, started,
+                                               stream_timeout_s)) for i, end in enumerate(ends)]
+        waiter = asyncio.ensure_future(all_started.wait())
+        await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED,
+                           timeout=stream_timeout_s)
+        if not all_started.is_set():
+            waiter.cancel()
+            await asyncio.gather(*tasks)
+            raise RuntimeError(f"not every stream started before the kill: "
+                               f"{[e.outcome for e in ends]}")
+        running = epoch = None
+        if part == "worker":
+            epoch = _running_per_worker(stack)[service][1]
+            running = _running_on(stack.worker_addresses[stack.worker_ids.index(service)])
+        killed_at = time.monotonic()
+        stack.kill(service, signal.SIGKILL)
+        first_success = part_back = None
+        deadline = killed_at + recover_timeout_s
+        while time.monotonic() < deadline and (first_success is None or part_back is None):
+            if first_success is None and await _one_request(session, url, model):
+                first_success = time.monotonic() - killed_at
+            if part_back is None and await asyncio.to_thread(_part_back, stack, part, service,
+                                                             epoch):
+                part_back = time.monotonic() - killed_at
+            await asyncio.sleep(_PROBE_INTERVAL_S)
+        await asyncio.gather(*tasks)
+    outcomes = [end.outcome for end in ends]
+    return DrillResult(
+        part=part, service=service, streams=streams, completed=outcomes.count("completed"),
+        errored=outcomes.count("error"), cut=outcomes.count("cut"), hung=outcomes.count("hung"),
+        running_on_killed_worker=running, first_success_s=first_success,
+        part_back_s=part_back, stack_up=stack.running(),
+        errors=sorted({str((e.error or {}).get("message") or e.failure) for e in ends
+                       if e.error is not None or e.failure is not None}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--streams", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config = LauncherConfig(model=args.model, served_model_name="model", workers=2, port=0,
+                            device=args.device, dtype=args.dtype, startup_timeout_s=600,
+                            stop_grace_s=10)
+    results = []
+    with start_stack(config, say=lambda line: print(line, file=sys.stderr, flush=True)) as stack:
+        for part in args.parts.split(","):
+            result = asyncio.run(drill(stack, part, "model", streams=args.streams,
+                                       max_tokens=args.max_tokens))
+            print(json.dumps(dataclasses.asdict(result)), flush=True)
+            results.append(dataclasses.asdict(result))
+    args.out.write_text(json.dumps({"model": args.model, "device": args.device,
+                                    "cpu_count": os.cpu_count(), "streams": args.streams,
+                                    "max_tokens": args.max_tokens, "results": results},
+                                   indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""`kill -9` each part of a running mesh under 20 streams (loadtest/fault_matrix.py's drill).
+
+One `meshserve up` stack (start_stack) with two workers on a tiny model; for each of the
+kvstore, scheduler, Redis, tokenizer and a worker in turn: no stream ends without `[DONE]`
+or hangs, streams on parts that stayed up complete, the stack serves new requests again
+within 10 s with the killed part restarted and back (registered again, for a worker), and
+the stack is still up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import re
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tiny_models import build_tiny_model
+
+from meshserve.services.launcher import LauncherConfig, Stack, start_stack
+
+MODEL = "tiny"
+STREAMS = 20
+RECOVERY_S = 10.0
+_SCRIPT = Path(__file__).resolve().parents[2] / "loadtest" / "fault_matrix.py"
+
+
+def _load_drill():
+    spec = importlib.util.spec_from_file_location("fault_matrix", _SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fault_matrix"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+fault_matrix = _load_drill()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("fault-model"), "llama", seed=7,
+                                 max_position_embeddings=4096)
+    config = LauncherConfig(model=str(model_dir), served_model_name=MODEL, workers=2, port=0,
+                            num_kv_blocks=512, dtype="float32", device="cpu",
+                            run_dir=str(tmp_path_factory.mktemp("run")),
+                            startup_timeout_s=300, stop_grace_s=5)
+    with start_stack(config) as running:
+        yield running
+
+
+def _drill(stack: Stack, part: str):
+    return asyncio.run(fault_matrix.drill(stack, part, MODEL, streams=STREAMS, max_tokens=400,
+                                          recover_timeout_s=30.0))
+
+
+def _assert_recovered(stack: Stack, result) -> None:
+    assert (result.cut, result.hung) == (0, 0), result
+    assert result.first_success_s is not None and result.first_success_s <= RECOVERY_S, result
+    assert result.part_back_s is not None and result.part_back_s <= RECOVERY_S, result
+    assert result.stack_up, result
+    # The launcher restarted it once, and says so on its own /metrics.
+    assert stack.restarts(result.service) == 1
+    metrics = urllib.request.urlopen(stack.launcher_metrics_url, timeout=5).read().decode()
+    assert re.search(rf'meshserve_launcher_service_restarts_total{{[^}}]*service="'
+                     rf'{result.service}"[^}}]*}} 1\.0', metrics), metrics
+
+
+@pytest.mark.parametrize("part", ["kvstore", "scheduler", "redis"])
+def test_streams_outlive_a_part_they_no_longer_need(stack: Stack, part: str) -> None:
+    result = _drill(stack, part)
+    # Placed streams need none of these parts: every one finishes on its own.
+    assert result.completed == STREAMS, result
+    _assert_recovered(stack, result)
+
+
+def test_streams_end_cleanly_when_the_tokenizer_dies(stack: Stack) -> None:
+    result = _drill(stack, "tokenizer")
+    assert result.completed + result.errored == STREAMS, result
+    _assert_recovered(stack, result)
+
+
+def test_only_the_dead_workers_streams_end_with_an_error(stack: Stack) -> None:
+    result = _drill(stack, "worker")
+    assert result.running_on_killed_worker is not None
+    assert 0 < result.running_on_killed_worker < STREAMS, result  # both workers had streams
+    # Those on the healthy worker complete; those on the dead one end with an error event.
+    assert result.completed >= STREAMS - result.running_on_killed_worker, result
+    assert result.completed + result.errored == STREAMS, result
+    _assert_recovered(stack, result)
