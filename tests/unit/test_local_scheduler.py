@@ -13,10 +13,11 @@ def req(rid: str, n_tokens: int, *, arrival: float, priority: int = 0, base: int
 
 
 def make(budget: int, blocks: int = 64, *, chunked: bool = True, policy: str = "fcfs",
-         max_seqs: int = 8) -> Scheduler:
+         max_seqs: int = 8, long_prefill: int = 0) -> Scheduler:
     kv = KVCacheManager(blocks, block_size=4, enable_caching=False)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                     enable_chunked_prefill=chunked, policy=policy), kv)
+                                     enable_chunked_prefill=chunked, policy=policy,
+                                     long_prefill_token_threshold=long_prefill), kv)
 
 
 def composition(out) -> list[tuple[str, int]]:
@@ -44,6 +45,42 @@ def test_chunked_prefill_splits_the_budget_and_mixes_decodes() -> None:
     out = sched.schedule()
     # a decodes one token; b finishes its prompt with the remaining 8.
     assert composition(out) == [("a", 1), ("b", 8)]
+
+
+def test_decodes_go_before_a_prefill_admitted_earlier() -> None:
+    sched = make(budget=10, blocks=128, long_prefill=8)
+    long = req("long", 100, arrival=0)
+    shorts = [req(f"s{i}", 2, arrival=1 + i, base=200 + 10 * i) for i in range(4)]
+    for r in (long, *shorts):
+        sched.add(r)
+    out = sched.schedule()
+    assert composition(out) == [("long", 8), ("s0", 2)]
+    run_step(sched, out)
+    out = sched.schedule()  # s0 decodes before long's next chunk; s1 gets what is left
+    assert composition(out) == [("s0", 1), ("long", 8), ("s1", 1)]
+    run_step(sched, out)
+    out = sched.schedule()
+    assert composition(out)[:1] == [("s0", 1)] and ("long", 8) in composition(out)
+
+
+def test_a_prefill_sharing_its_step_is_capped_by_the_long_prefill_threshold() -> None:
+    sched = make(budget=32, blocks=128, long_prefill=8)
+    a, long = req("a", 4, arrival=0), req("long", 100, arrival=1, base=500)
+    sched.add(long)
+    out = sched.schedule()
+    assert composition(out) == [("long", 32)]  # alone: the whole budget, not the cap
+    run_step(sched, out)
+    sched.add(a)
+    out = sched.schedule()  # a waits: long's chunk is capped and a is admitted beside it
+    assert composition(out) == [("long", 8), ("a", 4)]
+    run_step(sched, out)
+    steps = 0
+    while long.is_prefilling:
+        out = sched.schedule()
+        assert composition(out) == [("a", 1), ("long", min(8, 100 - long.num_computed_tokens))]
+        run_step(sched, out)
+        steps += 1
+    assert steps == 8  # the remaining 60 prompt tokens in chunks of at most 8
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget() -> None:

@@ -9,6 +9,9 @@ from meshserve.shared.errors import InvalidRequestError
 GiB = 1 << 30
 
 
+CPU_PREFILL_CHUNK_CAP = 256
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one model replica runs. `None` fields are derived from the model or the device."""
@@ -26,6 +29,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # per-step token budget
     max_num_seqs: int | None = None  # sequences running at once (None: by device, see seqs_limit)
     enable_chunked_prefill: bool = True
+    # Prompt tokens per request per step while others decode (None: by device, 0: no cap).
+    long_prefill_token_threshold: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
     enforce_eager: bool = False
@@ -54,6 +59,8 @@ class EngineConfig:
               "--max-num-seqs must be positive", "max_num_seqs")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
               "--max-num-batched-tokens must be positive", "max_num_batched_tokens")
+        check(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
+              "--long-prefill-token-threshold must be >= 0", "long_prefill_token_threshold")
         check(self.max_model_len is None or self.max_model_len > 1,
               "--max-model-len must be at least 2", "max_model_len")
         check(self.async_scheduling in ("auto", "on", "off"),
@@ -72,6 +79,17 @@ class EngineConfig:
         if gpu_memory_bytes >= 70 * GiB and "a100" not in gpu_name.lower():
             return 1024
         return 256
+
+    def prefill_chunk_cap(self, on_gpu: bool = False) -> int:
+        """Most prompt tokens one request prefills in a step shared with decodes (0: none).
+
+        Unset: none on a GPU, where a whole 8192-token step takes tens of milliseconds, and
+        CPU_PREFILL_CHUNK_CAP on a CPU, where a 2048-token step holds every decode back for
+        seconds (loadtest/hol_prefill.py measures it).
+        """
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return 0 if on_gpu else CPU_PREFILL_CHUNK_CAP
 
     def batched_tokens(self, max_model_len: int, on_gpu: bool = False) -> int:
         """The per-step token budget. Without chunked prefill a whole prompt must fit one step.

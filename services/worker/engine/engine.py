@@ -104,6 +104,7 @@ class LLMEngine:
             max_num_batched_tokens=batched_tokens,
             max_num_seqs=self.max_num_seqs,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.prefill_chunk_cap(self.device.type == "cuda"),
             policy=config.scheduling_policy,
             max_model_len=self.max_model_len,
         ), self.kv)

@@ -15,12 +15,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    # Most prompt tokens one request prefills in a step while other requests run or wait
+    # (0: no cap beyond the step budget). Caps a long prompt's chunks so that the decodes
+    # sharing its steps keep their pace and new requests are admitted between its chunks;
+    # alone, a prompt still takes the whole budget.
+    long_prefill_token_threshold: int = 0
     policy: str = "fcfs"  # "fcfs" | "priority"
     max_model_len: int = 2048
 
     def __post_init__(self) -> None:
         assert self.policy in ("fcfs", "priority"), f"unknown scheduling policy {self.policy!r}"
         assert self.max_num_batched_tokens > 0 and self.max_num_seqs > 0
+        assert self.long_prefill_token_threshold >= 0
 
 
 @dataclass
@@ -51,8 +57,9 @@ class SchedulerOutput:
 class Scheduler:
     """Decides each step which requests run and how many of their tokens.
 
-    Running requests go first (decodes, then unfinished prefills), in the
-    order they were admitted; when blocks run out the lowest-ranked running
+    Running requests go first (decodes, then unfinished prefills, each in the
+    order they were admitted; while other requests run or wait, a prefill chunk
+    is capped at long_prefill_token_threshold); when blocks run out the lowest-ranked running
     request is preempted (its KV freed, to be recomputed later). Waiting
     requests are admitted in policy order while budget, sequence slots and
     blocks last; FCFS never lets a later request jump a blocked earlier one.
@@ -98,13 +105,26 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        # Decodes first: a prompt being prefilled in chunks never holds them back.
+        decoding = [r for r in self.running if not r.is_prefilling]
+        prefilling = [r for r in self.running if r.is_prefilling]
+        budget = self._schedule_running(out, budget, decoding)
+        budget = self._schedule_running(out, budget, prefilling)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for request in list(self.running):
+    def _chunk(self, num_new: int, budget: int) -> int:
+        """Prompt tokens to prefill this step, under chunked prefill: capped while any other
+        request is running or waiting, the whole budget for a prompt that is alone."""
+        cap = self.config.long_prefill_token_threshold
+        if cap and len(self.running) + len(self.waiting) > 1:
+            num_new = min(num_new, cap)
+        return min(num_new, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          requests: list[Request]) -> int:
+        for request in requests:
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -113,7 +133,7 @@ class Scheduler:
                 continue  # its last token is still on the device: it finishes when read
             num_new = request.num_tokens - request.num_computed_tokens
             if self.config.enable_chunked_prefill:
-                num_new = min(num_new, budget)
+                num_new = self._chunk(num_new, budget)
             elif num_new > budget:
                 continue
             if not self._allocate_or_preempt(request, num_new, out):
@@ -152,7 +172,7 @@ class Scheduler:
             num_computed = len(computed) * self.kv.block_size
             num_new = request.num_tokens - num_computed
             if self.config.enable_chunked_prefill:
-                num_new = min(num_new, budget)
+                num_new = self._chunk(num_new, budget)
             elif num_new > budget:
                 break
             request.num_computed_tokens = num_computed
