@@ -28,6 +28,9 @@ from meshserve.shared.errors import DeadlineExceededError, InvalidRequestError, 
 from meshserve.shared.status import http_error
 
 _log = logging.getLogger(__name__)
+# No OpenAI request nests anywhere near this deep; deeper bodies would only reach recursive
+# code (validation, repr, serialization) and its recursion limit.
+MAX_JSON_DEPTH = 64
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
@@ -40,11 +43,31 @@ async def read_json(request: web.Request) -> dict[str, Any]:
                                   param="body")
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+    except (orjson.JSONDecodeError, RecursionError) as exc:
         raise InvalidRequestError(f"malformed JSON body: {exc}", param="body") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object", param="body")
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels",
+                                  param="body")
     return body
+
+
+def _depth(value: object) -> int:
+    """How deeply lists and objects nest in `value` (without recursion)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_JSON_DEPTH:
+            break
+        stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def json_response(body: object, status: int = 200) -> web.Response:

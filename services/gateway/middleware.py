@@ -124,7 +124,8 @@ def auth(api_key: str | None) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if expected is not None and request.path not in _OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
+            # Bytes that are not UTF-8 arrive as surrogates: they compare unequal, not fail.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 raise AuthenticationError("invalid or missing API key (expected "
                                           "'Authorization: Bearer <key>')")

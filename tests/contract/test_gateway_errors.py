@@ -230,3 +230,84 @@ async def test_worker_lost_before_any_output_is_retried_elsewhere() -> None:
         assert status == 200 and body["choices"][0]["text"]
         # The first route went to the dead worker, the second excluded it.
         assert [list(r.exclude_worker_ids) for r in mesh.scheduler.routes] == [[], ["dead0"]]
+
+
+def _nested(depth: int, leaf: Any) -> Any:
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {**CHAT, "messages": _nested(1000, {"role": "user",
+                                                                  "content": "hi"})}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": _nested(
+        1000, {"type": "text", "text": "hi"})}]}),
+    ("/v1/chat/completions", {**CHAT, "tools": _nested(1000, {"type": "function"})}),
+    ("/v1/completions", {**COMPLETION, "max_tokens": _nested(1000, 3)}),
+    ("/v1/completions", {**COMPLETION, "prompt": _nested(5000, "hi")}),  # past orjson's own limit
+])
+async def test_deeply_nested_json_is_400(mesh: Mesh, path: str, body: dict[str, Any]) -> None:
+    status, payload, _ = await call(mesh, path, data=_dumps_deep(body),
+                                    headers={"Content-Type": "application/json"})
+    assert_error(status, payload, 400)
+    status, _, _ = await call(mesh, "/v1/completions", COMPLETION)  # and nothing else is lost
+    assert status == 200
+
+
+def _dumps_deep(body: dict[str, Any]) -> bytes:
+    """JSON deeper than orjson (and Python's recursion limit) will write."""
+    import json
+    import sys
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        return json.dumps(body).encode()
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+async def _raw_post(mesh: Mesh, header: bytes) -> bytes:
+    """POST a completion with one raw header line (bytes no HTTP client would send)."""
+    host, port = mesh.base_url.removeprefix("http://").rsplit(":", 1)
+    body = orjson.dumps(COMPLETION)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    await writer.drain()
+    response = await asyncio.wait_for(reader.read(), timeout=10)
+    writer.close()
+    return response
+
+
+async def test_an_authorization_header_of_raw_bytes_is_401() -> None:
+    async with start_mesh(api_key="sekret") as mesh:
+        response = await _raw_post(mesh, b"Authorization: Bearer \xff\xfe")
+        assert response.startswith(b"HTTP/1.1 401"), response[:200]
+        status, _, _ = await call(mesh, "/v1/completions", COMPLETION,
+                                  headers={"Authorization": "Bearer sekret"})
+        assert status == 200
+
+
+@pytest.mark.parametrize("header", [b"X-Request-Id: \xff\xfe", b"traceparent: \xff\xfe",
+                                    b"Authorization: Bearer \xff"])
+async def test_other_headers_of_raw_bytes_are_never_a_5xx(mesh: Mesh, header: bytes) -> None:
+    response = await _raw_post(mesh, header)
+    status = int(response.split(b" ", 2)[1])
+    assert status == 200 or 400 <= status < 500, response[:300]
+
+
+async def test_an_unexpected_error_mid_stream_still_ends_with_an_error_event_and_done(
+        mesh: Mesh) -> None:
+    mesh.worker.fail_after_first = asyncio.InvalidStateError("invalid state")
+    async with aiohttp.ClientSession(mesh.base_url) as http, \
+            http.post("/v1/completions", json={**LONG, "stream": True}) as resp:
+        assert resp.status == 200
+        raw = await asyncio.wait_for(resp.read(), timeout=10)
+    events = [line for line in raw.split(b"\n\n") if line]
+    assert b"HTTP/1.1" not in raw  # no second response written into the stream
+    assert b'"error":' in events[-2], events
+    assert events[-1] == b"data: [DONE]"
+    status, _, _ = await call(mesh, "/v1/completions", COMPLETION)
+    assert status == 200
