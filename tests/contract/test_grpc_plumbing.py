@@ -382,3 +382,40 @@ def test_session_streams_outlive_any_request_deadline() -> None:
                                 "meshserve.v1.Worker/Session"]
     for name in sessions:
         assert METHOD_TIMEOUTS_S.get(name, 0) >= 86400 * 365, name
+
+
+async def _idle_stream_survives(server_keepalive_s: float, idle_s: float) -> bool:
+    """Hold a stream idle for `idle_s` while the client pings every second (gRPC's client
+    floor); did it live?"""
+    server = GrpcServer("127.0.0.1:0", service_names=[WORKER], keepalive_time_s=server_keepalive_s)
+    servicer = FakeWorker()
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
+    port = await server.start()
+    channel = GrpcClient(keepalive_time_s=1.0, keepalive_timeout_s=5).channel(
+        f"127.0.0.1:{port}")
+    try:
+        call = worker_pb2_grpc.WorkerStub(channel).Generate(worker_pb2.GenerateRequest(
+            request_id="block", prompts=[worker_pb2.Prompt(token_ids=[7])]))
+        await call.read()  # the first message; then the stream is idle until released
+        await asyncio.sleep(idle_s)  # the idle time is what is tested, not a wait for an event
+        servicer.release.set()
+        try:
+            last = await call.read()
+        except grpc.aio.AioRpcError:
+            return False
+        return last is not grpc.aio.EOF and last.outputs[0].token_ids == [5]
+    finally:
+        await channel.close()
+        await server.drain(grace_s=0)
+
+
+async def test_an_idle_stream_outlives_the_servers_ping_limit() -> None:
+    # The server accepts pings every keepalive_time_s / 6 = 0.1 s; the client sends one a
+    # second through 5 s of silence: past the 2 strikes a server forgives bad pings.
+    assert await _idle_stream_survives(server_keepalive_s=0.6, idle_s=5.0)
+
+
+async def test_pings_faster_than_the_server_allows_close_the_stream() -> None:
+    # The control: with a server that wants 10 s between pings, the same client is sent
+    # away ("too_many_pings"), so the test above can fail.
+    assert not await _idle_stream_survives(server_keepalive_s=60.0, idle_s=5.0)
