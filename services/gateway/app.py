@@ -19,6 +19,7 @@ from meshserve.services.gateway import middleware
 from meshserve.services.gateway.admission import Admission
 from meshserve.services.gateway.clients import MeshClients
 from meshserve.services.gateway.config import GatewayConfig
+from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.handlers import Handlers
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.services.gateway.orchestrator import Orchestrator
@@ -30,11 +31,13 @@ _log = logging.getLogger(__name__)
 
 
 def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients,
-               orchestrator: Orchestrator, metrics: GatewayMetrics) -> web.Application:
+               orchestrator: Orchestrator, metrics: GatewayMetrics,
+               drain: Drain | None = None) -> web.Application:
     """The aiohttp application: middlewares (observe, errors, auth) and every route."""
     admission = Admission(config.max_concurrent_requests, metrics.in_flight)
-    generation = Handlers(config, orchestrator, admission)
-    service = ServiceHandlers(config, orchestrator, clients)
+    drain = drain or Drain()
+    generation = Handlers(config, orchestrator, admission, drain)
+    service = ServiceHandlers(config, orchestrator, clients, drain)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
         middleware.observe(telemetry.tracer, metrics),
         middleware.errors(config.retry_after_s),
@@ -63,7 +66,9 @@ class Gateway:
                                               config.scheduler_address,
                                               model_cache_ttl_s=config.model_cache_ttl_s)
         self.orchestrator = Orchestrator(config, self.clients, self.metrics, telemetry.tracer)
-        self.app = create_app(config, telemetry, self.clients, self.orchestrator, self.metrics)
+        self.drain = Drain()
+        self.app = create_app(config, telemetry, self.clients, self.orchestrator, self.metrics,
+                              self.drain)
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
@@ -82,7 +87,9 @@ class Gateway:
         return port
 
     async def stop(self) -> None:
-        """Stop accepting, give in-flight requests drain_grace_s, close every channel."""
+        """Drain: new requests get 503 + Retry-After while those in flight get up to
+        drain_grace_s, then the rest end with an error event; stop listening, close channels."""
+        await self.drain.run(self.config.drain_grace_s)
         self.metrics.listening.set(0)
         if self._runner is not None:
             await self._runner.cleanup()

@@ -19,12 +19,19 @@ from opentelemetry import trace
 
 from meshserve.services.gateway.admission import Admission
 from meshserve.services.gateway.config import GatewayConfig
+from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.generation import Generation
 from meshserve.services.gateway.job import GenerationJob
 from meshserve.services.gateway.orchestrator import Orchestrator
 from meshserve.services.gateway.render import Renderer, renderer_for
 from meshserve.shared import openai_protocol as oai
-from meshserve.shared.errors import DeadlineExceededError, InvalidRequestError, MeshError
+from meshserve.shared.errors import (
+    DeadlineExceededError,
+    InternalError,
+    InvalidRequestError,
+    MeshError,
+    UnavailableError,
+)
 from meshserve.shared.status import http_error
 
 _log = logging.getLogger(__name__)
@@ -78,10 +85,11 @@ class Handlers:
     """Handlers of the two generation endpoints."""
 
     def __init__(self, config: GatewayConfig, orchestrator: Orchestrator,
-                 admission: Admission) -> None:
+                 admission: Admission, drain: Drain) -> None:
         self._config = config
         self._orch = orchestrator
         self._admission = admission
+        self._drain = drain
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
@@ -110,7 +118,8 @@ class Handlers:
 
     async def _run(self, request: web.Request, job: GenerationJob) -> web.StreamResponse:
         _annotate_request(job)
-        with self._admission.slot():
+        self._drain.refuse_if_draining()
+        with self._admission.slot(), self._drain.track():
             if job.options.stream:
                 return await self._stream(request, job)
             return await self._aggregate(job)
@@ -143,18 +152,48 @@ class Handlers:
                     response = web.StreamResponse(headers=_SSE_HEADERS)
                     await response.prepare(request)
                     await self._write_stream(response, generation, renderer)
-        except (MeshError, TimeoutError) as exc:
-            error = self._deadline_error() if isinstance(exc, TimeoutError) else exc
+        except asyncio.CancelledError as exc:
+            if response is None or not self._drain.ended_by_drain(exc):
+                raise  # the client went away (or the request never started)
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            await self._end_stream(response, job, UnavailableError(
+                "the gateway shut down before this response was complete; retry the request"))
+            return response
+        except ConnectionResetError:
+            raise  # the client went away: nobody to tell
+        except Exception as exc:  # noqa: BLE001 (after the first byte, every error is an event)
+            error = self._stream_error(exc)
             if response is None:
                 raise error from exc
-            _log.warning("stream of %s ended by an error: %s", job.request_id, error,
-                         extra={"error_kind": error.kind})
-            trace.get_current_span().set_attribute("meshserve.stream_error", error.kind)
-            await response.write(oai.sse(http_error(error)[1]))
+            await self._end_stream(response, job, error)
+            return response
         assert response is not None
         await response.write(oai.SSE_DONE)
         await response.write_eof()
         return response
+
+    def _stream_error(self, exc: Exception) -> MeshError:
+        """The MeshError a failed stream reports (an unexpected exception as internal)."""
+        if isinstance(exc, MeshError):
+            return exc
+        if isinstance(exc, TimeoutError):
+            return self._deadline_error()
+        _log.exception("unexpected error in a stream")
+        return InternalError(f"internal error: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    async def _end_stream(response: web.StreamResponse, job: GenerationJob,
+                          error: MeshError) -> None:
+        """An open stream's last words: the error as an event, then `[DONE]`."""
+        _log.warning("stream of %s ended by an error: %s", job.request_id, error,
+                     extra={"error_kind": error.kind})
+        trace.get_current_span().set_attribute("meshserve.stream_error", error.kind)
+        try:
+            await response.write(oai.sse(http_error(error)[1]))
+            await response.write(oai.SSE_DONE)
+            await response.write_eof()
+        except (ConnectionError, RuntimeError):  # the client is gone as well
+            _log.info("client of %s went away before the error event", job.request_id)
 
     async def _write_stream(self, response: web.StreamResponse, generation: Generation,
                             renderer: Renderer) -> None:

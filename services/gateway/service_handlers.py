@@ -13,6 +13,7 @@ from aiohttp import web
 
 from meshserve.services.gateway.clients import MeshClients
 from meshserve.services.gateway.config import GatewayConfig
+from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.handlers import json_response, read_json
 from meshserve.services.gateway.job import ChatPrompt
 from meshserve.services.gateway.orchestrator import Orchestrator
@@ -41,10 +42,11 @@ class ServiceHandlers:
     """Models, tokenization helpers and probes."""
 
     def __init__(self, config: GatewayConfig, orchestrator: Orchestrator,
-                 clients: MeshClients) -> None:
+                 clients: MeshClients, drain: Drain) -> None:
         self._config = config
         self._orch = orchestrator
         self._clients = clients
+        self._drain = drain
         self._created = int(time.time())
 
     def _deadline(self) -> float:
@@ -94,7 +96,12 @@ class ServiceHandlers:
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 when the scheduler and a tokenizer are SERVING and a worker is
-        registered; 503 with what is missing otherwise."""
+        registered; 503 with what is missing otherwise, and 503 while the gateway drains."""
+        if self._drain.draining:
+            body = openai_error_body("the gateway is shutting down", "service_unavailable_error",
+                                     code="unavailable")
+            return web.Response(status=503, body=oai.dumps(body), content_type="application/json",
+                                headers={"Retry-After": str(self._config.retry_after_s)})
         report = await self._clients.health(self._config.health_timeout_s)
         if report.ok:
             return json_response(report.as_dict())

@@ -309,5 +309,40 @@ async def test_an_unexpected_error_mid_stream_still_ends_with_an_error_event_and
     assert b"HTTP/1.1" not in raw  # no second response written into the stream
     assert b'"error":' in events[-2], events
     assert events[-1] == b"data: [DONE]"
+    mesh.worker.fail_after_first = None
     status, _, _ = await call(mesh, "/v1/completions", COMPLETION)
     assert status == 200
+
+
+async def test_a_gateway_bug_after_the_first_byte_is_an_error_event_not_a_second_response(
+        mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshserve.services.gateway import handlers
+
+    real = handlers.renderer_for
+
+    def failing_renderer(*args: Any, **kwargs: Any) -> Any:
+        renderer = real(*args, **kwargs)
+        chunks = renderer.chunks
+        calls = 0
+
+        def chunks_then_fail(*a: Any, **k: Any) -> bytes:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise asyncio.InvalidStateError("a bug in the renderer")
+            return chunks(*a, **k)
+
+        renderer.chunks = chunks_then_fail
+        return renderer
+
+    monkeypatch.setattr(handlers, "renderer_for", failing_renderer)
+    async with aiohttp.ClientSession(mesh.base_url) as http, \
+            http.post("/v1/completions", json={**LONG, "stream": True}) as resp:
+        assert resp.status == 200
+        raw = await asyncio.wait_for(resp.read(), timeout=10)
+    events = [line for line in raw.split(b"\n\n") if line]
+    assert b"HTTP/1.1" not in raw
+    assert events[0].startswith(b'data: {"id":"cmpl-')
+    assert b'"error":' in events[-2] and b"InvalidStateError" in events[-2], events
+    assert events[-1] == b"data: [DONE]"
+    await asyncio.wait_for(mesh.scheduler.release_seen.wait(), timeout=5)  # freed

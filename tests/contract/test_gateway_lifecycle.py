@@ -116,3 +116,41 @@ async def test_trace_context_reaches_every_service(mesh: Mesh) -> None:
             _, trace_id, parent_id, _ = entry["traceparent"].split("-")
             assert trace_id == TRACE_ID, service
             assert parent_id in parents, service
+
+
+async def _read_events(response: aiohttp.ClientResponse) -> list[bytes]:
+    return [e for e in (await asyncio.wait_for(response.read(), timeout=20)).split(b"\n\n") if e]
+
+
+async def test_a_drain_refuses_new_requests_and_ends_streams_past_its_grace() -> None:
+    async with start_mesh(drain_grace_s=1.0) as mesh, aiohttp.ClientSession(mesh.base_url) as http:
+        mesh.worker.hold_after_first = True  # two streams that outlast the grace
+        streams = [await http.post("/v1/completions", json={**COMPLETION, "stream": True})
+                   for _ in range(2)]
+        for stream in streams:
+            assert stream.status == 200
+            assert (await stream.content.readuntil(b"\n\n")).startswith(b"data: {")
+        stopping = asyncio.ensure_future(mesh.gateway.drain.run(1.0))
+        await asyncio.sleep(0)  # the drain has begun (it sets its flag before awaiting)
+        async with http.post("/v1/completions", json=COMPLETION) as refused:
+            assert refused.status == 503
+            assert refused.headers["Retry-After"] == "1"
+            assert "shutting down" in (await refused.json())["error"]["message"]
+        async with http.get("/health") as health:
+            assert health.status == 503
+        for stream in streams:
+            events = await _read_events(stream)
+            assert b'"error":' in events[-2] and b"shut down" in events[-2], events
+            assert events[-1] == b"data: [DONE]"
+        await stopping
+        assert mesh.worker.cancelled.is_set()  # the worker was told to stop them
+
+
+async def test_a_drain_lets_streams_that_finish_in_time_complete(mesh: Mesh) -> None:
+    async with aiohttp.ClientSession(mesh.base_url) as http:
+        stream = await http.post("/v1/completions", json={**COMPLETION, "stream": True})
+        assert stream.status == 200
+        await mesh.gateway.drain.run(10.0)  # returns once the stream is done
+        events = await _read_events(stream)
+    assert events[-1] == b"data: [DONE]"
+    assert not any(b'"error":' in e for e in events)
