@@ -23,6 +23,17 @@ class PromptInput:
     chat_template_kwargs: dict[str, Any] | None = None
     truncate_prompt_tokens: int = 0
 
+    @property
+    def size(self) -> int:
+        """Characters to render and encode: the text, or every message's content and tools."""
+        if self.text is not None:
+            return len(self.text)
+        total = 0
+        for message in [*(self.messages or ()), *(self.tools or ())]:
+            for value in message.values():
+                total += len(value) if isinstance(value, str) else len(repr(value))
+        return total
+
 
 @dataclass(frozen=True)
 class TokenizedPrompt:

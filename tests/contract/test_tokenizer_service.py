@@ -128,6 +128,20 @@ async def test_tokenize_chat_matches_hf_apply_chat_template(
     assert count.count == len(reply.token_ids)
 
 
+async def test_small_prompts_are_answered_while_a_large_one_is_encoded(
+        harness: Harness, hf: PreTrainedTokenizerBase) -> None:
+    big_text = "The quick brown fox jumps over the lazy dog. " * 25_000  # 1.1 MB
+    big = asyncio.ensure_future(harness.stub.Tokenize(pb.TokenizeRequest(text=big_text)))
+    answered_before = 0
+    while not big.done():
+        reply = await harness.stub.Tokenize(pb.TokenizeRequest(text=TEXTS[0]))
+        assert list(reply.token_ids) == hf.encode(TEXTS[0])
+        answered_before += not big.done()
+    # The event loop kept answering: many small prompts finished while the large one ran.
+    assert answered_before >= 5, answered_before
+    assert list((await big).token_ids) == hf.encode(big_text)
+
+
 async def test_tools_template_override_and_kwargs_reach_the_template(
         harness: Harness, hf: PreTrainedTokenizerBase) -> None:
     call = {"id": "call_1", "type": "function",
