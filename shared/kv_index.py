@@ -16,6 +16,7 @@ where Lua's doubles would not be).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -47,11 +48,14 @@ end
 
 # KEYS: epoch, seq, holder set. ARGV: blk prefix, holder, epoch, seq, ops...
 # An op is "+hex" (stored), "-hex" (removed) or "*" (all cleared).
-# Returns 1 when applied, 0 when dropped (stale epoch or sequence number).
+# Returns 1 when applied, 2 when applied to a holder the index had no epoch for (its first
+# write, or the index lost it), 0 when dropped (stale epoch or sequence number).
 _APPLY = _LUA_OLDER + """
 local epoch_key, seq_key, holder_key = KEYS[1], KEYS[2], KEYS[3]
 local blk_prefix, holder, epoch, seq = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local current = redis.call('GET', epoch_key)
+local result = 1
+if not current then result = 2 end
 if current and older(epoch, current) then return 0 end
 if current ~= epoch then
   clear(holder_key, blk_prefix, holder)
@@ -74,6 +78,18 @@ for i = 5, #ARGV do
   end
 end
 redis.call('SET', seq_key, seq)
+return result
+"""
+
+# KEYS: epoch, holder set. ARGV: blk prefix, holder, epoch, then the hex hashes the holder
+# holds. Replaces its holdings when `epoch` is its current one; returns 1 if it did.
+_RESTORE = _LUA_OLDER + """
+if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 0 end
+clear(KEYS[2], ARGV[1], ARGV[2])
+for i = 4, #ARGV do
+  redis.call('HSET', ARGV[1] .. ARGV[i], ARGV[2], ARGV[3])
+  redis.call('SADD', KEYS[2], ARGV[i])
+end
 return 1
 """
 
@@ -187,6 +203,14 @@ def _ops(events: Sequence[KVEvent]) -> list[str]:
     return ops
 
 
+class Applied(enum.IntEnum):
+    """What `apply_events` did with a batch (false when dropped)."""
+
+    DROPPED = 0
+    APPLIED = 1
+    APPLIED_UNKNOWN = 2  # applied, but the index had no epoch of the holder: lost, or new
+
+
 class KVIndex:
     """One KV namespace of the block index in Redis; see the module doc for the keys."""
 
@@ -198,6 +222,7 @@ class KVIndex:
         self.prefix = f"{KEY_ROOT}{namespace}:"
         self._apply = redis.register_script(_APPLY)
         self._clear = redis.register_script(_CLEAR)
+        self._restore = redis.register_script(_RESTORE)
         self._claim = redis.register_script(_CLAIM)
         self._match = redis.register_script(_MATCH)
 
@@ -220,17 +245,26 @@ class KVIndex:
         return [self.epoch_key(holder), self.seq_key(holder), self.holder_key(holder)]
 
     async def apply_events(self, holder: str, epoch: int, seq: int,
-                           events: Sequence[KVEvent]) -> bool:
+                           events: Sequence[KVEvent]) -> Applied:
         """Apply one batch of a holder's KV events in one atomic round trip.
 
-        Dropped (returns False) when `epoch` is older than the holder's recorded epoch,
-        or when `seq` is not newer than the last applied one of the same epoch. A newer
-        epoch first clears everything the holder held under its old epoch.
+        Dropped (false) when `epoch` is older than the holder's recorded epoch, or when
+        `seq` is not newer than the last applied one of the same epoch. A newer epoch first
+        clears everything the holder held under its old epoch. APPLIED_UNKNOWN tells a
+        holder that has written before that the index lost its entries (Redis restarted
+        empty): it should `restore` what it holds.
         """
         keys = self._holder_keys(holder)
         args = [f"{self.prefix}blk:", holder, _decimal(epoch, "epoch"), _decimal(seq, "seq"),
                 *_ops(events)]
-        return bool(await self._apply(keys, args))
+        return Applied(int(await self._apply(keys, args)))
+
+    async def restore(self, holder: str, epoch: int, block_hashes: Collection[BlockHash]) -> bool:
+        """Make the index hold exactly `block_hashes` for `holder` (in its current `epoch`)."""
+        keys = [self.epoch_key(holder), self.holder_key(holder)]
+        args = [f"{self.prefix}blk:", holder, _decimal(epoch, "epoch"),
+                *(h.hex() for h in block_hashes)]
+        return bool(await self._restore(keys, args))
 
     async def clear_holder(self, holder: str, epoch: int | None = None) -> bool:
         """Forget every block of `holder` (unless a newer epoch than `epoch` holds it now)."""

@@ -8,6 +8,11 @@ Redis being slow or down never blocks the engine: writes are retried with backof
 and, past `max_pending` buffered batches, the oldest are dropped and the holder's
 entries are cleared before the next write, so the index never claims blocks the
 worker may have evicted meanwhile (Redis is an index, not the source of truth).
+
+The publisher also keeps the set of blocks its events say the worker holds. When a write
+finds that the index no longer knows the worker (Redis restarted empty, or was flushed),
+it restores that whole set in one more round trip, so that the index is truthful again
+without waiting for the blocks to be stored anew.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import logging
 from collections import deque
 
 from meshserve.services.worker.engine_thread import KVEventBatch
-from meshserve.shared.kv_events import AllBlocksCleared, KVEvent
-from meshserve.shared.kv_index import KVIndex
+from meshserve.shared.block_hash import BlockHash
+from meshserve.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from meshserve.shared.kv_index import Applied, KVIndex
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +47,9 @@ class KVEventPublisher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self._held: set[BlockHash] = set()  # what the events put so far say is held
         self.num_written = 0
+        self.num_restores = 0
 
     def start(self) -> None:
         """Start the writer task on the running loop."""
@@ -57,6 +65,13 @@ class KVEventPublisher:
                             "clearing this worker's index entries", self._max_pending)
             self._lost = True
         self._pending.append(batch)
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self._held.difference_update(event.block_hashes)
+            else:
+                self._held.clear()
         self._idle.clear()
         self._wake.set()
 
@@ -121,6 +136,13 @@ class KVEventPublisher:
             events.extend(batch.events)
         last = batches[-1]
         applied = await self.index.apply_events(self.holder, last.epoch, last.seq, events)
+        if applied == Applied.APPLIED_UNKNOWN and (self.num_written or last.seq > 0):
+            # The index lost this worker's entries (Redis restarted empty): restore them.
+            held = set(self._held)
+            if await self.index.restore(self.holder, last.epoch, held):
+                self.num_restores += 1
+                log.warning("the Redis block index had lost this worker's blocks; restored %d",
+                            len(held))
         if not applied:
             log.warning("Redis refused KV events of %s epoch %d seq %d (a newer epoch or "
                         "sequence number is recorded)", self.holder, last.epoch, last.seq)

@@ -143,7 +143,7 @@ async def test_a_drain_refuses_new_requests_and_ends_streams_past_its_grace() ->
             assert b'"error":' in events[-2] and b"shut down" in events[-2], events
             assert events[-1] == b"data: [DONE]"
         await stopping
-        assert mesh.worker.cancelled.is_set()  # the worker was told to stop them
+        await asyncio.wait_for(mesh.worker.cancelled.wait(), timeout=5)  # and so was the worker
 
 
 async def test_a_drain_lets_streams_that_finish_in_time_complete(mesh: Mesh) -> None:
