@@ -54,16 +54,30 @@ class HealthReport:
     scheduler_serving: bool
     tokenizers_serving: dict[str, bool]
     num_workers: int
+    redis_lost: bool = False  # the scheduler places by load only until Redis is back
 
     @property
     def ok(self) -> bool:
         return (self.scheduler_serving and any(self.tokenizers_serving.values())
                 and self.num_workers > 0)
 
+    @property
+    def status(self) -> str:
+        """ok; degraded (serving, but without a tokenizer replica or Redis); unavailable."""
+        if not self.ok:
+            return "unavailable"
+        if self.redis_lost or not all(self.tokenizers_serving.values()):
+            return "degraded"
+        return "ok"
+
     def as_dict(self) -> dict[str, object]:
-        return {"status": "ok" if self.ok else "unavailable",
-                "scheduler": self.scheduler_serving, "tokenizers": self.tokenizers_serving,
-                "workers": self.num_workers}
+        report: dict[str, object] = {
+            "status": self.status, "scheduler": self.scheduler_serving,
+            "tokenizers": self.tokenizers_serving, "workers": self.num_workers}
+        if self.redis_lost:
+            report["degraded"] = ("Redis is unreachable: requests are placed by load only, "
+                                  "without prefix-cache matches")
+        return report
 
 
 class MeshClients:
@@ -201,19 +215,20 @@ class MeshClients:
         checks = [_serving(self._scheduler_channel, SCHEDULER_SERVICE, timeout_s)]
         checks += [_serving(c, TOKENIZER_SERVICE, timeout_s) for c in self._tokenizer_channels]
         results = await asyncio.gather(*checks, self._count_workers(timeout_s))
-        scheduler, *tokenizers, num_workers = results
+        scheduler, *tokenizers, (num_workers, redis_lost) = results
         return HealthReport(bool(scheduler),
                             dict(zip(self.tokenizer_addresses, map(bool, tokenizers),
                                      strict=True)),
-                            int(num_workers))
+                            num_workers, redis_lost)
 
-    async def _count_workers(self, timeout_s: float) -> int:
+    async def _count_workers(self, timeout_s: float) -> tuple[int, bool]:
+        """Registered workers, and whether the scheduler has lost Redis."""
         try:
             response = await self.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest(),
                                                         timeout=timeout_s)
         except grpc.RpcError:
-            return 0
-        return len(response.workers)
+            return 0, False
+        return len(response.workers), response.degraded
 
     async def close(self) -> None:
         """Close every channel (in-flight calls are cancelled)."""

@@ -28,6 +28,9 @@ class SchedulerMetrics:
         self.queue_depth = Gauge("meshserve_scheduler_queue_depth",
                                  "Requests waiting in the global queue", registry=registry)
         self.queue_depth.set_function(lambda: len(queue))
+        self.redis_up = Gauge("meshserve_scheduler_redis_up",
+                              "0 while Redis is unreachable (placement by load only)",
+                              registry=registry)
 
     def observe(self, decision: RouteDecision) -> None:
         """Count one placement (the Router's on_route hook)."""

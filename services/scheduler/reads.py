@@ -8,11 +8,17 @@ hashes agree, how many of its prompt's leading blocks each holder has (the block
 Routes that ask in the same event-loop turn share one pipeline: one registry scan and one
 prefix match per route and group. A burst of a thousand requests costs a few round trips
 and registry scans instead of a thousand of each.
+
+When Redis cannot be reached the reads are answered from the last registry view (with the
+loads that heartbeats reported since, `note_load`) and no prefix matches: placement by load
+only, `degraded` until a read succeeds again. A lost Redis never fails a route.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +29,11 @@ from redis.asyncio.client import Pipeline
 from meshserve.shared.block_hash import BlockHash, extra_keys_for, hash_blocks
 from meshserve.shared.kv_index import KVIndex
 from meshserve.shared.redis_server import run_pipeline
-from meshserve.shared.worker_registry import WorkerRecord, WorkerRegistry
+from meshserve.shared.worker_registry import WorkerLoad, WorkerRecord, WorkerRegistry
+
+_log = logging.getLogger(__name__)
+REDIS_ERRORS = (OSError, aioredis.ConnectionError, aioredis.TimeoutError)
+"""What a lost or stalled Redis raises."""
 
 Group = tuple[str, int]
 """(kv namespace, block size): workers whose block hashes agree."""
@@ -77,6 +87,25 @@ class PlacementReads:
         self._groups: dict[str, set[Group]] = {}  # model -> groups seen at its last read
         self._asks: list[_Ask] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._last_records: dict[str, WorkerRecord] = {}  # the last registry view, by id
+        self.degraded = False  # the last read found Redis unreachable
+        self.num_degraded_reads = 0
+
+    def remember(self, record: WorkerRecord) -> None:
+        """A registration into the last registry view (before any read has seen it)."""
+        self._last_records[record.worker_id] = record
+
+    def note_load(self, worker_id: str, epoch: int, load: WorkerLoad) -> bool:
+        """A heartbeat's load into the last registry view; False for a worker not in it."""
+        record = self._last_records.get(worker_id)
+        if record is None or record.epoch != epoch:
+            return False
+        self._last_records[worker_id] = dataclasses.replace(record, load=load)
+        return True
+
+    def last_records(self, model: str | None = None) -> list[WorkerRecord]:
+        """The last registry view (what placement uses while Redis is unreachable)."""
+        return [r for r in self._last_records.values() if model is None or r.info.serves(model)]
 
     async def read(self, model: str, hashes: PromptHashes
                    ) -> tuple[list[WorkerRecord], Matches]:
@@ -99,7 +128,15 @@ class PlacementReads:
 
     async def _run(self, asks: list[_Ask]) -> None:
         try:
-            answers = await self._read_all(asks)
+            try:
+                answers = await self._read_all(asks)
+            except REDIS_ERRORS as exc:
+                answers = self._degraded_answers(asks, exc)
+            else:
+                if self.degraded:
+                    _log.warning("Redis is back: placement reads the registry and the block "
+                                 "index again")
+                self.degraded = False
         except BaseException as exc:  # every asker gets the failure (cancellation too)
             for ask in asks:
                 if not ask.answer.done():
@@ -111,6 +148,23 @@ class PlacementReads:
             if not ask.answer.done():
                 ask.answer.set_result(answer)
 
+    def mark_degraded(self, error: BaseException) -> None:
+        """Redis failed a read: serve from the last view until a read succeeds."""
+        if not self.degraded:
+            _log.warning("Redis is unreachable (%s); placing by the last known load of %d "
+                         "worker(s), without prefix matches, until it is back", error,
+                         len(self._last_records))
+        self.degraded = True
+        self.num_degraded_reads += 1
+
+    def _degraded_answers(self, asks: list[_Ask], error: BaseException
+                          ) -> list[tuple[list[WorkerRecord], Matches]]:
+        """The last registry view and no prefix matches, for each ask."""
+        self.mark_degraded(error)
+        records = list(self._last_records.values())
+        nothing: Matches = {(r.info.namespace, r.info.block_size): {} for r in records}
+        return [(list(records), dict(nothing)) for _ in asks]
+
     async def _read_all(self, asks: list[_Ask]) -> list[tuple[list[WorkerRecord], Matches]]:
         def build(pipe: Pipeline) -> None:
             self._registry.queue_scan(pipe)
@@ -121,6 +175,7 @@ class PlacementReads:
         raw = await run_pipeline(self._redis, build, self._scripts(
             group for ask in asks for group in ask.groups))
         records = await self._registry.records_from_scan(raw[0])
+        self._last_records = {r.worker_id: r for r in records}
         position = 1
         matches: list[Matches] = []
         for ask in asks:

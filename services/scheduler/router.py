@@ -26,7 +26,12 @@ import redis.asyncio as aioredis
 from meshserve.services.scheduler.inflight import Assignment, InFlight
 from meshserve.services.scheduler.policy import Candidate, RoutingPolicy
 from meshserve.services.scheduler.queue import GlobalQueue
-from meshserve.services.scheduler.reads import Group, PlacementReads, PromptHashes
+from meshserve.services.scheduler.reads import (
+    REDIS_ERRORS,
+    Group,
+    PlacementReads,
+    PromptHashes,
+)
 from meshserve.shared.block_hash import BlockHash
 from meshserve.shared.errors import InvalidRequestError, UnavailableError
 from meshserve.shared.kv_index import KVSTORE_HOLDER_PREFIX, KVIndex
@@ -148,11 +153,17 @@ class Router:
     # Registry, for the servicer. Every change wakes the queue.
     async def register(self, info: WorkerInfo, load: WorkerLoad) -> int:
         epoch = await self.registry.register(info, load)
+        self._reads.remember(WorkerRecord(info, load, epoch, self._clock_ns()))
         self.queue.notify()
         return epoch
 
     async def heartbeat(self, worker_id: str, epoch: int, load: WorkerLoad) -> bool:
-        ok = await self.registry.heartbeat(worker_id, epoch, load)
+        try:
+            ok = await self.registry.heartbeat(worker_id, epoch, load)
+        except REDIS_ERRORS:
+            # Redis is away: keep the load for placement; the worker stays registered here
+            # and is told to register again by the first heartbeat after Redis is back.
+            ok = self._reads.note_load(worker_id, epoch, load)
         if ok:
             self.queue.notify()
         return ok
@@ -163,7 +174,16 @@ class Router:
         return removed
 
     async def list_workers(self, model: str | None = None) -> list[WorkerRecord]:
-        return await self.registry.live_workers(model)
+        try:
+            return await self.registry.live_workers(model)
+        except REDIS_ERRORS as exc:
+            self._reads.mark_degraded(exc)
+            return self._reads.last_records(model)
+
+    @property
+    def degraded(self) -> bool:
+        """Whether placement last found Redis unreachable (load only, no prefix matches)."""
+        return self._reads.degraded
 
     def release(self, request_id: str, worker_id: str) -> bool:
         """A routed request ended: drop its provisional load now."""

@@ -101,7 +101,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def ListWorkers(self, request: scheduler_pb2.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> scheduler_pb2.ListWorkersResponse:
         records = await self._router.list_workers(request.model or None)
-        return scheduler_pb2.ListWorkersResponse(workers=[record_to_proto(r) for r in records])
+        return scheduler_pb2.ListWorkersResponse(workers=[record_to_proto(r) for r in records],
+                                                 degraded=self._router.degraded)
 
     def _wait_s(self, request: scheduler_pb2.RouteRequest,
                 context: grpc.aio.ServicerContext | None) -> float:
@@ -121,10 +122,13 @@ def build_router(config: SchedulerConfig, redis_client: aioredis.Redis,
     queue = GlobalQueue(config.queue_capacity)
     metrics = (SchedulerMetrics(metrics_registry, queue)
                if metrics_registry is not None else None)
-    return Router(redis_client, WorkerRegistry(redis_client, config.heartbeat_ttl_s),
-                  RoutingPolicy(config.prefill_weight, config.max_waiting_per_worker), queue,
-                  block_size=config.block_size,
-                  on_route=metrics.observe if metrics is not None else None)
+    router = Router(redis_client, WorkerRegistry(redis_client, config.heartbeat_ttl_s),
+                    RoutingPolicy(config.prefill_weight, config.max_waiting_per_worker), queue,
+                    block_size=config.block_size,
+                    on_route=metrics.observe if metrics is not None else None)
+    if metrics is not None:
+        metrics.redis_up.set_function(lambda: 0.0 if router.degraded else 1.0)
+    return router
 
 
 @dataclass

@@ -222,6 +222,12 @@ async def test_models_tokenize_detokenize_version_health(mesh: Mesh, api: AsyncO
         async with http.get("/health") as resp:
             assert resp.status == 200
             assert (await resp.json())["workers"] == 1
+            assert (await resp.json())["status"] == "ok"
+        mesh.scheduler.degraded = True  # the scheduler lost Redis: still serving, degraded
+        async with http.get("/health") as resp:
+            body = await resp.json()
+            assert resp.status == 200 and body["status"] == "degraded"
+            assert "Redis" in body["degraded"]
         await mesh.servers["scheduler"].set_serving(False)
         async with http.get("/health") as resp:
             body = await resp.json()

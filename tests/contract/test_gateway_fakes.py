@@ -199,6 +199,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     def __init__(self, workers: list[tuple[str, str]]) -> None:
         self.workers = workers  # (worker_id, address)
+        self.degraded = False  # what ListWorkers reports (Redis lost)
         self.routes: list[scheduler_pb2.RouteRequest] = []
         self.released: list[str] = []
         self.release_seen = asyncio.Event()
@@ -254,7 +255,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.ListWorkersResponse(workers=[scheduler_pb2.WorkerStatus(
             info=common_pb2.WorkerInfo(worker_id=wid, address=addr, model_names=[MODEL],
                                        max_model_len=MAX_MODEL_LEN))
-            for wid, addr in self.workers])
+            for wid, addr in self.workers], degraded=self.degraded)
 
 
 # -- worker ---------------------------------------------------------------------------------
