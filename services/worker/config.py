@@ -46,7 +46,7 @@ class EngineOptions(Config):
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
     long_prefill_token_threshold: int | None = option(
         None, "most prompt tokens one request prefills in a step that also decodes others, so "
-              "that a long prompt does not stall them (unset: no cap on a GPU, 256 on a CPU; "
+              "that a long prompt does not stall them (unset: 2048 on a GPU, 256 on a CPU; "
               "0: no cap)")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
     scheduling_policy: Literal["fcfs", "priority"] = option("fcfs", "local queue order")
