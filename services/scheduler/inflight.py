@@ -1,15 +1,25 @@
-"""Provisional load: requests this scheduler routed that their worker has not reported yet.
+"""Provisional load: requests this scheduler routed that their worker may not count yet.
 
 Between two heartbeats a worker's reported load is stale; routing a burst on it would
-send the whole burst to one worker. So every Route adds its request's sequences and
-blocks to the chosen worker here, until the worker's next heartbeat (which counts the
-request itself) or a Release. Heartbeats are compared by the scheduler-side time the
-registry stamped on them, so a heartbeat received by another replica counts too.
+send the whole burst to one worker. So every Route counts its request's sequences and
+blocks against the chosen worker here until its Release (or the worker's restart, or
+MAX_AGE_S as a bound on a lost Release). What the worker's load gets on top of its last
+heartbeat (compared by the scheduler-side time the registry stamped on it, so a heartbeat
+received by another replica counts too):
+- requests routed after that heartbeat, in full;
+- of those routed before it, the sequences the heartbeat cannot have counted: as many as
+  they outnumber the sequences the worker reported (running + waiting), with their share
+  of blocks. A request still on its way to the worker is counted, one that arrived is not
+  counted twice.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+MAX_AGE_S = 900.0
+"""A routed request not released after this long is forgotten (its Release was lost)."""
 
 
 @dataclass(frozen=True)
@@ -55,24 +65,34 @@ class InFlight:
             del self._by_worker[worker_id]
         return True
 
-    def extra_load(self, worker_id: str, epoch: int, last_heartbeat_unix_ns: int) -> ExtraLoad:
-        """Provisional load of a worker, forgetting what its last heartbeat already covers.
+    def extra_load(self, worker_id: str, epoch: int, last_heartbeat_unix_ns: int,
+                   reported_sequences: int, now_unix_ns: int | None = None) -> ExtraLoad:
+        """What this replica's routed requests add to a worker's reported load (module doc).
 
-        Assignments routed before that heartbeat, or to another epoch of the worker
-        (it restarted), are dropped for good.
+        Assignments to another epoch of the worker (it restarted) or older than MAX_AGE_S
+        are dropped for good.
         """
         assignments = self._by_worker.get(worker_id)
         if not assignments:
             return ExtraLoad()
-        stale = [rid for rid, a in assignments.items()
-                 if a.epoch != epoch or a.routed_unix_ns < last_heartbeat_unix_ns]
-        for rid in stale:
+        now = time.time_ns() if now_unix_ns is None else now_unix_ns
+        oldest = now - int(MAX_AGE_S * 1e9)
+        for rid in [rid for rid, a in assignments.items()
+                    if a.epoch != epoch or a.routed_unix_ns < oldest]:
             del assignments[rid]
         if not assignments:
             del self._by_worker[worker_id]
             return ExtraLoad()
-        return ExtraLoad(num_sequences=sum(a.num_sequences for a in assignments.values()),
-                         num_blocks=sum(a.num_blocks for a in assignments.values()))
+        new = [a for a in assignments.values() if a.routed_unix_ns >= last_heartbeat_unix_ns]
+        covered = [a for a in assignments.values() if a.routed_unix_ns < last_heartbeat_unix_ns]
+        sequences = sum(a.num_sequences for a in new)
+        blocks = sum(a.num_blocks for a in new)
+        covered_sequences = sum(a.num_sequences for a in covered)
+        missing = max(0, covered_sequences - reported_sequences)
+        if missing:
+            sequences += missing
+            blocks += sum(a.num_blocks for a in covered) * missing // covered_sequences
+        return ExtraLoad(num_sequences=sequences, num_blocks=blocks)
 
     def keep_only(self, live_worker_ids: set[str]) -> None:
         """Forget workers that are no longer registered."""

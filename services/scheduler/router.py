@@ -242,7 +242,8 @@ class Router:
         load, info = record.load, record.info
         matched = matches[(info.namespace, info.block_size)].get(record.worker_id, 0)
         extra = self.inflight.extra_load(record.worker_id, record.epoch,
-                                         record.last_heartbeat_unix_ns)
+                                         record.last_heartbeat_unix_ns,
+                                         load.num_running + load.num_waiting, self._clock_ns())
         return Candidate(
             worker_id=record.worker_id, num_running=load.num_running + extra.num_sequences,
             num_waiting=load.num_waiting, num_used_blocks=load.num_used_blocks + extra.num_blocks,
