@@ -1,6 +1,6 @@
 """The fault matrix: `kill -9` each part of a running mesh under streaming load.
 
-    python loadtest/fault_matrix.py --model PATH [--streams 20] [--max-tokens 96] \
+    python loadtest/fault_matrix.py [--model PATH] [--streams 20] [--max-tokens 96] \
         [--parts worker,tokenizer,scheduler,kvstore,redis] --out results.json
 
 For each part in turn, on one `meshserve up` stack with two workers (`start_stack`):
@@ -217,7 +217,8 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", default=None,
+                        help="model (default: SmolLM2-135M-Instruct, the default model)")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--streams", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                                        max_tokens=args.max_tokens))
             print(json.dumps(dataclasses.asdict(result)), flush=True)
             results.append(dataclasses.asdict(result))
-    args.out.write_text(json.dumps({"model": args.model, "device": args.device,
+    args.out.write_text(json.dumps({"model": args.model or "SmolLM2-135M-Instruct (default)",
+                                    "device": args.device,
                                     "cpu_count": os.cpu_count(), "streams": args.streams,
                                     "max_tokens": args.max_tokens, "results": results},
                                    indent=2) + "\n")
