@@ -182,9 +182,10 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
         tasks = [asyncio.ensure_future(_stream(session, url, body(i), end, started,
                                                stream_timeout_s)) for i, end in enumerate(ends)]
         waiter = asyncio.ensure_future(all_started.wait())
-        await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED,
+        every_stream = asyncio.ensure_future(asyncio.wait(tasks))
+        await asyncio.wait([waiter, every_stream], return_when=asyncio.FIRST_COMPLETED,
                            timeout=stream_timeout_s)
-        if not all_started.is_set():
+        if not all_started.is_set():  # every stream ended (or the wait timed out) first
             waiter.cancel()
             await asyncio.gather(*tasks)
             raise RuntimeError(f"not every stream started before the kill: "
@@ -205,6 +206,7 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
                 part_back = time.monotonic() - killed_at
             await asyncio.sleep(_PROBE_INTERVAL_S)
         await asyncio.gather(*tasks)
+        await every_stream
     outcomes = [end.outcome for end in ends]
     return DrillResult(
         part=part, service=service, streams=streams, completed=outcomes.count("completed"),

@@ -188,7 +188,7 @@ class RedisChild:
         return self.server.answers()
 
     def log_tail(self) -> str:
-        return "(the embedded Redis writes no log of its own)"
+        return self.server.log_tail()
 
 
 def _die_with_parent() -> None:

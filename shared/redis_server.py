@@ -95,6 +95,10 @@ class EmbeddedRedis:
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
+    def log_tail(self) -> str:
+        """The last lines the server wrote (until it is stopped or restarted)."""
+        return self._log_tail()
+
     def answers(self) -> bool:
         """Whether the server runs and answers PING right now."""
         return self.running and self._answers_ping()
