@@ -189,7 +189,7 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
             waiter.cancel()
             await asyncio.gather(*tasks)
             raise RuntimeError(f"not every stream started before the kill: "
-                               f"{[e.outcome for e in ends]}")
+                               f"{[e.failure or e.outcome for e in ends]}")
         running = epoch = None
         if part == "worker":
             epoch = _running_per_worker(stack)[service][1]

@@ -2,24 +2,25 @@
 
 Between two heartbeats a worker's reported load is stale; routing a burst on it would
 send the whole burst to one worker. So every Route counts its request's sequences and
-blocks against the chosen worker here until its Release (or the worker's restart, or
-MAX_AGE_S as a bound on a lost Release). What the worker's load gets on top of its last
-heartbeat (compared by the scheduler-side time the registry stamped on it, so a heartbeat
-received by another replica counts too):
+blocks against the chosen worker here until its Release, the worker's restart, or a
+heartbeat stamped ARRIVAL_GRACE_S after it was routed (by then the worker counts it
+itself, or its Release was lost). What the worker's load gets on top of its last heartbeat
+(compared by the scheduler-side time the registry stamped on it, so a heartbeat received
+by another replica counts too):
 - requests routed after that heartbeat, in full;
-- of those routed before it, the sequences the heartbeat cannot have counted: as many as
-  they outnumber the sequences the worker reported (running + waiting), with their share
-  of blocks. A request still on its way to the worker is counted, one that arrived is not
-  counted twice.
+- of those routed less than ARRIVAL_GRACE_S before it, the sequences the heartbeat cannot
+  have counted: as many as they outnumber the sequences the worker reported (running +
+  waiting), with their share of blocks. A request still on its way to the worker is
+  counted, one that arrived is not counted twice.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-MAX_AGE_S = 900.0
-"""A routed request not released after this long is forgotten (its Release was lost)."""
+ARRIVAL_GRACE_S = 2.0
+"""A routed request has reached its worker this long after it was routed (the gateway sends
+it at once), so a heartbeat stamped later covers it."""
 
 
 @dataclass(frozen=True)
@@ -66,19 +67,18 @@ class InFlight:
         return True
 
     def extra_load(self, worker_id: str, epoch: int, last_heartbeat_unix_ns: int,
-                   reported_sequences: int, now_unix_ns: int | None = None) -> ExtraLoad:
+                   reported_sequences: int) -> ExtraLoad:
         """What this replica's routed requests add to a worker's reported load (module doc).
 
-        Assignments to another epoch of the worker (it restarted) or older than MAX_AGE_S
-        are dropped for good.
+        Assignments to another epoch of the worker (it restarted), or that a heartbeat
+        stamped ARRIVAL_GRACE_S after their routing covers, are dropped for good.
         """
         assignments = self._by_worker.get(worker_id)
         if not assignments:
             return ExtraLoad()
-        now = time.time_ns() if now_unix_ns is None else now_unix_ns
-        oldest = now - int(MAX_AGE_S * 1e9)
+        covered_before = last_heartbeat_unix_ns - int(ARRIVAL_GRACE_S * 1e9)
         for rid in [rid for rid, a in assignments.items()
-                    if a.epoch != epoch or a.routed_unix_ns < oldest]:
+                    if a.epoch != epoch or a.routed_unix_ns <= covered_before]:
             del assignments[rid]
         if not assignments:
             del self._by_worker[worker_id]

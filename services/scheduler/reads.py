@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +149,20 @@ class PlacementReads:
             if not ask.answer.done():
                 ask.answer.set_result(answer)
 
+    def _with_unlisted(self, records: list[WorkerRecord]) -> list[WorkerRecord]:
+        """The registry's live workers, plus those of the last view that it no longer lists
+        although their last heartbeat is younger than the TTL: Redis came back empty, and
+        they register again at their next heartbeat. Without them every route in between
+        would find no worker."""
+        listed = {r.worker_id for r in records}
+        alive_since = time.time_ns() - int(self._registry.ttl_s * 1e9)
+        return records + [r for wid, r in self._last_records.items()
+                          if wid not in listed and r.last_heartbeat_unix_ns > alive_since]
+
+    def forget(self, worker_id: str) -> None:
+        """A worker deregistered: out of the last view at once."""
+        self._last_records.pop(worker_id, None)
+
     def mark_degraded(self, error: BaseException) -> None:
         """Redis failed a read: serve from the last view until a read succeeds."""
         if not self.degraded:
@@ -174,7 +189,7 @@ class PlacementReads:
 
         raw = await run_pipeline(self._redis, build, self._scripts(
             group for ask in asks for group in ask.groups))
-        records = await self._registry.records_from_scan(raw[0])
+        records = self._with_unlisted(await self._registry.records_from_scan(raw[0]))
         self._last_records = {r.worker_id: r for r in records}
         position = 1
         matches: list[Matches] = []

@@ -170,6 +170,7 @@ class Router:
 
     async def deregister(self, worker_id: str, epoch: int | None) -> bool:
         removed = await self.registry.deregister(worker_id, epoch)
+        self._reads.forget(worker_id)
         self.queue.notify()
         return removed
 
@@ -243,7 +244,7 @@ class Router:
         matched = matches[(info.namespace, info.block_size)].get(record.worker_id, 0)
         extra = self.inflight.extra_load(record.worker_id, record.epoch,
                                          record.last_heartbeat_unix_ns,
-                                         load.num_running + load.num_waiting, self._clock_ns())
+                                         load.num_running + load.num_waiting)
         return Candidate(
             worker_id=record.worker_id, num_running=load.num_running + extra.num_sequences,
             num_waiting=load.num_waiting, num_used_blocks=load.num_used_blocks + extra.num_blocks,

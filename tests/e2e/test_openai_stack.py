@@ -287,19 +287,21 @@ def test_one_request_is_one_connected_trace_across_services(stack, receiver) -> 
 
 
 def test_killing_a_worker_reroutes_within_its_heartbeat_ttl(stack, client) -> None:
-    victim = stack.services[[s.name for s in stack.services].index("worker-1")]
-    victim.process.send_signal(signal.SIGKILL)
-    victim.process.wait(timeout=10)
+    """The scheduler drops the dead life of worker-1 (the launcher starts a new one, which
+    registers with a new epoch) and requests keep succeeding."""
     with grpc.insecure_channel(stack.scheduler_address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            live = {w.info.worker_id for w in stub.ListWorkers(
+
+        def live() -> set[tuple[str, int]]:
+            return {(w.info.worker_id, w.info.epoch) for w in stub.ListWorkers(
                 scheduler_pb2.ListWorkersRequest(), timeout=5).workers}
-            if live == {"worker-0"}:
-                break
+        dead = next(entry for entry in live() if entry[0] == "worker-1")
+        stack.kill("worker-1", signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while dead in live() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert live == {"worker-0"}
+        assert dead not in live()
+        assert "worker-0" in {worker_id for worker_id, _ in live()}
     for i in range(6):
         out = client.completions.create(model=MODEL, prompt=f"after the crash {i}",
                                         max_tokens=3, temperature=0)
