@@ -161,9 +161,10 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
     headers = {"Authorization": f"Bearer {stack.config.api_key}"} if stack.config.api_key else {}
 
     def body(i: int) -> dict[str, Any]:
-        # Prompts differ from their first token, so that no prefix draws them to one worker.
+        # Prompts differ from their first token, from each other and from other drills', so
+        # that no cached prefix draws them to one worker.
         text: Any = [*token_prompt[i % len(token_prompt):], *token_prompt] if token_prompt \
-            else f"{i}. {prompt}"
+            else f"{i} ({part}): {prompt}"
         return {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
 
