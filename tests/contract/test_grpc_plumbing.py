@@ -384,10 +384,13 @@ def test_session_streams_outlive_any_request_deadline() -> None:
         assert METHOD_TIMEOUTS_S.get(name, 0) >= 86400 * 365, name
 
 
-async def _idle_stream_survives(server_keepalive_s: float, idle_s: float) -> bool:
+async def _idle_stream_survives(min_ping_interval_s: float, idle_s: float,
+                                max_ping_strikes: int = 2) -> bool:
     """Hold a stream idle for `idle_s` while the client pings every second (gRPC's client
     floor); did it live?"""
-    server = GrpcServer("127.0.0.1:0", service_names=[WORKER], keepalive_time_s=server_keepalive_s)
+    server = GrpcServer("127.0.0.1:0", service_names=[WORKER],
+                        min_ping_interval_s=min_ping_interval_s,
+                        max_ping_strikes=max_ping_strikes)
     servicer = FakeWorker()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
     port = await server.start()
@@ -410,12 +413,23 @@ async def _idle_stream_survives(server_keepalive_s: float, idle_s: float) -> boo
 
 
 async def test_an_idle_stream_outlives_the_servers_ping_limit() -> None:
-    # The server accepts pings every keepalive_time_s / 6 = 0.1 s; the client sends one a
-    # second through 5 s of silence: past the 2 strikes a server forgives bad pings.
-    assert await _idle_stream_survives(server_keepalive_s=0.6, idle_s=5.0)
+    # The server accepts pings every 0.1 s; the client sends one a second through 5 s of
+    # silence: past the 2 strikes a server forgives bad pings.
+    assert await _idle_stream_survives(min_ping_interval_s=0.1, idle_s=5.0)
 
 
 async def test_pings_faster_than_the_server_allows_close_the_stream() -> None:
     # The control: with a server that wants 10 s between pings, the same client is sent
     # away ("too_many_pings"), so the test above can fail.
-    assert not await _idle_stream_survives(server_keepalive_s=60.0, idle_s=5.0)
+    assert not await _idle_stream_survives(min_ping_interval_s=10.0, idle_s=5.0)
+
+
+async def test_the_servers_default_ping_limit_welcomes_clients_of_the_same_keepalive() -> None:
+    # Servers and clients built with defaults agree: the server accepts pings 6x more
+    # often than the client sends them.
+    server_options = dict(GrpcServer("127.0.0.1:0", service_names=[WORKER]).options)
+    client_options = dict(GrpcClient().channel_options())
+    assert (server_options["grpc.http2.min_ping_interval_without_data_ms"] * 6
+            == client_options["grpc.keepalive_time_ms"])
+    assert client_options["grpc.keepalive_permit_without_calls"] == 1
+    assert client_options["grpc.http2.max_pings_without_data"] == 0
