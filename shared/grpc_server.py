@@ -162,9 +162,21 @@ class GrpcServer:
                  telemetry: Telemetry | None = None, grace_s: float = 30.0,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  keepalive_time_s: float = 30.0, keepalive_timeout_s: float = 10.0,
+                 min_ping_interval_s: float | None = None, max_ping_strikes: int = 2,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
-        """`service_names` are full proto names ("meshserve.v1.Worker") for health."""
+        """`service_names` are full proto names ("meshserve.v1.Worker") for health.
+
+        Keepalive: the server pings idle connections every `keepalive_time_s` and drops
+        them after `keepalive_timeout_s` without an answer. It accepts a client's pings
+        every `min_ping_interval_s` (unset: keepalive_time_s / 6, so clients pinging at
+        the same keepalive_time_s are always welcome, idle streams included); a client
+        pinging more often gets a strike, and past `max_ping_strikes` the connection is
+        closed with GOAWAY "too_many_pings".
+        """
         assert grace_s >= 0, f"grace_s must be >= 0, got {grace_s}"
+        if min_ping_interval_s is None:
+            min_ping_interval_s = keepalive_time_s / 6
+        assert max_ping_strikes >= 0, f"max_ping_strikes must be >= 0, got {max_ping_strikes}"
         self.address = address
         self.grace_s = grace_s
         self.health = HealthServicer(service_names)
@@ -176,20 +188,23 @@ class GrpcServer:
         chain: list[grpc.aio.ServerInterceptor] = [AroundInterceptor(self._guard)]
         if telemetry is not None:
             chain.append(AroundInterceptor(telemetry.server_rpc))
-        self.server = grpc.aio.server(interceptors=[*chain, *interceptors], options=[
+        # The server's channel arguments (tests read them).
+        self.options: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.keepalive_time_ms", int(keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
             # Clients ping every keepalive_time_s, also on idle long-lived streams (the
-            # data plane's sessions); accept pings up to 6x more often than that, or the
-            # server answers "too many pings" and closes the connection.
-            ("grpc.http2.min_ping_interval_without_data_ms",
-             int(keepalive_time_s * 1000 / 6)),
+            # data plane's sessions); gRPC's default wants 5 minutes between pings without
+            # data and answers faster ones with "too many pings".
+            ("grpc.http2.min_ping_interval_without_data_ms", int(min_ping_interval_s * 1000)),
+            ("grpc.http2.max_ping_strikes", max_ping_strikes),
             # A second process on the same port must fail, not share it silently.
             ("grpc.so_reuseport", 0),
-        ])
+        ]
+        self.server = grpc.aio.server(interceptors=[*chain, *interceptors],
+                                      options=self.options)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
     @property

@@ -91,7 +91,7 @@ async def _load_and_serve(config: TokenizerConfig, server: GrpcServer,
 async def serve(config: TokenizerConfig) -> int:
     """Run the service until it is stopped and drained; the process exit code."""
     async with service_telemetry("tokenizer", config) as telemetry:
-        servicer = TokenizerServicer(telemetry=telemetry)
+        servicer = TokenizerServicer(telemetry=telemetry, limits=config.prompt_limits)
         server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
                             telemetry=telemetry, grace_s=config.drain_grace_s)
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshserve.services.tokenizer.encode_pool import MAX_CHARS_PER_TOKEN, PromptLimits
 from meshserve.shared.config import ServiceConfig, option
 
 DEFAULT_PORT = 50051
@@ -25,6 +26,16 @@ class TokenizerConfig(ServiceConfig):
                                              "(unset: from the model's config)")
     chat_template: str | None = option(None, "chat template file or inline Jinja text replacing "
                                              "the model's own (unset: the model's)")
+    tokenize_workers: int = option(2, "threads that render and encode large prompts, each "
+                                      "with its own tokenizer copy; small prompts are "
+                                      "tokenized on the event loop")
+    large_prompt_chars: int = option(8192, "prompts of this many characters (text, or all "
+                                           "message contents) or more are tokenized on the "
+                                           "threads (about 4 ms of encoding inline)")
+    max_prompt_chars: int | None = option(
+        None, "longer prompts fail at once with a 400 (unset: "
+              f"{MAX_CHARS_PER_TOKEN} per token of the context length, a context-length "
+              "error, not applied to requests that truncate their prompt)")
 
     def validate(self) -> None:
         super().validate()
@@ -33,3 +44,16 @@ class TokenizerConfig(ServiceConfig):
                      f"must be >= 1, got {self.max_model_len}", "max_model_len")
         self.require(self.served_model_name is None or bool(self.served_model_name),
                      "must not be empty when set", "served_model_name")
+        self.require(self.tokenize_workers >= 1, f"must be >= 1, got {self.tokenize_workers}",
+                     "tokenize_workers")
+        self.require(self.large_prompt_chars >= 0,
+                     f"must be >= 0, got {self.large_prompt_chars}", "large_prompt_chars")
+        self.require(self.max_prompt_chars is None or self.max_prompt_chars >= 1,
+                     f"must be >= 1, got {self.max_prompt_chars}", "max_prompt_chars")
+
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        """How prompts are tokenized and bounded (see encode_pool.py)."""
+        return PromptLimits(workers=self.tokenize_workers,
+                            large_prompt_chars=self.large_prompt_chars,
+                            max_prompt_chars=self.max_prompt_chars)

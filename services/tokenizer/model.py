@@ -8,6 +8,10 @@ from typing import Any
 from meshserve.services.tokenizer.loader import Tokenizer
 from meshserve.shared.errors import NotFoundError
 
+# Role markers and separators a chat template adds per message (ChatML: about 30; the
+# default model's rendering of 1000 two-character messages is 32,620 characters).
+TEMPLATE_CHARS_PER_MESSAGE = 32
+
 
 @dataclass(frozen=True)
 class PromptInput:
@@ -25,10 +29,11 @@ class PromptInput:
 
     @property
     def size(self) -> int:
-        """Characters to render and encode: the text, or every message's content and tools."""
+        """Characters to render and encode: the text, or every message's content and tools
+        plus what a chat template adds around each message."""
         if self.text is not None:
             return len(self.text)
-        total = 0
+        total = TEMPLATE_CHARS_PER_MESSAGE * len(self.messages or ())
         for message in [*(self.messages or ()), *(self.tools or ())]:
             for value in message.values():
                 total += len(value) if isinstance(value, str) else len(repr(value))

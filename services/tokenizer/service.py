@@ -8,23 +8,17 @@ stream opens one `RequestText` (request_text.py) from its options message and an
 every delta with exactly one response. Domain errors (InvalidRequestError,
 NotFoundError) are raised; the shared server interceptor maps them to statuses.
 
-Ordinary prompts are tokenized on the event loop thread: one takes well under a
-millisecond, and a Hugging Face fast tokenizer is not safe to use from several threads at
-once (the Rust side raises "Already borrowed"). A large prompt (LARGE_PROMPT_CHARS of text
-or message content) goes to one thread of its own with its own copy of the tokenizer, so
-that rendering and encoding megabytes never stall the small requests and detokenization
-behind it (the encoder releases the GIL); at most MAX_LARGE_PROMPTS wait there, beyond which
-a request is refused as overloaded. Scale by running more replicas.
+Ordinary prompts are tokenized on the event loop thread (one takes well under a
+millisecond); large ones on a bounded pool of threads with a tokenizer copy each, so that
+rendering and encoding megabytes never stall the small requests and detokenization behind
+them; prompts past a character limit fail at once (encode_pool.py). Scale by running more
+replicas.
 """
 
 from __future__ import annotations
 
-import asyncio
-import copy
-import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,11 +28,12 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from meshserve.proto.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from meshserve.services.tokenizer.model import PromptInput, ServedModel, TokenizedPrompt
+from meshserve.services.tokenizer.encode_pool import EncodePool, PromptLimits
+from meshserve.services.tokenizer.model import ServedModel, TokenizedPrompt
 from meshserve.services.tokenizer.request_text import RequestText
 from meshserve.services.tokenizer.session import SessionTexts
 from meshserve.services.tokenizer.wire import prompt_input, sampling_params, sequence_text
-from meshserve.shared.errors import InvalidRequestError, OverloadedError, UnavailableError
+from meshserve.shared.errors import InvalidRequestError, UnavailableError
 from meshserve.shared.telemetry import Telemetry
 
 SERVICE_NAME = "meshserve.v1.Tokenizer"
@@ -80,22 +75,14 @@ class TokenizerMetrics:
             self.latency.labels(operation).observe(time.perf_counter() - started)
 
 
-# A prompt this large (characters of text, or of all message contents) is tokenized off the
-# event loop: about 20 ms of encoding, against well under one for an ordinary prompt.
-LARGE_PROMPT_CHARS = 64 * 1024
-# Large prompts waiting for (or on) their thread before more are refused as overloaded.
-MAX_LARGE_PROMPTS = 16
-
-
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     """meshserve.v1.Tokenizer over a `ServedModel` (set when loaded; UNAVAILABLE before)."""
 
     def __init__(self, model: ServedModel | None = None, *,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None,
+                 limits: PromptLimits | None = None) -> None:
         self._model: ServedModel | None = None
-        self._large_model: ServedModel | None = None  # the large prompts' thread's copy
-        self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="large-prompts")
-        self._large_waiting = 0
+        self._pool = EncodePool(limits or PromptLimits())
         if model is not None:
             self.set_model(model)
         self._tracer = (telemetry.tracer if telemetry is not None
@@ -105,23 +92,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     def set_model(self, model: ServedModel) -> None:
         """Start serving `model` (once it is loaded)."""
+        self._pool.set_model(model)
         self._model = model
-        self._large_model = dataclasses.replace(model, tokenizer=copy.deepcopy(model.tokenizer))
-
-    async def _encode(self, model: ServedModel, prompt: PromptInput) -> TokenizedPrompt:
-        """`model.tokenize(prompt)`, on the large prompts' thread when the prompt is large."""
-        if prompt.size < LARGE_PROMPT_CHARS:
-            return model.tokenize(prompt)
-        if self._large_waiting >= MAX_LARGE_PROMPTS:
-            raise OverloadedError(f"{MAX_LARGE_PROMPTS} large prompts are being tokenized "
-                                  "already; retry later")
-        assert self._large_model is not None
-        self._large_waiting += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._large, self._large_model.tokenize, prompt)
-        finally:
-            self._large_waiting -= 1
 
     @property
     def model(self) -> ServedModel:
@@ -140,7 +112,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             span.set_attribute("gen_ai.request.model", model.name)
             span.set_attribute("meshserve.prompt.kind", "text" if prompt.text is not None
                                else "chat")
-            result = await self._encode(model, prompt)
+            result = await self._pool.tokenize(model, prompt)
             span.set_attribute("gen_ai.usage.input_tokens", len(result.token_ids))
         self.metrics.tokens.labels("tokenize").inc(len(result.token_ids))
         return result

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError
 from test_gateway_fakes import MAX_MODEL_LEN, MODEL, FakeWorker, Mesh, script, start_mesh
 from tiny_models import build_tokenizer
 from transformers import PreTrainedTokenizerFast
@@ -105,3 +105,21 @@ async def test_echo_tokenize_and_detokenize(mesh: Mesh, api: AsyncOpenAI,
             assert tokens == list(hf.encode(text))
         async with http.post("/detokenize", json={"tokens": tokens}) as resp:
             assert (await resp.json())["prompt"] == hf.decode(tokens)
+
+
+async def test_a_prompt_of_megabytes_is_a_context_length_error_at_once(
+        api: AsyncOpenAI) -> None:
+    # 8 MB of text: seconds of encoding, refused by its size before any (the operator's
+    # 7.9 MB prompt once timed out instead, with other requests behind it).
+    huge = "The quick brown fox jumps over the lazy dog. " * 180_000
+    with pytest.raises(BadRequestError) as raised:
+        await api.completions.create(model=MODEL, prompt=huge, max_tokens=4)
+    assert raised.value.code == "context_length_exceeded"
+    assert raised.value.param == "prompt"
+    assert "8100000 characters" in raised.value.message  # refused by its size, not encoded
+    with pytest.raises(BadRequestError) as raised:
+        await api.chat.completions.create(model=MODEL, max_tokens=4,
+                                          messages=[{"role": "user", "content": huge}])
+    assert raised.value.code == "context_length_exceeded"
+    small = await api.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+    assert small.choices[0].text

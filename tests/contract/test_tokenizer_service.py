@@ -32,6 +32,7 @@ from meshserve.proto.v1 import tokenizer_pb2 as pb
 from meshserve.proto.v1 import tokenizer_pb2_grpc
 from meshserve.services.tokenizer.__main__ import load_served_model, read_chat_template
 from meshserve.services.tokenizer.config import TokenizerConfig
+from meshserve.services.tokenizer.encode_pool import PromptLimits
 from meshserve.services.tokenizer.model import PromptInput, ServedModel
 from meshserve.services.tokenizer.service import SERVICE_NAME, TokenizerServicer
 from meshserve.shared.errors import ConfigError
@@ -130,16 +131,60 @@ async def test_tokenize_chat_matches_hf_apply_chat_template(
 
 async def test_small_prompts_are_answered_while_a_large_one_is_encoded(
         harness: Harness, hf: PreTrainedTokenizerBase) -> None:
-    big_text = "The quick brown fox jumps over the lazy dog. " * 25_000  # 1.1 MB
-    big = asyncio.ensure_future(harness.stub.Tokenize(pb.TokenizeRequest(text=big_text)))
+    sentence = "The quick brown fox jumps over the lazy dog. "
+    keep = 100  # keeping the end makes a prompt this long legitimate for the context
+    # 8.1 MB: seconds of encoding, on a busy 2-core box more than the default deadline.
+    patient = GrpcClient(method_timeouts_s={"": 300.0}).channel(
+        f"127.0.0.1:{harness.server.port}")
+    big = asyncio.ensure_future(tokenizer_pb2_grpc.TokenizerStub(patient).Tokenize(
+        pb.TokenizeRequest(text=sentence * 180_000, truncate_prompt_tokens=keep)))
     answered_before = 0
     while not big.done():
         reply = await harness.stub.Tokenize(pb.TokenizeRequest(text=TEXTS[0]))
         assert list(reply.token_ids) == hf.encode(TEXTS[0])
         answered_before += not big.done()
-    # The event loop kept answering: many small prompts finished while the large one ran.
+    # The event loop kept answering: small prompts finished while the large one ran.
     assert answered_before >= 5, answered_before
-    assert list((await big).token_ids) == hf.encode(big_text)
+    # The text repeats, so its last tokens are those of a shorter repetition.
+    assert list((await big).token_ids) == hf.encode(sentence * 1000)[-keep:]
+    await patient.close()
+
+
+async def test_a_prompt_far_longer_than_the_context_fails_at_once(
+        harness: Harness, served: ServedModel) -> None:
+    text = "x" * (32 * served.max_model_len + 1)  # more than 32 characters a token
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await harness.stub.Tokenize(pb.TokenizeRequest(text=text))
+    error = error_from_rpc(raised.value)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (error.kind, error.param) == ("context_length_exceeded", "prompt")
+    messages = [{"role": "user", "content": text}]
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await harness.stub.Tokenize(pb.TokenizeRequest(chat=_chat(messages)))
+    assert error_from_rpc(raised.value).param == "messages"
+    # At the limit the prompt is tokenized (and the context check is the gateway's).
+    reply = await harness.stub.Tokenize(pb.TokenizeRequest(text=text[:-1]))
+    assert len(reply.token_ids) > 0
+
+
+async def test_max_prompt_chars_refuses_longer_prompts(served: ServedModel) -> None:
+    servicer = TokenizerServicer(served, limits=PromptLimits(max_prompt_chars=10))
+    server = GrpcServer("127.0.0.1:0", service_names=[SERVICE_NAME], grace_s=0)
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
+    port = await server.start()
+    await server.set_serving()
+    channel = GrpcClient().channel(f"127.0.0.1:{port}")
+    stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+    try:
+        assert len((await stub.Tokenize(pb.TokenizeRequest(text="0123456789"))).token_ids) > 0
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Tokenize(pb.TokenizeRequest(text="0123456789a", truncate_prompt_tokens=2))
+        error = error_from_rpc(raised.value)
+        assert (error.kind, error.param) == ("invalid_request", "prompt")
+        assert "--max-prompt-chars" in error.message
+    finally:
+        await channel.close()
+        await server.drain(grace_s=0)
 
 
 async def test_tools_template_override_and_kwargs_reach_the_template(

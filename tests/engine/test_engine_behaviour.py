@@ -176,3 +176,36 @@ def test_priority_policy_runs_urgent_requests_first(folder: Path, async_scheduli
     while engine.has_unfinished_requests():
         order.extend(o.request_id for o in engine.step() if o.finished)
     assert order == ["high", "low"]
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_a_long_prompt_is_prefilled_in_capped_chunks_while_every_decode_moves(
+        folder: Path, async_scheduling: str) -> None:
+    engine = make_engine(folder, max_num_batched_tokens=64, long_prefill_token_threshold=16,
+                         async_scheduling=async_scheduling)
+    rng = random.Random(4)
+    vocab = engine.model_config.vocab_size
+    decoding = [f"d{i}" for i in range(4)]
+    for rid in decoding:
+        engine.add_request(rid, prompt(rng, 6, vocab),
+                           SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    started: set[str] = set()
+    while started != set(decoding):
+        started |= {out.request_id for out in engine.step() if out.new_token_ids}
+    engine.add_request("long", prompt(rng, 200, vocab),
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    (long,) = engine.sequences("long")
+    prefill_steps, long_tokens = 0, []
+    while long.num_output_tokens == 0:  # until the step that samples its first token
+        before = long.num_computed_tokens
+        outputs = engine.step()
+        # Every decode got its token in this step, and the long prompt at most 16 tokens.
+        long_tokens += [t for o in outputs if o.request_id == "long" for t in o.new_token_ids]
+        emitted = sorted(o.request_id for o in outputs
+                         if o.new_token_ids and o.request_id != "long")
+        assert emitted == decoding, outputs
+        assert long.num_computed_tokens - before <= 16
+        prefill_steps += 1
+    assert prefill_steps >= 200 // 16, prefill_steps
+    long_tokens += tokens(drain(engine)[("long", 0)])
+    assert len(long_tokens) == 4
