@@ -66,6 +66,7 @@ class _State:
     restart_at: float | None = None  # dead, to be started again at this time
     died_at: float | None = None  # dead (or restarted and not yet ready) since
     given_up: bool = False
+    num_restarts: int = 0  # in all (`restarts` holds those of the window only)
 
 
 def exit_description(code: int) -> str:
@@ -126,7 +127,7 @@ class Supervisor:
 
     def restarts(self, name: str) -> int:
         """Restarts of `name` so far."""
-        return int(self._restarts.labels(name, self._states[name].child.role)._value.get())
+        return self._states[name].num_restarts
 
     def given_up(self) -> set[str]:
         return {name for name, state in self._states.items() if state.given_up}
@@ -188,6 +189,7 @@ class Supervisor:
         state.restart_at = None
         state.restarts.append(now)
         state.started_at = now
+        state.num_restarts += 1
         self._restarts.labels(child.name, child.role).inc()
         try:
             child.restart()
