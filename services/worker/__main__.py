@@ -28,6 +28,8 @@ from meshserve.services.worker.config import WorkerConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.kv_publisher import KVEventPublisher
+from meshserve.services.worker.kv_transfer import KVTransfer
+from meshserve.services.worker.kvstore_client import KVStoreClient
 from meshserve.services.worker.registration import Registration
 from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
 from meshserve.services.worker.step_trace import write_step_trace
@@ -104,6 +106,47 @@ def _load_gauges(telemetry: Telemetry, thread: EngineThread) -> None:
               ).set_function(read)
 
 
+def _tier_metrics(telemetry: Telemetry, transfer: KVTransfer, engine: LLMEngine) -> None:
+    """Prometheus counters of the KV tier, read at scrape time."""
+    tier = engine.kv_tier
+    assert tier is not None
+    for name, help_text, read in (
+            ("kvstore_saved_blocks", "KV blocks written to the kvstore",
+             lambda: transfer.stats.saved_blocks),
+            ("kvstore_skipped_saves", "KV blocks not written: the kvstore held them already",
+             lambda: transfer.stats.skipped_saves),
+            ("kvstore_dropped_saves", "KV blocks not saved: backlog full or kvstore away",
+             lambda: tier.stats.dropped_saves + transfer.stats.failed_saves),
+            ("kvstore_probes", "Admissions that asked the kvstore for prompt blocks",
+             lambda: tier.stats.probes),
+            ("kvstore_loaded_blocks", "KV blocks loaded from the kvstore instead of computed",
+             lambda: tier.stats.loaded_blocks),
+            ("kvstore_failed_loads", "Loads from the kvstore that failed (recomputed)",
+             lambda: tier.stats.failed_loads),
+            ("kvstore_saved_bytes", "Bytes written to the kvstore",
+             lambda: transfer.stats.saved_bytes),
+            ("kvstore_loaded_bytes", "Bytes loaded from the kvstore",
+             lambda: transfer.stats.loaded_bytes),
+            ("kvstore_load_seconds", "Seconds spent loading blocks from the kvstore",
+             lambda: transfer.stats.load_seconds)):
+        Gauge(f"meshserve_worker_{name}_total", help_text, registry=telemetry.registry
+              ).set_function(read)
+
+
+def attach_kvstore(config: WorkerConfig, engine: LLMEngine, namespace: str) -> KVTransfer | None:
+    """Connect the engine to the kvstore (blocking: the first connection attempt), or None
+    when no store is configured or offloading is off."""
+    if not config.kvstore_address or not config.kv_offload:
+        return None
+    address = config.kvstore_address
+    transfer = KVTransfer(
+        lambda: KVStoreClient(address, namespace, shm=config.kvstore_shm),
+        engine.runner.kv_caches)
+    transfer.start()
+    engine.attach_kv_tier(transfer, config.kv_offload_backlog_bytes)
+    return transfer
+
+
 class WorkerProcess:
     """The pieces of one running worker, wired together (see the module doc)."""
 
@@ -132,6 +175,7 @@ class WorkerProcess:
         self.publisher: KVEventPublisher | None = None
         self.registration: Registration | None = None
         self._scheduler_channel: grpc.aio.Channel | None = None
+        self.transfer: KVTransfer | None = None
         _load_gauges(telemetry, self.thread)
 
     def _on_fatal(self, error: BaseException) -> None:
@@ -156,6 +200,10 @@ class WorkerProcess:
             self.publisher = KVEventPublisher(index, worker_id)
             self.publisher.start()
             self.thread.on_kv_events = self.publisher.put
+        self.transfer = await in_daemon_thread(
+            lambda: attach_kvstore(self.config, self.engine, self.info.namespace), "kv-connect")
+        if self.transfer is not None:
+            _tier_metrics(self.telemetry, self.transfer, self.engine)
         self.thread.start()
         await warm_up(self.thread)
         await self.server.set_serving()
@@ -197,6 +245,8 @@ class WorkerProcess:
                     await self.thread.wait_stopped()
             except TimeoutError:
                 _log.warning("engine thread did not stop within 10s")
+        if self.transfer is not None:
+            await in_daemon_thread(self.transfer.stop, "kv-transfer-stop")
         if self.thread.step_trace is not None and self.config.step_trace:
             path = f"{self.config.step_trace}.{self.info.worker_id}"
             write_step_trace(path, self.thread.step_trace)

@@ -116,6 +116,14 @@ class WorkerConfig(EngineOptions, ServiceConfig):
                                                   "when listening on all interfaces)")
     heartbeat_interval_s: float | None = option(None, "seconds between heartbeats (unset: "
                                                       "what the scheduler asks for)")
+    kvstore_address: str | None = option(None, "host:port of the kvstore, the shared KV tier "
+                                               "(empty: none)")
+    kv_offload: bool = option(True, "with a kvstore: save computed KV blocks to it and load "
+                                    "prompt blocks it holds instead of recomputing them")
+    kv_offload_backlog_bytes: int = option(1 << 30, "most bytes of KV blocks waiting to be "
+                                                    "saved; further saves are dropped")
+    kvstore_shm: bool = option(True, "use the kvstore's shared memory when it runs on this "
+                                     "host (else gRPC bytes)")
 
     def validate(self) -> None:
         super().validate()
@@ -123,6 +131,13 @@ class WorkerConfig(EngineOptions, ServiceConfig):
                      f"must be positive, got {self.heartbeat_interval_s}", "heartbeat_interval_s")
         self.require(self.worker_id is None or bool(self.worker_id.strip()),
                      "must not be blank", "worker_id")
+        self.require(self.kv_offload_backlog_bytes > 0,
+                     f"must be positive, got {self.kv_offload_backlog_bytes}",
+                     "kv_offload_backlog_bytes")
+        self.require(not (self.kvstore_address and self.kv_offload)
+                     or self.enable_prefix_caching,
+                     "the KV tier finds blocks by hash: it needs prefix caching",
+                     "kv_offload")
 
     def resolved_worker_id(self, bound_port: int) -> str:
         """The configured worker id, or `<hostname>-<port>` (stable across restarts)."""

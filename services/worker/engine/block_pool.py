@@ -44,6 +44,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
+        # (block id, hash, parent hash) of blocks indexed since the last take_new_cached,
+        # kept only when a KV tier saves them (track_new_cached).
+        self._new_cached: list[tuple[int, BlockHash, BlockHash | None]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +100,18 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
+    def track_new_cached(self) -> None:
+        """Keep the blocks indexed from now on for take_new_cached (a KV tier saves them)."""
+        if self._new_cached is None:
+            self._new_cached = []
+
+    def take_new_cached(self) -> list[tuple[int, BlockHash, BlockHash | None]]:
+        """(block id, hash, parent hash) of each block indexed since the last call."""
+        if not self._new_cached:
+            return []
+        taken, self._new_cached = self._new_cached, []
+        return taken
+
     def cache_full_blocks(
         self,
         blocks: list[KVBlock],
@@ -104,22 +119,30 @@ class BlockPool:
         token_ids: list[int],
         block_size: int,
         parent_hash: BlockHash | None,
+        *,
+        from_tier: bool = False,
     ) -> None:
         """Index newly filled blocks by hash (in chain order) and record a BlockStored event.
 
         A hash already held by another block keeps that block; this one stays
-        an uncached duplicate and is simply freed later.
+        an uncached duplicate and is simply freed later. Blocks `from_tier` were loaded
+        from the KV tier, which therefore needs no copy of them.
         """
         if not self.enable_caching:
             return
         stored: list[BlockHash] = []
-        for block, block_hash in zip(blocks, block_hashes, strict=True):
+        track = self._new_cached is not None and not from_tier
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
             assert block.block_hash is None, f"block {block.block_id} is already cached"
             if block_hash in self._cached:
                 continue
             block.block_hash = block_hash
             self._cached[block_hash] = block
             stored.append(block_hash)
+            if track:
+                assert self._new_cached is not None
+                self._new_cached.append(
+                    (block.block_id, block_hash, block_hashes[i - 1] if i else parent_hash))
         if stored:
             self._events.append(
                 BlockStored(tuple(block_hashes), parent_hash, tuple(token_ids), block_size))

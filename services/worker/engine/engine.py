@@ -22,6 +22,7 @@ import torch
 
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
+from meshserve.services.worker.engine.kv_tier import KVTier, KVTransport
 from meshserve.services.worker.engine.model_runner import (
     LaunchedStep,
     ModelRunner,
@@ -61,6 +62,9 @@ _GRAPH_MEMORY_RESERVE = 512 << 20
 # Steps of up to this many tokens replay piecewise CUDA graphs; larger ones are long
 # enough on the device for eager launches to keep up.
 PIECEWISE_MAX_TOKENS = 2048
+# Longest wait for the KV tier when a step has nothing else to run; new requests arriving
+# meanwhile are admitted at the next step, so this bounds their extra wait.
+_TIER_IDLE_WAIT_S = 0.002
 
 
 def _gpu_memory_and_name(device: torch.device) -> tuple[int, str]:
@@ -123,6 +127,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
         self._in_flight: LaunchedStep | None = None  # queued, results not read yet
+        self.kv_tier: KVTier | None = None
         log.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     # ----- sizing -------------------------------------------------------------
@@ -162,6 +167,18 @@ class LLMEngine:
     @staticmethod
     def _piecewise_tokens(batched_tokens: int) -> int:
         return min(PIECEWISE_MAX_TOKENS, batched_tokens)
+
+    def attach_kv_tier(self, transport: KVTransport, max_save_backlog_bytes: int) -> KVTier:
+        """Save computed blocks to, and load prompt blocks from, the KV tier behind
+        `transport` from now on."""
+        assert self.kv_tier is None, "a KV tier is already attached"
+        if not self.config.enable_prefix_caching:
+            raise InvalidRequestError("the KV tier needs prefix caching (blocks are found by "
+                                      "hash)", param="enable_prefix_caching")
+        self.kv_tier = KVTier(self.kv, self.runner.kv_caches, transport,
+                              max_save_backlog_bytes=max_save_backlog_bytes)
+        self.scheduler.store_gate = self.kv_tier.holds_back
+        return self.kv_tier
 
     # ----- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -227,6 +244,8 @@ class LLMEngine:
         """Schedule and launch one step; return what the last completed step produced."""
         outputs = [self._output(seq, []) for seq in self._aborted]
         self._aborted = []
+        if self.kv_tier is not None:
+            self.kv_tier.poll()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and self._needs_history(previous):
             outputs.extend(self._apply(previous.result()))
@@ -246,6 +265,10 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 outputs.extend(self._apply(launched.result()))
+        if self.kv_tier is not None:
+            self.kv_tier.save_new_blocks()  # after the launch that computes them
+            if launched is None and previous is None and self.kv_tier.busy:
+                self.kv_tier.wait(_TIER_IDLE_WAIT_S)  # only the store has work: no spinning
         return outputs
 
     @staticmethod

@@ -75,6 +75,8 @@ class Request:
         self.num_pending = 0  # trailing PENDING_TOKEN entries of output_token_ids
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache, set once
         self.num_preemptions = 0
+        self.store_checked = False  # whether the KV tier was asked for its prompt blocks
+        self.num_store_loaded_tokens = 0  # prompt tokens whose KV came from the KV tier
         self.block_hashes: list[BlockHash] = []
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.first_scheduled_time: float | None = None

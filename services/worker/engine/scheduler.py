@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
@@ -72,6 +73,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._arrivals = 0
         self._order: dict[str, tuple[int, float, int]] = {}
+        # The KV tier's hold on admission: given a waiting request and its local prefix
+        # hits (blocks), whether it waits for blocks from the store (others go meanwhile).
+        self.store_gate: Callable[[Request, int], bool] | None = None
 
     # ----- queue management -------------------------------------------------
     def _rank(self, request: Request) -> tuple[int, float, int]:
@@ -169,6 +173,8 @@ class Scheduler:
             if request.leader is not None and not self._leader_done(request.leader):
                 continue  # an n>1 sibling waits to share its leader's prompt blocks
             computed = self.kv.get_computed_blocks(request)
+            if self.store_gate is not None and self.store_gate(request, len(computed)):
+                continue
             num_computed = len(computed) * self.kv.block_size
             num_new = request.num_tokens - num_computed
             if self.config.enable_chunked_prefill:

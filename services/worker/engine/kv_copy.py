@@ -1,0 +1,41 @@
+"""Moving whole KV blocks between the paged cache and one packed tensor per block.
+
+The packed layout of a block is [layers, 2 (K, V), block_size, kv_heads, head_dim] in the
+cache dtype, C-contiguous: the layout the kvstore holds and every worker of one model agrees
+on. Both directions are queued on the current device stream; nothing here waits for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]."""
+
+
+def block_shape(kv_caches: KVCaches) -> tuple[int, ...]:
+    """The packed shape of one block: [layers, 2, block_size, kv_heads, head_dim]."""
+    _, block_size, heads, dim = kv_caches[0][0].shape
+    return (len(kv_caches), 2, block_size, heads, dim)
+
+
+def gather_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
+    """A new tensor [n, layers, 2, block_size, kv_heads, head_dim] holding the blocks."""
+    k0 = kv_caches[0][0]
+    out = torch.empty((len(block_ids), *block_shape(kv_caches)), dtype=k0.dtype,
+                      device=k0.device)
+    index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    for layer, (k_cache, v_cache) in enumerate(kv_caches):
+        out[:, layer, 0] = k_cache.index_select(0, index)
+        out[:, layer, 1] = v_cache.index_select(0, index)
+    return out
+
+
+def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], packed: torch.Tensor) -> None:
+    """Write packed blocks [n, layers, 2, block_size, kv_heads, head_dim] into the cache."""
+    expected = (len(block_ids), *block_shape(kv_caches))
+    assert tuple(packed.shape) == expected, f"packed blocks {tuple(packed.shape)} != {expected}"
+    index = torch.tensor(block_ids, dtype=torch.long, device=packed.device)
+    for layer, (k_cache, v_cache) in enumerate(kv_caches):
+        k_cache.index_copy_(0, index, packed[:, layer, 0])
+        v_cache.index_copy_(0, index, packed[:, layer, 1])

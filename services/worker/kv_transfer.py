@@ -1,0 +1,279 @@
+"""The worker's transfer thread: KV blocks between the paged cache and the kvstore.
+
+The engine (engine/kv_tier.py) submits jobs and reads completions without ever waiting for
+the store; this thread does the store calls (KVStoreClient: shared memory on the same host,
+gRPC bytes otherwise) and the copies. On a GPU the copies run on a stream of their own:
+device-to-host straight into the store's slots, host-to-device from them, and the store's
+region is page-locked once (cudaHostRegister) so both are DMA transfers. A store that goes
+away turns every job into a no-op (saves dropped, probes finding nothing) until it answers
+again; reconnection is retried at most every `retry_s`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.services.worker.engine.kv_copy import KVCaches, block_shape, scatter_blocks
+from meshserve.services.worker.engine.kv_tier import (
+    DropJob,
+    LoadDone,
+    LoadJob,
+    ProbeDone,
+    ProbeJob,
+    SaveJob,
+    TransferDone,
+    TransferJob,
+)
+from meshserve.services.worker.kvstore_client import KVStoreClient, KVStoreUnavailable, Lease
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass
+class TransferStats:
+    """Counters since start, for the worker's metrics."""
+
+    saved_blocks: int = 0
+    """Blocks written to the store."""
+    skipped_saves: int = 0
+    """Blocks the store already held (or refused)."""
+    failed_saves: int = 0
+    saved_bytes: int = 0
+    probe_hits: int = 0
+    """Blocks found by probes."""
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    reconnects: int = 0
+
+
+class KVTransfer:
+    """One thread moving blocks for one engine; implements the engine's KVTransport."""
+
+    def __init__(self, client_factory: Callable[[], KVStoreClient], kv_caches: KVCaches, *,
+                 retry_s: float = 2.0) -> None:
+        self._client_factory = client_factory
+        self._client: KVStoreClient | None = None
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0][0].device
+        dtype = kv_caches[0][0].dtype
+        assert dtype in _DTYPE_NAMES, f"no kvstore dtype for {dtype}"
+        self.dtype_name = _DTYPE_NAMES[dtype]
+        self.block_shape = block_shape(kv_caches)
+        self.retry_s = retry_s
+        self.stats = TransferStats()
+        self._jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._done: list[TransferDone] = []
+        self._cond = threading.Condition()
+        self._backlog = 0
+        self._available = False
+        self._next_try = 0.0
+        self._registered: int | None = None  # address of the page-locked region
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
+
+    # ----- the engine's side (KVTransport) -------------------------------------------
+    @property
+    def available(self) -> bool:
+        if not self._available and time.monotonic() >= self._next_try:
+            self._next_try = time.monotonic() + self.retry_s
+            self._jobs.put(self._connect)  # the thread tries; jobs meanwhile are skipped
+        return self._available
+
+    @property
+    def save_backlog_bytes(self) -> int:
+        return self._backlog
+
+    def submit(self, job: TransferJob) -> None:
+        if isinstance(job, SaveJob):
+            with self._cond:
+                self._backlog += job.nbytes
+        self._jobs.put(job)
+
+    def take_done(self) -> list[TransferDone]:
+        if not self._done:  # read without the lock: a miss is seen at the next step
+            return []
+        with self._cond:
+            done, self._done = self._done, []
+        return done
+
+    def wait(self, timeout_s: float) -> None:
+        with self._cond:
+            if not self._done:
+                self._cond.wait(timeout_s)
+
+    # ----- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread and connect (blocks until the first attempt is over)."""
+        self._connect()
+        self._next_try = time.monotonic() + self.retry_s
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._jobs.put(_STOP)
+        self._thread.join(timeout=10)
+        if self._client is not None:
+            self._client.close()
+
+    # ----- the thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            try:
+                if callable(job):
+                    job()
+                else:
+                    self._handle(job)  # type: ignore[arg-type]
+            except KVStoreUnavailable as exc:
+                self._lost(exc)
+            except Exception:  # a bug here must not kill the worker: the store is optional
+                log.exception("KV transfer job failed")
+            finally:
+                if isinstance(job, SaveJob):
+                    with self._cond:
+                        self._backlog -= job.nbytes
+
+    def _handle(self, job: TransferJob) -> None:
+        client = self._client if self._available else None
+        if isinstance(job, SaveJob):
+            if client is None:
+                self.stats.failed_saves += len(job.hashes)
+            else:
+                self._save(client, job)
+        elif isinstance(job, ProbeJob):
+            lease = None
+            try:  # the engine holds the request back until it hears, whatever happens
+                lease = client.acquire(job.hashes) if client is not None else None
+            finally:
+                found = len(lease.hashes) if lease is not None else 0
+                self.stats.probe_hits += found
+                self._finish(ProbeDone(job.request_id, found, lease))
+        elif isinstance(job, LoadJob):
+            ok = False
+            try:
+                ok = client is not None and self._load(client, job)
+            finally:
+                self._finish(LoadDone(job.request_id, ok))
+        elif isinstance(job, DropJob) and client is not None:
+            client.release(job.lease)  # type: ignore[arg-type]
+
+    def _save(self, client: KVStoreClient, job: SaveJob) -> None:
+        if job.ready is not None:
+            job.ready.synchronize()
+        reservation = client.reserve(job.hashes, job.parents, self.dtype_name, self.block_shape)
+        wanted = [i for i, view in enumerate(reservation.views) if view is not None]
+        self.stats.skipped_saves += len(job.hashes) - len(wanted)
+        if not wanted:
+            return
+        try:
+            with self._on_stream():
+                for i in wanted:
+                    view = reservation.views[i]
+                    assert view is not None
+                    _as_bytes_tensor(view).copy_(_flat_bytes(job.data[i]), non_blocking=True)
+                self._sync()
+        except BaseException:
+            client.abandon(reservation)
+            raise
+        client.commit(reservation)
+        self.stats.saved_blocks += len(wanted)
+        self.stats.saved_bytes += len(wanted) * _flat_bytes(job.data[0]).numel()
+
+    def _load(self, client: KVStoreClient, job: LoadJob) -> bool:
+        lease: Lease = job.lease  # type: ignore[assignment]
+        started = time.perf_counter()
+        try:
+            if len(lease.views) < len(job.block_ids):
+                return False
+            with self._on_stream():
+                if job.after is not None and self._stream is not None:
+                    self._stream.wait_event(job.after)
+                packed = torch.empty((len(job.block_ids), *self.block_shape),
+                                     dtype=self.kv_caches[0][0].dtype, device=self.device)
+                for i in range(len(job.block_ids)):
+                    _flat_bytes(packed[i]).copy_(_as_bytes_tensor(lease.views[i]),
+                                                 non_blocking=True)
+                scatter_blocks(self.kv_caches, job.block_ids, packed)
+                self._sync()
+        finally:
+            client.release(lease)
+        self.stats.loaded_blocks += len(job.block_ids)
+        self.stats.loaded_bytes += packed.numel() * packed.element_size()
+        self.stats.load_seconds += time.perf_counter() - started
+        return True
+
+    def _connect(self) -> None:
+        if self._available:
+            return
+        client = self._client_factory()
+        try:
+            client.connect()
+        except KVStoreUnavailable as exc:
+            log.warning("kvstore unavailable (%s); blocks are recomputed until it answers", exc)
+            return
+        if self._client is not None:
+            self._client.close()
+        self._client = client
+        self._pin(client)
+        self._available = True
+        log.info("kvstore connected", extra={"shared_memory": client.shared_memory})
+
+    def _lost(self, exc: Exception) -> None:
+        if self._available:
+            log.warning("kvstore lost (%s); blocks are recomputed until it answers", exc)
+            self.stats.reconnects += 1
+        self._available = False
+        self._next_try = time.monotonic() + self.retry_s
+
+    def _pin(self, client: KVStoreClient) -> None:
+        """Page-lock the store's region for DMA copies (GPU, same host only)."""
+        region = client.region
+        if self._stream is None or region is None or not len(region):
+            return
+        address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        result = torch.cuda.cudart().cudaHostRegister(address, len(region), 0)
+        if int(result) != 0:
+            log.warning("cudaHostRegister of the kvstore region failed (%s): copies are slower",
+                        result)
+            return
+        self._registered = address
+
+    def _finish(self, done: TransferDone) -> None:
+        with self._cond:
+            self._done.append(done)
+            self._cond.notify_all()
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
+def _as_bytes_tensor(view: memoryview) -> torch.Tensor:
+    """A uint8 tensor over a buffer (no copy; read-only buffers are only read from)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)

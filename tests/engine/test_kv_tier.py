@@ -1,0 +1,201 @@
+"""The engine's KV tier on a tiny model: blocks saved by one engine are loaded by another
+(through the real transfer thread, over an in-memory store with the client's interface),
+and the output equals recomputation; a store that goes away only costs recomputation."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from engine_outputs import drain, tokens
+from tiny_models import build_tiny_model
+
+from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.kv_transfer import KVTransfer
+from meshserve.services.worker.kvstore_client import KVStoreUnavailable, Lease, Reservation
+from meshserve.shared.sampling_params import SamplingParams
+
+BLOCK = 8
+
+
+class MemoryStore:
+    """Blocks by hash, as the kvstore holds them, with counters."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, bytes] = {}
+        self.up = True
+        self.committed = 0
+        self.acquired = 0
+        self.leases = 0
+        self.lock = threading.Lock()
+
+
+class MemoryClient:
+    """KVStoreClient's interface over a MemoryStore (byte path semantics)."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+        self.shared_memory = False
+        self.region = None
+
+    def _check(self) -> None:
+        if not self.store.up:
+            raise KVStoreUnavailable("store down")
+
+    def connect(self) -> None:
+        self._check()
+
+    def reserve(self, hashes: Sequence[bytes], parents: Sequence[bytes], dtype: str,
+                shape: tuple[int, ...]) -> Reservation:
+        self._check()
+        nbytes = 4 * int(torch.tensor(shape).prod())  # float32 in these tests
+        assert dtype == "float32"
+        views: list[memoryview | None] = [
+            None if h in self.store.blocks else memoryview(bytearray(nbytes)) for h in hashes]
+        return Reservation(list(hashes), views)
+
+    def commit(self, reservation: Reservation) -> int:
+        self._check()
+        with self.store.lock:
+            for h, view in zip(reservation.hashes, reservation.views, strict=True):
+                if view is not None:
+                    self.store.blocks[h] = bytes(view)
+                    self.store.committed += 1
+        return sum(v is not None for v in reservation.views)
+
+    def abandon(self, reservation: Reservation) -> None:
+        pass
+
+    def acquire(self, hashes: Sequence[bytes]) -> Lease:
+        self._check()
+        found: list[bytes] = []
+        for h in hashes:
+            if h not in self.store.blocks:
+                break
+            found.append(h)
+        self.store.acquired += len(found)
+        self.store.leases += 1
+        return Lease(found, [memoryview(self.store.blocks[h]) for h in found])
+
+    def release(self, lease: Lease) -> None:
+        self.store.leases -= 1
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tier"), "llama", seed=5)
+
+
+def make_engine(folder: Path, store: MemoryStore | None, **overrides: object
+                ) -> tuple[LLMEngine, KVTransfer | None]:
+    cfg = {"model": str(folder), "dtype": "float32", "device": "cpu", "num_kv_blocks": 64,
+           "block_size": BLOCK, "max_model_len": 256, **overrides}
+    engine = LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    if store is None:
+        return engine, None
+    transfer = KVTransfer(lambda: MemoryClient(store), engine.runner.kv_caches, retry_s=0.0)
+    transfer.start()
+    engine.attach_kv_tier(transfer, max_save_backlog_bytes=1 << 30)
+    return engine, transfer
+
+
+def run(engine: LLMEngine, prompt: list[int], rid: str = "r") -> tuple[list[int], int]:
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                                   ignore_eos=True))
+    outputs = drain(engine)[(rid, 0)]
+    return tokens(outputs), outputs[-1].num_cached_tokens
+
+
+def wait_saved(transfer: KVTransfer, store: MemoryStore, count: int) -> None:
+    """Until the transfer thread has written `count` blocks (its queue drains in order)."""
+    done = threading.Event()
+    transfer._jobs.put(done.set)  # runs after every job submitted before it
+    assert done.wait(10), "transfer thread did not drain"
+    assert store.committed >= count, f"{store.committed} blocks saved, expected {count}"
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_blocks_saved_by_one_engine_are_loaded_by_another(folder: Path,
+                                                          async_scheduling: str) -> None:
+    store = MemoryStore()
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 200) for _ in range(5 * BLOCK + 3)]
+    reference, _ = run(make_engine(folder, None)[0], prompt)
+
+    first, first_transfer = make_engine(folder, store, async_scheduling=async_scheduling)
+    assert first_transfer is not None
+    out_a, cached_a = run(first, prompt, "a")
+    assert out_a == reference and cached_a == 0
+    # The 5 prompt blocks, and the blocks decoding filled (prompt + 12 tokens: 6 in all).
+    wait_saved(first_transfer, store, 6)
+    hashes = first.kv.pool.take_new_cached()  # nothing left unsaved
+    assert hashes == []
+
+    second, second_transfer = make_engine(folder, store, async_scheduling=async_scheduling)
+    assert second_transfer is not None
+    out_b, cached_b = run(second, prompt, "b")
+    assert out_b == reference, "KV loaded from the store gave different tokens"
+    assert second.kv_tier is not None
+    assert second.kv_tier.stats.loaded_blocks == 5
+    assert second_transfer.stats.loaded_blocks == 5
+    assert cached_b == 5 * BLOCK
+    assert store.leases == 0, "every lease was released"
+    # The loaded KV is exactly what the first engine computed.
+    for block_hash, data in list(store.blocks.items())[:5]:
+        block = second.kv.pool.get_cached_block(block_hash)
+        assert block is not None
+        packed = torch.stack([torch.stack([k[block.block_id], v[block.block_id]])
+                              for k, v in second.runner.kv_caches])
+        assert packed.numpy().tobytes() == data
+    first_transfer.stop()
+    second_transfer.stop()
+
+
+def test_a_store_that_is_away_costs_only_recomputation(folder: Path) -> None:
+    store = MemoryStore()
+    rng = random.Random(2)
+    prompt = [rng.randrange(3, 200) for _ in range(4 * BLOCK + 1)]
+    reference, _ = run(make_engine(folder, None)[0], prompt)
+    engine, transfer = make_engine(folder, store)
+    assert transfer is not None and engine.kv_tier is not None
+    run(engine, prompt, "warm")
+    wait_saved(transfer, store, 4)
+    store.up = False
+    other, other_transfer = make_engine(folder, store)  # cannot connect: no tier traffic
+    assert other_transfer is not None
+    out, cached = run(other, prompt, "x")
+    assert out == reference and cached == 0
+    assert other.kv_tier is not None and other.kv_tier.stats.loaded_blocks == 0
+    # The store comes back: once reconnected, the blocks load again (the local cache,
+    # which computed them meanwhile, is cleared so that only the store has them).
+    store.up = True
+    assert not other_transfer.available  # asks the thread to reconnect
+    wait_saved(other_transfer, store, 4)
+    assert other_transfer.available
+    assert other.kv.pool.reset_prefix_cache()
+    again, cached = run(other, prompt, "y")
+    assert again == reference
+    assert other.kv_tier.stats.loaded_blocks == 4 and cached == 4 * BLOCK
+    transfer.stop()
+    other_transfer.stop()
+
+
+def test_saves_past_the_backlog_are_dropped_not_waited_for(folder: Path) -> None:
+    store = MemoryStore()
+    engine, transfer = make_engine(folder, None)
+    transfer = KVTransfer(lambda: MemoryClient(store), engine.runner.kv_caches)
+    transfer.start()
+    tier = engine.attach_kv_tier(transfer, max_save_backlog_bytes=1)  # nothing fits
+    rng = random.Random(3)
+    out, _ = run(engine, [rng.randrange(3, 200) for _ in range(3 * BLOCK + 2)])
+    assert len(out) == 12
+    assert tier.stats.dropped_saves >= 3 and tier.stats.saved_blocks == 0
+    transfer.stop()
