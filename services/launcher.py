@@ -79,6 +79,8 @@ class LauncherConfig(EngineOptions):
     gateways: int = option(1, "gateway processes sharing the HTTP port (SO_REUSEPORT when "
                               "more than 1); 0: one per 8 CPU cores, from 1 to 4")
     kvstore: bool = option(True, "start the KV-cache store")
+    kvstore_capacity_bytes: int | None = option(None, "bytes of KV blocks the kvstore holds "
+                                                      "(unset: the kvstore's default)")
     host: str = option(_LOOPBACK, "address the gateway listens on (0.0.0.0: all interfaces)")
     port: int = option(8000, "HTTP port of the gateway (0: any free port)")
     redis_url: str | None = option(None, "external Redis (unset: start an embedded one)")
@@ -305,10 +307,14 @@ class Stack:
                                              "--block-size", str(c.block_size)],
                   grpc_serving(self.scheduler_address))
         if self.kvstore_address is not None:
+            capacity = ([] if c.kvstore_capacity_bytes is None
+                        else ["--capacity-bytes", str(c.kvstore_capacity_bytes)])
             self._add("kvstore", "kvstore", [*self._common(self.kvstore_address),
-                                             "--redis-url", self.redis_url],
+                                             "--redis-url", self.redis_url, *capacity],
                       grpc_serving(self.kvstore_address))
         served = ["--served-model-names", c.served_model_name] if c.served_model_name else []
+        if self.kvstore_address is not None:
+            served += ["--kvstore-address", self.kvstore_address]
         for worker_id, address, placement in zip(self.worker_ids, self.worker_addresses,
                                                  _worker_devices(c), strict=True):
             self._add(worker_id, "worker", [

@@ -11,10 +11,10 @@ again; reconnection is retried at most every `retry_s`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import logging
-import queue
 import threading
 import time
 import warnings
@@ -39,6 +39,9 @@ from meshserve.services.worker.kvstore_client import KVStoreClient, KVStoreUnava
 log = logging.getLogger(__name__)
 
 _STOP = object()
+# Blocks copied between looks at the probes and loads waiting (on an H100, 32 blocks of the
+# 8B shape are 64 MiB: a few milliseconds).
+_SAVE_SLICE = 32
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -75,7 +78,10 @@ class KVTransfer:
         self.block_shape = block_shape(kv_caches)
         self.retry_s = retry_s
         self.stats = TransferStats()
-        self._jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+        # Probes, loads and control first: a request waits on them; saves wait on nobody.
+        self._urgent: collections.deque[object] = collections.deque()
+        self._saves: collections.deque[SaveJob] = collections.deque()
+        self._wake = threading.Condition()
         self._done: list[TransferDone] = []
         self._cond = threading.Condition()
         self._backlog = 0
@@ -90,7 +96,7 @@ class KVTransfer:
     def available(self) -> bool:
         if not self._available and time.monotonic() >= self._next_try:
             self._next_try = time.monotonic() + self.retry_s
-            self._jobs.put(self._connect)  # the thread tries; jobs meanwhile are skipped
+            self.call(self._connect)  # the thread tries; jobs meanwhile are skipped
         return self._available
 
     @property
@@ -98,10 +104,27 @@ class KVTransfer:
         return self._backlog
 
     def submit(self, job: TransferJob) -> None:
-        if isinstance(job, SaveJob):
-            with self._cond:
+        with self._wake:
+            if isinstance(job, SaveJob):
                 self._backlog += job.nbytes
-        self._jobs.put(job)
+                self._saves.append(job)
+            else:
+                self._urgent.append(job)
+            self._wake.notify()
+
+    def call(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the transfer thread, before any save still queued."""
+        with self._wake:
+            self._urgent.append(fn)
+            self._wake.notify()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every job submitted so far is done; False on timeout."""
+        done = threading.Event()
+        with self._wake:
+            self._saves.append(done.set)  # saves run in order, after every urgent job
+            self._wake.notify()
+        return done.wait(timeout_s)
 
     def take_done(self) -> list[TransferDone]:
         if not self._done:  # read without the lock: a miss is seen at the next step
@@ -123,7 +146,9 @@ class KVTransfer:
         self._thread.start()
 
     def stop(self) -> None:
-        self._jobs.put(_STOP)
+        with self._wake:
+            self._urgent.append(_STOP)
+            self._wake.notify()
         self._thread.join(timeout=10)
         if self._client is not None:
             self._client.close()
@@ -131,22 +156,37 @@ class KVTransfer:
     # ----- the thread ------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
+            with self._wake:
+                while not self._urgent and not self._saves:
+                    self._wake.wait()
+                job = self._urgent.popleft() if self._urgent else self._saves.popleft()
             if job is _STOP:
                 return
-            try:
-                if callable(job):
-                    job()
-                else:
-                    self._handle(job)  # type: ignore[arg-type]
-            except KVStoreUnavailable as exc:
-                self._lost(exc)
-            except Exception:  # a bug here must not kill the worker: the store is optional
-                log.exception("KV transfer job failed")
-            finally:
-                if isinstance(job, SaveJob):
-                    with self._cond:
-                        self._backlog -= job.nbytes
+            self._do(job)
+
+    def _do(self, job: object) -> None:
+        try:
+            if isinstance(job, (SaveJob, ProbeJob, LoadJob, DropJob)):
+                self._handle(job)
+            else:
+                job()  # type: ignore[operator]
+        except KVStoreUnavailable as exc:
+            self._lost(exc)
+        except Exception:  # a bug here must not kill the worker: the store is optional
+            log.exception("KV transfer job failed")
+        finally:
+            if isinstance(job, SaveJob):
+                with self._wake:
+                    self._backlog -= job.nbytes
+
+    def _urgent_between(self) -> None:
+        """Run the probes and loads that arrived during a long save."""
+        while True:
+            with self._wake:
+                if not self._urgent or self._urgent[0] is _STOP:
+                    return
+                job = self._urgent.popleft()
+            self._do(job)
 
     def _handle(self, job: TransferJob) -> None:
         client = self._client if self._available else None
@@ -181,12 +221,16 @@ class KVTransfer:
         if not wanted:
             return
         try:
-            with self._on_stream():
-                for i in wanted:
-                    view = reservation.views[i]
-                    assert view is not None
-                    _as_bytes_tensor(view).copy_(_flat_bytes(job.data[i]), non_blocking=True)
-                self._sync()
+            for first in range(0, len(wanted), _SAVE_SLICE):
+                if first:
+                    self._urgent_between()
+                with self._on_stream():
+                    for i in wanted[first:first + _SAVE_SLICE]:
+                        view = reservation.views[i]
+                        assert view is not None
+                        _as_bytes_tensor(view).copy_(_flat_bytes(job.data[i]),
+                                                     non_blocking=True)
+                    self._sync()
         except BaseException:
             client.abandon(reservation)
             raise

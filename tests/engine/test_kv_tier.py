@@ -116,9 +116,7 @@ def run(engine: LLMEngine, prompt: list[int], rid: str = "r") -> tuple[list[int]
 
 def wait_saved(transfer: KVTransfer, store: MemoryStore, count: int) -> None:
     """Until the transfer thread has written `count` blocks (its queue drains in order)."""
-    done = threading.Event()
-    transfer._jobs.put(done.set)  # runs after every job submitted before it
-    assert done.wait(10), "transfer thread did not drain"
+    assert transfer.flush(10), "transfer thread did not drain"
     assert store.committed >= count, f"{store.committed} blocks saved, expected {count}"
 
 
