@@ -57,6 +57,11 @@ from meshserve.shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# What the CUDA context and libraries (cuBLAS workspaces) of this process take beside
+# PyTorch's pool, counted against this worker's share of the device.
+_CUDA_CONTEXT_BYTES = 768 << 20
+# Device memory always left free when sizing the cache next to other processes.
+_FREE_MARGIN = 256 << 20
 # Memory kept free for the decode CUDA graphs' pool (their activations are small).
 _GRAPH_MEMORY_RESERVE = 512 << 20
 # Steps of up to this many tokens replay piecewise CUDA graphs; larger ones are long
@@ -149,11 +154,17 @@ class LLMEngine:
                 # The piecewise graphs' pool holds the temporaries of their largest step.
                 pieces = self._piecewise_tokens(batched_tokens)
                 graphs = _GRAPH_MEMORY_RESERVE + activations * pieces // batched_tokens
-            budget = (int(total * self.config.gpu_memory_utilization) - (total - free)
-                      - activations - graphs)
-            log.info("GPU memory: %.1f GiB total, %.1f GiB in use, %.2f GiB activations, "
-                     "%.2f GiB KV cache", total / 2**30, (total - free) / 2**30,
-                     activations / 2**30, max(budget, 0) / 2**30)
+            # --gpu-memory-utilization is this worker's share of the device, as in vLLM: its
+            # own memory (weights, PyTorch's pool, the CUDA context) counts against it, other
+            # processes' memory does not (two workers at 0.45 share one GPU), but the cache
+            # never takes more than is free now.
+            own = torch.cuda.memory_reserved(self.device) + _CUDA_CONTEXT_BYTES
+            share = int(total * self.config.gpu_memory_utilization) - own
+            budget = min(share, free - _FREE_MARGIN) - activations - graphs
+            log.info("GPU memory: %.1f GiB total, %.1f GiB in use (%.1f GiB by this worker), "
+                     "%.2f GiB activations, %.2f GiB KV cache", total / 2**30,
+                     (total - free) / 2**30, own / 2**30, activations / 2**30,
+                     max(budget, 0) / 2**30)
         else:
             budget = self.config.kv_cache_memory
         num_blocks = budget // per_block
