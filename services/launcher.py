@@ -84,6 +84,9 @@ class LauncherConfig(EngineOptions):
     host: str = option(_LOOPBACK, "address the gateway listens on (0.0.0.0: all interfaces)")
     port: int = option(8000, "HTTP port of the gateway (0: any free port)")
     redis_url: str | None = option(None, "external Redis (unset: start an embedded one)")
+    routing: Literal["kv-aware", "round-robin", "least-loaded", "random"] = option(
+        "kv-aware", "the scheduler's routing policy: kv-aware, round-robin, least-loaded or "
+        "random")
     api_key: str | None = option(None, "Bearer token clients must send to the gateway (unset: "
                                        "no auth)")
     served_model_name: str | None = option(None, "name clients use for the model (unset: the "
@@ -304,7 +307,8 @@ class Stack:
                                                       *names], grpc_serving(address))
         self._add("scheduler", "scheduler", [*self._common(self.scheduler_address),
                                              "--redis-url", self.redis_url,
-                                             "--block-size", str(c.block_size)],
+                                             "--block-size", str(c.block_size),
+                                             "--routing", c.routing],
                   grpc_serving(self.scheduler_address))
         if self.kvstore_address is not None:
             capacity = ([] if c.kvstore_capacity_bytes is None

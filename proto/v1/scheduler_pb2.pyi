@@ -78,7 +78,7 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "address", "epoch", "num_matched_blocks", "num_kvstore_blocks", "block_size", "queued_ns")
+    __slots__ = ("worker_id", "address", "epoch", "num_matched_blocks", "num_kvstore_blocks", "block_size", "queued_ns", "policy", "score", "num_prompt_blocks", "num_running", "num_waiting", "num_used_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,12 @@ class RouteResponse(_message.Message):
     NUM_KVSTORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_NS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     epoch: int
@@ -93,7 +99,13 @@ class RouteResponse(_message.Message):
     num_kvstore_blocks: int
     block_size: int
     queued_ns: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., num_matched_blocks: _Optional[int] = ..., num_kvstore_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_ns: _Optional[int] = ...) -> None: ...
+    policy: str
+    score: float
+    num_prompt_blocks: int
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., num_matched_blocks: _Optional[int] = ..., num_kvstore_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_ns: _Optional[int] = ..., policy: _Optional[str] = ..., score: _Optional[float] = ..., num_prompt_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "worker_id")

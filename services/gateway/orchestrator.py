@@ -236,7 +236,13 @@ class Orchestrator:
                 "meshserve.worker_id": response.worker_id,
                 "meshserve.matched_blocks": response.num_matched_blocks,
                 "meshserve.kvstore_blocks": response.num_kvstore_blocks,
-                "meshserve.queued_ns": response.queued_ns})
+                "meshserve.prompt_blocks": response.num_prompt_blocks,
+                "meshserve.queued_ns": response.queued_ns,
+                "meshserve.routing.policy": response.policy,
+                "meshserve.routing.score": response.score,
+                "meshserve.worker.num_running": response.num_running,
+                "meshserve.worker.num_waiting": response.num_waiting,
+                "meshserve.worker.num_used_blocks": response.num_used_blocks})
         return response
 
     def _deadline_unix_ns(self, job: GenerationJob) -> int:

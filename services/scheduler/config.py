@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from meshserve.shared.config import ServiceConfig, option
 
@@ -23,8 +24,15 @@ class SchedulerConfig(ServiceConfig):
                                        "worker is full (0: refuse at once)")
     max_queue_wait_s: float = option(120.0, "longest a request waits in the queue when neither "
                                             "it nor its call has a deadline")
+    # Kept equal to policy.POLICY_NAMES (a unit test checks; launcher.py spells them too).
+    routing: Literal["kv-aware", "round-robin", "least-loaded", "random"] = option(
+        "kv-aware", "how a worker is picked: kv-aware (prefix blocks held against load), "
+        "round-robin, least-loaded or random")
     prefill_weight: float = option(1.0, "weight of blocks to prefill against blocks in use by "
                                         "decoding, in the routing cost")
+    kvstore_block_weight: float = option(0.25, "cost of a prompt block the kvstore holds, as a "
+                                               "fraction of one to compute, in the kv-aware "
+                                               "routing cost")
     max_waiting_per_worker: int = option(4, "sequences a worker may queue locally beyond its "
                                             "max_running before it counts as full")
     block_size: int = option(16, "tokens per KV block of the mesh (for requests that bring "
@@ -42,6 +50,9 @@ class SchedulerConfig(ServiceConfig):
                      "max_queue_wait_s")
         self.require(self.prefill_weight >= 0, f"must be >= 0, got {self.prefill_weight}",
                      "prefill_weight")
+        self.require(0 <= self.kvstore_block_weight <= 1,
+                     f"must be in [0, 1], got {self.kvstore_block_weight}",
+                     "kvstore_block_weight")
         self.require(self.max_waiting_per_worker >= 0,
                      f"must be >= 0, got {self.max_waiting_per_worker}", "max_waiting_per_worker")
         self.require(self.block_size > 0, f"must be positive, got {self.block_size}",

@@ -24,7 +24,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from meshserve.proto.v1 import scheduler_pb2
 from meshserve.services.scheduler.router import RouteQuery, Router
-from meshserve.services.scheduler.wire import decision_to_proto, query_from_proto
+from meshserve.services.scheduler.wire import (
+    decision_attributes,
+    decision_to_proto,
+    query_from_proto,
+)
 from meshserve.shared.errors import MeshError
 from meshserve.shared.proto_errors import error_pb
 
@@ -79,9 +83,7 @@ class RouteSession:
             span.set_status(Status(StatusCode.ERROR, f"{exc.kind}: {exc.message}"))
             outcome = scheduler_pb2.RouteOutcome(ticket=ticket.ticket, error=error_pb(exc))
         else:
-            span.set_attributes({"meshserve.worker_id": decision.worker_id,
-                                 "meshserve.matched_blocks": decision.num_matched_blocks,
-                                 "meshserve.queued_ns": decision.queued_ns})
+            span.set_attributes(decision_attributes(decision))
             self._decided[ticket.ticket] = (request.request_id, decision.worker_id)
             self._ticket_of[(request.request_id, decision.worker_id)] = ticket.ticket
             outcome = scheduler_pb2.RouteOutcome(ticket=ticket.ticket,

@@ -90,15 +90,38 @@ class RouteQuery:
 
 @dataclass(frozen=True)
 class RouteDecision:
-    """Where a request goes."""
+    """Where a request goes, and what the policy saw of the chosen worker."""
 
     worker_id: str
     address: str
     epoch: int
     block_size: int
     num_matched_blocks: int
+    """Leading prompt blocks the worker holds on its device."""
     num_kvstore_blocks: int
+    """Further leading prompt blocks the kvstore holds (past the worker's own)."""
     queued_ns: int = 0
+    policy: str = ""
+    """Name of the routing policy that chose."""
+    score: float = 0.0
+    """The policy's score of the worker (kv-aware: its cost; 0: the policy does not score)."""
+    num_prompt_tokens: int = 0
+    num_prompt_blocks: int = 0
+    """Blocks the prompt needs at the worker's block size (the partial block counted)."""
+    num_running: int = 0
+    """The worker's running sequences when chosen (this replica's provisions included)."""
+    num_waiting: int = 0
+    num_used_blocks: int = 0
+
+    @property
+    def num_matched_tokens(self) -> int:
+        """Prompt tokens the worker holds on its device."""
+        return min(self.num_matched_blocks * self.block_size, self.num_prompt_tokens)
+
+    @property
+    def overlap(self) -> float:
+        """Fraction of the prompt's blocks the worker holds on its device."""
+        return self.num_matched_blocks / self.num_prompt_blocks if self.num_prompt_blocks else 0.0
 
 
 class Router:
@@ -230,7 +253,7 @@ class Router:
         if choice is None:
             return None
         record = next(r for r in usable if r.worker_id == choice.worker_id)
-        return self._assign(record, choice, query, matches)
+        return self._assign(record, choice, query)
 
     def _index(self, namespace: str) -> KVIndex:
         index = self._indexes.get(namespace)
@@ -241,7 +264,9 @@ class Router:
     def _candidate(self, record: WorkerRecord, query: RouteQuery,
                    matches: Mapping[Group, dict[str, int]]) -> Candidate:
         load, info = record.load, record.info
-        matched = matches[(info.namespace, info.block_size)].get(record.worker_id, 0)
+        group = matches[(info.namespace, info.block_size)]
+        in_kvstore = max((count for holder, count in group.items()
+                          if holder.startswith(KVSTORE_HOLDER_PREFIX)), default=0)
         extra = self.inflight.extra_load(record.worker_id, record.epoch,
                                          record.last_heartbeat_unix_ns,
                                          load.num_running + load.num_waiting)
@@ -251,10 +276,11 @@ class Router:
             num_free_blocks=max(0, load.num_free_blocks - extra.num_blocks),
             num_total_blocks=load.num_total_blocks, max_running=load.max_running,
             draining=load.draining, num_prompt_blocks=math.ceil(query.prompt_len / info.block_size),
-            num_matched_blocks=matched)
+            num_matched_blocks=group.get(record.worker_id, 0),
+            num_kvstore_prefix_blocks=in_kvstore)
 
-    def _assign(self, record: WorkerRecord, choice: Candidate, query: RouteQuery,
-                matches: Mapping[Group, dict[str, int]]) -> RouteDecision:
+    def _assign(self, record: WorkerRecord, choice: Candidate, query: RouteQuery
+                ) -> RouteDecision:
         """Record the provisional load of the choice and describe it."""
         info = record.info
         output_blocks = math.ceil(query.expected_output_tokens * query.num_sequences
@@ -263,10 +289,10 @@ class Router:
             request_id=query.request_id, worker_id=record.worker_id, epoch=record.epoch,
             num_sequences=query.num_sequences, num_blocks=choice.prefill_blocks + output_blocks,
             routed_unix_ns=self._clock_ns()))
-        group = matches[(info.namespace, info.block_size)]
-        in_kvstore = max((count for holder, count in group.items()
-                          if holder.startswith(KVSTORE_HOLDER_PREFIX)), default=0)
         return RouteDecision(
             worker_id=record.worker_id, address=info.address, epoch=record.epoch,
             block_size=info.block_size, num_matched_blocks=choice.num_matched_blocks,
-            num_kvstore_blocks=max(0, in_kvstore - choice.num_matched_blocks))
+            num_kvstore_blocks=choice.store_blocks, policy=self.policy.name,
+            score=self.policy.score(choice), num_prompt_tokens=query.prompt_len,
+            num_prompt_blocks=choice.num_prompt_blocks, num_running=choice.num_running,
+            num_waiting=choice.num_waiting, num_used_blocks=choice.num_used_blocks)

@@ -16,11 +16,12 @@ from prometheus_client import CollectorRegistry
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
 from meshserve.services.scheduler.config import SchedulerConfig
 from meshserve.services.scheduler.metrics import SchedulerMetrics
-from meshserve.services.scheduler.policy import RoutingPolicy
+from meshserve.services.scheduler.policy import RoutingPolicy, make_policy
 from meshserve.services.scheduler.queue import GlobalQueue
 from meshserve.services.scheduler.route_session import RouteSession
 from meshserve.services.scheduler.router import Router
 from meshserve.services.scheduler.wire import (
+    decision_attributes,
     decision_to_proto,
     info_from_proto,
     load_from_proto,
@@ -73,11 +74,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.RouteResponse:
         decision = await self._router.route(query_from_proto(request, self._wait_s(request,
                                                                                    context)))
-        trace.get_current_span().set_attributes({
-            "meshserve.request_id": request.request_id, "meshserve.worker_id": decision.worker_id,
-            "meshserve.matched_blocks": decision.num_matched_blocks,
-            "meshserve.kvstore_blocks": decision.num_kvstore_blocks,
-            "meshserve.queued_ns": decision.queued_ns})
+        trace.get_current_span().set_attributes({"meshserve.request_id": request.request_id,
+                                                 **decision_attributes(decision)})
         return decision_to_proto(decision)
 
     async def Release(self, request: scheduler_pb2.ReleaseRequest,
@@ -116,6 +114,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return min(limits)
 
 
+def build_policy(config: SchedulerConfig) -> RoutingPolicy:
+    """The routing policy `config.routing` names, with its weights."""
+    return make_policy(config.routing, prefill_weight=config.prefill_weight,
+                       kvstore_block_weight=config.kvstore_block_weight,
+                       max_waiting=config.max_waiting_per_worker)
+
+
 def build_router(config: SchedulerConfig, redis_client: aioredis.Redis,
                  metrics_registry: CollectorRegistry | None = None) -> Router:
     """A Router over `redis_client` as `config` says (metrics into Telemetry's registry)."""
@@ -123,8 +128,7 @@ def build_router(config: SchedulerConfig, redis_client: aioredis.Redis,
     metrics = (SchedulerMetrics(metrics_registry, queue)
                if metrics_registry is not None else None)
     router = Router(redis_client, WorkerRegistry(redis_client, config.heartbeat_ttl_s),
-                    RoutingPolicy(config.prefill_weight, config.max_waiting_per_worker), queue,
-                    block_size=config.block_size,
+                    build_policy(config), queue, block_size=config.block_size,
                     on_route=metrics.observe if metrics is not None else None)
     if metrics is not None:
         metrics.redis_up.set_function(lambda: 0.0 if router.degraded else 1.0)

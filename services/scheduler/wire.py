@@ -64,4 +64,22 @@ def decision_to_proto(decision: RouteDecision) -> scheduler_pb2.RouteResponse:
         worker_id=decision.worker_id, address=decision.address, epoch=decision.epoch,
         num_matched_blocks=decision.num_matched_blocks,
         num_kvstore_blocks=decision.num_kvstore_blocks, block_size=decision.block_size,
-        queued_ns=decision.queued_ns)
+        queued_ns=decision.queued_ns, policy=decision.policy, score=decision.score,
+        num_prompt_blocks=decision.num_prompt_blocks, num_running=decision.num_running,
+        num_waiting=decision.num_waiting, num_used_blocks=decision.num_used_blocks)
+
+
+def decision_attributes(decision: RouteDecision) -> dict[str, str | int | float]:
+    """The route span's attributes: the chosen worker, its overlaps and load, the policy."""
+    return {
+        "meshserve.worker_id": decision.worker_id,
+        "meshserve.matched_blocks": decision.num_matched_blocks,
+        "meshserve.kvstore_blocks": decision.num_kvstore_blocks,
+        "meshserve.prompt_blocks": decision.num_prompt_blocks,
+        "meshserve.queued_ns": decision.queued_ns,
+        "meshserve.routing.policy": decision.policy,
+        "meshserve.routing.score": decision.score,
+        "meshserve.worker.num_running": decision.num_running,
+        "meshserve.worker.num_waiting": decision.num_waiting,
+        "meshserve.worker.num_used_blocks": decision.num_used_blocks,
+    }

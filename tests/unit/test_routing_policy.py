@@ -1,4 +1,4 @@
-"""Unit tests of the routing policy: exact choices from prefix hits against load."""
+"""Unit tests of the kv-aware routing policy: exact choices from prefix hits against load."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from meshserve.services.scheduler.policy import Candidate, RoutingPolicy
+from meshserve.services.scheduler.policy import Candidate, KVAwarePolicy
 from meshserve.shared.errors import ConfigError
 
 
@@ -20,7 +20,7 @@ def worker(worker_id: str, *, matched: int = 0, prompt: int = 5, running: int = 
 
 
 def test_prefix_affinity_wins_when_load_is_equal() -> None:
-    policy = RoutingPolicy(prefill_weight=1.0)
+    policy = KVAwarePolicy(prefill_weight=1.0)
     a, b = worker("a", matched=3), worker("b", matched=0)
     assert (policy.cost(a), policy.cost(b)) == (2 + 10, 5 + 10)
     assert policy.choose([b, a]) is a
@@ -28,16 +28,16 @@ def test_prefix_affinity_wins_when_load_is_equal() -> None:
 
 
 def test_load_wins_when_the_cached_worker_is_busy() -> None:
-    policy = RoutingPolicy(prefill_weight=1.0)
+    policy = KVAwarePolicy(prefill_weight=1.0)
     cached = worker("a", matched=4, used=50)  # 1 block to prefill, 50 in use: cost 51
     idle = worker("b", matched=0, used=0)  # 5 blocks to prefill: cost 5
     assert policy.choose([cached, idle]) is idle
     # Weighing prefill 20x brings the cache back: 20*1 + 50 = 70 < 20*5 + 0 = 100.
-    assert RoutingPolicy(prefill_weight=20.0).choose([cached, idle]) is cached
+    assert KVAwarePolicy(prefill_weight=20.0).choose([cached, idle]) is cached
 
 
 def test_saturated_cached_worker_is_skipped() -> None:
-    policy = RoutingPolicy(prefill_weight=1.0, max_waiting=2)
+    policy = KVAwarePolicy(prefill_weight=1.0, max_waiting=2)
     cached = worker("a", matched=5, used=0, running=8, waiting=2)  # at max and 2 waiting
     other = worker("b", matched=0, used=60, running=3)
     assert policy.is_full(cached)
@@ -47,7 +47,7 @@ def test_saturated_cached_worker_is_skipped() -> None:
 
 
 def test_no_free_blocks_for_the_prompt_is_full() -> None:
-    policy = RoutingPolicy()
+    policy = KVAwarePolicy()
     assert policy.is_full(worker("a", prompt=5, matched=0, free=4))
     assert not policy.is_full(worker("a", prompt=5, matched=1, free=4))  # held blocks need none
     unknown = replace(worker("a", free=0), num_total_blocks=0)  # blocks not reported
@@ -56,21 +56,21 @@ def test_no_free_blocks_for_the_prompt_is_full() -> None:
 
 
 def test_all_full_gives_none() -> None:
-    policy = RoutingPolicy(max_waiting=0)
+    policy = KVAwarePolicy(max_waiting=0)
     busy = [worker("a", running=8), worker("b", running=4, waiting=4), worker("c", free=0)]
     assert policy.choose(busy) is None
     assert policy.choose([]) is None
 
 
 def test_draining_workers_are_never_chosen() -> None:
-    policy = RoutingPolicy()
+    policy = KVAwarePolicy()
     draining = worker("a", matched=5, used=0, draining=True)
     assert policy.choose([draining, worker("b", used=80)]).worker_id == "b"
     assert policy.choose([draining]) is None
 
 
 def test_ties_go_to_fewer_running_then_round_robin() -> None:
-    policy = RoutingPolicy()
+    policy = KVAwarePolicy()
     assert policy.choose([worker("a", running=3), worker("b", running=1)]).worker_id == "b"
     equal = [worker("w2"), worker("w0"), worker("w1")]
     picks = [policy.choose(equal).worker_id for _ in range(6)]
@@ -80,6 +80,6 @@ def test_ties_go_to_fewer_running_then_round_robin() -> None:
 
 def test_bad_parameters_are_config_errors() -> None:
     with pytest.raises(ConfigError):
-        RoutingPolicy(prefill_weight=-1)
+        KVAwarePolicy(prefill_weight=-1)
     with pytest.raises(ConfigError):
-        RoutingPolicy(max_waiting=-1)
+        KVAwarePolicy(max_waiting=-1)
