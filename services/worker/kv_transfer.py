@@ -264,8 +264,8 @@ class KVTransfer:
     def _connect(self) -> None:
         if self._available:
             return
-        client = self._client_factory()
         try:
+            client = self._client_factory()
             client.connect()
         except KVStoreUnavailable as exc:
             log.warning("kvstore unavailable (%s); blocks are recomputed until it answers", exc)
