@@ -233,6 +233,8 @@ class Orchestrator:
         if not carried:  # nothing generated yet: simply try another worker
             if generation.attempts >= self._config.max_generate_attempts:
                 raise lost
+            span.add_event("worker lost before any output, retrying", {
+                "meshserve.worker_id": worker, "exception.message": lost.message})
             return await self._route(job, generation.prompts, request.params,
                                      generation.excluded)
         failovers = self._metrics.failovers
