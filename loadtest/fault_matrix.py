@@ -9,7 +9,9 @@ chunks, the part's process gets SIGKILL. Then it records how each stream ended (
 `finish_reason` and `[DONE]`; an error event and `[DONE]`; cut without `[DONE]`; hung past its
 timeout), how long until a new request succeeded again, and how long until the killed part
 was back (restarted by the launcher: SERVING on its address, or registered again for a
-worker, or answering PING for Redis). The stack is checked to be still up at the end of each
+worker, or answering PING for Redis). For a worker, the streams it ran fail over to the
+other one: `resume_s` holds, for each of them, the time from the kill to its first token
+after the move (measured by the client; see `_resume_times`). The stack is checked to be still up at the end of each
 drill. `tests/e2e/test_fault_matrix.py` runs the same drill on a tiny model in CI and asserts
 the outcomes; this script records them on a real model (loadtest/reports/).
 """
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -43,6 +46,7 @@ class StreamEnd:
     """How one client stream ended."""
 
     chunks: int = 0
+    chunk_times: list[float] = dataclasses.field(default_factory=list)  # time.monotonic()
     finish_reason: str | None = None
     error: dict[str, Any] | None = None
     done: bool = False  # `data: [DONE]` arrived
@@ -69,6 +73,8 @@ class DrillResult:
     cut: int
     hung: int
     running_on_killed_worker: int | None
+    # Worker drill: kill to the first token after the move, per stream moved (slowest last).
+    resume_s: list[float] | None
     first_success_s: float | None
     part_back_s: float | None
     stack_up: bool
@@ -97,6 +103,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
                         end.error = event["error"]
                         continue
                     end.chunks += 1
+                    end.chunk_times.append(time.monotonic())
                     if end.chunks == 3:
                         started()
                     reason = event["choices"][0].get("finish_reason")
@@ -133,6 +140,19 @@ def _running_per_worker(stack: Stack) -> dict[str, tuple[int, int]]:
         listed = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
             scheduler_pb2.ListWorkersRequest(), timeout=2.0)
     return {w.info.worker_id: (w.load.num_running, w.info.epoch) for w in listed.workers}
+
+
+def _resume_times(ends: list[StreamEnd], killed_at: float, moved: int) -> list[float]:
+    """Seconds from the kill to the first chunk after it, of the `moved` streams that waited
+    longest for it: those the killed worker ran.
+
+    A stream on the surviving worker gets its next token from the step running at the
+    kill, or the one after it, while a moved stream can only be in a step that starts after
+    the gateway saw the loss and re-added it there: the moved streams come last (or tie).
+    """
+    after = sorted(next((t - killed_at for t in end.chunk_times if t > killed_at),
+                        math.inf) for end in ends)
+    return [round(t, 4) for t in after[len(after) - moved:]] if moved else []
 
 
 def _service_for(stack: Stack, part: str) -> str:
@@ -209,10 +229,11 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
         await asyncio.gather(*tasks)
         await every_stream
     outcomes = [end.outcome for end in ends]
+    resume = None if running is None else _resume_times(ends, killed_at, running)
     return DrillResult(
         part=part, service=service, streams=streams, completed=outcomes.count("completed"),
         errored=outcomes.count("error"), cut=outcomes.count("cut"), hung=outcomes.count("hung"),
-        running_on_killed_worker=running, first_success_s=first_success,
+        running_on_killed_worker=running, resume_s=resume, first_success_s=first_success,
         part_back_s=part_back, stack_up=stack.running(),
         errors=sorted({str((e.error or {}).get("message") or e.failure) for e in ends
                        if e.error is not None or e.failure is not None}))

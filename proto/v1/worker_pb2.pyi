@@ -100,16 +100,26 @@ class SessionRequest(_message.Message):
     def __init__(self, adds: _Optional[_Iterable[_Union[SessionAdd, _Mapping]]] = ..., aborts: _Optional[_Iterable[_Union[SessionAbort, _Mapping]]] = ...) -> None: ...
 
 class SessionAdd(_message.Message):
-    __slots__ = ("handle", "request", "traceparent", "tracestate")
+    __slots__ = ("handle", "request", "traceparent", "tracestate", "resumed")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     handle: int
     request: GenerateRequest
     traceparent: str
     tracestate: str
-    def __init__(self, handle: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+    resumed: _containers.RepeatedCompositeFieldContainer[ResumedSequence]
+    def __init__(self, handle: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ...) -> None: ...
+
+class ResumedSequence(_message.Message):
+    __slots__ = ("index", "token_ids")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionAbort(_message.Message):
     __slots__ = ("handle", "indices")

@@ -58,6 +58,9 @@ class GatewayConfig(ServiceConfig):
         256, "output tokens the scheduler assumes per sequence when max_tokens is unbounded")
     max_generate_attempts: int = option(
         2, "workers tried for one request when a worker is unavailable before its first token")
+    max_failovers: int = option(
+        2, "times one request moves to another worker, continuing from the tokens it already "
+           "has, when its worker is lost mid-generation (0: such a request ends with an error)")
     model_cache_ttl_s: float = option(5.0, "seconds the worker list (models, context) is cached")
     health_timeout_s: float = option(2.0, "deadline of the checks behind GET /health")
 
@@ -76,6 +79,8 @@ class GatewayConfig(ServiceConfig):
                      "route_output_estimate", "max_generate_attempts"):
             value = getattr(self, name)
             self.require(value >= 1, f"must be >= 1, got {value}", name)
+        self.require(self.max_failovers >= 0, f"must be >= 0, got {self.max_failovers}",
+                     "max_failovers")
         for name in ("completions_default_max_tokens", "chat_default_max_tokens"):
             value = getattr(self, name)
             self.require(value >= 0, f"must be >= 0 (0: up to the context), got {value}", name)

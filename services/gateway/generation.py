@@ -11,15 +11,19 @@ detokenize stream; each answer becomes a `ChoiceDelta`; all deltas of one answer
 one `GenerationUpdate` in the mailbox, and the handler is woken once. When the
 detokenizer reports that a stop string ended a sequence, the sequence ends with
 finish_reason "stop", its later tokens are ignored, and the worker is told to abort it.
-If the worker is lost before anything was handed to the handler, the request starts
-again on another worker (`restart`, bounded); after that it ends with an error.
+
+If the worker is lost (its session breaks), the request moves to another worker
+(`failover`, the orchestrator's, which bounds it or raises): the sequences still running
+continue there after every output token this worker had sent for them. The detokenizer
+state is kept (the detokenize handle outlives worker handles), so the text goes on
+from where it was: nothing already sent is sent again, and stop strings span the seam.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.trace import Span
@@ -50,13 +54,14 @@ class _Sequence:
     cached_tokens: int = 0
     finish_reason: str | None = None
     seen: bool = False  # its first entry (the one with prompt logprobs) was rendered
+    # Every output token the workers sent for it, in order: what it resumes from elsewhere.
+    received: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class _Entry:
     """One worker entry on its way through the detokenizer."""
 
-    handle: int
     index: int
     token_ids: list[int]
     finish_reason: int
@@ -72,8 +77,9 @@ class Placement:
     handle: int
 
 
-Restart = Callable[["Generation", UnavailableError], Awaitable[None]]
-"""Starts a request again on another worker (the orchestrator's), or raises."""
+Failover = Callable[["Generation", UnavailableError], Awaitable[None]]
+"""Moves a request whose worker was lost to another worker (the orchestrator's), or
+raises the error it ends with."""
 
 
 class Generation:
@@ -81,14 +87,15 @@ class Generation:
 
     def __init__(self, job: GenerationJob, prompts: Sequence[PreparedPrompt], *,
                  detok: DetokenizeStream, metrics: GatewayMetrics, span: Span,
-                 restart: Restart) -> None:
+                 failover: Failover) -> None:
         self.job = job
         self.prompts = list(prompts)
         self.placement: Placement | None = None
         self._detok = detok
         self._metrics = metrics
         self._span = span
-        self._restart = restart
+        self._failover = failover
+        self._detok_handle = 0  # the first placement's handle, kept for the request's life
         self._seqs = [_Sequence() for _ in range(job.num_choices)]
         self._num_live = job.num_choices  # sequences without a finish reason
         self._wants_logprobs = job.wants_logprobs
@@ -106,19 +113,14 @@ class Generation:
         self._in_detok = 0
         self._deferred: Callable[[], None] | None = None
         self._first: list[GenerationUpdate] | None = None
-        self._handed_out = False  # something went to the handler: no restart any more
         self._closed = False
         self._last_token_time: float | None = None
         self._timings: common_pb2.Timings | None = None
-        self.attempts = 0
+        self.attempts = 0  # placements, failovers included
+        self.failovers = 0  # placements that continued a request after its worker was lost
         self.excluded: list[str] = []  # workers lost by earlier attempts
 
     # -- placement --------------------------------------------------------------------------
-
-    @property
-    def handle(self) -> int:
-        assert self.placement is not None, "the generation was never placed"
-        return self.placement.handle
 
     @property
     def route(self) -> scheduler_pb2.RouteResponse:
@@ -127,16 +129,25 @@ class Generation:
 
     def place(self, placement: Placement, detok_open: Callable[[int], Any],
               add: worker_pb2.SessionAdd) -> None:
-        """Run (again) under `placement`: a fresh detokenizer state and a worker request."""
-        if self.placement is not None:  # a restart: forget the previous attempt
-            self._detok.close(self.placement.handle)
-            self._seqs = [_Sequence() for _ in range(self.job.num_choices)]
-            self._num_live = self.job.num_choices
-            self._in_detok, self._deferred = 0, None
+        """Run under `placement`: first, or after the previous worker was lost (`add` then
+        resumes the unfinished sequences; the detokenizer state goes on)."""
+        if self.placement is None:
+            self._detok_handle = placement.handle
+            self._detok.open(self, detok_open(placement.handle))
+        else:
+            assert not self._in_detok, "a failover waits for the lost worker's entries"
         self.placement = placement
         self.attempts += 1
-        self._detok.open(self, detok_open(placement.handle))
         placement.session.submit(self, add)
+
+    @property
+    def num_received(self) -> int:
+        """Output tokens the workers sent, all sequences together."""
+        return sum(len(s.received) for s in self._seqs)
+
+    def unfinished(self) -> list[tuple[int, list[int]]]:
+        """(index, every output token received) of each sequence still running."""
+        return [(i, s.received) for i, s in enumerate(self._seqs) if s.finish_reason is None]
 
     # -- the handler's side -----------------------------------------------------------------
 
@@ -180,7 +191,6 @@ class Generation:
         while True:
             if self._mailbox:
                 batch, self._mailbox = self._mailbox, []
-                self._handed_out = True
                 return batch
             if self._error is not None:
                 raise self._error
@@ -194,13 +204,7 @@ class Generation:
             await self._event.wait()
 
     async def _handle_lost(self, lost: MeshError) -> None:
-        worker = self.placement.route.worker_id if self.placement else "?"
-        if self._handed_out:
-            raise UnavailableError(f"worker {worker} failed while generating this response: "
-                                   f"{lost.message}")
-        self._span.add_event("worker lost before any output, restarting", {
-            "meshserve.worker_id": worker, "exception.message": lost.message})
-        await self._restart(self, UnavailableError(lost.message, param=lost.param))
+        await self._failover(self, UnavailableError(lost.message, param=lost.param))
 
     def _wake(self) -> None:
         self._event.set()
@@ -216,6 +220,7 @@ class Generation:
         seq = self._seqs[index]
         if seq.finish_reason is not None or self._closed:
             return None
+        seq.received.extend(token_ids)
         lookups: list[int] = []
         if detail is not None:
             if self._wants_logprobs:
@@ -224,10 +229,9 @@ class Generation:
                 prompt = self.prompts[index // self.job.params.n]
                 lookups = [*prompt.token_ids, *wire.lookup_ids(detail.prompt_logprobs),
                            *lookups]
-        handle = self.handle
         self._in_detok += 1
-        self._detok.add(self, _Entry(handle, index, token_ids, finish_reason, detail),
-                        handle, index, token_ids, finish_reason != _UNFINISHED,
+        self._detok.add(self, _Entry(index, token_ids, finish_reason, detail),
+                        self._detok_handle, index, token_ids, finish_reason != _UNFINISHED,
                         finish_reason == _STOP, lookups)
         return self._detok
 
@@ -257,8 +261,8 @@ class Generation:
     def on_text(self, ref: object, text: SequenceText) -> None:
         assert isinstance(ref, _Entry), "a generation's entries carry _Entry refs"
         self._in_detok -= 1
-        if self._closed or self.placement is None or ref.handle != self.placement.handle:
-            return  # a cancelled request, or an attempt that was restarted
+        if self._closed:
+            return  # a cancelled request
         seq = self._seqs[ref.index]
         if seq.finish_reason is not None:
             return
@@ -280,7 +284,7 @@ class Generation:
         assert placement is not None
         if self.done:
             placement.session.forget(placement.handle)
-            self._detok.release(placement.handle)
+            self._detok.release(self._detok_handle)
         if stopped:  # the worker would go on: stop what a stop string ended
             placement.session.abort(placement.handle, [] if self.done else stopped)
         self._wake()
@@ -312,7 +316,9 @@ class Generation:
                 logprobs = [wire.token_logprobs(e) for e in detail.logprobs[:counted]]
             if not seq.seen and detail.prompt_logprobs:
                 prompt_logprobs = [None, *map(wire.token_logprobs, detail.prompt_logprobs)]
-            if detail.HasField("cached_tokens"):
+            if detail.HasField("cached_tokens") and not seq.seen:
+                # The first worker's figure: a later one also counts its prefix hits on
+                # the resumed output tokens.
                 seq.cached_tokens = detail.cached_tokens
         elif self._wants_logprobs:
             logprobs = []
@@ -363,7 +369,7 @@ class Generation:
             if not self.done:
                 placement.session.abort(placement.handle)
             placement.session.forget(placement.handle)
-            self._detok.close(placement.handle)
+            self._detok.close(self._detok_handle)
         self._record_span()
 
     def _record_span(self) -> None:
@@ -371,7 +377,8 @@ class Generation:
         self._span.set_attribute("gen_ai.response.finish_reasons", reasons)
         if self.placement is not None:
             self._span.set_attributes({"meshserve.worker_id": self.placement.route.worker_id,
-                                       "meshserve.attempts": self.attempts})
+                                       "meshserve.attempts": self.attempts,
+                                       "meshserve.failovers": self.failovers})
         timings = self._timings
         if timings is not None:
             self._span.set_attributes({

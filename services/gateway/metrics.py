@@ -49,6 +49,11 @@ class GatewayMetrics:
         self.prompt_tokens = Counter(
             "meshserve_gateway_prompt_tokens", "Prompt tokens of finished requests", ["model"],
             registry=registry)
+        self.failovers = Counter(
+            "meshserve_gateway_failovers",
+            "Requests whose worker was lost mid-generation, by outcome (resumed: continued on "
+            "another worker; exhausted: past max_failovers; unplaced: no other worker took "
+            "it)", ["outcome"], registry=registry)
         self.generation_tokens = Counter(
             "meshserve_gateway_generation_tokens", "Output tokens of finished requests",
             ["model"], registry=registry)

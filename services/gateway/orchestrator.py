@@ -9,12 +9,17 @@ with several prompts, each sampled n times. The request is routed on this gatewa
 RouteSession stream to the scheduler, then joins its Session stream to the routed worker
 and its DetokenizeSession stream to one tokenizer replica (all three shared by every
 request of the gateway: decision 5). The block is entered once
-the first output arrived, so that an error before it gets its own HTTP status. A worker
-lost before any output was handed out is excluded and the request routed again
-(`max_generate_attempts` in all). On leaving the block: normally every sequence has
-finished; otherwise (error, deadline, client gone) the worker is told to abort and the
-tokenizer to forget the request, at once. The scheduler is told each attempt ended
-(a release on the route stream).
+the first output arrived, so that an error before it gets its own HTTP status.
+
+A lost worker (its session broke) is excluded and the request routed again. Before the
+request had any output token, that is a plain retry (`max_generate_attempts` workers in
+all); after, a failover (`max_failovers` per request): the new worker gets the prompt and,
+for each unfinished sequence, every output token received so far, and continues from
+there, so the client's stream goes on as if nothing happened. Each failover is logged,
+counted (meshserve_gateway_failovers_total by outcome) and an event on the request's span.
+On leaving the block: normally every sequence has finished; otherwise (error, deadline,
+client gone) the worker is told to abort and the tokenizer to forget the request, at once.
+The scheduler is told each attempt ended (a release on the route stream).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.shared.errors import (
     DeadlineExceededError,
     InvalidRequestError,
+    MeshError,
     NotFoundError,
     UnavailableError,
 )
@@ -163,7 +169,7 @@ class Orchestrator:
         request = self._generate_request(job, prompts, max_tokens)
         generation = Generation(job, prompts, detok=self._clients.detokenize_stream(),
                                 metrics=self._metrics, span=span,
-                                restart=lambda g, lost: self._place(g, request, lost, span))
+                                failover=lambda g, lost: self._place(g, request, lost, span))
         try:
             await self._place(generation, request, None, span)
             with trace.use_span(span, end_on_exit=False):
@@ -190,26 +196,72 @@ class Orchestrator:
 
     async def _place(self, generation: Generation, request: worker_pb2.GenerateRequest,
                      lost: UnavailableError | None, span: Span) -> None:
-        """Route the request (excluding workers already tried) and start it there."""
+        """Route the request (excluding workers lost by earlier attempts) and start it there;
+        after a loss, the unfinished sequences continue from their output tokens."""
         job = generation.job
-        if generation.placement is not None:
-            generation.excluded.append(generation.route.worker_id)
-            self._release(job, generation.route)
-        if generation.attempts >= self._config.max_generate_attempts:
-            assert lost is not None, "attempts are only used up by lost workers"
-            raise lost
-        route = await self._route(job, generation.prompts, request.params, generation.excluded)
+        resumed: list[worker_pb2.ResumedSequence] = []
+        if generation.placement is None:
+            route = await self._route(job, generation.prompts, request.params, [])
+        else:
+            assert lost is not None, "a request is placed again only when its worker was lost"
+            route = await self._move(generation, request, lost, span)
+            if generation.num_received:  # else it simply starts again
+                resumed = [worker_pb2.ResumedSequence(index=i, token_ids=ids)
+                           for i, ids in generation.unfinished()]
         with trace.use_span(span, end_on_exit=False):  # the worker's spans go under generate
             carrier = inject_headers({})
         request.deadline_unix_ns = self._deadline_unix_ns(job)
         add = worker_pb2.SessionAdd(handle=next(self._handles), request=request,
                                     traceparent=carrier.get("traceparent", ""),
-                                    tracestate=carrier.get("tracestate", ""))
+                                    tracestate=carrier.get("tracestate", ""),
+                                    resumed=resumed)
         placement = Placement(route, self._clients.worker_session(route.address), add.handle)
         prompts = [p.token_ids for p in generation.prompts]
         generation.place(placement, lambda handle: open_request(
             handle, job.params, model=job.model, request_id=job.request_id, prompts=prompts,
             samples_per_prompt=job.params.n, traceparent=carrier.get("traceparent", "")), add)
+
+    async def _move(self, generation: Generation, request: worker_pb2.GenerateRequest,
+                    lost: UnavailableError, span: Span) -> scheduler_pb2.RouteResponse:
+        """The route of a request whose worker was lost, excluding it (and every worker lost
+        before), or the error the request ends with."""
+        job = generation.job
+        worker = generation.route.worker_id
+        generation.excluded.append(worker)
+        self._release(job, generation.route)
+        carried = generation.num_received
+        if not carried:  # nothing generated yet: simply try another worker
+            if generation.attempts >= self._config.max_generate_attempts:
+                raise lost
+            span.add_event("worker lost before any output, retrying", {
+                "meshserve.worker_id": worker, "exception.message": lost.message})
+            return await self._route(job, generation.prompts, request.params,
+                                     generation.excluded)
+        failovers = self._metrics.failovers
+        if generation.failovers >= self._config.max_failovers:
+            failovers.labels("exhausted").inc()
+            raise UnavailableError(
+                f"worker {worker} failed while generating this response ({lost.message}); "
+                f"the request was not moved to another worker (moved {generation.failovers} "
+                f"time(s) already, max_failovers {self._config.max_failovers})")
+        try:
+            route = await self._route(job, generation.prompts, request.params,
+                                      generation.excluded)
+        except DeadlineExceededError:
+            raise
+        except MeshError as exc:
+            failovers.labels("unplaced").inc()
+            raise UnavailableError(
+                f"worker {worker} failed while generating this response ({lost.message}) and "
+                f"no other worker could take it over: {exc.message}") from exc
+        generation.failovers += 1
+        failovers.labels("resumed").inc()
+        _log.warning("request %s failed over from worker %s to %s carrying %d output tokens "
+                     "(%s)", job.request_id, worker, route.worker_id, carried, lost.message)
+        span.add_event("failover", {
+            "meshserve.from_worker_id": worker, "meshserve.to_worker_id": route.worker_id,
+            "meshserve.tokens_carried": carried, "exception.message": lost.message})
+        return route
 
     async def _route(self, job: GenerationJob, prompts: list[PreparedPrompt],
                      params: common_pb2.SamplingParams, excluded: list[str]

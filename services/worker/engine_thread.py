@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshserve.services.worker.engine.engine import LLMEngine
@@ -59,6 +59,7 @@ class _Add:
     cache_salt: str | None
     lora_id: int | None
     arrival: float
+    resumed: dict[int, list[int]] | None = None  # the engine request's own indices
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,12 @@ class EngineThread:
     def submit(self, request_id: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
                *, priority: int = 0, cache_salt: str | None = None,
                lora_id: int | None = None,
-               on_ready: Callable[[RequestStream], None] | None = None) -> RequestStream:
+               on_ready: Callable[[RequestStream], None] | None = None,
+               resumed: Mapping[int, Sequence[int]] | None = None) -> RequestStream:
         """Queue a request; prompt p's sample s is sequence p * n + s of the stream.
+
+        `resumed` (sequence index -> the output tokens it produced on a worker that was
+        lost): only those sequences run, each continuing after its tokens.
 
         Errors the engine raises for the request (InvalidRequestError, ...) come out
         of the stream's first `next()` (or its `error`, with `on_ready`; see
@@ -149,16 +154,29 @@ class EngineThread:
                                       param="request_id")
         if not prompts:
             raise InvalidRequestError("a request needs at least one prompt", param="prompts")
+        n = params.n
+        if resumed is not None:
+            if not resumed:
+                raise InvalidRequestError("a resumed request needs at least one sequence",
+                                          param="resumed")
+            if not all(0 <= i < len(prompts) * n for i in resumed):
+                raise InvalidRequestError(f"a resumed sequence index is not one of the "
+                                          f"request's {len(prompts) * n}", param="resumed")
         arrival = time.monotonic()
-        stream = RequestStream(request_id, [len(p) for p in prompts], params.n, arrival,
-                               on_ready)
+        stream = RequestStream(request_id, [len(p) for p in prompts], n, arrival, on_ready,
+                               None if resumed is None
+                               else {i: len(t) for i, t in resumed.items()})
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}/{p}"
                                                       for p in range(len(prompts))]
         self._streams[request_id] = (stream, ids)
         for p, (engine_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
-            self._routes[engine_id] = _Route(stream, p * params.n)
+            local = None if resumed is None else {
+                i - p * n: list(t) for i, t in resumed.items() if p * n <= i < (p + 1) * n}
+            if local == {}:
+                continue  # every sequence of this prompt had finished
+            self._routes[engine_id] = _Route(stream, p * n)
             self._commands.put(_Add(engine_id, list(prompt), params, priority, cache_salt,
-                                    lora_id, arrival))
+                                    lora_id, arrival, local))
         return stream
 
     def abort(self, request_id: str, indices: Sequence[int] = ()) -> int:
@@ -308,7 +326,8 @@ class EngineThread:
         try:
             self.engine.add_request(command.engine_id, command.prompt, command.params,
                                     priority=command.priority, cache_salt=command.cache_salt,
-                                    lora_id=command.lora_id, arrival_time=command.arrival)
+                                    lora_id=command.lora_id, arrival_time=command.arrival,
+                                    resumed=command.resumed)
         except MeshError as exc:
             self._pending_errors.append((command.engine_id, exc))
             return

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshserve.services.worker.engine.request import Request, RequestOutput
@@ -122,16 +122,19 @@ class RequestStream:
     """
 
     def __init__(self, request_id: str, prompt_lengths: Sequence[int], n: int,
-                 arrival: float, on_ready: Callable[[RequestStream], None] | None = None
-                 ) -> None:
+                 arrival: float, on_ready: Callable[[RequestStream], None] | None = None,
+                 resumed: Mapping[int, int] | None = None) -> None:
+        """`resumed` (sequence index -> output tokens it had): a request moved here from
+        another worker, of which only those sequences run."""
         self.request_id = request_id
         self.num_sequences = len(prompt_lengths) * n
         self.times = RequestTimes(arrival=arrival)
         self._prompt_lengths = prompt_lengths
         self._n = n
         # (prompt, cached, output) tokens of each sequence as last reported.
-        self._counts: dict[int, tuple[int, int, int]] = {}
-        self._live = set(range(self.num_sequences))
+        self._counts: dict[int, tuple[int, int, int]] = {
+            i: (prompt_lengths[i // n], 0, count) for i, count in (resumed or {}).items()}
+        self._live = set(range(self.num_sequences)) if resumed is None else set(resumed)
         self._seen: set[int] = set()  # sequences whose first delta was taken
         self._pending: dict[int, SequenceDelta] = {}
         self._preemptions: dict[int, int] = {}

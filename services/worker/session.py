@@ -28,7 +28,13 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from meshserve.proto.v1 import common_pb2, worker_pb2
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.request_stream import RequestStream, SequenceDelta
-from meshserve.services.worker.wire import FINISH_PB, logprobs_pb, prompt_logprobs_pb, timings_pb
+from meshserve.services.worker.wire import (
+    FINISH_PB,
+    logprobs_pb,
+    prompt_logprobs_pb,
+    resumed_sequences,
+    timings_pb,
+)
 from meshserve.shared.errors import (
     DeadlineExceededError,
     MeshError,
@@ -119,7 +125,8 @@ class WorkerSession:
                 request.request_id, [list(p.token_ids) for p in request.prompts], params,
                 priority=request.priority, cache_salt=request.cache_salt or None,
                 lora_id=request.lora_id if request.HasField("lora_id") else None,
-                on_ready=self._on_ready)
+                on_ready=self._on_ready,
+                resumed=resumed_sequences(add.resumed) if add.resumed else None)
         except MeshError as exc:
             self._fail_handle(handle, exc)
             return

@@ -8,7 +8,7 @@ RequestOutput and TokenLogprobs.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import orjson
 
@@ -58,6 +58,17 @@ def _extra(extra_json: str) -> dict[str, object]:
     if not isinstance(extra, dict):
         raise InvalidRequestError("extra_json must be a JSON object", param="extra_json")
     return extra
+
+
+def resumed_sequences(resumed: Iterable[worker_pb2.ResumedSequence]) -> dict[int, list[int]]:
+    """Sequence index -> the output tokens it brings from the worker it was lost on."""
+    sequences: dict[int, list[int]] = {}
+    for seq in resumed:
+        if seq.index in sequences:
+            raise InvalidRequestError(f"sequence {seq.index} is resumed twice",
+                                      param="resumed")
+        sequences[seq.index] = list(seq.token_ids)
+    return sequences
 
 
 def logprobs_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:

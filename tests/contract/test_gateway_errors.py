@@ -212,7 +212,8 @@ async def test_worker_lost_mid_stream_ends_its_stream_with_an_error_event(mesh: 
             http.post("/v1/completions", json={**LONG, "stream": True}) as resp:
         assert resp.status == 200
         events = [line for line in (await resp.read()).split(b"\n\n") if line]
-    # Output went to the client already: no retry, a clear error and the end of the stream.
+    # Output went to the client already and no other worker can continue it (the only one
+    # is excluded): a clear error and the end of the stream (failover: test_gateway_failover).
     assert events[0].startswith(b'data: {"id":"cmpl-')
     error = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
     assert "failed while generating" in error["message"] and error["code"] == "unavailable"

@@ -278,6 +278,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     request with this error after the first message. `raise_first`: fail with this
     exception before any message (a MeshError keeps its kind, anything else is
     internal), for prompts that hold `raise_marker`'s byte (every prompt when None).
+    A resumed add (SessionAdd.resumed) runs only the sequences listed, each from the
+    position of its resumed tokens (which must be its script's), as a real worker would.
     """
 
     def __init__(self, encode: Callable[[str], list[int]] | None = None, eos: int = EOS) -> None:
@@ -285,6 +287,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.encode = encode or (lambda text: list(text.encode()))
         self.eos = eos
         self.requests: list[worker_pb2.GenerateRequest] = []
+        self.resumed: list[dict[int, list[int]]] = []  # of each add ({} for a new request)
         self.metadata: list[dict[str, str]] = []  # the trace context of each request
         self.session_metadata: list[dict[str, str]] = []  # of the session streams
         self.messages_sent = 0
@@ -309,9 +312,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             async for message in request_iterator:
                 for add in message.adds:
                     self.requests.append(add.request)
+                    resumed = {r.index: list(r.token_ids) for r in add.resumed}
+                    self.resumed.append(resumed)
                     self.metadata.append({"traceparent": add.traceparent})
                     self.started.set()
-                    task = asyncio.ensure_future(self._run(add.handle, add.request, out))
+                    task = asyncio.ensure_future(self._run(add.handle, add.request, out,
+                                                           resumed))
                     running[add.handle] = (add.request.request_id, task)
                 for abort in message.aborts:
                     request_id, task = running.get(abort.handle, ("", None))
@@ -333,14 +339,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 task.cancel()
 
     async def _run(self, handle: int, request: worker_pb2.GenerateRequest,
-                   out: asyncio.Queue[worker_pb2.SessionResponse]) -> None:
+                   out: asyncio.Queue[worker_pb2.SessionResponse],
+                   resumed: dict[int, list[int]] | None = None) -> None:
         marked = (self.raise_marker is None
                   or ord(self.raise_marker) in request.prompts[0].token_ids)
         try:
             if self.raise_first is not None and marked:
                 raise self.raise_first
             seen: set[int] = set()
-            async for message in self._messages(request):
+            async for message in self._messages(request, resumed or {}):
                 out.put_nowait(_session_response(handle, message, seen))
                 self.messages_sent += 1
                 if self.fail_after_first is not None:
@@ -358,7 +365,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             out.put_nowait(worker_pb2.SessionResponse(errors=[worker_pb2.RequestError(
                 handle=handle, error=error_pb(error))]))
 
-    async def _messages(self, request: worker_pb2.GenerateRequest
+    async def _messages(self, request: worker_pb2.GenerateRequest,
+                        resumed: dict[int, list[int]]
                         ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         params = request.params
         n = params.n if params.HasField("n") else 1
@@ -368,6 +376,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         limit = params.max_tokens if params.HasField("max_tokens") else 10**9
         sent = dict.fromkeys(seqs, 0)
         live = set(seqs)
+        if resumed:
+            for index, tokens in resumed.items():
+                assert seqs[index][1][:len(tokens)] == tokens, "resumed tokens off script"
+                sent[index] = len(tokens)
+            live = set(resumed)
         while live:
             outputs = [self._output(request, i, seqs[i], sent, limit) for i in sorted(live)]
             live -= {o.index for o in outputs if o.finish_reason}
@@ -463,12 +476,13 @@ async def _serve(name: str, add: Any, servicer: Any) -> tuple[GrpcServer, str]:
 @asynccontextmanager
 async def start_mesh(*, dead_workers: int = 0, tokenizer_down: bool = False,
                      tokenizer: Any = None, worker: FakeWorker | None = None,
-                     **config: Any) -> AsyncIterator[Mesh]:
+                     spare: FakeWorker | None = None, **config: Any) -> AsyncIterator[Mesh]:
     """Start the fakes and a gateway (GatewayConfig fields as keyword overrides).
 
     `dead_workers` workers that refuse connections are listed before the live one;
     `tokenizer_down` points the gateway at a tokenizer address nobody listens on;
-    `tokenizer` / `worker` replace the fake servicers (e.g. the real tokenizer).
+    `tokenizer` / `worker` replace the fake servicers (e.g. the real tokenizer); `spare`
+    is a second live worker ("w1"), listed after the first (routed to when it is excluded).
     """
     tokenizer = tokenizer if tokenizer is not None else FakeTokenizer()
     worker = worker if worker is not None else FakeWorker()
@@ -478,7 +492,12 @@ async def start_mesh(*, dead_workers: int = 0, tokenizer_down: bool = False,
     servers["worker"], worker_addr = await _serve(
         "Worker", worker_pb2_grpc.add_WorkerServicer_to_server, worker)
     workers = [(f"dead{i}", f"127.0.0.1:{free_port()}") for i in range(dead_workers)]
-    scheduler = FakeScheduler([*workers, ("w0", worker_addr)])
+    workers.append(("w0", worker_addr))
+    if spare is not None:
+        servers["spare"], spare_addr = await _serve(
+            "Worker", worker_pb2_grpc.add_WorkerServicer_to_server, spare)
+        workers.append(("w1", spare_addr))
+    scheduler = FakeScheduler(workers)
     servers["scheduler"], sched_addr = await _serve(
         "Scheduler", scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler)
     spans = InMemorySpanExporter()

@@ -143,6 +143,34 @@ async def test_logprobs_prompt_logprobs_and_n_ride_in_details(worker: Harness,
     assert [len(p) for p in prompt_logprobs] == [len(PROMPTS[0]) - 1] * 2
 
 
+async def test_a_resumed_add_runs_the_listed_sequences_on_from_their_tokens(
+        worker: Harness, tiny_llama_dir: Path) -> None:
+    """Two prompts x n=2, seeded: sequence 1 had finished on the lost worker, 0 and 3 had
+    some tokens, 2 none; each runs on from there, with entries holding only new tokens."""
+    wire = common_pb2.SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=10,
+                                     ignore_eos=True)
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    whole = {p * 2 + s: ref_tokens(outs) for p, prompt in enumerate(prompts)
+             for s, outs in reference(tiny_llama_dir, prompt, params).items()}
+    carried = {0: whole[0][:3], 2: [], 3: whole[3][:9]}
+    session = Session(worker)
+    session.send(adds=[add(8, "moved", prompts, wire, resumed=[
+        worker_pb2.ResumedSequence(index=i, token_ids=t) for i, t in carried.items()])])
+    await session.until([8])
+    seen = session.seen[8]
+    assert seen.error is None
+    assert seen.tokens == {i: whole[i][len(t):] for i, t in carried.items()}
+    assert seen.reasons == dict.fromkeys(carried, common_pb2.FINISH_REASON_LENGTH)
+    # Cached tokens are of the prompt only (the resumed tokens' blocks may hit too).
+    assert all(d.cached_tokens <= len(PROMPTS[2]) for d in seen.details)
+    session.send(adds=[add(9, "bad", prompts, wire, resumed=[
+        worker_pb2.ResumedSequence(index=0, token_ids=whole[0])])])
+    await session.until([9])
+    error = session.seen[9].error
+    assert error is not None and error.kind == "invalid_request" and error.param == "resumed"
+
+
 async def test_bad_add_fails_alone_and_aborts_end_sequences(worker: Harness) -> None:
     session = Session(worker)
     session.send(adds=[add(1, "bad", [PROMPTS[0]], common_pb2.SamplingParams(temperature=-1.0)),

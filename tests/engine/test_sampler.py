@@ -310,6 +310,22 @@ def test_different_seeds_and_sibling_indices_differ() -> None:
     assert len({tuple(d) for d in draw}) == len(draw)
 
 
+def test_a_seeded_draw_depends_only_on_the_seed_and_the_output_position() -> None:
+    """What a seeded row drew before does not matter, nor which sampler draws: a sequence
+    continued elsewhere from its first k tokens draws what it would have drawn."""
+    logits = random_logits(1, 500, seed=21, scale=0.5)
+
+    def draw(output: list[int], sampler: Sampler) -> int:
+        row = make_row([1, 2], output, temperature=1.0, seed=42)
+        return sampler.sample(logits, [row]).token_ids[0]
+
+    walked = Sampler(500, CPU, seed=1)
+    steps = [draw([7] * k, walked) for k in range(12)]  # one sampler, draw after draw
+    assert len(set(steps)) > 6  # the position changes the draw
+    for k in (0, 3, 11):
+        assert draw([9] * k, Sampler(500, CPU, seed=k + 50)) == steps[k]
+
+
 # --- logprobs -------------------------------------------------------------------------------
 
 def check_entry(entry: TokenLogprobs | None, raw: torch.Tensor, token: int, count: int) -> None:

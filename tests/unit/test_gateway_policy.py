@@ -53,11 +53,15 @@ def test_config_lists_and_default_policy() -> None:
     assert GatewayConfig().default_max_tokens(chat=True) is None
     env = GatewayConfig.from_args([], environ={"MESHSERVE_COMPLETIONS_DEFAULT_MAX_TOKENS": "0"})
     assert env.default_max_tokens(chat=False) is None
+    assert GatewayConfig().max_failovers == 2
+    assert GatewayConfig.from_args(["--max-failovers", "0"], environ={}).max_failovers == 0
+    assert GatewayConfig.from_args([], environ={"MESHSERVE_MAX_FAILOVERS": "5"}).max_failovers == 5
 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("max_concurrent_requests", 0), ("request_timeout_s", 0.0), ("tokenizer_addresses", ()),
-    ("chat_default_max_tokens", -1), ("api_key", ""), ("max_body_bytes", 0)])
+    ("chat_default_max_tokens", -1), ("api_key", ""), ("max_body_bytes", 0),
+    ("max_failovers", -1)])
 def test_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as info:
         GatewayConfig(**{field: value})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -194,25 +195,37 @@ class LLMEngine:
     # ----- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str | None = None,
-                    lora_id: int | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request (n sequences). Raises InvalidRequestError for a bad one."""
+                    lora_id: int | None = None, arrival_time: float | None = None,
+                    resumed: Mapping[int, Sequence[int]] | None = None) -> None:
+        """Queue a request (n sequences). Raises InvalidRequestError for a bad one.
+
+        `resumed` (sequence index -> output tokens it already produced elsewhere): only
+        those sequences run, each continuing after its tokens, which count as its output
+        as if sampled here. Their KV is computed again with the prompt's (a preempted
+        sequence's path), from the prefix cache where it holds them.
+        """
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already running",
                                       param="request_id")
         max_tokens = self.validator.check(prompt_token_ids, params)
+        if resumed is not None:
+            self.validator.check_resumed(resumed, len(prompt_token_ids), params.n, max_tokens)
         extra_keys = extra_keys_for(lora_id, cache_salt)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         sequences: list[Request] = []
         # Siblings wait for the first sequence's prompt blocks when there are any to share.
         share = self.config.enable_prefix_caching and params.n > 1 and (
             len(prompt_token_ids) > self.config.block_size)
-        for index in range(params.n):
+        indices = range(params.n) if resumed is None else sorted(resumed)
+        for index in indices:
             seq = Request(
                 request_id if params.n == 1 else f"{request_id}#{index}",
                 list(prompt_token_ids), params, group_id=request_id, index=index,
                 priority=priority, arrival_time=arrival,
                 eos_token_ids=self.model_config.eos_token_ids, max_tokens=max_tokens,
-                extra_keys=extra_keys, leader=sequences[0] if share and index else None)
+                extra_keys=extra_keys, leader=sequences[0] if share and sequences else None)
+            if resumed is not None:
+                seq.output_token_ids.extend(resumed[index])
             if params.seed is not None:
                 seq.generator = make_generator(params.seed, self.device, index)
             sequences.append(seq)
@@ -351,7 +364,8 @@ class LLMEngine:
             finish_reason=seq.status.value if seq.is_finished else None,
             stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            # Of the prompt only: a resumed sequence may also hit on its earlier output.
+            num_cached_tokens=min(max(seq.num_cached_tokens, 0), seq.num_prompt_tokens),
             num_output_tokens=count,
         )
 

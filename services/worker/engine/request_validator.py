@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from meshserve.shared.errors import ContextLengthError, InvalidRequestError
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -52,3 +54,25 @@ class RequestValidator:
                 f"prompt + {max_tokens} output) but the whole cache holds {capacity}; lower "
                 f"max_tokens or give the worker more KV-cache memory", param="max_tokens")
         return max_tokens
+
+    def check_resumed(self, resumed: Mapping[int, Sequence[int]], num_prompt: int, n: int,
+                      max_tokens: int) -> None:
+        """Validate the output tokens of sequences resumed from another worker: each must
+        still have a token to generate."""
+        if not resumed:
+            raise InvalidRequestError("a resumed request needs at least one sequence",
+                                      param="resumed")
+        for index, tokens in resumed.items():
+            if not 0 <= index < n:
+                raise InvalidRequestError(f"resumed sequence {index} is not one of the "
+                                          f"request's {n}", param="resumed")
+            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token id {bad[0]} of resumed sequence {index} is outside the "
+                    f"vocabulary (0..{self.vocab_size - 1})", param="resumed")
+            if len(tokens) >= max_tokens or num_prompt + len(tokens) >= self.max_model_len:
+                raise InvalidRequestError(
+                    f"resumed sequence {index} already has {len(tokens)} output tokens: "
+                    f"nothing is left to generate (max_tokens {max_tokens}, context "
+                    f"{self.max_model_len})", param="resumed")

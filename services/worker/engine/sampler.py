@@ -37,8 +37,9 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # The sequence's own generator when params.seed is set: advanced by every draw on a CPU;
-    # on a GPU its seed and the number of tokens so far key the draw.
+    # The sequence's own generator when params.seed is set. Only its seed is used: with the
+    # number of output tokens so far it keys each draw (the same alone or in any batch, after
+    # a preemption, or on another worker continuing the sequence).
     generator: torch.Generator | None = None
     # EOS ids + params.stop_token_ids: masked while len(output) < min_tokens.
     stop_ids: tuple[int, ...] = ()
@@ -257,6 +258,8 @@ class Sampler:
             self._generator.manual_seed(seed % 2**64)
         # Seeds of the GPU draw for rows without a generator (drawn on the host: no sync).
         self._host_rng = random.Random(seed)
+        # Reseeded for each seeded row's draw on a CPU (see _draw).
+        self._keyed = torch.Generator(device=self.device)
 
     @torch.inference_mode()
     def sample(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -391,7 +394,7 @@ class Sampler:
         if processed.sampled.is_cuda:
             drawn = self._draw_on_gpu(processed.sampled, sampled_rows)  # [S]
         else:
-            drawn = self._draw(processed.sampled, [row.generator for row in sampled_rows])
+            drawn = self._draw(processed.sampled, [_row_seed(row) for row in sampled_rows])
         if len(processed.sampled_rows) == len(rows):
             return drawn
         tokens = argmax_rows(processed.adjusted)
@@ -406,29 +409,31 @@ class Sampler:
         from meshserve.kernels.triton_sampling import gumbel_argmax  # GPU only
 
         base = self._host_rng.getrandbits(62)
-        seeds = [base + j if row.generator is None
-                 else _draw_seed(row.generator.initial_seed(), len(row.output_token_ids))
-                 for j, row in enumerate(rows)]
+        seeds = [base + j if seed is None else seed
+                 for j, seed in enumerate(map(_row_seed, rows))]
         return gumbel_argmax(logits, _to_device(seeds, torch.int64, self.device))
 
-    def _draw(self, logits: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    def _draw(self, logits: Tensor, seeds: list[int | None]) -> Tensor:
         """Exponential race: argmax(p / q) with q ~ Exp(1) per token picks a token with
-        probability p. q = -log(u), u ~ U[0, 1) from the row's generator, or the shared one.
+        probability p. q = -log(u), u ~ U[0, 1) from a generator seeded with the row's draw
+        seed (a seeded row), or from the sampler's shared source.
 
         log is monotonic and log p = logit - logsumexp(row), so the race is won by
         argmax(logit - log q): no softmax is needed (the Gumbel-max form of the same draw).
         """
         noise = torch.empty_like(logits)
-        shared = [j for j, g in enumerate(generators) if g is None]
-        if len(shared) == len(generators):
+        shared = [j for j, seed in enumerate(seeds) if seed is None]
+        if len(shared) == len(seeds):
             noise.uniform_(generator=self._generator)
         elif shared:
             block = torch.empty(len(shared), noise.shape[1], device=noise.device)
             noise[self._index(shared)] = block.uniform_(generator=self._generator)
-        # Each seeded row draws exactly V numbers from its own generator, whatever the batch.
-        for j, generator in enumerate(generators):
-            if generator is not None:
-                noise[j].uniform_(generator=generator)
+        # Each seeded row's V numbers are a function of its draw seed alone: whatever the
+        # batch, and whichever draws the sequence made before (here or on another worker).
+        for j, seed in enumerate(seeds):
+            if seed is not None:
+                self._keyed.manual_seed(seed)
+                noise[j].uniform_(generator=self._keyed)
         # u = 0 gives q = inf, log q = inf and a score of -inf: that token never wins. u < 1,
         # so q > 0 and log q is finite otherwise; filtered (-inf) logits stay -inf.
         log_q = noise.log_().neg_().log_()
@@ -484,8 +489,16 @@ def _argmax_chunks(vocab: int) -> int:
     return next((c for c in range(min(1024, vocab // 64), 1, -1) if vocab % c == 0), 1)
 
 
+def _row_seed(row: SamplingRow) -> int | None:
+    """The draw seed of a seeded row's next token (None for an unseeded row)."""
+    if row.generator is None:
+        return None
+    return _draw_seed(row.generator.initial_seed(), len(row.output_token_ids))
+
+
 def _draw_seed(generator_seed: int, position: int) -> int:
-    """The GPU draw's seed for a seeded sequence's token at `position`: 63 bits of a hash."""
+    """The draw's seed for a seeded sequence's token at output `position`: 63 bits of a
+    hash."""
     digest = hashlib.blake2b(f"{generator_seed}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
