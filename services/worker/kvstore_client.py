@@ -63,6 +63,8 @@ class Reservation:
     dtype: str = ""
     shape: tuple[int, ...] = ()
     by_put: list[bool] = field(default_factory=list)  # per hash: a local buffer sent by Put
+    offsets: list[int | None] = field(default_factory=list)  # per hash: where its view
+    # starts in `KVStoreClient.region` (None: not a region slot)
 
 
 @dataclass
@@ -72,6 +74,8 @@ class Lease:
     hashes: list[bytes]  # the leading hashes found (a prefix of those asked)
     views: list[memoryview]  # read-only buffers of each block's bytes, valid until release
     lease_id: int = 0  # the store's lease on region blocks; 0: none (bytes received)
+    offsets: list[int | None] = field(default_factory=list)  # per hash: where its view
+    # starts in `KVStoreClient.region` (None: bytes received)
 
 
 class KVStoreClient:
@@ -193,6 +197,7 @@ class KVStoreClient:
                                                   block_hashes=hashes)
             held = self._call(self._connected().Contains, request).present
             reservation.by_put = [not present for present in held]
+            reservation.offsets = [None] * len(held)
             reservation.views = [memoryview(bytearray(nbytes)) if put else None
                                  for put in reservation.by_put]
             return reservation
@@ -205,8 +210,10 @@ class KVStoreClient:
             reservation.by_put.append(by_put)
             if status == kvstore_pb2.RESERVE_STATUS_RESERVED:
                 reservation.views.append(self._region[offset:offset + nbytes])
+                reservation.offsets.append(offset)
             else:
                 reservation.views.append(memoryview(bytearray(nbytes)) if by_put else None)
+                reservation.offsets.append(None)
         return reservation
 
     def commit(self, reservation: Reservation) -> int:
@@ -256,7 +263,7 @@ class KVStoreClient:
         if self._region is None:
             received = self._get(hashes, prefix_only=True)
             return Lease([b.block_hash for b in received],
-                         [memoryview(b.data) for b in received])
+                         [memoryview(b.data) for b in received], 0, [None] * len(received))
         response = self._call(self._connected().Acquire, kvstore_pb2.AcquireRequest(
             kv_namespace=self.namespace, region_token=self._token, block_hashes=hashes,
             prefix_only=True))
@@ -270,8 +277,10 @@ class KVStoreClient:
                 nbytes = block_nbytes(_dtype_name(block.dtype), block.shape)
                 lease.views.append(
                     self._region[block.offset:block.offset + nbytes].toreadonly())
+                lease.offsets.append(block.offset)
             elif block.block_hash in received:
                 lease.views.append(memoryview(received[block.block_hash]))
+                lease.offsets.append(None)
             else:  # cannot happen while pinned; keep the lease a gap-free prefix anyway
                 break
         lease.hashes = lease.hashes[:len(lease.views)]

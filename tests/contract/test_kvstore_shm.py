@@ -129,6 +129,8 @@ async def test_blocks_written_in_place_read_back_in_place(
     assert lease.hashes == [h(0), h(1), h(2)]  # the leading blocks held
     assert got == [data(0), data(1), data(2)]
     assert all(view.readonly for view in lease.views)
+    offset = lease.offsets[1]
+    assert offset is not None and bytes(client.region[offset:offset + BLOCK_BYTES]) == data(1)
     assert lease.lease_id and (await stats(stub)).pinned_blocks == 3
     await asyncio.to_thread(client.release, lease)
     s = await stats(stub)
