@@ -25,6 +25,8 @@ class SharedArena:
         assert capacity_bytes > 0, f"capacity_bytes must be positive, got {capacity_bytes}"
         self.size = HEADER_BYTES + capacity_bytes
         self.token = token or os.urandom(TOKEN_BYTES)
+        if not hasattr(os, "memfd_create"):
+            raise OSError("memfd_create is not available on this platform")
         # Not inherited by children; clients reach it through /proc instead.
         self.fd = os.memfd_create("meshserve-kvstore", os.MFD_CLOEXEC)
         try:
@@ -48,9 +50,9 @@ class SharedArena:
 
     def close(self) -> None:
         """Unmap and close; clients that mapped it keep their mapping until they unmap."""
-        self.buffer.release()
         try:
+            self.buffer.release()
             self._mmap.close()
         except BufferError:  # a view is still exported; the mapping goes with it
-            _log.warning("kvstore region still has views at close; left to the collector")
+            _log.warning("kvstore region still has views at close; unmapped when released")
         os.close(self.fd)

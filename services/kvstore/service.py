@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -29,6 +30,8 @@ from meshserve.shared.redis_server import connect, wait_for_redis
 from meshserve.shared.telemetry import Telemetry
 
 SERVICE_NAME = "meshserve.v1.KVStore"
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,17 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             await self.publisher.publish()
 
 
+def _shared_arena(config: KVStoreConfig) -> SharedArena | None:
+    """The shared region, unless it is off or cannot be made here (then: the byte path)."""
+    if config.shm == "off":
+        return None
+    try:
+        return SharedArena(config.capacity_bytes)
+    except OSError as exc:
+        _log.warning("kvstore runs without a shared region (Put/Get only): %s", exc)
+        return None
+
+
 class StoreCollector(Collector):
     """Prometheus view of the store's counters, read at scrape time."""
 
@@ -189,7 +203,7 @@ class KVStoreService:
         """Listen; with a Redis URL, wait for it and clear a previous run's holdings; SERVING.
 
         `clock` times leases (tests pass their own)."""
-        arena = SharedArena(config.capacity_bytes) if config.shm == "on" else None
+        arena = _shared_arena(config)
         store = KVBlockStore(config.capacity_bytes, arena.buffer if arena else None,
                              arena.base if arena else 0, lease_s=config.lease_s, clock=clock)
         metrics_registry = registry or (telemetry.registry if telemetry is not None else None)

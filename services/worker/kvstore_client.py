@@ -142,15 +142,14 @@ class KVStoreClient:
         if self._channel is not None:
             self._channel.close()
             self._channel = self._stub = None
-        if self._region is not None:
-            self._region.release()
-            self._region = None
-        if self._mmap is not None:
+        region, mapped = self._region, self._mmap
+        self._region = self._mmap = None
+        if region is not None and mapped is not None:
             try:
-                self._mmap.close()
-            except BufferError:  # a view (or a pinned tensor) still uses it; unmapped with it
+                region.release()
+                mapped.close()
+            except BufferError:  # a view (or a tensor over it) still uses it: unmapped with it
                 _log.warning("kvstore region still in use at close; unmapped when released")
-            self._mmap = None
 
     def _map(self, attach: kvstore_pb2.AttachResponse) -> None:
         """Map the region when it is this store's; otherwise stay on the byte path."""

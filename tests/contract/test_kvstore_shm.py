@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
@@ -136,6 +137,12 @@ async def test_blocks_written_in_place_read_back_in_place(
     s = await stats(stub)
     assert (s.leases, s.pinned_blocks) == (0, 0) and client.expired_leases == 0
     assert (await asyncio.to_thread(client.acquire, [h(7)])).hashes == []
+
+    # A worker pins the region through a buffer export (a tensor over it): closing with the
+    # export alive leaves the mapping to the export instead of failing.
+    exported = np.frombuffer(client.region, dtype=np.uint8)
+    client.close()
+    assert not client.shared_memory and bytes(exported[offset:offset + 4]) == data(1)[:4]
 
 
 async def test_the_byte_path_and_the_shared_region_see_the_same_blocks(
@@ -275,6 +282,18 @@ async def test_a_store_without_a_region_serves_the_same_calls_by_bytes(
     assert await store_blocks(client, [0, 1]) == 2
     _, got = await read_blocks(client, [0, 1])
     assert got == [data(0), data(1)] and (await stats(stub)).slot_bytes == 0
+
+
+async def test_a_host_without_memfd_serves_by_bytes(
+        start_store: Callable[..., Awaitable[Started]],
+        clients: Callable[..., Awaitable[KVStoreClient]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(os, "memfd_create")  # as on a platform that lacks it
+    service, _ = await start_store()
+    assert service.arena is None
+    client = await clients(service.port)
+    assert not client.shared_memory
+    assert await store_blocks(client, [0]) == 1
 
 
 async def test_an_unreachable_store_raises_quickly() -> None:
