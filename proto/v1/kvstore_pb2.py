@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n meshserve/proto/v1/kvstore.proto\x12\x0cmeshserve.v1\"u\n\x07KVBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12$\n\x05\x64type\x18\x04 \x01(\x0e\x32\x15.meshserve.v1.KVDType\x12\r\n\x05shape\x18\x05 \x03(\r\"I\n\nPutRequest\x12\x14\n\x0ckv_namespace\x18\x01 \x01(\t\x12%\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x15.meshserve.v1.KVBlock\"L\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x13\n\x0bnum_present\x18\x02 \x01(\r\x12\x14\n\x0cnum_rejected\x18\x03 \x01(\r\"M\n\nGetRequest\x12\x14\n\x0ckv_namespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x13\n\x0bprefix_only\x18\x03 \x01(\x08\"4\n\x0bGetResponse\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.meshserve.v1.KVBlock\"=\n\x0f\x43ontainsRequest\x12\x14\n\x0ckv_namespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"?\n\x10\x43ontainsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x1a\n\x12num_prefix_present\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\x90\x01\n\rStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0e\n\x06stored\x18\x07 \x01(\x04*\x9c\x01\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x03\x12\x1a\n\x16KV_DTYPE_FLOAT8_E4M3FN\x10\x04\x12\x18\n\x14KV_DTYPE_FLOAT8_E5M2\x10\x05\x32\x92\x02\n\x07KVStore\x12<\n\x03Put\x12\x18.meshserve.v1.PutRequest\x1a\x19.meshserve.v1.PutResponse(\x01\x12<\n\x03Get\x12\x18.meshserve.v1.GetRequest\x1a\x19.meshserve.v1.GetResponse0\x01\x12I\n\x08\x43ontains\x12\x1d.meshserve.v1.ContainsRequest\x1a\x1e.meshserve.v1.ContainsResponse\x12@\n\x05Stats\x12\x1a.meshserve.v1.StatsRequest\x1a\x1b.meshserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n meshserve/proto/v1/kvstore.proto\x12\x0cmeshserve.v1\"u\n\x07KVBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12$\n\x05\x64type\x18\x04 \x01(\x0e\x32\x15.meshserve.v1.KVDType\x12\r\n\x05shape\x18\x05 \x03(\r\"I\n\nPutRequest\x12\x14\n\x0ckv_namespace\x18\x01 \x01(\t\x12%\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x15.meshserve.v1.KVBlock\"L\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x13\n\x0bnum_present\x18\x02 \x01(\r\x12\x14\n\x0cnum_rejected\x18\x03 \x01(\r\"M\n\nGetRequest\x12\x14\n\x0ckv_namespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x13\n\x0bprefix_only\x18\x03 \x01(\x08\"4\n\x0bGetResponse\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.meshserve.v1.KVBlock\"=\n\x0f\x43ontainsRequest\x12\x14\n\x0ckv_namespace\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"?\n\x10\x43ontainsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x1a\n\x12num_prefix_present\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\xf2\x01\n\rStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0e\n\x06stored\x18\x07 \x01(\x04\x12\x12\n\nslot_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06leases\x18\t \x01(\x04\x12\x14\n\x0creservations\x18\n \x01(\x04\x12\x15\n\rpinned_blocks\x18\x0b \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x0c \x01(\x04\"\x0f\n\rAttachRequest\"\xa0\x01\n\x0e\x41ttachResponse\x12\x10\n\x08shm_path\x18\x01 \x01(\t\x12\x14\n\x0cregion_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cregion_token\x18\x03 \x01(\x0c\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x10\n\x08store_id\x18\x07 \x01(\t\x12\x0f\n\x07lease_s\x18\x08 \x01(\x01\"\x9e\x01\n\x0eReserveRequest\x12\x14\n\x0ckv_namespace\x18\x01 \x01(\t\x12\x14\n\x0cregion_token\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x15\n\rparent_hashes\x18\x04 \x03(\x0c\x12$\n\x05\x64type\x18\x05 \x01(\x0e\x32\x15.meshserve.v1.KVDType\x12\r\n\x05shape\x18\x06 \x03(\r\"|\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12+\n\x06status\x18\x02 \x03(\x0e\x32\x1b.meshserve.v1.ReserveStatus\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"=\n\rCommitRequest\x12\x14\n\x0cregion_token\x18\x01 \x01(\x0c\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\"J\n\x0e\x43ommitResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x13\n\x0bnum_present\x18\x02 \x01(\r\x12\x0f\n\x07\x65xpired\x18\x03 \x01(\x08\">\n\x0e\x41\x62\x61ndonRequest\x12\x14\n\x0cregion_token\x18\x01 \x01(\x0c\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\"$\n\x0f\x41\x62\x61ndonResponse\x12\x11\n\tabandoned\x18\x01 \x01(\x08\"g\n\x0e\x41\x63quireRequest\x12\x14\n\x0ckv_namespace\x18\x01 \x01(\t\x12\x14\n\x0cregion_token\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x13\n\x0bprefix_only\x18\x04 \x01(\x08\"\x90\x01\n\rAcquiredBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12$\n\x05\x64type\x18\x03 \x01(\x0e\x32\x15.meshserve.v1.KVDType\x12\r\n\x05shape\x18\x04 \x03(\r\x12\x11\n\tin_region\x18\x05 \x01(\x08\x12\x0e\n\x06offset\x18\x06 \x01(\x04\"P\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12+\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1b.meshserve.v1.AcquiredBlock\"=\n\x13ReleaseLeaseRequest\x12\x14\n\x0cregion_token\x18\x01 \x01(\x0c\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*\x9c\x01\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x03\x12\x1a\n\x16KV_DTYPE_FLOAT8_E4M3FN\x10\x04\x12\x18\n\x14KV_DTYPE_FLOAT8_E5M2\x10\x05*\xbc\x01\n\rReserveStatus\x12\x1e\n\x1aRESERVE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RESERVE_STATUS_RESERVED\x10\x01\x12\x17\n\x13RESERVE_STATUS_HELD\x10\x02\x12\x1a\n\x16RESERVE_STATUS_PENDING\x10\x03\x12\x1a\n\x16RESERVE_STATUS_REFUSED\x10\x04\x12\x1d\n\x19RESERVE_STATUS_BYTES_ONLY\x10\x05\x32\xc6\x05\n\x07KVStore\x12<\n\x03Put\x12\x18.meshserve.v1.PutRequest\x1a\x19.meshserve.v1.PutResponse(\x01\x12<\n\x03Get\x12\x18.meshserve.v1.GetRequest\x1a\x19.meshserve.v1.GetResponse0\x01\x12I\n\x08\x43ontains\x12\x1d.meshserve.v1.ContainsRequest\x1a\x1e.meshserve.v1.ContainsResponse\x12@\n\x05Stats\x12\x1a.meshserve.v1.StatsRequest\x1a\x1b.meshserve.v1.StatsResponse\x12\x43\n\x06\x41ttach\x12\x1b.meshserve.v1.AttachRequest\x1a\x1c.meshserve.v1.AttachResponse\x12\x46\n\x07Reserve\x12\x1c.meshserve.v1.ReserveRequest\x1a\x1d.meshserve.v1.ReserveResponse\x12\x43\n\x06\x43ommit\x12\x1b.meshserve.v1.CommitRequest\x1a\x1c.meshserve.v1.CommitResponse\x12\x46\n\x07\x41\x62\x61ndon\x12\x1c.meshserve.v1.AbandonRequest\x1a\x1d.meshserve.v1.AbandonResponse\x12\x46\n\x07\x41\x63quire\x12\x1c.meshserve.v1.AcquireRequest\x1a\x1d.meshserve.v1.AcquireResponse\x12P\n\x07Release\x12!.meshserve.v1.ReleaseLeaseRequest\x1a\".meshserve.v1.ReleaseLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.proto.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDTYPE']._serialized_start=747
-  _globals['_KVDTYPE']._serialized_end=903
+  _globals['_KVDTYPE']._serialized_start=1992
+  _globals['_KVDTYPE']._serialized_end=2148
+  _globals['_RESERVESTATUS']._serialized_start=2151
+  _globals['_RESERVESTATUS']._serialized_end=2339
   _globals['_KVBLOCK']._serialized_start=50
   _globals['_KVBLOCK']._serialized_end=167
   _globals['_PUTREQUEST']._serialized_start=169
@@ -50,7 +52,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=583
   _globals['_STATSREQUEST']._serialized_end=597
   _globals['_STATSRESPONSE']._serialized_start=600
-  _globals['_STATSRESPONSE']._serialized_end=744
-  _globals['_KVSTORE']._serialized_start=906
-  _globals['_KVSTORE']._serialized_end=1180
+  _globals['_STATSRESPONSE']._serialized_end=842
+  _globals['_ATTACHREQUEST']._serialized_start=844
+  _globals['_ATTACHREQUEST']._serialized_end=859
+  _globals['_ATTACHRESPONSE']._serialized_start=862
+  _globals['_ATTACHRESPONSE']._serialized_end=1022
+  _globals['_RESERVEREQUEST']._serialized_start=1025
+  _globals['_RESERVEREQUEST']._serialized_end=1183
+  _globals['_RESERVERESPONSE']._serialized_start=1185
+  _globals['_RESERVERESPONSE']._serialized_end=1309
+  _globals['_COMMITREQUEST']._serialized_start=1311
+  _globals['_COMMITREQUEST']._serialized_end=1372
+  _globals['_COMMITRESPONSE']._serialized_start=1374
+  _globals['_COMMITRESPONSE']._serialized_end=1448
+  _globals['_ABANDONREQUEST']._serialized_start=1450
+  _globals['_ABANDONREQUEST']._serialized_end=1512
+  _globals['_ABANDONRESPONSE']._serialized_start=1514
+  _globals['_ABANDONRESPONSE']._serialized_end=1550
+  _globals['_ACQUIREREQUEST']._serialized_start=1552
+  _globals['_ACQUIREREQUEST']._serialized_end=1655
+  _globals['_ACQUIREDBLOCK']._serialized_start=1658
+  _globals['_ACQUIREDBLOCK']._serialized_end=1802
+  _globals['_ACQUIRERESPONSE']._serialized_start=1804
+  _globals['_ACQUIRERESPONSE']._serialized_end=1884
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1886
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1947
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1949
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1989
+  _globals['_KVSTORE']._serialized_start=2342
+  _globals['_KVSTORE']._serialized_end=3052
 # @@protoc_insertion_point(module_scope)

@@ -55,6 +55,36 @@ class KVStoreStub:
                 request_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/meshserve.v1.KVStore/Attach',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AttachRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AttachResponse.FromString,
+                _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/meshserve.v1.KVStore/Reserve',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/meshserve.v1.KVStore/Commit',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Abandon = channel.unary_unary(
+                '/meshserve.v1.KVStore/Abandon',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AbandonRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AbandonResponse.FromString,
+                _registered_method=True)
+        self.Acquire = channel.unary_unary(
+                '/meshserve.v1.KVStore/Acquire',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AcquireRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AcquireResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/meshserve.v1.KVStore/Release',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -90,6 +120,48 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Where the shared region is and how to check it: the first call of a same-host client.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Reserves region slots to write blocks into; they are pinned and invisible until Commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Makes the written blocks of a reservation held (most recent), as a Put would.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abandon(self, request, context):
+        """Gives the slots of a reservation back without storing its blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Acquire(self, request, context):
+        """Pins held blocks under a lease and says where in the region their bytes are.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Ends a lease: its blocks may be evicted again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +184,36 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AttachRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AttachResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReserveRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.CommitRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.CommitResponse.SerializeToString,
+            ),
+            'Abandon': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abandon,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AbandonRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AbandonResponse.SerializeToString,
+            ),
+            'Acquire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acquire,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AcquireRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AcquireResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +325,168 @@ class KVStore:
             '/meshserve.v1.KVStore/Stats',
             meshserve_dot_proto_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             meshserve_dot_proto_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.KVStore/Attach',
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AttachRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.KVStore/Reserve',
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.KVStore/Commit',
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abandon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.KVStore/Abandon',
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AbandonRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AbandonResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acquire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.KVStore/Acquire',
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AcquireRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.AcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.KVStore/Release',
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReleaseLeaseRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_kvstore__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+from typing import Literal
 
 from meshserve.shared.config import ServiceConfig, option
 
@@ -23,6 +24,11 @@ class KVStoreConfig(ServiceConfig):
                                         "hostname-port)")
     get_message_bytes: int = option(4 * 2**20, "most block bytes in one Get stream message "
                                                "(a larger block travels alone)")
+    shm: Literal["on", "off"] = option("on", "keep blocks in a shared-memory region that "
+                                             "same-host clients map and copy in place "
+                                             "(off: blocks travel by Put/Get only)")
+    lease_s: float = option(30.0, "seconds after which the store ends a reservation or lease "
+                                  "its client has not ended (a client that died)")
 
     def validate(self) -> None:
         super().validate()
@@ -32,6 +38,7 @@ class KVStoreConfig(ServiceConfig):
                      "redis_wait_s")
         self.require(self.get_message_bytes > 0,
                      f"must be positive, got {self.get_message_bytes}", "get_message_bytes")
+        self.require(self.lease_s > 0, f"must be positive, got {self.lease_s}", "lease_s")
         self.require(self.store_id is None or bool(self.store_id.strip()), "must not be blank",
                      "store_id")
 

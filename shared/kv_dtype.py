@@ -1,0 +1,17 @@
+"""Element types of KV blocks as the kvstore and the workers name them, and their sizes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from types import MappingProxyType
+
+KV_DTYPE_BYTES = MappingProxyType({
+    "float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
+})
+"""Element size of each KV dtype the store accepts, in bytes (names as torch spells them)."""
+
+
+def block_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a C-contiguous block of `shape` in `dtype` (KeyError for an unknown dtype)."""
+    return math.prod(shape) * KV_DTYPE_BYTES[dtype]
