@@ -142,6 +142,21 @@ def _running_per_worker(stack: Stack) -> dict[str, tuple[int, int]]:
     return {w.info.worker_id: (w.load.num_running, w.info.epoch) for w in listed.workers}
 
 
+async def _every_worker_listed(stack: Stack, timeout_s: float) -> None:
+    """Until the scheduler lists every worker of the stack (after an earlier drill, workers
+    register again with a restarted scheduler within their retry backoff)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if set(_running_per_worker(stack)) >= set(stack.worker_ids):
+                return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every worker registered within {timeout_s}s")
+        await asyncio.sleep(0.1)  # polling the registry: registration sends no signal here
+
+
 def _resume_times(ends: list[StreamEnd], killed_at: float, moved: int) -> list[float]:
     """Seconds from the kill to the first chunk after it, of the `moved` streams that waited
     longest for it: those the killed worker ran.
@@ -188,6 +203,7 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
         return {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
 
+    await _every_worker_listed(stack, recover_timeout_s)
     ends = [StreamEnd() for _ in range(streams)]
     all_started = asyncio.Event()
     count = 0

@@ -161,7 +161,7 @@ class Handlers:
             return response
         except ConnectionResetError:
             raise  # the client went away: nobody to tell
-        except Exception as exc:  # noqa: BLE001 (after the first byte, every error is an event)
+        except Exception as exc:  # after the first byte, every error is an event
             error = self._stream_error(exc)
             if response is None:
                 raise error from exc

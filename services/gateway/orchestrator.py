@@ -211,6 +211,8 @@ class Orchestrator:
         with trace.use_span(span, end_on_exit=False):  # the worker's spans go under generate
             carrier = inject_headers({})
         request.deadline_unix_ns = self._deadline_unix_ns(job)
+        # What the router saw in the kvstore: with none, the worker skips asking it.
+        request.kvstore_blocks = route.num_kvstore_blocks
         add = worker_pb2.SessionAdd(handle=next(self._handles), request=request,
                                     traceparent=carrier.get("traceparent", ""),
                                     tracestate=carrier.get("tracestate", ""),

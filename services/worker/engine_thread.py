@@ -60,6 +60,7 @@ class _Add:
     lora_id: int | None
     arrival: float
     resumed: dict[int, list[int]] | None = None  # the engine request's own indices
+    store_lookup: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,12 @@ class EngineThread:
                *, priority: int = 0, cache_salt: str | None = None,
                lora_id: int | None = None,
                on_ready: Callable[[RequestStream], None] | None = None,
-               resumed: Mapping[int, Sequence[int]] | None = None) -> RequestStream:
+               resumed: Mapping[int, Sequence[int]] | None = None,
+               store_lookup: bool = True) -> RequestStream:
         """Queue a request; prompt p's sample s is sequence p * n + s of the stream.
+
+        `store_lookup`: whether the KV tier may be asked for prompt blocks the engine's
+        cache lacks (False when the router saw none in the kvstore).
 
         `resumed` (sequence index -> the output tokens it produced on a worker that was
         lost): only those sequences run, each continuing after its tokens.
@@ -176,7 +181,7 @@ class EngineThread:
                 continue  # every sequence of this prompt had finished
             self._routes[engine_id] = _Route(stream, p * n)
             self._commands.put(_Add(engine_id, list(prompt), params, priority, cache_salt,
-                                    lora_id, arrival, local))
+                                    lora_id, arrival, local, store_lookup))
         return stream
 
     def abort(self, request_id: str, indices: Sequence[int] = ()) -> int:
@@ -327,7 +332,8 @@ class EngineThread:
             self.engine.add_request(command.engine_id, command.prompt, command.params,
                                     priority=command.priority, cache_salt=command.cache_salt,
                                     lora_id=command.lora_id, arrival_time=command.arrival,
-                                    resumed=command.resumed)
+                                    resumed=command.resumed,
+                                    store_lookup=command.store_lookup)
         except MeshError as exc:
             self._pending_errors.append((command.engine_id, exc))
             return

@@ -126,7 +126,9 @@ class WorkerSession:
                 priority=request.priority, cache_salt=request.cache_salt or None,
                 lora_id=request.lora_id if request.HasField("lora_id") else None,
                 on_ready=self._on_ready,
-                resumed=resumed_sequences(add.resumed) if add.resumed else None)
+                resumed=resumed_sequences(add.resumed) if add.resumed else None,
+                store_lookup=not request.HasField("kvstore_blocks")
+                or request.kvstore_blocks > 0)
         except MeshError as exc:
             self._fail_handle(handle, exc)
             return

@@ -197,3 +197,22 @@ def test_saves_past_the_backlog_are_dropped_not_waited_for(folder: Path) -> None
     assert len(out) == 12
     assert tier.stats.dropped_saves >= 3 and tier.stats.saved_blocks == 0
     transfer.stop()
+
+
+def test_a_request_the_router_saw_no_store_blocks_for_does_not_ask_the_store(
+        folder: Path) -> None:
+    store = MemoryStore()
+    first, first_transfer = make_engine(folder, store)
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 200) for _ in range(3 * BLOCK + 1)]
+    run(first, prompt)
+    assert first_transfer is not None and first_transfer.flush(10)
+    second, second_transfer = make_engine(folder, store)
+    assert second.kv_tier is not None and second_transfer is not None
+    second.add_request("told", prompt, SamplingParams(temperature=0.0, max_tokens=2),
+                       store_lookup=False)
+    (outputs,) = drain(second).values()
+    assert outputs[-1].num_cached_tokens == 0
+    assert second.kv_tier.stats.probes == 0 and store.acquired == 0
+    first_transfer.stop()
+    second_transfer.stop()

@@ -196,8 +196,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str | None = None,
                     lora_id: int | None = None, arrival_time: float | None = None,
-                    resumed: Mapping[int, Sequence[int]] | None = None) -> None:
+                    resumed: Mapping[int, Sequence[int]] | None = None,
+                    store_lookup: bool = True) -> None:
         """Queue a request (n sequences). Raises InvalidRequestError for a bad one.
+
+        `store_lookup` False: the KV tier is not asked for its prompt blocks (the router
+        saw none there).
 
         `resumed` (sequence index -> output tokens it already produced elsewhere): only
         those sequences run, each continuing after its tokens, which count as its output
@@ -226,6 +230,7 @@ class LLMEngine:
                 extra_keys=extra_keys, leader=sequences[0] if share and sequences else None)
             if resumed is not None:
                 seq.output_token_ids.extend(resumed[index])
+            seq.store_checked = not store_lookup
             if params.seed is not None:
                 seq.generator = make_generator(params.seed, self.device, index)
             sequences.append(seq)
