@@ -264,11 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="of the GPU, split between the two workers when they share one")
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config = LauncherConfig(model=args.model, served_model_name="model", workers=2, port=0,
-                            device=args.device, dtype=args.dtype, startup_timeout_s=600,
+                            device=args.device, dtype=args.dtype, load_format=args.load_format,
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_model_len=args.max_model_len, startup_timeout_s=600,
                             stop_grace_s=10)
     results = []
     with start_stack(config, say=lambda line: print(line, file=sys.stderr, flush=True)) as stack:

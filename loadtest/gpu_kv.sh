@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The KV tier, routing and failover on one GPU, with the Llama-3.1-8B shape (dummy bf16
+# weights, a tokenizer of its vocabulary made by loadtest/make_tokenizer.py):
+#
+#     PARTS="transfer load failover" bash loadtest/gpu_kv.sh     # results in $OUT
+#     PARTS="routing" bash loadtest/gpu_kv.sh
+#
+# Parts (each a step under `timeout`, its output in $OUT/<part>.log and .json):
+#   transfer   loadtest/kvstore_transfer.py: the store's same-host put/get GB/s (shared
+#              memory and gRPC bytes) and host-to-device copy rates
+#   load       loadtest/kv_tier_load.py: TTFT of an 8k-token prompt recomputed against
+#              loaded from the kvstore, and the load rate
+#   failover   loadtest/fault_matrix.py --parts worker: two workers sharing the GPU, one
+#              killed under 20 streams; every stream must complete; time to resumed tokens
+#   routing    loadtest/kv_routing.py: kv-aware against round-robin on prefix-heavy
+#              requests, two workers sharing the GPU, the kvstore on
+# Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
+# folders are linked as the package `meshserve` (as gpu_suite.sh does).
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 1
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_kv_out.XXXXXX")}
+RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_kv.XXXXXX")
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PARTS=${PARTS:-transfer load failover routing}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
+    PATH=/tmp/site/bin:$PATH
+fi
+PKGROOT=$RUN_DIR/pkgroot
+mkdir -p "$PKGROOT/meshserve"
+for folder in services kernels shared proto; do
+  ln -s "$REPO/$folder" "$PKGROOT/meshserve/$folder"
+done
+export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
+
+MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+MESH_MODEL=$RUN_DIR/mesh-model
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__version__, \
+'triton', triton.__version__, 'transformers', transformers.__version__, 'grpcio', \
+grpc.__version__)"
+  free -g; nproc
+} >"$OUT/env.txt" 2>&1
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
+  local began=$SECONDS
+  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
+  tail -25 "$OUT/$name.log"
+}
+
+if want routing || want failover; then
+  step mesh_model 120 python3 loadtest/make_tokenizer.py --config "$MODEL_DIR/config.json" \
+    --out "$MESH_MODEL"
+fi
+if want transfer; then
+  step transfer 120 python3 loadtest/kvstore_transfer.py --capacity-bytes $((8 << 30)) \
+    --out "$OUT/transfer.json"
+fi
+if want load; then
+  step load 300 python3 loadtest/kv_tier_load.py --device cuda --prefix-len 8192 --iters 3 \
+    --capacity-bytes $((8 << 30)) --out "$OUT/load.json"
+fi
+if want failover; then
+  step failover 300 python3 loadtest/fault_matrix.py --model "$MESH_MODEL" --device cuda \
+    --load-format dummy --max-model-len 4096 --parts worker --streams 20 --max-tokens 512 \
+    --out "$OUT/failover.json"
+fi
+if want routing; then
+  step routing 560 python3 loadtest/kv_routing.py --model "$MESH_MODEL" ${ROUTING_FLAGS:-} \
+    --out "$OUT/routing.json"
+fi
+rm -rf "$RUN_DIR"
