@@ -9,7 +9,10 @@ call (which runs `asyncio.run`) can talk to it. The n-th request received (from 
 asked for and `usage` is on), 429 or 500 (an OpenAI error body), or "stream_error" (a few
 chunks, then a `data: {"error": ...}` event). A request counts as in flight from its arrival
 until just before its `[DONE]` (or its error response) is written, so the count never exceeds
-what the client has in flight.
+what the client has in flight. With `cache_block=B` the usage also holds
+`prompt_tokens_details.cached_tokens`: the longest run of whole B-token blocks that a token
+prompt shares with an earlier one (a prefix cache that never evicts), the last prompt token
+never counted, as engines always compute it.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ class FakeOpenAIServer:
 
     def __init__(self, plan: Callable[[int], Any] = lambda n: "ok", *,
                  chunk_delay_s: float = 0.001, usage: bool = True,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, cache_block: int | None = None) -> None:
         self.plan, self.chunk_delay_s, self.usage, self.api_key = plan, chunk_delay_s, usage, \
             api_key
+        self.cache_block = cache_block
+        self._cached_prefixes: set[tuple[int, ...]] = set()
         self.bodies: list[dict[str, Any]] = []
         self.authorizations: list[str | None] = []
         self.in_flight = self.max_in_flight = 0
@@ -118,11 +123,25 @@ class FakeOpenAIServer:
         if self.usage and (body.get("stream_options") or {}).get("include_usage"):
             prompt = body["messages"][0]["content"] if chat else body["prompt"]
             prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-            await response.write(_sse({"choices": [], "usage": {
-                "prompt_tokens": prompt_tokens, "completion_tokens": count,
-                "total_tokens": prompt_tokens + count}}))
+            usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": count,
+                                     "total_tokens": prompt_tokens + count}
+            if self.cache_block is not None and isinstance(prompt, list):
+                usage["prompt_tokens_details"] = {"cached_tokens": self._cache(prompt)}
+            await response.write(_sse({"choices": [], "usage": usage}))
         self.in_flight -= 1
         await response.write(b"data: [DONE]\n\n")
+
+    def _cache(self, prompt: list[int]) -> int:
+        """Tokens of `prompt` found in the cache; then its whole blocks are cached."""
+        assert self.cache_block is not None
+        ends = range(self.cache_block, len(prompt) + 1, self.cache_block)
+        hit = 0
+        for end in ends:
+            if tuple(prompt[:end]) not in self._cached_prefixes:
+                break
+            hit = end
+        self._cached_prefixes.update(tuple(prompt[:end]) for end in ends)
+        return min(hit, (len(prompt) - 1) // self.cache_block * self.cache_block)
 
 
 def _chunk(chat: bool, text: str | None, *, role: bool = False,

@@ -8,8 +8,10 @@ Every request streams (`stream: true`, `stream_options.include_usage`); the serv
 events are split incrementally and each parsed once with orjson. A chunk counts as content
 when it carries non-empty text (completions `text`, chat `delta.content` or
 `delta.reasoning_content`) or token ids: the first sets the TTFT, the others add their gap to
-the ITL list. A failure never raises: it is recorded in the output (HTTP status, the server's
-error message, a mid-stream `{"error": ...}` event, a timeout, a refused connection).
+the ITL list. The final usage chunk gives the token counts, prefix-cache hits included
+(`usage.prompt_tokens_details.cached_tokens`). A failure never raises: it is recorded in
+the output (HTTP status, the server's error message, a mid-stream `{"error": ...}` event, a
+timeout, a refused connection).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class RequestOutput:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     start: float = 0.0
+    # From the final usage chunk; None when the server did not say.
+    usage_prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
 
 
 class SseParser:
@@ -201,11 +206,25 @@ class OpenAIClient:
             out.error = "the stream ended before `data: [DONE]`"
         elif content_chunks == 0:
             out.error = "no content chunk in the stream (no TTFT)"
-        completion_tokens = usage.get("completion_tokens") if usage else None
-        out.output_tokens = (completion_tokens if isinstance(completion_tokens, int)
-                             else content_chunks)
-        if prompt_len_from_usage and usage and isinstance(usage.get("prompt_tokens"), int):
-            out.prompt_len = usage["prompt_tokens"]
+        _apply_usage(out, usage or {}, content_chunks, prompt_len_from_usage)
+
+
+def _apply_usage(out: RequestOutput, usage: dict[str, Any], content_chunks: int,
+                 prompt_len_from_usage: bool) -> None:
+    """Token counts from the final usage chunk; content chunks stand in for a missing
+    `completion_tokens`."""
+    completion_tokens = usage.get("completion_tokens")
+    out.output_tokens = (completion_tokens if isinstance(completion_tokens, int)
+                         else content_chunks)
+    prompt_tokens = usage.get("prompt_tokens")
+    if isinstance(prompt_tokens, int):
+        out.usage_prompt_tokens = prompt_tokens
+        if prompt_len_from_usage:
+            out.prompt_len = prompt_tokens
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int):
+        out.cached_tokens = cached
 
 
 def _has_content(choice: dict[str, Any], chat: bool) -> bool:

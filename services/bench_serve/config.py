@@ -16,6 +16,10 @@ from typing import Literal
 from meshserve.shared.config import Config, option
 
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+# Output tokens when --random-output-len is unset: vLLM's random default, and short answers
+# for prefix-heavy, whose cost is meant to be the shared prompt.
+_RANDOM_OUTPUT_LEN = 128
+_PREFIX_HEAVY_OUTPUT_LEN = 64
 _MULTI_VALUE_FLAGS = ("--goodput",)
 
 
@@ -68,17 +72,24 @@ class ServeConfig(Config):
     dataset: Literal["random", "sharegpt-like", "sharegpt", "prefix-heavy"] = option(
         "random", "random: --random-* lengths; sharegpt-like: the synthetic ShareGPT-like mix "
                   "of `meshserve bench throughput`; sharegpt: a ShareGPT JSON file "
-                  "(--dataset-path); prefix-heavy: groups of prompts sharing a prefix")
+                  "(--dataset-path); prefix-heavy: tenants' shared system prompts, each "
+                  "request a Zipf-drawn tenant's prompt and its own question")
     # option() returns a dataclasses.field (the default is None), not a shared mutable value.
     dataset_path: Path | None = option(None, "ShareGPT JSON file (--dataset sharegpt)")  # noqa: RUF009
     num_prompts: int = option(1000, "requests to send")
     random_input_len: int = option(1024, "prompt tokens (random dataset)")
-    random_output_len: int = option(128, "output tokens (random and prefix-heavy datasets)")
+    random_output_len: int | None = option(
+        None, "output tokens of the random and prefix-heavy datasets (unset: 128 random, 64 "
+              "prefix-heavy)")
     random_range_ratio: float = option(
-        0.0, "lengths uniform in [len*(1-r), len*(1+r)] (random and prefix-heavy)")
-    prefix_num_groups: int = option(8, "prefix-heavy: shared prefixes (system prompts)")
-    prefix_len: int = option(512, "prefix-heavy: tokens of each shared prefix")
-    prefix_suffix_len: int = option(128, "prefix-heavy: tokens after the prefix, per request")
+        0.0, "lengths uniform in [len*(1-r), len*(1+r)] (random dataset)")
+    prefix_tenants: int = option(32, "prefix-heavy: tenants, each with its own system prompt")
+    prefix_len: int = option(2048, "prefix-heavy: tokens of each tenant's system prompt")
+    prefix_zipf_s: float = option(
+        1.1, "prefix-heavy: Zipf exponent of tenant popularity (rank k drawn with weight "
+             "k^-s; 0: uniform)")
+    prefix_question_len: int = option(
+        32, "prefix-heavy: tokens of each request's own question after the system prompt")
     sharegpt_output_len: int | None = option(
         None, "sharegpt: fixed output tokens (unset: the reply's token count, which needs "
               "--tokenizer)")
@@ -115,16 +126,19 @@ class ServeConfig(Config):
     def validate(self) -> None:
         self.require(self.base_url.startswith(("http://", "https://")),
                      f"must start with http:// or https://, got {self.base_url!r}", "base_url")
-        positive = ("num_prompts", "random_input_len", "random_output_len", "prefix_num_groups",
-                    "prefix_len", "prefix_suffix_len")
+        positive = ("num_prompts", "random_input_len", "prefix_tenants", "prefix_len",
+                    "prefix_question_len")
         for name in positive:
             value = getattr(self, name)
             self.require(value >= 1, f"must be >= 1, got {value}", name)
-        for name in ("sharegpt_output_len", "vocab_size", "max_model_len", "max_concurrency"):
+        for name in ("random_output_len", "sharegpt_output_len", "vocab_size", "max_model_len",
+                     "max_concurrency"):
             value = getattr(self, name)
             self.require(value is None or value >= 1, f"must be >= 1, got {value}", name)
         self.require(0 <= self.random_range_ratio < 1,
                      f"must be in [0, 1), got {self.random_range_ratio}", "random_range_ratio")
+        self.require(0 <= self.prefix_zipf_s < math.inf,
+                     f"must be a finite number >= 0, got {self.prefix_zipf_s}", "prefix_zipf_s")
         self.require(self.request_rate > 0, f"must be > 0, got {self.request_rate}",
                      "request_rate")
         self.require(0 < self.burstiness < math.inf, f"must be > 0, got {self.burstiness}",
@@ -174,6 +188,13 @@ class ServeConfig(Config):
         if self.prompt_format != "auto":
             return self.prompt_format
         return "text" if self.endpoint == "chat" or self.dataset == "sharegpt" else "token-ids"
+
+    @property
+    def output_len(self) -> int:
+        """Output tokens of a synthetic request: --random-output-len, else the dataset's."""
+        if self.random_output_len is not None:
+            return self.random_output_len
+        return _PREFIX_HEAVY_OUTPUT_LEN if self.dataset == "prefix-heavy" else _RANDOM_OUTPUT_LEN
 
     @property
     def goodput_slos_ms(self) -> dict[str, float]:

@@ -9,6 +9,13 @@ the same token prompts (compare the two side by side).
 
 Token ids are uniform over the vocabulary minus the special ids (eos and bos): one flat draw
 of numpy's PCG64 (`np.random.default_rng(seed)`), split by the lengths.
+
+The prefix-heavy set is a multi-tenant load for prefix-aware routing: tenants with their own
+system prompts (no block in common), popular by a Zipf law, each request adding its question:
+
+    heavy = prefix_heavy(1000, num_tenants=32, prefix_len=2048, zipf_s=1.1, question_len=32,
+                         output_len=64, vocabulary=vocab, seed=seed)
+    pairs = heavy.prompts()     # [(prefixes[tenant] + question, 64), ...]
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import numpy as np
 
 from meshserve.shared.errors import ConfigError, MeshError
 from meshserve.shared.model_config import (
+    ModelFiles,
     bos_token_id,
     eos_token_ids,
     max_model_len_of,
@@ -44,6 +52,7 @@ MAX_LEN = 1024
 _LENGTHS_STREAM = 1
 _PREFIX_STREAM = 2
 _SUFFIX_STREAM = 3
+_TENANT_STREAM = 5  # 4 is the runner's arrival times
 
 
 @dataclass(frozen=True)
@@ -68,17 +77,21 @@ class ModelFacts:
 
 
 def model_facts(folder: Path) -> ModelFacts:
-    """vocab_size, eos ids, bos id and context length of a model folder, read as the worker
-    reads them (eos: config's and generation config's, united; bos: config's, else the
-    generation config's), so that the special ids match the in-process engine's."""
+    """vocab_size, eos ids, bos id and context length of a model folder (`--model-config`)."""
     try:
-        files = read_folder(folder)
-        cfg, generation = files.config, files.generation or {}
-        vocab_size = int(cfg["vocab_size"])
-        max_model_len = max_model_len_of(files)
+        return facts_of(read_folder(folder))
     except (MeshError, KeyError, TypeError, ValueError) as exc:
         message = exc.message if isinstance(exc, MeshError) else f"bad or missing field {exc}"
         raise ConfigError(f"--model-config {folder}: {message}", param="model_config") from exc
+
+
+def facts_of(files: ModelFiles) -> ModelFacts:
+    """The facts of a model's config files, read as the worker reads them (eos: config's and
+    generation config's, united; bos: config's, else the generation config's), so that the
+    special ids match the in-process engine's. KeyError etc. on a bad config."""
+    cfg, generation = files.config, files.generation or {}
+    vocab_size = int(cfg["vocab_size"])
+    max_model_len = max_model_len_of(files)
     bos = bos_token_id(cfg, generation)
     special = frozenset(eos_token_ids(cfg, generation)) | frozenset(() if bos is None else (bos,))
     return ModelFacts(Vocabulary(vocab_size, special), max_model_len)
@@ -149,17 +162,72 @@ def random_lengths(num_prompts: int, input_len: int, output_len: int, range_rati
     return list(zip(inputs, outputs, strict=True))
 
 
-def prefix_heavy_prompts(num_prompts: int, *, num_groups: int, prefix_len: int,
-                         suffix_len: int, output_len: int, range_ratio: float,
-                         vocabulary: Vocabulary, seed: int) -> list[tuple[list[int], int]]:
-    """(prompt, output_len) pairs whose prompts share one of `num_groups` random prefixes of
-    `prefix_len` ids (a shared system prompt): request i takes prefix i mod num_groups, then
-    its own random suffix. Suffix and output lengths vary within `range_ratio`."""
+def zipf_tenants(num_prompts: int, num_tenants: int, s: float, seed: int) -> list[int]:
+    """The tenant of each request, fixed by `seed`: index k (rank k + 1) with probability
+    proportional to 1 / (k + 1)^s over the `num_tenants` tenants (a Zipf law cut at N; s 0 is
+    uniform). Index 0 is the most popular tenant."""
+    weights = 1.0 / np.arange(1, num_tenants + 1, dtype=float) ** s
+    rng = np.random.default_rng((seed, _TENANT_STREAM))
+    drawn: list[int] = rng.choice(num_tenants, size=num_prompts, p=weights / weights.sum()
+                                  ).tolist()
+    return drawn
+
+
+def tenant_prefixes(num_tenants: int, prefix_len: int, vocabulary: Vocabulary, seed: int
+                    ) -> list[list[int]]:
+    """One random prefix (a system prompt) per tenant, each starting with an id no other
+    tenant's starts with: chained block hashes then share no block between tenants."""
     allowed = _allowed_ids(vocabulary.size, vocabulary.special_ids)
-    prefixes = _draw([prefix_len] * num_groups, allowed,
-                     np.random.default_rng((seed, _PREFIX_STREAM)))
-    lengths = random_lengths(num_prompts, suffix_len, output_len, range_ratio, seed)
-    suffixes = _draw([s for s, _ in lengths], allowed,
-                     np.random.default_rng((seed, _SUFFIX_STREAM)))
-    return [(prefixes[i % num_groups] + suffix, out)
-            for i, (suffix, (_, out)) in enumerate(zip(suffixes, lengths, strict=True))]
+    if num_tenants > allowed.size:
+        raise ConfigError(f"{num_tenants} tenants need as many distinct first ids; the "
+                          f"vocabulary has {allowed.size}", param="prefix_tenants")
+    rng = np.random.default_rng((seed, _PREFIX_STREAM))
+    firsts: list[int] = rng.choice(allowed, size=num_tenants, replace=False).tolist()
+    rests = _draw([prefix_len - 1] * num_tenants, allowed, rng)
+    return [[first, *rest] for first, rest in zip(firsts, rests, strict=True)]
+
+
+def unique_questions(num_prompts: int, question_len: int, vocabulary: Vocabulary, seed: int
+                     ) -> list[list[int]]:
+    """`num_prompts` distinct random questions of `question_len` ids, fixed by `seed`: a
+    repeated question would make a whole prompt a cache hit."""
+    allowed = _allowed_ids(vocabulary.size, vocabulary.special_ids)
+    if int(allowed.size) ** question_len < num_prompts:
+        raise ConfigError(f"{num_prompts} distinct questions of {question_len} ids do not "
+                          f"exist in a vocabulary of {allowed.size}",
+                          param="prefix_question_len")
+    rng = np.random.default_rng((seed, _SUFFIX_STREAM))
+    questions = _draw([question_len] * num_prompts, allowed, rng)
+    seen: set[tuple[int, ...]] = set()
+    for i, question in enumerate(questions):
+        while tuple(question) in seen:  # rare for real lengths: draw again from the stream
+            question = _draw([question_len], allowed, rng)[0]
+        questions[i] = question
+        seen.add(tuple(question))
+    return questions
+
+
+@dataclass(frozen=True)
+class PrefixHeavy:
+    """A multi-tenant workload: per request, a tenant's shared prefix, then its question."""
+
+    prefixes: list[list[int]]  # one per tenant, most popular first
+    tenants: list[int]  # each request's tenant (an index into `prefixes`)
+    questions: list[list[int]]  # each request's own question
+    output_len: int
+
+    def prompts(self) -> list[tuple[list[int], int]]:
+        """(prompt ids, output_len) of every request, in order."""
+        return [(self.prefixes[t] + q, self.output_len)
+                for t, q in zip(self.tenants, self.questions, strict=True)]
+
+
+def prefix_heavy(num_prompts: int, *, num_tenants: int, prefix_len: int, zipf_s: float,
+                 question_len: int, output_len: int, vocabulary: Vocabulary, seed: int
+                 ) -> PrefixHeavy:
+    """`num_tenants` system prompts of `prefix_len` ids, no two sharing a block; each request
+    picks a tenant by Zipf(`zipf_s`) and adds a distinct question of `question_len` ids."""
+    return PrefixHeavy(tenant_prefixes(num_tenants, prefix_len, vocabulary, seed),
+                       zipf_tenants(num_prompts, num_tenants, zipf_s, seed),
+                       unique_questions(num_prompts, question_len, vocabulary, seed),
+                       output_len)

@@ -5,6 +5,7 @@ for those with more than one token), ITL (every gap, all requests pooled) and E2
 each as mean/median/std/p90/p99 in milliseconds (`mean_ttft_ms`, `p99_itl_ms`, ...;
 numpy.percentile, linear between ranks; 0 when there is nothing to measure). Goodput counts
 the requests that met every SLO (value <= SLO, vLLM's rule; a one-token request's TPOT is 0).
+Prompt-cache hits come from the server's usage (`prompt_tokens_details.cached_tokens`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,21 @@ def failure_summary(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
             "by_error": dict(Counter(o.error for o in failed).most_common())}
 
 
+def prompt_cache_fields(ok: Sequence[RequestOutput]) -> dict[str, Any]:
+    """Prefix-cache hits of successful requests: `total_cached_tokens` (sum of the usage
+    `prompt_tokens_details.cached_tokens`) and `cached_token_fraction` (that over the prompt
+    tokens of the same requests, the server's count where it gave one). Both None when no
+    request reported cached tokens, which is not the same as none cached."""
+    reported = [o for o in ok if o.cached_tokens is not None]
+    if not reported:
+        return {"total_cached_tokens": None, "cached_token_fraction": None}
+    cached = sum(o.cached_tokens or 0 for o in reported)
+    prompt = sum(o.prompt_len if o.usage_prompt_tokens is None else o.usage_prompt_tokens
+                 for o in reported)
+    return {"total_cached_tokens": cached,
+            "cached_token_fraction": cached / prompt if prompt else 0.0}
+
+
 def run_result(outputs: Sequence[RequestOutput], duration_s: float,
                slos_ms: Mapping[str, float] | None = None) -> dict[str, Any]:
     """vLLM's serving result of one run: counts, throughputs, latency distributions,
@@ -83,6 +99,7 @@ def run_result(outputs: Sequence[RequestOutput], duration_s: float,
         "request_goodput": None if good is None else good / duration_s,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+        **prompt_cache_fields(ok),
         **latency_fields([o.ttft for o in ok], tpots, (t for o in ok for t in o.itl),
                          [o.latency for o in ok]),
         "failures": failure_summary(outputs),
@@ -91,6 +108,7 @@ def run_result(outputs: Sequence[RequestOutput], duration_s: float,
         "ttfts": [o.ttft if o.success else 0.0 for o in outputs],
         "itls": [o.itl if o.success else [] for o in outputs],
         "e2els": [o.latency if o.success else 0.0 for o in outputs],
+        "cached_tokens": [o.cached_tokens if o.success else None for o in outputs],
         "start_times": [o.start - first_start for o in outputs],
         "statuses": [o.status for o in outputs],
         "errors": [o.error for o in outputs],

@@ -25,11 +25,16 @@ _BLOCK_ROWS = (
     ("Benchmark duration (s):", "duration", "{:.2f}"),
     ("Total input tokens:", "total_input_tokens", "{}"),
     ("Total generated tokens:", "total_output_tokens", "{}"),
+    ("Prompt tokens from cache:", "total_cached_tokens", "{}"),
+    ("Cached fraction of prompt tokens:", "cached_token_fraction", "{:.3f}"),
     ("Request throughput (req/s):", "request_throughput", "{:.2f}"),
     ("Request goodput (req/s):", "request_goodput", "{:.2f}"),
     ("Output token throughput (tok/s):", "output_throughput", "{:.2f}"),
     ("Total token throughput (tok/s):", "total_token_throughput", "{:.2f}"),
 )
+# Rows left out when the run has no value: no --goodput, or a server that does not report
+# cached prompt tokens.
+_OPTIONAL_ROWS = ("request_goodput", "total_cached_tokens", "cached_token_fraction")
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 _SWEEP_COLUMNS = (
@@ -38,7 +43,7 @@ _SWEEP_COLUMNS = (
     ("ttft p50", "median_ttft_ms", "{:.1f}"), ("ttft p99", "p99_ttft_ms", "{:.1f}"),
     ("tpot p50", "median_tpot_ms", "{:.2f}"), ("itl p50", "median_itl_ms", "{:.2f}"),
     ("itl p99", "p99_itl_ms", "{:.2f}"), ("e2el p50", "median_e2el_ms", "{:.0f}"),
-    ("goodput", "request_goodput", "{:.2f}"),
+    ("goodput", "request_goodput", "{:.2f}"), ("cached", "cached_token_fraction", "{:.3f}"),
 )
 
 
@@ -68,7 +73,7 @@ def result_block(result: dict[str, Any]) -> str:
     rule = "=" * _WIDTH
     lines = [" Serving Benchmark Result ".center(_WIDTH, "=")]
     for label, key, template in _BLOCK_ROWS:
-        if key == "request_goodput" and result[key] is None:
+        if key in _OPTIONAL_ROWS and result.get(key) is None:
             continue
         lines.append(f"{label:<40}{_cell(template, result[key]):>10}")
     for metric, title in _TITLES.items():

@@ -5,7 +5,8 @@
 
 Token-id prompts come from `datasets` exactly as `meshserve bench throughput` draws them;
 text prompts are those ids decoded with the tokenizer (re-encoded and cut to the drawn length,
-as vLLM's random dataset does) or a ShareGPT file's turns.
+as vLLM's random dataset does; for prefix-heavy, each tenant's prefix decoded once and shared
+as is) or a ShareGPT file's turns.
 """
 
 from __future__ import annotations
@@ -69,22 +70,46 @@ def resolve_vocabulary(config: ServeConfig, tokenizer: Any) -> tuple[datasets.Vo
 
 def _token_prompts(config: ServeConfig, vocab: datasets.Vocabulary, max_model_len: int | None
                    ) -> list[tuple[list[int], int]]:
-    """(prompt ids, output_len) of the synthetic datasets."""
+    """(prompt ids, output_len) of the random and ShareGPT-like datasets."""
     seed, n = config.seed, config.num_prompts
-    if config.dataset == "prefix-heavy":
-        return datasets.prefix_heavy_prompts(
-            n, num_groups=config.prefix_num_groups, prefix_len=config.prefix_len,
-            suffix_len=config.prefix_suffix_len, output_len=config.random_output_len,
-            range_ratio=config.random_range_ratio, vocabulary=vocab, seed=seed)
     if config.dataset == "sharegpt-like":
         # No context length given: no cut (the mix never exceeds 2 x MAX_LEN tokens).
         lengths = datasets.sharegpt_like_lengths(n, seed, max_model_len or 2 * datasets.MAX_LEN)
     else:
-        lengths = datasets.random_lengths(n, config.random_input_len, config.random_output_len,
+        lengths = datasets.random_lengths(n, config.random_input_len, config.output_len,
                                           config.random_range_ratio, seed)
     prompts = datasets.random_prompts([i for i, _ in lengths], vocab.size, vocab.special_ids,
                                       seed)
     return [(p, out) for p, (_, out) in zip(prompts, lengths, strict=True)]
+
+
+def prefix_heavy_set(config: ServeConfig, vocab: datasets.Vocabulary,
+                     max_model_len: int | None) -> datasets.PrefixHeavy:
+    """The prefix-heavy requests of `config`; ConfigError when one would not fit the
+    context (the server would refuse every request)."""
+    total = config.prefix_len + config.prefix_question_len + config.output_len
+    if max_model_len is not None and total > max_model_len:
+        raise ConfigError(f"prefix-heavy requests of {config.prefix_len} + "
+                          f"{config.prefix_question_len} prompt and {config.output_len} output "
+                          f"tokens exceed the context length {max_model_len}",
+                          param="prefix_len")
+    return datasets.prefix_heavy(
+        config.num_prompts, num_tenants=config.prefix_tenants, prefix_len=config.prefix_len,
+        zipf_s=config.prefix_zipf_s, question_len=config.prefix_question_len,
+        output_len=config.output_len, vocabulary=vocab, seed=config.seed)
+
+
+def _prefix_heavy_text(heavy: datasets.PrefixHeavy, tokenizer: Any) -> list[RequestInput]:
+    """Text prompts that keep each tenant's prefix byte-identical: the prefix is decoded
+    once per tenant and each question on its own, so every request of a tenant shares the
+    prefix's tokens (up to the join); the length is the joined text's token count."""
+    prefixes = [_as_text(p, tokenizer)[0] for p in heavy.prefixes]
+    requests = []
+    for tenant, question in zip(heavy.tenants, heavy.questions, strict=True):
+        prompt = prefixes[tenant] + _as_text(question, tokenizer)[0]
+        length = len(tokenizer.encode(prompt, add_special_tokens=False))
+        requests.append(RequestInput(prompt, length, heavy.output_len))
+    return requests
 
 
 def _as_text(ids: list[int], tokenizer: Any) -> tuple[str, int]:
@@ -125,10 +150,16 @@ def build_workload(config: ServeConfig) -> Workload:
                   for r in requests[:count]]
         return Workload(requests, warmup, None)
     vocab, max_model_len = resolve_vocabulary(config, tokenizer)
-    pairs = _token_prompts(config, vocab, max_model_len)
+    if config.dataset == "prefix-heavy":
+        heavy = prefix_heavy_set(config, vocab, max_model_len)
+        pairs = heavy.prompts()
+        requests = _prefix_heavy_text(heavy, tokenizer) if text else _requests(pairs, None, False)
+    else:
+        pairs = _token_prompts(config, vocab, max_model_len)
+        requests = _requests(pairs, tokenizer, text)
     # Warm-up prompts of the first lengths come from another seed (as in `bench throughput`),
     # so that they leave nothing of the timed prompts in a prefix cache.
     warm_ids = datasets.random_prompts([len(p) for p, _ in pairs[:count]], vocab.size,
                                        vocab.special_ids, config.seed + 1)
     warm = [(ids, min(out, _WARMUP_OUTPUT_LEN)) for ids, (_, out) in zip(warm_ids, pairs, strict=False)]
-    return Workload(_requests(pairs, tokenizer, text), _requests(warm, tokenizer, text), vocab)
+    return Workload(requests, _requests(warm, tokenizer, text), vocab)

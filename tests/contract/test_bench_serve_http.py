@@ -13,11 +13,13 @@ from typing import Any
 import pytest
 from fake_openai_server import ERROR_MESSAGES, MODEL, FakeOpenAIServer
 
+from meshserve.services.bench_serve import datasets
 from meshserve.services.bench_serve.config import ServeConfig
 from meshserve.services.bench_serve.runner import run_benchmark
 from meshserve.services.bench_serve.workload import build_workload
 from meshserve.services.cli import main as cli_main
 
+VOCAB_500 = datasets.Vocabulary(500, frozenset())
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VLLM_FIELDS = {
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
@@ -158,6 +160,30 @@ def test_cli_single_run_prints_vllms_block_and_plots_cdfs(server: FakeOpenAIServ
     assert png.read_bytes()[:8] == PNG_MAGIC
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Mean TTFT (ms):" in printed
+    # This server reports no cached tokens: no row claims a figure it did not give.
+    assert doc["total_cached_tokens"] is None and "from cache" not in printed
+
+
+def test_cli_prefix_heavy_reports_the_servers_prefix_cache_hits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "heavy.json"
+    with FakeOpenAIServer(cache_block=16) as server:
+        assert cli_main(["bench", "serve", "--base-url", server.url, "--vocab-size", "500",
+                         "--dataset", "prefix-heavy", "--prefix-tenants", "3",
+                         "--prefix-len", "32", "--prefix-question-len", "8",
+                         "--num-prompts", "20", "--max-concurrency", "1", "--no-progress",
+                         "--output-json", str(out)]) == 0
+    timed = server.bodies[1:]  # after one warm-up request
+    assert all(len(b["prompt"]) == 40 and b["max_tokens"] == 64 for b in timed)
+    tenants = {tuple(b["prompt"][:32]) for b in timed}
+    assert tenants <= {tuple(p) for p in datasets.tenant_prefixes(3, 32, VOCAB_500, 0)}
+    doc = json.loads(out.read_text())
+    # Every request but a tenant's first finds its 32-token prefix (two blocks) cached.
+    assert doc["total_cached_tokens"] == (20 - len(tenants)) * 32
+    assert doc["cached_token_fraction"] == pytest.approx((20 - len(tenants)) * 32 / (20 * 40))
+    assert doc["cached_tokens"].count(0) == len(tenants)
+    printed = capsys.readouterr().out
+    assert f"{doc['total_cached_tokens']:>10}" in printed.split("Prompt tokens from cache:")[1]
 
 
 def _closed_port() -> int:

@@ -47,24 +47,6 @@ def test_random_lengths_stay_within_the_range_ratio() -> None:
     assert datasets.random_lengths(5, 100, 20, 0.0, seed=1) == [(100, 20)] * 5
 
 
-def test_prefix_heavy_groups_share_exact_prefixes() -> None:
-    vocab = datasets.Vocabulary(1000, frozenset({0}))
-    pairs = datasets.prefix_heavy_prompts(30, num_groups=4, prefix_len=40, suffix_len=10,
-                                          output_len=7, range_ratio=0.5, vocabulary=vocab,
-                                          seed=3)
-    assert pairs == datasets.prefix_heavy_prompts(
-        30, num_groups=4, prefix_len=40, suffix_len=10, output_len=7, range_ratio=0.5,
-        vocabulary=vocab, seed=3)
-    prefixes = [tuple(p[:40]) for p, _ in pairs]
-    for i, prefix in enumerate(prefixes):
-        assert prefix == prefixes[i % 4]  # request i is in group i mod 4
-    assert len(set(prefixes)) == 4
-    suffixes = [p[40:] for p, _ in pairs]
-    assert all(5 <= len(s) <= 15 for s in suffixes) and len({tuple(s) for s in suffixes}) == 30
-    assert all(3 <= out <= 11 for _, out in pairs)  # floor(3.5), ceil(10.5)
-    assert not any(0 in p for p, _ in pairs)
-
-
 def test_sharegpt_like_prompts_are_those_of_bench_throughput(tiny_llama_dir: Path) -> None:
     from meshserve.services import bench
     from meshserve.services.worker.models.loader import load_model_config, resolve_model
