@@ -4,6 +4,7 @@
 #
 #     PARTS="transfer load failover" bash loadtest/gpu_kv.sh     # results in $OUT
 #     PARTS="routing" bash loadtest/gpu_kv.sh
+#     PARTS="routing" ROUTING_TAG=_nostore ROUTING_FLAGS=--no-kvstore bash loadtest/gpu_kv.sh
 #
 # Parts (each a step under `timeout`, its output in $OUT/<part>.log and .json):
 #   transfer   loadtest/kvstore_transfer.py: the store's same-host put/get GB/s (shared
@@ -72,12 +73,17 @@ if want load; then
     --capacity-bytes $((8 << 30)) --out "$OUT/load.json"
 fi
 if want failover; then
-  step failover 300 python3 loadtest/fault_matrix.py --model "$MESH_MODEL" --device cuda \
+  step failover 240 python3 loadtest/fault_matrix.py --model "$MESH_MODEL" --device cuda \
     --load-format dummy --max-model-len 4096 --parts worker --streams 20 --max-tokens 512 \
     --out "$OUT/failover.json"
 fi
 if want routing; then
-  step routing 560 python3 loadtest/kv_routing.py --model "$MESH_MODEL" ${ROUTING_FLAGS:-} \
-    --out "$OUT/routing.json"
+  # Two workers share the GPU (--device cuda: the launcher gives each 0.45 of it); 96
+  # tenants of 2048 tokens (196k tokens) are more than one worker's cache holds.
+  step "routing${ROUTING_TAG:-}" "${ROUTING_LIMIT_S:-480}" python3 loadtest/kv_routing.py \
+    --model "$MESH_MODEL" --num-prompts "${ROUTING_PROMPTS:-800}" --concurrency 64 \
+    --prefix-tenants 96 --prefix-len 2048 --output-len 64 \
+    --out "$OUT/routing${ROUTING_TAG:-}.json" -- --load-format dummy --device cuda \
+    --max-model-len 4096 --kvstore-capacity-bytes $((32 << 30)) ${ROUTING_FLAGS:-}
 fi
 rm -rf "$RUN_DIR"

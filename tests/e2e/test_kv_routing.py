@@ -8,7 +8,6 @@ where it ran.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import sys
@@ -16,8 +15,6 @@ from pathlib import Path
 
 import pytest
 from tiny_models import build_tiny_model
-
-from meshserve.services.launcher import LauncherConfig
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "loadtest" / "kv_routing.py"
 PROMPTS = 12
@@ -35,8 +32,6 @@ def _load_driver():
 kv_routing = _load_driver()
 
 
-@pytest.mark.skipif("routing" not in {f.name for f in dataclasses.fields(LauncherConfig)},
-                    reason="this launcher has no --routing")
 def test_both_policies_run_the_same_requests_into_one_report(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "model", "llama", seed=3, max_position_embeddings=1024)
     out = tmp_path / "report.json"
