@@ -6,6 +6,9 @@
 #     PARTS="routing" bash loadtest/gpu_kv.sh
 #     PARTS="routing" ROUTING_TAG=_nostore ROUTING_FLAGS=--no-kvstore bash loadtest/gpu_kv.sh
 #
+# ROUTING_ARGS go to kv_routing.py (e.g. "--prefix-tenants 128"), ROUTING_FLAGS to the
+# launcher; every service's /metrics after each run lands in $OUT/routing<tag>_metrics/.
+#
 # Parts (each a step under `timeout`, its output in $OUT/<part>.log and .json):
 #   transfer   loadtest/kvstore_transfer.py: the store's same-host put/get GB/s (shared
 #              memory and gRPC bytes) and host-to-device copy rates
@@ -83,6 +86,7 @@ if want routing; then
   step "routing${ROUTING_TAG:-}" "${ROUTING_LIMIT_S:-480}" python3 loadtest/kv_routing.py \
     --model "$MESH_MODEL" --num-prompts "${ROUTING_PROMPTS:-800}" --concurrency 64 \
     --prefix-tenants 96 --prefix-len 2048 --output-len 64 \
+    --metrics-dir "$OUT/routing${ROUTING_TAG:-}_metrics" ${ROUTING_ARGS:-} \
     --out "$OUT/routing${ROUTING_TAG:-}.json" -- --load-format dummy --device cuda \
     --max-model-len 4096 --kvstore-capacity-bytes $((32 << 30)) ${ROUTING_FLAGS:-}
 fi

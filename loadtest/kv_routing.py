@@ -31,11 +31,13 @@ import os
 import platform
 import shlex
 import sys
+import threading
+import time
 import urllib.request
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -51,6 +53,7 @@ from meshserve.shared.model_source import resolve_model
 MODEL_NAME = "model"
 POLICIES = ("kv-aware", "round-robin")
 # Worker counters read after each run: requests finished (by reason) and tokens generated.
+_WORKER_PREFIX = "meshserve_worker_"
 _WORKER_COUNTERS = {"meshserve_worker_sequences_finished": "sequences_finished",
                     "meshserve_worker_generated_tokens": "generated_tokens"}
 
@@ -82,6 +85,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="services' logs, one folder per policy (default: temporary)")
+    parser.add_argument("--metrics-dir", type=Path, default=None,
+                        help="write every service's /metrics text after each run here, "
+                        "one folder per policy")
     parser.add_argument("--progress", action="store_true", help="a progress bar on stderr")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv[:split]), argv[split + 1:]
@@ -115,20 +121,73 @@ def serve_config(args: argparse.Namespace, launcher: LauncherConfig) -> ServeCon
         num_warmup=args.num_warmup, timeout_s=args.timeout_s, progress=args.progress)
 
 
-def worker_counters(stack: Stack) -> dict[str, dict[str, float]]:
-    """Per worker: requests finished and tokens generated so far, from its /metrics."""
+def worker_counters(stack: Stack, dump_dir: Path | None = None
+                    ) -> dict[str, dict[str, float]]:
+    """Per worker: every counter of its /metrics (requests finished, tokens generated, the
+    kvstore's saves, probes and loads...), summed over labels; with `dump_dir`, every
+    service's /metrics text is also written there as `<service>.prom`."""
     counters: dict[str, dict[str, float]] = {}
-    for service in (s for s in stack.services if s.role == "worker"):
+    for service in stack.services:
         with urllib.request.urlopen(service.metrics_url, timeout=10.0) as response:
             text = response.read().decode()
+        if dump_dir is not None:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            (dump_dir / f"{service.name}.prom").write_text(text)
+        if service.role != "worker":
+            continue
         values = dict.fromkeys(_WORKER_COUNTERS.values(), 0.0)
         for family in text_string_to_metric_families(text):
-            name = _WORKER_COUNTERS.get(family.name)
-            if name is not None:
-                values[name] += sum(s.value for s in family.samples
-                                    if s.name.endswith("_total"))
+            # Counters, and gauges read from cumulative engine or tier stats (`..._total`).
+            cumulative = family.type == "counter" or family.name.endswith("_total") or \
+                family.name.endswith(("engine_steps", "engine_step_seconds"))
+            if not cumulative or not family.name.startswith(_WORKER_PREFIX):
+                continue
+            name = _WORKER_COUNTERS.get(family.name, family.name[len(_WORKER_PREFIX):])
+            name = name.removesuffix("_total")
+            values[name] = values.get(name, 0.0) + sum(
+                s.value for s in family.samples
+                if family.type != "counter" or s.name.endswith("_total"))
         counters[service.name] = values
     return counters
+
+
+class GaugeSampler:
+    """Every worker's running/waiting/free-block gauges every `period_s` while the bench
+    runs (a thread), for `--metrics-dir`: shows queueing and imbalance over time."""
+
+    GAUGES = ("running", "waiting", "kv_free_blocks")
+
+    def __init__(self, stack: Stack, period_s: float = 0.25) -> None:
+        self._urls = {s.name: s.metrics_url for s in stack.services if s.role == "worker"}
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self.samples: list[dict[str, Any]] = []
+        self._thread = threading.Thread(target=self._run, name="gauge-sampler", daemon=True)
+        self._began = 0.0
+
+    def __enter__(self) -> Self:
+        self._began = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            sample: dict[str, Any] = {"t": round(time.monotonic() - self._began, 3)}
+            for name, url in self._urls.items():
+                try:
+                    with urllib.request.urlopen(url, timeout=2.0) as response:
+                        text = response.read().decode()
+                except OSError:
+                    continue
+                for family in text_string_to_metric_families(text):
+                    short = family.name.removeprefix(_WORKER_PREFIX)
+                    if short in self.GAUGES and family.samples:
+                        sample[f"{name}.{short}"] = family.samples[0].value
+            self.samples.append(sample)
 
 
 def run_policy(args: argparse.Namespace, policy: str, extra: Sequence[str],
@@ -140,8 +199,14 @@ def run_policy(args: argparse.Namespace, policy: str, extra: Sequence[str],
     say = (lambda line: print(f"[{policy}] {line}", file=sys.stderr, flush=True))
     with start_stack(launcher, say=say) as stack:
         config = dataclasses.replace(config, base_url=stack.gateway_url)
-        (result,) = asyncio.run(run_benchmark(config, workload))
-        per_worker = worker_counters(stack)
+        with GaugeSampler(stack) as sampler:
+            (result,) = asyncio.run(run_benchmark(config, workload))
+        dump_dir = None if args.metrics_dir is None else args.metrics_dir / policy
+        per_worker = worker_counters(stack, dump_dir)
+    if dump_dir is not None:  # per request, in the workload's order; gauges over time
+        (dump_dir / "requests.json").write_text(json.dumps(
+            {key: result[key] for key in ("ttfts", "e2els", "errors") if key in result}))
+        (dump_dir / "gauges.json").write_text(json.dumps(sampler.samples))
     scalars = {k: v for k, v in result.items() if not isinstance(v, list)}
     settings = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v
                 for k, v in launcher.as_dict().items()}

@@ -245,7 +245,8 @@ class Stack:
         self._redis: EmbeddedRedis | None = None
         self.redis_url = config.redis_url or ""
         self.services: list[ServiceProcess] = []
-        port = config.port or find_free_port(_LOOPBACK)
+        self._picked: set[int] = set()
+        port = config.port or self._free_port()
         shown = _LOOPBACK if config.host in ("0.0.0.0", "::", "") else config.host
         self._gateway_host = shown
         self.gateway_url = f"http://{shown}:{port}"
@@ -282,9 +283,19 @@ class Stack:
         with urllib.request.urlopen(request, timeout=10.0) as response:
             return [m["id"] for m in json.loads(response.read())["data"]]
 
-    @staticmethod
-    def _free() -> str:
-        return f"{_LOOPBACK}:{find_free_port(_LOOPBACK)}"
+    def _free_port(self) -> int:
+        """A free loopback port that no earlier pick of this stack returned.
+
+        Picked ports stay unbound until their service starts, so the kernel may hand the same
+        one out twice; two services given one port would fail to start or, worse, a probe
+        would reach the wrong one."""
+        while (port := find_free_port(_LOOPBACK)) in self._picked:
+            pass
+        self._picked.add(port)
+        return port
+
+    def _free(self) -> str:
+        return f"{_LOOPBACK}:{self._free_port()}"
 
     def _common(self, address: str | None = None) -> list[str]:
         flags = ["--log-level", self.config.log_level,
@@ -336,7 +347,7 @@ class Stack:
             gateway.append("--reuse-port")
         for name in self.gateway_names:
             # Its own /metrics is the one probe that reaches this process and no other.
-            metrics_port = find_free_port(_LOOPBACK)
+            metrics_port = self._free_port()
             metrics_url = f"http://{self._gateway_host}:{metrics_port}/metrics"
             self._add(name, "gateway", gateway, metric_is(metrics_url, _GATEWAY_LISTENING),
                       metrics_port, self._gateway_host)
@@ -344,7 +355,7 @@ class Stack:
     def _add(self, name: str, role: str, argv: list[str], ready: Callable[[], bool],
              metrics_port: int | None = None, metrics_host: str = _LOOPBACK) -> None:
         """Plan one child, with a /metrics port of its own (a free one unless given)."""
-        metrics_port = metrics_port or find_free_port(_LOOPBACK)
+        metrics_port = metrics_port or self._free_port()
         self.services.append(ServiceProcess(
             name, role, [*argv, "--metrics-port", str(metrics_port)],
             self.run_dir / f"{name}.log", ready,
@@ -359,7 +370,7 @@ class Stack:
                 f"listen with SO_REUSEPORT and would share it with its owner", param="port")
         try:
             if not self.redis_url:
-                self._redis = EmbeddedRedis().start()
+                self._redis = self._start_redis()
                 self.redis_url = self._redis.url
                 say(f"embedded Redis at {self.redis_url}")
             self._plan()
@@ -373,6 +384,17 @@ class Stack:
             raise
         return self
 
+    def _start_redis(self) -> EmbeddedRedis:
+        """The embedded Redis, on a port none of this stack's services was given."""
+        for attempt in range(3):
+            try:
+                return EmbeddedRedis(self._free_port()).start()
+            except UnavailableError:
+                # Another process may have bound the port since it was picked: pick again.
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     def _supervise(self, say: Callable[[str], None]) -> None:
         """Watch the children from now on (a thread), and serve the launcher's /metrics."""
         children: list[Any] = list(self.services)
@@ -382,7 +404,7 @@ class Stack:
                                window_s=self.config.restart_window_s)
         self._supervisor = Supervisor(children, policy, can_serve=self._cannot_serve_why,
                                       say=say, on_fatal=lambda why: self._on_fatal(why, say))
-        port = self.config.metrics_port or find_free_port(_LOOPBACK)
+        port = self.config.metrics_port or self._free_port()
         self._metrics_server, _ = start_http_server(port, _LOOPBACK,
                                                     registry=self._supervisor.registry)
         self.launcher_metrics_url = f"http://{_LOOPBACK}:{port}/metrics"

@@ -184,6 +184,9 @@ class WorkerLoad:
     """Most sequences the worker runs at once (0: unknown, no limit)."""
     draining: bool = False
     snapshot_unix_ns: int = 0
+    num_active_tokens: int = 0
+    """Tokens of the running and waiting sequences, each counted in full (shared prefix
+    blocks too): what their decode steps read."""
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> Self:

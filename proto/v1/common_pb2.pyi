@@ -116,7 +116,7 @@ class Timings(_message.Message):
     def __init__(self, queued_ns: _Optional[int] = ..., prefill_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., kv_fetch_ns: _Optional[int] = ..., step_forward_ns: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_running", "num_waiting", "num_pending_prefill_tokens", "num_used_blocks", "num_free_blocks", "num_total_blocks", "max_running", "draining", "snapshot_unix_ns")
+    __slots__ = ("worker_id", "epoch", "num_running", "num_waiting", "num_pending_prefill_tokens", "num_used_blocks", "num_free_blocks", "num_total_blocks", "max_running", "draining", "snapshot_unix_ns", "num_active_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class WorkerLoad(_message.Message):
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACTIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_running: int
@@ -139,7 +140,8 @@ class WorkerLoad(_message.Message):
     max_running: int
     draining: bool
     snapshot_unix_ns: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., draining: _Optional[bool] = ..., snapshot_unix_ns: _Optional[int] = ...) -> None: ...
+    num_active_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., draining: _Optional[bool] = ..., snapshot_unix_ns: _Optional[int] = ..., num_active_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "epoch", "address", "model_names", "block_size", "max_model_len", "num_total_blocks", "lora_ids", "tensor_parallel_size", "kv_namespace")

@@ -1,17 +1,27 @@
-"""Provisional load: requests this scheduler routed that their worker may not count yet.
+"""Provisional load: what a worker's last heartbeat does not show yet.
 
-Between two heartbeats a worker's reported load is stale; routing a burst on it would
-send the whole burst to one worker. So every Route counts its request's sequences and
-blocks against the chosen worker here until its Release, the worker's restart, or a
-heartbeat stamped ARRIVAL_GRACE_S after it was routed (by then the worker counts it
-itself, or its Release was lost). What the worker's load gets on top of its last heartbeat
-(compared by the scheduler-side time the registry stamped on it, so a heartbeat received
-by another replica counts too):
+Between two heartbeats a worker's reported load is stale in both directions. Routing a
+burst on it would send the whole burst to one worker; and a worker whose requests all
+ended just after its heartbeat would look busy for up to a heartbeat interval while the
+others take every new request (in closed-loop load the requests of a worker end together,
+so the whole next wave would land on the other one). So this replica tracks, per worker:
+
+- every request it routed, from its Route to its Release (or the worker's restart, or
+  MAX_TRACK_S without a Release);
+- every Release since the worker's last heartbeat.
+
+What the worker's load gets on top of its last heartbeat (compared by the scheduler-side
+time the registry stamped on it, so a heartbeat received by another replica counts too):
+
 - requests routed after that heartbeat, in full;
 - of those routed less than ARRIVAL_GRACE_S before it, the sequences the heartbeat cannot
   have counted: as many as they outnumber the sequences the worker reported (running +
   waiting), with their share of blocks. A request still on its way to the worker is
-  counted, one that arrived is not counted twice.
+  counted, one that arrived is not counted twice;
+- minus requests routed before the heartbeat and released after it: the heartbeat counted
+  them, they are gone.
+
+The sums can be negative (departures); the router clamps the resulting load at zero.
 """
 
 from __future__ import annotations
@@ -21,6 +31,9 @@ from dataclasses import dataclass
 ARRIVAL_GRACE_S = 2.0
 """A routed request has reached its worker this long after it was routed (the gateway sends
 it at once), so a heartbeat stamped later covers it."""
+MAX_TRACK_S = 900.0
+"""A request routed this long before its worker's last heartbeat and never released is
+forgotten (its Release was lost); forgetting one only costs its departure's correction."""
 
 
 @dataclass(frozen=True)
@@ -34,67 +47,101 @@ class Assignment:
     num_blocks: int
     """KV blocks the request will take: prompt blocks to compute plus expected output."""
     routed_unix_ns: int
+    num_active_blocks: int = 0
+    """Blocks its sequences hold while they run, each counted in full (prompt and expected
+    output, times the sequences): what their decode steps read."""
 
 
 @dataclass(frozen=True)
 class ExtraLoad:
-    """What a worker's provisional requests add to its reported load."""
+    """What a worker's provisional requests add to its reported load (negative: remove)."""
 
     num_sequences: int = 0
     num_blocks: int = 0
+    num_active_blocks: int = 0
 
 
 class InFlight:
-    """Provisional assignments by worker; pure bookkeeping, no I/O."""
+    """Routed requests and recent departures by worker; pure bookkeeping, no I/O."""
 
     def __init__(self) -> None:
         self._by_worker: dict[str, dict[str, Assignment]] = {}
+        self._departed: dict[str, list[tuple[int, Assignment]]] = {}  # (released at, ...)
 
     def __len__(self) -> int:
+        """Requests routed and not released (nor forgotten)."""
         return sum(len(a) for a in self._by_worker.values())
 
     def add(self, assignment: Assignment) -> None:
         """Count a routed request against its worker."""
         self._by_worker.setdefault(assignment.worker_id, {})[assignment.request_id] = assignment
 
-    def release(self, request_id: str, worker_id: str) -> bool:
-        """Drop a request that ended; False when it was not tracked (any more)."""
+    def release(self, request_id: str, worker_id: str, now_unix_ns: int) -> bool:
+        """A request ended at `now_unix_ns`; False when it was not tracked (any more)."""
         assignments = self._by_worker.get(worker_id)
-        if assignments is None or assignments.pop(request_id, None) is None:
+        if assignments is None:
+            return False
+        assignment = assignments.pop(request_id, None)
+        if assignment is None:
             return False
         if not assignments:
             del self._by_worker[worker_id]
+        self._departed.setdefault(worker_id, []).append((now_unix_ns, assignment))
         return True
 
     def extra_load(self, worker_id: str, epoch: int, last_heartbeat_unix_ns: int,
                    reported_sequences: int) -> ExtraLoad:
-        """What this replica's routed requests add to a worker's reported load (module doc).
+        """What this replica's bookkeeping adds to a worker's reported load (module doc).
 
-        Assignments to another epoch of the worker (it restarted), or that a heartbeat
-        stamped ARRIVAL_GRACE_S after their routing covers, are dropped for good.
+        Assignments to another epoch of the worker (it restarted), departures the heartbeat
+        already shows, and assignments older than MAX_TRACK_S are dropped for good.
         """
+        heartbeat = last_heartbeat_unix_ns
+        live = self._prune_live(worker_id, epoch, heartbeat)
+        departed = self._prune_departed(worker_id, epoch, heartbeat)
+        new = [a for a in live if a.routed_unix_ns >= heartbeat]
+        arriving = [a for a in live
+                    if heartbeat - int(ARRIVAL_GRACE_S * 1e9) < a.routed_unix_ns < heartbeat]
+        sequences = sum(a.num_sequences for a in new)
+        blocks = sum(a.num_blocks for a in new)
+        active = sum(a.num_active_blocks for a in new)
+        arriving_sequences = sum(a.num_sequences for a in arriving)
+        missing = max(0, arriving_sequences - reported_sequences)
+        if missing:
+            sequences += missing
+            blocks += sum(a.num_blocks for a in arriving) * missing // arriving_sequences
+            active += sum(a.num_active_blocks for a in arriving) * missing // arriving_sequences
+        counted = [a for a in departed if a.routed_unix_ns < heartbeat]
+        sequences -= sum(a.num_sequences for a in counted)
+        blocks -= sum(a.num_blocks for a in counted)
+        active -= sum(a.num_active_blocks for a in counted)
+        return ExtraLoad(num_sequences=sequences, num_blocks=blocks, num_active_blocks=active)
+
+    def _prune_live(self, worker_id: str, epoch: int, heartbeat: int) -> list[Assignment]:
         assignments = self._by_worker.get(worker_id)
         if not assignments:
-            return ExtraLoad()
-        covered_before = last_heartbeat_unix_ns - int(ARRIVAL_GRACE_S * 1e9)
+            return []
+        forgotten_before = heartbeat - int(MAX_TRACK_S * 1e9)
         for rid in [rid for rid, a in assignments.items()
-                    if a.epoch != epoch or a.routed_unix_ns <= covered_before]:
+                    if a.epoch != epoch or a.routed_unix_ns <= forgotten_before]:
             del assignments[rid]
         if not assignments:
             del self._by_worker[worker_id]
-            return ExtraLoad()
-        new = [a for a in assignments.values() if a.routed_unix_ns >= last_heartbeat_unix_ns]
-        covered = [a for a in assignments.values() if a.routed_unix_ns < last_heartbeat_unix_ns]
-        sequences = sum(a.num_sequences for a in new)
-        blocks = sum(a.num_blocks for a in new)
-        covered_sequences = sum(a.num_sequences for a in covered)
-        missing = max(0, covered_sequences - reported_sequences)
-        if missing:
-            sequences += missing
-            blocks += sum(a.num_blocks for a in covered) * missing // covered_sequences
-        return ExtraLoad(num_sequences=sequences, num_blocks=blocks)
+        return list(assignments.values())
+
+    def _prune_departed(self, worker_id: str, epoch: int, heartbeat: int) -> list[Assignment]:
+        departures = self._departed.get(worker_id)
+        if not departures:
+            return []
+        kept = [(at, a) for at, a in departures if at > heartbeat and a.epoch == epoch]
+        if kept:
+            self._departed[worker_id] = kept
+        else:
+            del self._departed[worker_id]
+        return [a for _, a in kept]
 
     def keep_only(self, live_worker_ids: set[str]) -> None:
         """Forget workers that are no longer registered."""
-        for worker_id in [w for w in self._by_worker if w not in live_worker_ids]:
-            del self._by_worker[worker_id]
+        for tracked in (self._by_worker, self._departed):
+            for worker_id in [w for w in tracked if w not in live_worker_ids]:
+                del tracked[worker_id]

@@ -6,13 +6,17 @@ open ones:
 
 - `kv-aware` (the default), in the spirit of Dynamo's KV router: the least
 
-      cost = prefill_weight * prefill_cost + used_blocks
+      cost = prefill_weight * prefill_cost + active_blocks
       prefill_cost = kvstore_block_weight * store_blocks + compute_blocks
 
   where `store_blocks` are the prompt blocks past the worker's own prefix that the kvstore
-  holds (fetched, not computed) and `compute_blocks` the rest the worker must compute.
-  Cache affinity alone would pile every request of a shared prefix onto one worker; load
-  alone would throw the cache away. Ties go to fewer running, then rotate.
+  holds (fetched, not computed), `compute_blocks` the rest the worker must compute, and
+  `active_blocks` the context of every sequence the worker runs or queues, each counted
+  in full: what its decode steps read. (Blocks in use would undercount: a prefix shared by
+  thirty sequences is one set of blocks but thirty reads a step, and a worker serving one
+  hot prefix would look idle.) Cache affinity alone would pile every request of a shared
+  prefix onto one worker; load alone would throw the cache away. Ties go to fewer
+  running, then rotate.
 - `round-robin`: strict rotation over the open workers by id, blind to load and cache.
 - `least-loaded`: fewest running + waiting, then fewest used blocks, then rotate.
 - `random`: uniform among the open workers (seedable).
@@ -53,6 +57,9 @@ class Candidate:
     """Leading prompt blocks the worker already holds in its prefix cache."""
     num_kvstore_prefix_blocks: int = 0
     """Leading prompt blocks a kvstore holds (the most of any kvstore serving its group)."""
+    num_active_blocks: int = 0
+    """Context blocks of the sequences running or queued there, each sequence counted in
+    full (a shared prefix once per sequence)."""
 
     @property
     def prefill_blocks(self) -> int:
@@ -145,8 +152,8 @@ class KVAwarePolicy(RoutingPolicy):
         return self.kvstore_block_weight * candidate.store_blocks + candidate.compute_blocks
 
     def cost(self, candidate: Candidate) -> float:
-        """w * prefill cost + blocks in use by decoding sequences."""
-        return self.prefill_weight * self.prefill_cost(candidate) + candidate.num_used_blocks
+        """w * prefill cost + the context blocks of the sequences already there."""
+        return self.prefill_weight * self.prefill_cost(candidate) + candidate.num_active_blocks
 
     def score(self, candidate: Candidate) -> float:
         return self.cost(candidate)

@@ -211,7 +211,7 @@ class Router:
 
     def release(self, request_id: str, worker_id: str) -> bool:
         """A routed request ended: drop its provisional load now."""
-        released = self.inflight.release(request_id, worker_id)
+        released = self.inflight.release(request_id, worker_id, self._clock_ns())
         if released:
             self.queue.notify()
         return released
@@ -270,11 +270,19 @@ class Router:
         extra = self.inflight.extra_load(record.worker_id, record.epoch,
                                          record.last_heartbeat_unix_ns,
                                          load.num_running + load.num_waiting)
+        # Per sequence, shared prefixes counted in full; a worker that does not report its
+        # active tokens is weighed by its blocks in use.
+        active = (math.ceil(load.num_active_tokens / info.block_size)
+                  if load.num_active_tokens else load.num_used_blocks)
+        free = max(0, load.num_free_blocks - extra.num_blocks)
         return Candidate(
-            worker_id=record.worker_id, num_running=load.num_running + extra.num_sequences,
-            num_waiting=load.num_waiting, num_used_blocks=load.num_used_blocks + extra.num_blocks,
-            num_free_blocks=max(0, load.num_free_blocks - extra.num_blocks),
+            worker_id=record.worker_id,
+            num_running=max(0, load.num_running + extra.num_sequences),
+            num_waiting=load.num_waiting,
+            num_used_blocks=max(0, load.num_used_blocks + extra.num_blocks),
+            num_free_blocks=min(free, load.num_total_blocks) if load.num_total_blocks else free,
             num_total_blocks=load.num_total_blocks, max_running=load.max_running,
+            num_active_blocks=max(0, active + extra.num_active_blocks),
             draining=load.draining, num_prompt_blocks=math.ceil(query.prompt_len / info.block_size),
             num_matched_blocks=group.get(record.worker_id, 0),
             num_kvstore_prefix_blocks=in_kvstore)
@@ -285,10 +293,13 @@ class Router:
         info = record.info
         output_blocks = math.ceil(query.expected_output_tokens * query.num_sequences
                                   / info.block_size)
+        context_blocks = math.ceil((query.prompt_len + query.expected_output_tokens)
+                                   / info.block_size)
         self.inflight.add(Assignment(
             request_id=query.request_id, worker_id=record.worker_id, epoch=record.epoch,
             num_sequences=query.num_sequences, num_blocks=choice.prefill_blocks + output_blocks,
-            routed_unix_ns=self._clock_ns()))
+            routed_unix_ns=self._clock_ns(),
+            num_active_blocks=context_blocks * query.num_sequences))
         return RouteDecision(
             worker_id=record.worker_id, address=info.address, epoch=record.epoch,
             block_size=info.block_size, num_matched_blocks=choice.num_matched_blocks,

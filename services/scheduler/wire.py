@@ -24,7 +24,8 @@ def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
         num_pending_prefill_tokens=msg.num_pending_prefill_tokens,
         num_used_blocks=msg.num_used_blocks, num_free_blocks=msg.num_free_blocks,
         num_total_blocks=msg.num_total_blocks, max_running=msg.max_running,
-        draining=msg.draining, snapshot_unix_ns=msg.snapshot_unix_ns)
+        draining=msg.draining, snapshot_unix_ns=msg.snapshot_unix_ns,
+        num_active_tokens=msg.num_active_tokens)
 
 
 def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
@@ -42,7 +43,8 @@ def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
             num_pending_prefill_tokens=load.num_pending_prefill_tokens,
             num_used_blocks=load.num_used_blocks, num_free_blocks=load.num_free_blocks,
             num_total_blocks=load.num_total_blocks, max_running=load.max_running,
-            draining=load.draining, snapshot_unix_ns=load.snapshot_unix_ns),
+            draining=load.draining, snapshot_unix_ns=load.snapshot_unix_ns,
+            num_active_tokens=load.num_active_tokens),
         last_heartbeat_unix_ns=record.last_heartbeat_unix_ns)
 
 

@@ -369,7 +369,8 @@ class EngineThread:
         self.step_trace.append(StepRecord(
             time.perf_counter(), batch.timing.forward_ns / 1e9, self.load.num_running,
             self.load.num_waiting, self._added_since_step, len(batch.outputs),
-            sum(len(out.new_token_ids) for out in batch.outputs)))
+            sum(len(out.new_token_ids) for out in batch.outputs),
+            self.load.num_pending_prefill_tokens))
         self._added_since_step = 0
 
     def _take_kv_events(self, batch: _StepBatch) -> None:
@@ -381,12 +382,14 @@ class EngineThread:
     def _snapshot(self) -> WorkerLoad:
         scheduler = self.engine.scheduler
         running, waiting = list(scheduler.running), list(scheduler.waiting)
-        pending = sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
-                      for seq in running + waiting)
+        pending = active = 0
+        for seq in running + waiting:
+            pending += max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+            active += seq.num_tokens
         free, total = self.engine.kv.num_free_blocks, self.engine.kv.num_blocks
         return WorkerLoad(
             num_running=len(running), num_waiting=len(waiting),
             num_pending_prefill_tokens=pending, num_used_blocks=total - free,
             num_free_blocks=free, num_total_blocks=total,
             max_running=self.engine.max_num_seqs,
-            snapshot_unix_ns=time.time_ns())
+            snapshot_unix_ns=time.time_ns(), num_active_tokens=active)

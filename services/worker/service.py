@@ -44,7 +44,8 @@ def worker_load_pb(load: WorkerLoad, worker_id: str, epoch: int,
         num_waiting=load.num_waiting, num_pending_prefill_tokens=load.num_pending_prefill_tokens,
         num_used_blocks=load.num_used_blocks, num_free_blocks=load.num_free_blocks,
         num_total_blocks=load.num_total_blocks, max_running=load.max_running,
-        draining=draining, snapshot_unix_ns=load.snapshot_unix_ns)
+        draining=draining, snapshot_unix_ns=load.snapshot_unix_ns,
+        num_active_tokens=load.num_active_tokens)
 
 
 def worker_info_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:

@@ -23,6 +23,8 @@ class StepRecord:
     added: int
     outputs: int
     tokens: int
+    pending_prefill_tokens: int = 0
+    """Prompt tokens still to prefill across running and waiting sequences after it."""
 
 
 def write_step_trace(path: str, records: Sequence[StepRecord]) -> None:

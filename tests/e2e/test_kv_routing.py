@@ -38,7 +38,8 @@ def test_both_policies_run_the_same_requests_into_one_report(tmp_path: Path) -> 
     argv = ["--model", str(model), "--num-prompts", str(PROMPTS), "--concurrency", "3",
             "--prefix-tenants", "2", "--prefix-len", "64", "--prefix-question-len", "8",
             "--output-len", "4", "--num-warmup", "1", "--run-dir", str(tmp_path / "run"),
-            "--startup-timeout-s", "300", "--out", str(out),
+            "--startup-timeout-s", "300", "--metrics-dir", str(tmp_path / "metrics"),
+            "--out", str(out),
             "--", "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256",
             "--stop-grace-s", "5"]
     assert kv_routing.main(argv) == 0
@@ -68,3 +69,12 @@ def test_both_policies_run_the_same_requests_into_one_report(tmp_path: Path) -> 
         "p90_ttft_round_robin_over_kv_aware": rr["p90_ttft_ms"] / kv["p90_ttft_ms"]})
     # Round-robin spreads the 13 requests evenly.
     assert sorted(w["sequences_finished"] for w in rr["per_worker"].values()) == [6, 7]
+    # --metrics-dir: every service's /metrics after each run, per-request TTFTs, gauges.
+    for policy in ("kv-aware", "round-robin"):
+        dumped = tmp_path / "metrics" / policy
+        assert "meshserve_worker_sequences_finished_total" in \
+            (dumped / "worker-0.prom").read_text()
+        assert (dumped / "gateway.prom").is_file() and (dumped / "scheduler.prom").is_file()
+        assert len(json.loads((dumped / "requests.json").read_text())["ttfts"]) == PROMPTS
+        assert isinstance(json.loads((dumped / "gauges.json").read_text()), list)
+        assert report["runs"][policy]["per_worker"]["worker-0"]["kvstore_probes"] >= 0

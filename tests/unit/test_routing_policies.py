@@ -28,10 +28,12 @@ from meshserve.shared.errors import ConfigError
 def worker(worker_id: str, *, matched: int = 0, store: int = 0, prompt: int = 5,
            running: int = 0, waiting: int = 0, used: int = 10, free: int = 90,
            max_running: int = 8, draining: bool = False) -> Candidate:
+    """`used` blocks in use; as many context blocks of its sequences (the kv-aware load)."""
     return Candidate(worker_id=worker_id, num_running=running, num_waiting=waiting,
                      num_used_blocks=used, num_free_blocks=free, num_total_blocks=100,
                      max_running=max_running, draining=draining, num_prompt_blocks=prompt,
-                     num_matched_blocks=matched, num_kvstore_prefix_blocks=store)
+                     num_matched_blocks=matched, num_kvstore_prefix_blocks=store,
+                     num_active_blocks=used)
 
 
 def picks(policy: RoutingPolicy, candidates: list[Candidate], n: int) -> list[str]:

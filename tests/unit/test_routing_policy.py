@@ -12,11 +12,14 @@ from meshserve.shared.errors import ConfigError
 
 def worker(worker_id: str, *, matched: int = 0, prompt: int = 5, running: int = 0,
            waiting: int = 0, used: int = 10, free: int = 90, max_running: int = 8,
-           draining: bool = False) -> Candidate:
+           draining: bool = False, active: int | None = None) -> Candidate:
+    """`used` blocks in use; `active` (default: as many as used) the context blocks of its
+    sequences, each counted in full: what the kv-aware cost weighs."""
     return Candidate(worker_id=worker_id, num_running=running, num_waiting=waiting,
                      num_used_blocks=used, num_free_blocks=free, num_total_blocks=100,
                      max_running=max_running, draining=draining, num_prompt_blocks=prompt,
-                     num_matched_blocks=matched)
+                     num_matched_blocks=matched,
+                     num_active_blocks=used if active is None else active)
 
 
 def test_prefix_affinity_wins_when_load_is_equal() -> None:
@@ -83,3 +86,13 @@ def test_bad_parameters_are_config_errors() -> None:
         KVAwarePolicy(prefill_weight=-1)
     with pytest.raises(ConfigError):
         KVAwarePolicy(max_waiting=-1)
+
+
+def test_a_shared_prefix_counts_once_per_sequence_in_the_load() -> None:
+    # Thirty sequences on one hot 8-block prefix hold 8 + 30 blocks but read 30 * 9 a step:
+    # by blocks in use that worker would look nearly idle and take every new request.
+    policy = KVAwarePolicy(prefill_weight=1.0)
+    hot = worker("a", matched=5, running=30, used=38, active=270)
+    idle = worker("b", matched=0, used=0, active=0)
+    assert (policy.cost(hot), policy.cost(idle)) == (270, 5)
+    assert policy.choose([hot, idle]) is idle
