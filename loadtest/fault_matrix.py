@@ -75,6 +75,9 @@ class DrillResult:
     running_on_killed_worker: int | None
     # Worker drill: kill to the first token after the move, per stream moved (slowest last).
     resume_s: list[float] | None
+    next_chunk_s: list[float] | None
+    """Every stream's first chunk after the kill, in seconds, sorted (inf: none came): the
+    surviving worker's streams show whether the kill (or the restart) stalled it too."""
     first_success_s: float | None
     part_back_s: float | None
     stack_up: bool
@@ -246,10 +249,12 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
         await every_stream
     outcomes = [end.outcome for end in ends]
     resume = None if running is None else _resume_times(ends, killed_at, running)
+    every = _resume_times(ends, killed_at, len(ends)) if part == "worker" else None
     return DrillResult(
         part=part, service=service, streams=streams, completed=outcomes.count("completed"),
         errored=outcomes.count("error"), cut=outcomes.count("cut"), hung=outcomes.count("hung"),
-        running_on_killed_worker=running, resume_s=resume, first_success_s=first_success,
+        running_on_killed_worker=running, resume_s=resume, next_chunk_s=every,
+        first_success_s=first_success,
         part_back_s=part_back, stack_up=stack.running(),
         errors=sorted({str((e.error or {}).get("message") or e.failure) for e in ends
                        if e.error is not None or e.failure is not None}))

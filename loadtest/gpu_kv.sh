@@ -5,8 +5,10 @@
 #     PARTS="transfer load failover" bash loadtest/gpu_kv.sh     # results in $OUT
 #     PARTS="routing" bash loadtest/gpu_kv.sh
 #     PARTS="routing" ROUTING_TAG=_nostore ROUTING_FLAGS=--no-kvstore bash loadtest/gpu_kv.sh
+#     PARTS="routing" ROUTING_TAG=_rate30 \
+#         ROUTING_ARGS="--concurrency 0 --request-rate 30" bash loadtest/gpu_kv.sh
 #
-# ROUTING_ARGS go to kv_routing.py (e.g. "--prefix-tenants 128"), ROUTING_FLAGS to the
+# ROUTING_ARGS go to kv_routing.py (e.g. "--policies kv-aware@64,round-robin"), ROUTING_FLAGS to the
 # launcher; every service's /metrics after each run lands in $OUT/routing<tag>_metrics/.
 #
 # Parts (each a step under `timeout`, its output in $OUT/<part>.log and .json):
@@ -81,11 +83,14 @@ if want failover; then
     --out "$OUT/failover.json"
 fi
 if want routing; then
-  # Two workers share the GPU (--device cuda: the launcher gives each 0.45 of it); 96
-  # tenants of 2048 tokens (196k tokens) are more than one worker's cache holds.
-  step "routing${ROUTING_TAG:-}" "${ROUTING_LIMIT_S:-480}" python3 loadtest/kv_routing.py \
-    --model "$MESH_MODEL" --num-prompts "${ROUTING_PROMPTS:-800}" --concurrency 64 \
-    --prefix-tenants 96 --prefix-len 2048 --output-len 64 \
+  # Two workers share the GPU (--device cuda: the launcher gives each 0.45 of it, 9192
+  # blocks, 147k tokens); 128 tenants of 2048 tokens (262k tokens) are more than one
+  # worker's cache holds and less than both do. 512 untimed requests first: the caches of a
+  # server that has been up, not a cold start.
+  step "routing${ROUTING_TAG:-}" "${ROUTING_LIMIT_S:-580}" python3 loadtest/kv_routing.py \
+    --model "$MESH_MODEL" --num-prompts "${ROUTING_PROMPTS:-2000}" --concurrency 64 \
+    --prefix-tenants 128 --prefix-zipf-s 0.6 --prefix-len 2048 --output-len 64 \
+    --warm-requests 512 \
     --metrics-dir "$OUT/routing${ROUTING_TAG:-}_metrics" ${ROUTING_ARGS:-} \
     --out "$OUT/routing${ROUTING_TAG:-}.json" -- --load-format dummy --device cuda \
     --max-model-len 4096 --kvstore-capacity-bytes $((32 << 30)) ${ROUTING_FLAGS:-}

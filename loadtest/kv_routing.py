@@ -11,7 +11,9 @@ each worker: `--load-format dummy`, `--device cuda:0 --gpu-memory-utilization 0.
 workers on one GPU, `--no-kvstore`, `--num-kv-blocks N`, ...). Then the serving benchmark's
 own code (`build_workload`, `run_benchmark`) sends the same prefix-heavy requests (one seed:
 the same token prompts in the same order) at `--concurrency` or `--request-rate`, greedy with
-`ignore_eos`. A fresh stack per policy: both start with cold caches.
+`ignore_eos`. A fresh stack per policy: both start with cold caches. A policy may carry
+the kv-aware prefill weight as `kv-aware@W` (the scheduler's MESHSERVE_PREFILL_WEIGHT for
+that run), so several weights run against one round-robin baseline.
 
 The report holds each run's figures (the bench's result without its per-request arrays:
 output tok/s, TTFT p50/p90/p99, cached prompt tokens and their fraction, ...), what each worker
@@ -81,6 +83,11 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-warmup", type=int, default=2)
+    parser.add_argument("--warm-requests", type=int, default=0,
+                        help="K more prefix-heavy requests, drawn first and sent untimed "
+                        "before the timed ones (the caches of a server that has been up), "
+                        "at most --warm-concurrency at a time")
+    parser.add_argument("--warm-concurrency", type=int, default=64)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--run-dir", type=Path, default=None,
@@ -93,15 +100,28 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_args(argv[:split]), argv[split + 1:]
 
 
-def launcher_config(args: argparse.Namespace, policy: str, extra: Sequence[str]
+def split_policy(spec: str) -> tuple[str, dict[str, str]]:
+    """`kv-aware@4` -> ("kv-aware", {"MESHSERVE_PREFILL_WEIGHT": "4"}); a bare name: no env."""
+    policy, _, weight = spec.partition("@")
+    if not weight:
+        return policy, {}
+    try:
+        float(weight)
+    except ValueError:
+        raise ConfigError(f"the prefill weight of {spec!r} is not a number",
+                          param="policies") from None
+    return policy, {"MESHSERVE_PREFILL_WEIGHT": weight}
+
+
+def launcher_config(args: argparse.Namespace, spec: str, extra: Sequence[str]
                     ) -> LauncherConfig:
     """`meshserve up --routing POLICY ...` for one run (flags after `--` last, so they win)."""
     flags = ["--workers", str(args.workers), "--port", "0", "--served-model-name", MODEL_NAME,
-             "--routing", policy, "--startup-timeout-s", str(args.startup_timeout_s)]
+             "--routing", split_policy(spec)[0], "--startup-timeout-s", str(args.startup_timeout_s)]
     if args.model is not None:
         flags += ["--model", args.model]
     if args.run_dir is not None:
-        flags += ["--run-dir", str(args.run_dir / policy)]
+        flags += ["--run-dir", str(args.run_dir / spec)]
     return LauncherConfig.from_args([*flags, *extra], strict_env=False, prog="meshserve up")
 
 
@@ -113,12 +133,20 @@ def serve_config(args: argparse.Namespace, launcher: LauncherConfig) -> ServeCon
     return ServeConfig(
         model=MODEL_NAME, dataset="prefix-heavy", prompt_format="token-ids",
         vocab_size=facts.vocabulary.size, special_ids=tuple(sorted(facts.vocabulary.special_ids)),
-        max_model_len=max_model_len, num_prompts=args.num_prompts,
+        max_model_len=max_model_len, num_prompts=args.num_prompts + args.warm_requests,
         prefix_tenants=args.prefix_tenants, prefix_len=args.prefix_len,
         prefix_zipf_s=args.prefix_zipf_s, prefix_question_len=args.prefix_question_len,
         random_output_len=args.output_len, seed=args.seed, request_rate=args.request_rate,
         max_concurrency=args.concurrency or None, ignore_eos=True, temperature=0.0,
         num_warmup=args.num_warmup, timeout_s=args.timeout_s, progress=args.progress)
+
+
+def split_warm(workload: Workload, count: int) -> tuple[Workload, Workload | None]:
+    """(the timed run: all but the first `count` requests; the warm pass: those, or None)."""
+    if count <= 0:
+        return workload, None
+    return (dataclasses.replace(workload, requests=workload.requests[count:]),
+            Workload(workload.requests[:count], [], workload.vocabulary))
 
 
 def worker_counters(stack: Stack, dump_dir: Path | None = None
@@ -196,11 +224,17 @@ def run_policy(args: argparse.Namespace, policy: str, extra: Sequence[str],
     launcher = launcher_config(args, policy, extra)
     config = serve_config(args, launcher)
     workload = workload or build_workload(config)
+    timed, warm = split_warm(workload, args.warm_requests)
     say = (lambda line: print(f"[{policy}] {line}", file=sys.stderr, flush=True))
-    with start_stack(launcher, say=say) as stack:
+    environ = {**os.environ, **split_policy(policy)[1]}
+    with start_stack(launcher, environ=environ, say=say) as stack:
         config = dataclasses.replace(config, base_url=stack.gateway_url)
+        if warm is not None:  # closed loop, figures dropped: only the caches it leaves count
+            asyncio.run(run_benchmark(dataclasses.replace(
+                config, request_rate=math.inf, max_concurrency=args.warm_concurrency,
+                progress=False), warm))
         with GaugeSampler(stack) as sampler:
-            (result,) = asyncio.run(run_benchmark(config, workload))
+            (result,) = asyncio.run(run_benchmark(config, timed))
         dump_dir = None if args.metrics_dir is None else args.metrics_dir / policy
         per_worker = worker_counters(stack, dump_dir)
     if dump_dir is not None:  # per request, in the workload's order; gauges over time
@@ -215,17 +249,24 @@ def run_policy(args: argparse.Namespace, policy: str, extra: Sequence[str],
 
 
 def ratios(runs: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """kv-aware over round-robin output throughput, round-robin over kv-aware p90 TTFT."""
-    kv, rr = runs.get("kv-aware"), runs.get("round-robin")
-    if kv is None or rr is None:
+    """Each kv-aware run over round-robin: output throughput, and round-robin's p90 TTFT
+    over its (`kv_aware` in the key; `kv_aware@4` for a run with prefill weight 4)."""
+    rr = runs.get("round-robin")
+    if rr is None:
         return {}
 
     def over(a: float, b: float) -> float | None:
         return a / b if b else None
 
-    return {"output_throughput_kv_aware_over_round_robin":
-            over(kv["output_throughput"], rr["output_throughput"]),
-            "p90_ttft_round_robin_over_kv_aware": over(rr["p90_ttft_ms"], kv["p90_ttft_ms"])}
+    found: dict[str, float | None] = {}
+    for spec, kv in runs.items():
+        if split_policy(spec)[0] != "kv-aware":
+            continue
+        name = spec.replace("-", "_")
+        found[f"output_throughput_{name}_over_round_robin"] = over(
+            kv["output_throughput"], rr["output_throughput"])
+        found[f"p90_ttft_round_robin_over_{name}"] = over(rr["p90_ttft_ms"], kv["p90_ttft_ms"])
+    return found
 
 
 def versions() -> dict[str, Any]:
@@ -287,7 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "prefix_tenants": args.prefix_tenants, "prefix_len": args.prefix_len,
                      "prefix_zipf_s": args.prefix_zipf_s,
                      "prefix_question_len": args.prefix_question_len,
-                     "output_len": args.output_len, "num_warmup": args.num_warmup},
+                     "output_len": args.output_len, "num_warmup": args.num_warmup,
+                     "warm_requests": args.warm_requests},
         "versions": versions(), "runs": runs, "ratios": ratios(runs)}
     print(table(runs))
     for name, value in report["ratios"].items():

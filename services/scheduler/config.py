@@ -28,8 +28,9 @@ class SchedulerConfig(ServiceConfig):
     routing: Literal["kv-aware", "round-robin", "least-loaded", "random"] = option(
         "kv-aware", "how a worker is picked: kv-aware (prefix blocks held against load), "
         "round-robin, least-loaded or random")
-    prefill_weight: float = option(1.0, "weight of blocks to prefill against blocks in use by "
-                                        "decoding, in the routing cost")
+    prefill_weight: float = option(32.0, "weight of a prompt block to prefill against a context "
+                                         "block of a sequence already on the worker, in the "
+                                         "kv-aware routing cost")
     kvstore_block_weight: float = option(0.25, "cost of a prompt block the kvstore holds, as a "
                                                "fraction of one to compute, in the kv-aware "
                                                "routing cost")

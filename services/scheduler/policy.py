@@ -135,7 +135,7 @@ class KVAwarePolicy(RoutingPolicy):
 
     name = "kv-aware"
 
-    def __init__(self, prefill_weight: float = 1.0, max_waiting: int = 0,
+    def __init__(self, prefill_weight: float = 32.0, max_waiting: int = 0,
                  kvstore_block_weight: float = 0.25) -> None:
         super().__init__(max_waiting)
         if prefill_weight < 0:

@@ -57,11 +57,12 @@ async def start_scheduler(redis_url: str, redis_client: aioredis.Redis
     prompt's 4 full blocks on its device); stops it afterwards."""
     started: list[tuple[SchedulerService, Any]] = []
 
-    async def start(routing: str) -> Scheduler:
+    async def start(routing: str, prefill_weight: float = 1.0) -> Scheduler:
         spans = InMemorySpanExporter()
         telemetry = Telemetry("scheduler", span_exporter=spans)
+        # Weight 1 (not the default 32) keeps the costs below small, countable numbers.
         config = SchedulerConfig(port=0, block_size=BLOCK, drain_grace_s=0, heartbeat_ttl_s=10,
-                                 routing=routing)
+                                 routing=routing, prefill_weight=prefill_weight)
         service = await SchedulerService.start(config, redis_url, telemetry)
         channel = GrpcClient().channel(f"127.0.0.1:{service.port}")
         started.append((service, channel))

@@ -18,6 +18,7 @@ from tiny_models import build_tiny_model
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "loadtest" / "kv_routing.py"
 PROMPTS = 12
+WARM = 4  # untimed requests before the timed ones
 
 
 def _load_driver():
@@ -39,17 +40,18 @@ def test_both_policies_run_the_same_requests_into_one_report(tmp_path: Path) -> 
             "--prefix-tenants", "2", "--prefix-len", "64", "--prefix-question-len", "8",
             "--output-len", "4", "--num-warmup", "1", "--run-dir", str(tmp_path / "run"),
             "--startup-timeout-s", "300", "--metrics-dir", str(tmp_path / "metrics"),
-            "--out", str(out),
+            "--policies", "kv-aware@2,round-robin", "--warm-requests", str(WARM),
+            "--warm-concurrency", "2", "--out", str(out),
             "--", "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256",
             "--stop-grace-s", "5"]
     assert kv_routing.main(argv) == 0
     report = json.loads(out.read_text())
-    assert list(report["runs"]) == ["kv-aware", "round-robin"]
+    assert list(report["runs"]) == ["kv-aware@2", "round-robin"]
     assert report["command"].endswith(" ".join(argv))
     assert report["versions"]["torch"] and report["versions"]["gpu"] is None
     assert report["launcher_flags"] == argv[argv.index("--") + 1:]
-    for policy, run in report["runs"].items():
-        assert (run["routing"], run["launcher"]["routing"]) == (policy, policy)
+    for spec, run in report["runs"].items():
+        assert (run["routing"], run["launcher"]["routing"]) == (spec, spec.split("@")[0])
         assert (run["completed"], run["failed"]) == (PROMPTS, 0)
         assert run["total_input_tokens"] == PROMPTS * 72
         assert run["total_output_tokens"] == PROMPTS * 4
@@ -58,19 +60,21 @@ def test_both_policies_run_the_same_requests_into_one_report(tmp_path: Path) -> 
         assert run["total_cached_tokens"] > 0
         assert run["cached_token_fraction"] == pytest.approx(
             run["total_cached_tokens"] / run["total_input_tokens"])
-        # Every request (and the one warm-up) finished on one of the two workers.
+        # Every request (the warm pass, the one warm-up, the timed ones) finished on one
+        # of the two workers; the figures count the timed ones only.
         workers = run["per_worker"]
         assert set(workers) == {"worker-0", "worker-1"}
-        assert sum(w["sequences_finished"] for w in workers.values()) == PROMPTS + 1
-    kv, rr = report["runs"]["kv-aware"], report["runs"]["round-robin"]
+        assert sum(w["sequences_finished"] for w in workers.values()) == WARM + 1 + PROMPTS
+    kv, rr = report["runs"]["kv-aware@2"], report["runs"]["round-robin"]
     assert report["ratios"] == pytest.approx({
-        "output_throughput_kv_aware_over_round_robin":
+        "output_throughput_kv_aware@2_over_round_robin":
             kv["output_throughput"] / rr["output_throughput"],
-        "p90_ttft_round_robin_over_kv_aware": rr["p90_ttft_ms"] / kv["p90_ttft_ms"]})
-    # Round-robin spreads the 13 requests evenly.
-    assert sorted(w["sequences_finished"] for w in rr["per_worker"].values()) == [6, 7]
+        "p90_ttft_round_robin_over_kv_aware@2": rr["p90_ttft_ms"] / kv["p90_ttft_ms"]})
+    assert report["workload"]["warm_requests"] == WARM
+    # Round-robin spreads the 17 requests evenly.
+    assert sorted(w["sequences_finished"] for w in rr["per_worker"].values()) == [8, 9]
     # --metrics-dir: every service's /metrics after each run, per-request TTFTs, gauges.
-    for policy in ("kv-aware", "round-robin"):
+    for policy in ("kv-aware@2", "round-robin"):
         dumped = tmp_path / "metrics" / policy
         assert "meshserve_worker_sequences_finished_total" in \
             (dumped / "worker-0.prom").read_text()

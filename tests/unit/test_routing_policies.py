@@ -103,7 +103,7 @@ def test_random_is_repeatable_with_a_seed() -> None:
 # kv-aware
 
 def test_kv_aware_prefers_the_device_holder_then_a_kvstore_prefix() -> None:
-    policy = KVAwarePolicy()
+    policy = KVAwarePolicy(prefill_weight=1.0)
     device = worker("a", matched=3, store=3)  # 2 to compute: cost 2 + 10
     store = worker("b", matched=0, store=3)  # 3 fetched (0.75) + 2 computed: 12.75
     nothing = worker("c", matched=0, store=0)  # 5 to compute: 15
@@ -118,8 +118,8 @@ def test_kv_aware_kvstore_weight_math() -> None:
     c = worker("a", matched=2, store=4, used=10)
     assert (c.prefill_blocks, c.store_blocks, c.compute_blocks) == (3, 2, 1)
     assert KVAwarePolicy(prefill_weight=2.0).cost(c) == 2.0 * (2 * 0.25 + 1) + 10
-    assert KVAwarePolicy(kvstore_block_weight=0.0).cost(c) == 1 + 10
-    assert KVAwarePolicy(kvstore_block_weight=1.0).cost(c) == 3 + 10  # as if computed
+    assert KVAwarePolicy(kvstore_block_weight=0.0).cost(c) == 32 * 1 + 10  # default w 32
+    assert KVAwarePolicy(kvstore_block_weight=1.0).cost(c) == 32 * 3 + 10  # as if computed
     # A kvstore prefix shorter than the device's adds nothing.
     short = worker("a", matched=4, store=2)
     assert (short.store_blocks, short.compute_blocks) == (0, 1)
