@@ -273,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="of the GPU, split between the two workers when they share one")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="keep the services' logs there (default: a temporary folder)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -280,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                             device=args.device, dtype=args.dtype, load_format=args.load_format,
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             max_model_len=args.max_model_len, startup_timeout_s=600,
-                            stop_grace_s=10)
+                            stop_grace_s=10,
+                            run_dir=None if args.run_dir is None else str(args.run_dir))
     results = []
     with start_stack(config, say=lambda line: print(line, file=sys.stderr, flush=True)) as stack:
         for part in args.parts.split(","):

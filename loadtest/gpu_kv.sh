@@ -80,6 +80,7 @@ fi
 if want failover; then
   step failover 240 python3 loadtest/fault_matrix.py --model "$MESH_MODEL" --device cuda \
     --load-format dummy --max-model-len 4096 --parts worker --streams 20 --max-tokens 512 \
+    ${FAILOVER_ARGS:-} \
     --out "$OUT/failover.json"
 fi
 if want routing; then

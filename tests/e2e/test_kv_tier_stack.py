@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +54,20 @@ def per_service(stack: Stack, role: str, name: str) -> dict[str, float]:
     return {s.name: metric(s.metrics_url, name) for s in stack.services if s.role == role}
 
 
+def wait_saved(stack: Stack, before: dict[str, float], blocks: int,
+               timeout_s: float = 60.0) -> dict[str, float]:
+    """The workers' saved-block counters once one of them has saved `blocks` more than
+    `before` (workers save after the response, on their transfer threads: there is no
+    event to wait on but the counters)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = per_service(stack, "worker", "meshserve_worker_kvstore_saved_blocks_total")
+        if any(now[w] - before[w] >= blocks for w in now):
+            return now
+        assert time.monotonic() < deadline, f"saves never arrived: {before} -> {now}"
+        time.sleep(0.05)  # polling the counters, which change on their own
+
+
 def complete(client: openai.OpenAI, prompt: list[int], max_tokens: int = 12
              ) -> tuple[str, int]:
     """Greedy completion of a token prompt: its text and its cached prompt tokens."""
@@ -79,7 +94,8 @@ def test_a_prompt_evicted_on_one_worker_is_loaded_from_the_store_by_the_other(
         saved = per_service(stack, "worker", "meshserve_worker_kvstore_saved_blocks_total")
         computed, cached = complete(client, target)
         assert cached == 0
-        after = per_service(stack, "worker", "meshserve_worker_kvstore_saved_blocks_total")
+        # The target's full prompt blocks reach the store after the response: wait for them.
+        after = wait_saved(stack, saved, (len(target) - 1) // BLOCK)
         (computer,) = [w for w in after if after[w] > saved[w]]
         # Round-robin: fillers alternate, and an even number of them sends the target
         # to the other worker; each worker computes 8 x 11 blocks of fillers, which evicts
