@@ -71,12 +71,35 @@ def kv_namespace(model_name: str, engine: LLMEngine) -> str:
     return f"{model_name}@{str(engine.dtype).removeprefix('torch.')}"
 
 
-async def warm_up(thread: EngineThread) -> None:
-    """Run one tiny request through the engine thread (first forward, allocations)."""
-    started = time.monotonic()
-    stream = thread.submit("warmup", [[0]], SamplingParams(temperature=0.0, max_tokens=2))
+# On a GPU, prompt lengths for the warm-up's batch: several prompts in one step take the
+# paged prefill kernels, and these lengths cover the Triton specializations (short and long
+# prompts, multiples of 16 and others) that the first user requests would otherwise compile.
+_WARM_BATCH_LENGTHS = (10, 16, 17, 40, 64, 300, 2100)
+_WARM_PREFIX_TAIL = 11  # then one prompt past a cached prefix: the cached-context kernels
+
+
+async def _run(thread: EngineThread, request_id: str, prompts: list[list[int]]) -> None:
+    stream = thread.submit(request_id, prompts, SamplingParams(temperature=0.0, max_tokens=2))
     while await stream.next() is not None:
         pass
+
+
+async def warm_up(thread: EngineThread) -> None:
+    """Run requests through the engine thread before serving: the first forward and
+    allocations; on a GPU also the kernels a first batch of prompts, and a prompt past a
+    cached prefix, would compile (about a second each on a fresh machine, measured on an
+    H100; loadtest/first_prefill_probe.py), so that no user request pays for them."""
+    started = time.monotonic()
+    await _run(thread, "warmup", [[0]])
+    engine = thread.engine
+    if engine.device.type == "cuda":
+        longest = engine.max_model_len - 2  # room for the two output tokens
+        batch = [[(7 * i + j) % 97 + 1 for j in range(min(n, longest))]
+                 for i, n in enumerate(_WARM_BATCH_LENGTHS)]
+        await _run(thread, "warmup-batch", batch)
+        prefix = batch[_WARM_BATCH_LENGTHS.index(64)]
+        await _run(thread, "warmup-prefix",
+                   [(prefix + [j % 97 + 1 for j in range(_WARM_PREFIX_TAIL)])[:longest]])
     _log.info("engine warm", extra={"seconds": round(time.monotonic() - started, 3)})
 
 
