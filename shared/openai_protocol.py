@@ -3,8 +3,10 @@
 Parsing turns a decoded JSON body of `/v1/completions` or
 `/v1/chat/completions` into a frozen request object holding validated
 `SamplingParams`; a wrong type or value raises `InvalidRequestError` naming
-the parameter. Unknown top-level keys are ignored (clients send extras), but
-a known key with a wrong type is always an error. Building turns generated
+the parameter. A field of the OpenAI or vLLM schemas that meshserve does not
+implement is refused with a 400 naming it (`UNSUPPORTED_FIELDS`), never silently
+ignored; keys outside both schemas are ignored (clients send extras), and a known key
+with a wrong type is always an error. Building turns generated
 text, token logprobs and counts into OpenAI-shaped dicts (complete objects and
 streaming chunks); `dumps`/`sse` serialise them with orjson.
 """
@@ -65,6 +67,78 @@ def dumps(obj: object) -> bytes:
 def sse(obj: object) -> bytes:
     """One server-sent event carrying `obj`; end a stream with `SSE_DONE`."""
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+# -- fields meshserve does not implement -----------------------------------------------------
+
+_STRUCTURED = "structured outputs are not implemented"
+# Fields of the OpenAI and vLLM request schemas that meshserve does not implement: each
+# is refused with a 400 naming it, unless its value is absent, null or one of the values
+# listed (those that ask for nothing, such as vLLM's defaults). Nothing is silently ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
+    "structured_outputs": ((), _STRUCTURED),
+    "guided_json": ((), _STRUCTURED),
+    "guided_regex": ((), _STRUCTURED),
+    "guided_choice": ((), _STRUCTURED),
+    "guided_grammar": ((), _STRUCTURED),
+    "guided_decoding_backend": ((), _STRUCTURED),
+    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "bad_words": (([],), "bad_words is not implemented"),
+    "allowed_token_ids": ((), "allowed_token_ids is not implemented"),
+    "logits_processors": ((), "logits processors are not supported"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not implemented"),
+    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not implemented"),
+    "return_token_ids": ((False,), "return_token_ids is not implemented"),
+    "prompt_logprobs": ((), ("prompt logprobs are not returned as a field; with /v1/completions "
+                            "use echo with logprobs")),
+    "vllm_xargs": (({},), "vllm_xargs is not supported"),
+    "kv_transfer_params": ((), "KV transfer parameters are not supported"),
+    "mm_processor_kwargs": ((), "multimodal inputs are not supported"),
+    "use_beam_search": ((False,), "beam search is not implemented"),
+    "length_penalty": ((1, 1.0), ("length_penalty applies to beam search, which is not "
+                                 "implemented")),
+    "request_id": ((), "a request id in the body is not supported"),
+}
+_UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
+    "chat_template": ((), ("a per-request chat template is not supported; the model's own is "
+                          "used")),
+    "documents": ((), "documents are not supported"),
+    "include_reasoning": ((True,), "reasoning parsing is not implemented"),
+    "reasoning_effort": ((), "reasoning_effort is not supported"),
+    "parallel_tool_calls": ((), "tool calls are not parsed from the output"),
+    "functions": ((), "'functions' is not supported; tools reach the chat template"),
+    "function_call": ((), "'function_call' is not supported"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only the text modality is supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    "store": ((False,), "stored completions are not supported"),
+    "metadata": (({},), ("metadata is kept only with stored completions, which are not "
+                        "supported")),
+    "service_tier": (("auto", "default"), "service tiers are not supported"),
+    "verbosity": ((), "verbosity is not supported"),
+    "moderation": ((), "moderation is not supported"),
+    "prompt_cache_key": ((), ("prompt cache keys are not supported (prefix caching is "
+                             "automatic)")),
+    "prompt_cache_options": ((), "prompt cache options are not supported"),
+    "prompt_cache_retention": ((), "prompt cache retention is not supported"),
+}
+UNSUPPORTED_CHAT_FIELDS = {**UNSUPPORTED_FIELDS, **_UNSUPPORTED_CHAT_FIELDS}
+UNSUPPORTED_COMPLETION_FIELDS = {
+    **UNSUPPORTED_FIELDS,
+    "response_format": (({"type": "text"},), ("response_format on /v1/completions is not "
+                                             "implemented")),
+}
+
+
+def _refuse_unsupported(body: Mapping[str, Any],
+                        table: Mapping[str, tuple[tuple[object, ...], str]]) -> None:
+    """InvalidRequestError naming the first field of `table` asking for something."""
+    for name, (harmless, reason) in table.items():
+        value = body.get(name)
+        if value is None or any(value == ok and type(value) is type(ok) for ok in harmless):
+            continue
+        raise _bad(f"'{name}' is not supported: {reason}", name)
 
 
 # -- reading a body -------------------------------------------------------------------------
@@ -220,7 +294,8 @@ def _options(fields: _Fields) -> RequestOptions:
         model=fields.str_("model"), stream=stream,
         include_usage=bool(opts.bool_("include_usage")),
         continuous_usage_stats=bool(opts.bool_("continuous_usage_stats")),
-        priority=fields.int_("priority") or 0, cache_salt=cache_salt, user=fields.str_("user"))
+        priority=fields.int_("priority") or 0, cache_salt=cache_salt,
+        user=fields.str_("user") or fields.str_("safety_identifier"))
 
 
 # -- /v1/completions ------------------------------------------------------------------------
@@ -256,6 +331,7 @@ def _prompts(value: object) -> tuple[Prompt, ...]:
 def parse_completion_request(body: object) -> CompletionRequest:
     """Validate a /v1/completions body."""
     fields = _Fields(body)
+    _refuse_unsupported(fields.body, UNSUPPORTED_COMPLETION_FIELDS)
     if "prompt" not in fields.body:
         raise _bad("'prompt' is required", "prompt")
     prompts = _prompts(fields.raw("prompt"))
@@ -338,6 +414,7 @@ def _chat_sampling(fields: _Fields) -> SamplingParams:
 def parse_chat_request(body: object) -> ChatCompletionRequest:
     """Validate a /v1/chat/completions body."""
     fields = _Fields(body)
+    _refuse_unsupported(fields.body, UNSUPPORTED_CHAT_FIELDS)
     messages = fields.list_("messages")
     if not messages or not all(isinstance(m, dict) for m in messages):
         raise _bad("'messages' must be a non-empty array of message objects", "messages")

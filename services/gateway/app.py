@@ -46,6 +46,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     app.router.add_post(COMPLETIONS_URL, generation.completions)
     app.router.add_post(CHAT_COMPLETIONS_URL, generation.chat_completions)
     app.router.add_get("/v1/models", service.models)
+    app.router.add_get("/v1/models/{model:.+}", service.model)  # ids may hold slashes
     app.router.add_post("/tokenize", service.tokenize)
     app.router.add_post("/detokenize", service.detokenize)
     app.router.add_get("/health", service.health)

@@ -225,6 +225,8 @@ def _annotate_request(job: GenerationJob) -> None:
         attributes["gen_ai.request.max_tokens"] = max_tokens
     if params.seed is not None and params.seed < 2**63:  # span attributes are int64
         attributes["gen_ai.request.seed"] = params.seed
+    if job.options.user:  # `user` (or `safety_identifier`): who the end user is, traced
+        attributes["meshserve.request.user"] = job.options.user
     trace.get_current_span().set_attributes(attributes)
 
 

@@ -52,14 +52,20 @@ class ServiceHandlers:
     def _deadline(self) -> float:
         return asyncio.get_running_loop().time() + self._config.request_timeout_s
 
+    async def _model_card(self, name: str) -> dict[str, object]:
+        return {"id": name, "object": "model", "created": self._created,
+                "owned_by": "meshserve", "root": name, "parent": None,
+                "max_model_len": await self._clients.max_model_len(name)}
+
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the served model names, with their context length when known."""
-        data = []
-        for name in await self._orch.model_names():
-            data.append({"id": name, "object": "model", "created": self._created,
-                         "owned_by": "meshserve", "root": name, "parent": None,
-                         "max_model_len": await self._clients.max_model_len(name)})
+        data = [await self._model_card(name) for name in await self._orch.model_names()]
         return json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: one served model (404 naming it when not served)."""
+        name = await self._orch.resolve_model(request.match_info["model"])
+        return json_response(await self._model_card(name))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize: {"prompt"} or {"messages", ...} -> {count, max_model_len, tokens}."""

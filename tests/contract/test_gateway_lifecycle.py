@@ -74,7 +74,8 @@ async def test_metrics_expose_counts_and_histograms(mesh: Mesh) -> None:
 
 async def test_trace_context_reaches_every_service(mesh: Mesh) -> None:
     traceparent = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
-    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+            "safety_identifier": "end-user-7"}
     async with aiohttp.ClientSession(mesh.base_url) as http, \
             http.post("/v1/chat/completions", headers={"traceparent": traceparent},
                       json=body) as resp:
@@ -92,6 +93,7 @@ async def test_trace_context_reaches_every_service(mesh: Mesh) -> None:
     attributes = http_span.attributes or {}
     assert attributes["gen_ai.request.model"] == MODEL
     assert attributes["gen_ai.request.max_tokens"] == 5
+    assert attributes["meshserve.request.user"] == "end-user-7"
     assert attributes["gen_ai.usage.input_tokens"] == len(b"<user>hi\n<assistant>")
     assert attributes["gen_ai.usage.output_tokens"] == 5
     assert tuple(attributes["gen_ai.response.finish_reasons"]) == ("length",)

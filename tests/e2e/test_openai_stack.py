@@ -84,6 +84,28 @@ def batch_reference(model_dir: Path, tmp_path: Path, bodies: list[tuple[str, dic
 def test_the_stack_names_the_model_clients_use(stack, client) -> None:
     assert stack.model_names() == [MODEL]
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such/model")
+    assert missing.value.body["param"] == "model"  # type: ignore[index]
+
+
+def test_a_field_meshserve_does_not_implement_is_refused_by_name(client) -> None:
+    for field, value in (("structured_outputs", {"choice": ["yes", "no"]}),
+                         ("guided_regex", "[0-9]+"), ("bad_words", ["fox"])):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL, prompt="Say", max_tokens=2,
+                                      extra_body={field: value})
+        assert refused.value.body["param"] == field  # type: ignore[index]
+        assert "not supported" in refused.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, max_tokens=2, store=True,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.body["param"] == "store"  # type: ignore[index]
+    # The value that asks for nothing (vLLM's default) is accepted.
+    ok = client.chat.completions.create(model=MODEL, max_tokens=2, store=False,
+                                        messages=[{"role": "user", "content": "hi"}])
+    assert ok.usage is not None and ok.usage.completion_tokens == 2
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
