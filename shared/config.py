@@ -117,10 +117,15 @@ def check_value(value: Any, tp: Any) -> Any:
 
 
 class _RaisingParser(argparse.ArgumentParser):
-    """An ArgumentParser that raises ConfigError instead of exiting on bad input."""
+    """An ArgumentParser that raises ConfigError instead of exiting on bad input (the
+    message without the program's name: whoever prints it says which program it is), and
+    never reads an abbreviation as a longer flag (`--tokenizer` is not `--tokenizers`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(f"{self.prog}: {message}", param="argv")
+        raise ConfigError(message, param="argv")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

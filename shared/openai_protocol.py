@@ -86,7 +86,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "bad_words": (([],), "bad_words is not implemented"),
     "allowed_token_ids": ((), "allowed_token_ids is not implemented"),
     "logits_processors": ((), "logits processors are not supported"),
-    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not implemented"),
     "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not implemented"),
     "return_token_ids": ((False,), "return_token_ids is not implemented"),
     "prompt_logprobs": ((), ("prompt logprobs are not returned as a field; with /v1/completions "
@@ -100,8 +99,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "request_id": ((), "a request id in the body is not supported"),
 }
 _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
-    "chat_template": ((), ("a per-request chat template is not supported; the model's own is "
-                          "used")),
     "documents": ((), "documents are not supported"),
     "include_reasoning": ((True,), "reasoning parsing is not implemented"),
     "reasoning_effort": ((), "reasoning_effort is not supported"),
@@ -279,6 +276,8 @@ class RequestOptions:
     priority: int = 0
     cache_salt: str | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last N tokens (vLLM's field); -1: the model's context length."""
 
 
 def _options(fields: _Fields) -> RequestOptions:
@@ -295,7 +294,16 @@ def _options(fields: _Fields) -> RequestOptions:
         include_usage=bool(opts.bool_("include_usage")),
         continuous_usage_stats=bool(opts.bool_("continuous_usage_stats")),
         priority=fields.int_("priority") or 0, cache_salt=cache_salt,
-        user=fields.str_("user") or fields.str_("safety_identifier"))
+        user=fields.str_("user") or fields.str_("safety_identifier"),
+        truncate_prompt_tokens=_truncate(fields))
+
+
+def _truncate(fields: _Fields) -> int | None:
+    keep = fields.int_("truncate_prompt_tokens")
+    if keep is not None and keep < 1 and keep != -1:
+        raise _bad("'truncate_prompt_tokens' must be a positive number of tokens, or -1 for "
+                   f"the model's context length; got {keep}", "truncate_prompt_tokens")
+    return keep
 
 
 # -- /v1/completions ------------------------------------------------------------------------
@@ -369,6 +377,8 @@ class ChatCompletionRequest:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    chat_template: str | None = None
+    """A Jinja chat template for this request instead of the model's (vLLM's field)."""
 
 
 def _tools(fields: _Fields) -> tuple[dict[str, Any], ...] | None:
@@ -430,7 +440,8 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
     add_special = fields.bool_("add_special_tokens")
     return ChatCompletionRequest(
         tuple(messages), params, _options(fields), _tools(fields), add_generation_prompt,
-        continue_final, fields.obj("chat_template_kwargs"), bool(add_special))
+        continue_final, fields.obj("chat_template_kwargs"), bool(add_special),
+        fields.str_("chat_template"))
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
         middleware.errors(config.retry_after_s),
         middleware.auth(config.api_key),
     ])
+    app.on_response_prepare.append(middleware.echo_request_id)
     app.router.add_post(COMPLETIONS_URL, generation.completions)
     app.router.add_post(CHAT_COMPLETIONS_URL, generation.chat_completions)
     app.router.add_get("/v1/models", service.models)

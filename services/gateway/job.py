@@ -31,6 +31,7 @@ class ChatPrompt:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # this request's own template (None: the model's)
 
 
 PromptInput = str | tuple[int, ...] | ChatPrompt
@@ -75,7 +76,8 @@ class GenerationJob:
                  deadline: float) -> GenerationJob:
         """A /v1/chat/completions job."""
         prompt = ChatPrompt(parsed.messages, parsed.tools, parsed.add_generation_prompt,
-                            parsed.continue_final_message, parsed.chat_template_kwargs)
+                            parsed.continue_final_message, parsed.chat_template_kwargs,
+                            parsed.chat_template)
         return cls(model=model, prompts=(prompt,), params=parsed.params, options=parsed.options,
                    deadline=deadline, arrival=arrival, chat=True,
                    max_tokens=parsed.params.max_tokens, default_max_tokens=default_max_tokens,

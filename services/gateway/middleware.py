@@ -47,6 +47,17 @@ def error_response(status: int, body: dict[str, object], retry_after_s: int) -> 
                         headers=headers)
 
 
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: a caller's X-Request-Id comes back on the response (streamed
+    ones too: the headers are set just before they are sent)."""
+    client_id = request.headers.get(REQUEST_ID_HEADER)
+    if client_id:
+        response.headers[REQUEST_ID_HEADER] = client_id[:256]
+
+
 def observe(tracer: Tracer, metrics: GatewayMetrics) -> Middleware:
     """The span and the request counter of every request."""
     @web.middleware
@@ -64,6 +75,9 @@ def observe(tracer: Tracer, metrics: GatewayMetrics) -> Middleware:
                     set_status_on_exception=False, attributes={
                         "http.request.method": request.method, "url.path": request.path,
                         "http.route": endpoint}) as span:
+                client_id = request.headers.get(REQUEST_ID_HEADER)
+                if client_id:  # the caller's id for this request, to find it in traces
+                    span.set_attribute("meshserve.client_request_id", client_id[:256])
                 try:
                     response = await handler(request)
                     status = response.status

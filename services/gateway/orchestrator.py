@@ -108,10 +108,15 @@ class Orchestrator:
         return left
 
     async def tokenize(self, model: str, prompt: str | ChatPrompt, *, add_special_tokens: bool,
-                       deadline: float) -> tokenizer_pb2.TokenizeResponse:
-        """Tokenize one text or chat prompt on a tokenizer replica."""
+                       deadline: float, truncate_prompt_tokens: int | None = None
+                       ) -> tokenizer_pb2.TokenizeResponse:
+        """Tokenize one text or chat prompt on a tokenizer replica (keeping only its last
+        `truncate_prompt_tokens` tokens when set; -1: the model's context length)."""
         request = tokenizer_pb2.TokenizeRequest(model=model,
                                                 add_special_tokens=add_special_tokens)
+        keep = await self._keep_tokens(model, truncate_prompt_tokens)
+        if keep is not None:
+            request.truncate_prompt_tokens = keep
         if isinstance(prompt, str):
             request.text = prompt
         else:
@@ -122,6 +127,8 @@ class Orchestrator:
             if prompt.chat_template_kwargs:
                 request.chat_template_kwargs_json = orjson.dumps(
                     prompt.chat_template_kwargs).decode()
+            if prompt.chat_template:
+                request.chat_template = prompt.chat_template
         timeout = self.remaining_s(deadline)
         return await self._clients.call_tokenizer(
             lambda stub: stub.Tokenize(request, timeout=timeout))
@@ -135,17 +142,30 @@ class Orchestrator:
                 ids, model=model, request_id=f"detok-{uuid.uuid4().hex}",
                 timeout_s=self.remaining_s(deadline))
 
+    async def _keep_tokens(self, model: str, truncate: int | None) -> int | None:
+        """Prompt tokens to keep for a `truncate_prompt_tokens` value (None: all)."""
+        if truncate != -1:
+            return truncate
+        return await self._clients.max_model_len(model)  # -1: the context length
+
     async def _prepare_one(self, job: GenerationJob, prompt: PromptInput) -> PreparedPrompt:
+        truncate = job.options.truncate_prompt_tokens
         if isinstance(prompt, tuple):  # token ids go straight through
             ids = wire.check_token_ids(prompt, "prompt")
+            keep = await self._keep_tokens(job.model, truncate)
+            if keep is not None:
+                ids = ids[-keep:]
             text = await self.detokenize(job.model, ids, job.deadline) if job.echo else None
             return PreparedPrompt(ids, text, await self._clients.max_model_len(job.model))
         response = await self.tokenize(job.model, prompt, deadline=job.deadline,
-                                       add_special_tokens=job.add_special_tokens)
+                                       add_special_tokens=job.add_special_tokens,
+                                       truncate_prompt_tokens=truncate)
         if not response.token_ids:
             raise InvalidRequestError("the prompt is empty (it has no tokens)",
                                       param=job.prompt_param)
         text = prompt if isinstance(prompt, str) else response.prompt_text
+        if truncate is not None and job.echo:  # echo what was kept, not what was sent
+            text = await self.detokenize(job.model, list(response.token_ids), job.deadline)
         return PreparedPrompt(list(response.token_ids), text, response.max_model_len or None)
 
     async def _prepare(self, job: GenerationJob) -> list[PreparedPrompt]:

@@ -75,7 +75,8 @@ class ServiceHandlers:
         if "messages" in body:
             parsed = oai.parse_chat_request(body)
             prompt = ChatPrompt(parsed.messages, parsed.tools, parsed.add_generation_prompt,
-                                parsed.continue_final_message, parsed.chat_template_kwargs)
+                                parsed.continue_final_message, parsed.chat_template_kwargs,
+                                parsed.chat_template)
             add_special = parsed.add_special_tokens
         else:
             if not isinstance(body.get("prompt"), str):

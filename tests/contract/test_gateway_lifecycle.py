@@ -76,12 +76,14 @@ async def test_trace_context_reaches_every_service(mesh: Mesh) -> None:
     traceparent = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
     body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
             "safety_identifier": "end-user-7"}
+    headers = {"traceparent": traceparent, "X-Request-Id": "caller-42"}
     async with aiohttp.ClientSession(mesh.base_url) as http, \
-            http.post("/v1/chat/completions", headers={"traceparent": traceparent},
-                      json=body) as resp:
+            http.post("/v1/chat/completions", headers=headers, json=body) as resp:
         assert resp.status == 200
+        assert resp.headers["X-Request-Id"] == "caller-42"  # echoed
     spans = {span.name: span for span in mesh.spans.get_finished_spans()}
     http_span = spans["POST /v1/chat/completions"]
+    assert (http_span.attributes or {})["meshserve.client_request_id"] == "caller-42"
     assert http_span.kind == SpanKind.SERVER
     assert format(http_span.context.trace_id, "032x") == TRACE_ID
     assert http_span.parent is not None
@@ -156,3 +158,17 @@ async def test_a_drain_lets_streams_that_finish_in_time_complete(mesh: Mesh) -> 
         events = await _read_events(stream)
     assert events[-1] == b"data: [DONE]"
     assert not any(b'"error":' in e for e in events)
+
+
+async def test_a_streamed_response_echoes_the_callers_request_id(mesh: Mesh) -> None:
+    body = {"model": MODEL, "max_tokens": 3, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession(mesh.base_url) as http, \
+            http.post("/v1/chat/completions", headers={"X-Request-Id": "caller-43"},
+                      json=body) as resp:
+        assert resp.status == 200 and resp.headers["X-Request-Id"] == "caller-43"
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    async with aiohttp.ClientSession(mesh.base_url) as http, \
+            http.post("/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200 and "X-Request-Id" not in resp.headers
+        await resp.read()

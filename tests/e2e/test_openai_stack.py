@@ -90,6 +90,32 @@ def test_the_stack_names_the_model_clients_use(stack, client) -> None:
     assert missing.value.body["param"] == "model"  # type: ignore[index]
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tokenizer) -> None:
+    text = "one two three four five six seven eight nine ten"
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > 4
+    for prompt in (text, ids):  # tokenized by the mesh, or token ids sent as they are
+        cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
+                                        temperature=0, extra_body={"truncate_prompt_tokens": 4})
+        assert cut.usage is not None and cut.usage.prompt_tokens == 4
+        # The echoed prompt is what was kept: the last four tokens.
+        assert cut.choices[0].text.startswith(tokenizer.decode(ids[-4:]))
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=text, max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 0})
+    assert refused.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
+def test_a_request_may_bring_its_own_chat_template(client, tokenizer) -> None:
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=2, temperature=0, messages=[{"role": "user", "content": "hi"}],
+        extra_body={"chat_template": template})
+    assert chat.usage is not None
+    assert chat.usage.prompt_tokens == len(tokenizer("[hi]", add_special_tokens=False)
+                                           ["input_ids"])
+
+
 def test_a_field_meshserve_does_not_implement_is_refused_by_name(client) -> None:
     for field, value in (("structured_outputs", {"choice": ["yes", "no"]}),
                          ("guided_regex", "[0-9]+"), ("bad_words", ["fox"])):

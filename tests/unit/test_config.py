@@ -151,3 +151,15 @@ def test_empty_value_unsets_an_optional_field() -> None:
 def test_mutable_defaults_are_refused() -> None:
     with pytest.raises(TypeError, match="immutable"):
         option(["a"], "a list")
+
+
+def test_a_flag_is_never_read_from_its_abbreviation() -> None:
+    from meshserve.services.launcher import LauncherConfig
+
+    # `--tokenizer` is not `--tokenizers` (argparse would expand the prefix by default).
+    with pytest.raises(ConfigError) as refused:
+        LauncherConfig.from_args(["--tokenizer", "2"], prog="meshserve up")
+    assert "unrecognized arguments: --tokenizer 2" in refused.value.message
+    # Whoever prints the error names the program: the message does not.
+    assert not refused.value.message.startswith("meshserve up")
+    assert LauncherConfig.from_args(["--tokenizers", "2"], prog="meshserve up").tokenizers == 2

@@ -32,8 +32,10 @@ READ_BY_CHAT = {
 # vLLM's extra request fields (its CompletionRequest / ChatCompletionRequest), read here.
 VLLM_READ = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
              "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-             "spaces_between_special_tokens", "add_special_tokens", "priority", "cache_salt"}
-VLLM_CHAT_READ = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+             "spaces_between_special_tokens", "add_special_tokens", "priority", "cache_salt",
+             "truncate_prompt_tokens"}
+VLLM_CHAT_READ = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                  "chat_template"}
 
 
 def openai_fields(params: Any) -> set[str]:
