@@ -88,8 +88,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "logits_processors": ((), "logits processors are not supported"),
     "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not implemented"),
     "return_token_ids": ((False,), "return_token_ids is not implemented"),
-    "prompt_logprobs": ((), ("prompt logprobs are not returned as a field; with /v1/completions "
-                            "use echo with logprobs")),
     "vllm_xargs": (({},), "vllm_xargs is not supported"),
     "kv_transfer_params": ((), "KV transfer parameters are not supported"),
     "mm_processor_kwargs": ((), "multimodal inputs are not supported"),
@@ -278,6 +276,8 @@ class RequestOptions:
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last N tokens (vLLM's field); -1: the model's context length."""
+    return_prompt_logprobs: bool = False
+    """The body asked for `prompt_logprobs`: each choice carries them (vLLM's shape)."""
 
 
 def _options(fields: _Fields) -> RequestOptions:
@@ -295,7 +295,21 @@ def _options(fields: _Fields) -> RequestOptions:
         continuous_usage_stats=bool(opts.bool_("continuous_usage_stats")),
         priority=fields.int_("priority") or 0, cache_salt=cache_salt,
         user=fields.str_("user") or fields.str_("safety_identifier"),
-        truncate_prompt_tokens=_truncate(fields))
+        truncate_prompt_tokens=_truncate(fields),
+        return_prompt_logprobs=_prompt_logprobs(fields, stream))
+
+
+def _prompt_logprobs(fields: _Fields, stream: bool) -> bool:
+    wanted = fields.int_("prompt_logprobs")
+    if wanted is None:
+        return False
+    if wanted < 0:
+        raise _bad(f"'prompt_logprobs' must be >= 0 (the top alternatives of each prompt "
+                   f"token), got {wanted}", "prompt_logprobs")
+    if stream:
+        raise _bad("'prompt_logprobs' is returned with whole responses only, not when "
+                   "streaming", "prompt_logprobs")
+    return True
 
 
 def _truncate(fields: _Fields) -> int | None:
@@ -473,6 +487,20 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob
                             {renderer.token_text(t): _clamp(lp) for t, lp in entry.top})
     return {"tokens": tokens, "token_logprobs": token_logprobs,
             "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def prompt_logprobs_field(entries: Sequence[TokenLogprobs | None], renderer: TokenRenderer
+                          ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then for each
+    token {token id: {logprob, rank, decoded_token}} of the token itself and its top
+    alternatives."""
+    def one(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": _clamp(logprob), "rank": rank,
+                "decoded_token": renderer.token_text(token_id)}
+
+    return [None if e is None else {
+        **{str(t): one(t, lp, rank) for rank, (t, lp) in enumerate(e.top, start=1)},
+        str(e.token_id): one(e.token_id, e.logprob, e.rank)} for e in entries]
 
 
 def _chat_token(token_id: int, logprob: float, renderer: TokenRenderer) -> dict[str, Any]:

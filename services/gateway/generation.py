@@ -99,6 +99,10 @@ class Generation:
         self._seqs = [_Sequence() for _ in range(job.num_choices)]
         self._num_live = job.num_choices  # sequences without a finish reason
         self._wants_logprobs = job.wants_logprobs
+        # Whether the response shows prompt tokens' logprobs: echoed with logprobs, or
+        # asked for as `prompt_logprobs`.
+        self._prompt_logprobs_shown = (job.echo and job.wants_logprobs) \
+            or job.options.return_prompt_logprobs
         # Labelled metric children, resolved once (a labels() lookup costs microseconds).
         self._ttft = metrics.ttft.labels(job.model)
         self._itl = metrics.itl.labels(job.model)
@@ -225,7 +229,8 @@ class Generation:
         if detail is not None:
             if self._wants_logprobs:
                 lookups = wire.lookup_ids(detail.logprobs)
-            if self.job.echo and detail.prompt_logprobs and not seq.seen:
+            # A one-token prompt has no prompt logprobs, but its token is echoed all the same.
+            if self._prompt_logprobs_shown and not seq.seen:
                 prompt = self.prompts[index // self.job.params.n]
                 lookups = [*prompt.token_ids, *wire.lookup_ids(detail.prompt_logprobs),
                            *lookups]
@@ -314,7 +319,7 @@ class Generation:
         if detail is not None:
             if self._wants_logprobs:
                 logprobs = [wire.token_logprobs(e) for e in detail.logprobs[:counted]]
-            if not seq.seen and detail.prompt_logprobs:
+            if not seq.seen and (detail.prompt_logprobs or self._prompt_logprobs_shown):
                 prompt_logprobs = [None, *map(wire.token_logprobs, detail.prompt_logprobs)]
             if detail.HasField("cached_tokens") and not seq.seen:
                 # The first worker's figure: a later one also counts its prefix hits on

@@ -26,6 +26,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False  # its first delta (with the echoed prompt) was rendered
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # from its first delta
     text_length: int = 0  # characters streamed so far (text_offset of the next chunk)
 
 
@@ -65,6 +66,8 @@ class Renderer:
         """Take an update into the aggregated response."""
         for delta in update.choices:
             choice = self._choices[delta.index]
+            if choice.prompt_logprobs is None and delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             text, ids, entries = self._with_echo(delta, choice)
             choice.texts.append(text)
             choice.token_ids.extend(ids)
@@ -94,6 +97,13 @@ class Renderer:
 
     def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         raise NotImplementedError
+
+    def _with_prompt_logprobs(self, choice: dict[str, Any], index: int) -> dict[str, Any]:
+        """A whole response's choice, with vLLM's `prompt_logprobs` when they were asked."""
+        if self.job.options.return_prompt_logprobs:
+            entries = self._choices[index].prompt_logprobs or [None]
+            choice["prompt_logprobs"] = oai.prompt_logprobs_field(entries, self.lookup)
+        return choice
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None
                ) -> dict[str, Any]:
@@ -125,9 +135,9 @@ class CompletionRenderer(Renderer):
                                     usage)
 
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
-        choices = [oai.completion_choice(
+        choices = [self._with_prompt_logprobs(oai.completion_choice(
             i, "".join(c.texts), c.finish_reason, c.stop_reason,
-            self._logprobs(c.token_ids, c.logprobs, 0)) for i, c in enumerate(self._choices)]
+            self._logprobs(c.token_ids, c.logprobs, 0)), i) for i, c in enumerate(self._choices)]
         return oai.completion_response(self.response_id, self.created, self.job.model, choices,
                                        usage)
 
@@ -158,9 +168,9 @@ class ChatRenderer(Renderer):
         return oai.chat_chunk(self.response_id, self.created, self.job.model, choices, usage)
 
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
-        choices = [oai.chat_choice(i, "".join(c.texts), c.finish_reason, c.stop_reason,
-                                   self._logprobs(c.logprobs))
-                   for i, c in enumerate(self._choices)]
+        choices = [self._with_prompt_logprobs(oai.chat_choice(
+            i, "".join(c.texts), c.finish_reason, c.stop_reason, self._logprobs(c.logprobs)), i)
+            for i, c in enumerate(self._choices)]
         return oai.chat_response(self.response_id, self.created, self.job.model, choices, usage)
 
 

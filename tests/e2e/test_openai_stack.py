@@ -106,6 +106,41 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tokenizer) -> None
     assert refused.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
 
 
+def test_echo_with_logprobs_keeps_the_token_of_a_one_token_prompt(client, tokenizer) -> None:
+    (first,) = tokenizer("fox", add_special_tokens=False)["input_ids"][:1]
+    out = client.completions.create(model=MODEL, prompt=[first], max_tokens=2, echo=True,
+                                    logprobs=1, temperature=0)
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and len(logprobs.tokens) == 1 + 2
+    assert logprobs.tokens[0] == tokenizer.convert_ids_to_tokens(first)
+    assert logprobs.token_logprobs[0] is None  # nothing before it to predict it from
+    assert all(lp is not None for lp in logprobs.token_logprobs[1:])
+
+
+def test_prompt_logprobs_come_back_in_vllms_shape(client, tokenizer) -> None:
+    ids = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+    # The reference: echo with logprobs (checked against transformers elsewhere).
+    echoed = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True,
+                                       logprobs=1, temperature=0).choices[0].logprobs
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, n=2,
+                                    temperature=0, extra_body={"prompt_logprobs": 2})
+    for choice in out.choices:
+        got = choice.model_extra["prompt_logprobs"]  # type: ignore[index]
+        assert len(got) == len(ids) and got[0] is None
+        for position, token in enumerate(ids[1:], start=1):
+            entry = got[position]
+            mine = entry[str(token)]
+            assert mine["logprob"] == pytest.approx(echoed.token_logprobs[position], abs=1e-4)
+            assert mine["decoded_token"] == echoed.tokens[position]
+            assert mine["rank"] >= 1 and 1 <= len(entry) <= 3  # itself and its top 2
+            ranks = sorted(v["rank"] for k, v in entry.items() if k != str(token))
+            assert ranks == list(range(1, len(ranks) + 1))
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert refused.value.body["param"] == "prompt_logprobs"  # type: ignore[index]
+
+
 def test_a_request_may_bring_its_own_chat_template(client, tokenizer) -> None:
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     chat = client.chat.completions.create(

@@ -33,7 +33,7 @@ READ_BY_CHAT = {
 VLLM_READ = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
              "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
              "spaces_between_special_tokens", "add_special_tokens", "priority", "cache_salt",
-             "truncate_prompt_tokens"}
+             "truncate_prompt_tokens", "prompt_logprobs"}
 VLLM_CHAT_READ = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                   "chat_template"}
 
@@ -88,7 +88,13 @@ def test_chat_refuses_the_field_by_name(field: str) -> None:
         parse_chat_request({**body, field: fine})
 
 
-def test_echo_with_logprobs_still_returns_prompt_logprobs() -> None:
-    # prompt_logprobs is refused as a field, but echo asks for it internally.
+def test_echo_with_logprobs_asks_for_prompt_logprobs_without_returning_the_field() -> None:
     request = parse_completion_request({"prompt": "hi", "echo": True, "logprobs": 1})
     assert request.params.prompt_logprobs == 1
+    assert not request.options.return_prompt_logprobs
+    asked = parse_completion_request({"prompt": "hi", "prompt_logprobs": 0})
+    assert asked.params.prompt_logprobs == 0 and asked.options.return_prompt_logprobs
+    for bad, stream in ((-1, False), (1, True)):
+        with pytest.raises(InvalidRequestError) as refused:
+            parse_completion_request({"prompt": "hi", "prompt_logprobs": bad, "stream": stream})
+        assert refused.value.param == "prompt_logprobs"
