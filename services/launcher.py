@@ -91,6 +91,8 @@ class LauncherConfig(EngineOptions):
                                        "no auth)")
     served_model_name: str | None = option(None, "name clients use for the model (unset: the "
                                                  "--model value)")
+    allowed_origins: str | None = option(None, "origins a browser may call the API from "
+                                               "(CORS), comma-separated; '*': any (unset: none)")
     run_dir: str | None = option(None, "folder for the services' logs (unset: a new "
                                        "temporary folder)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = option("INFO", "services' "
@@ -343,6 +345,8 @@ class Stack:
             gateway += ["--served-model-names", c.served_model_name]
         if c.api_key:
             gateway += ["--api-key", c.api_key]
+        if c.allowed_origins:
+            gateway += ["--allowed-origins", c.allowed_origins]
         if c.num_gateways > 1:
             gateway.append("--reuse-port")
         for name in self.gateway_names:

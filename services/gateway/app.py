@@ -53,7 +53,20 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     app.router.add_get("/health", service.health)
     app.router.add_get("/version", service.version)
     app.router.add_get("/metrics", telemetry.handle_metrics)
+    if config.allowed_origins:
+        _allow_cors(app, config.allowed_origins, config.allow_credentials)
     return app
+
+
+def _allow_cors(app: web.Application, origins: tuple[str, ...], credentials: bool) -> None:
+    """CORS headers and preflight answers on every route (aiohttp-cors), for `origins`."""
+    import aiohttp_cors  # only when CORS is configured
+
+    options = aiohttp_cors.ResourceOptions(allow_credentials=credentials, expose_headers="*",
+                                           allow_headers="*", allow_methods="*")
+    cors = aiohttp_cors.setup(app, defaults=dict.fromkeys(origins, options))
+    for route in list(app.router.routes()):
+        cors.add(route)
 
 
 class Gateway:

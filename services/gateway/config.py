@@ -44,6 +44,11 @@ class GatewayConfig(ServiceConfig):
     served_model_names: tuple[str, ...] = option(
         (), "model names the API serves, comma-separated (empty: those the workers announce)")
     api_key: str | None = option(None, "Bearer token clients must send (unset: no auth)")
+    allowed_origins: tuple[str, ...] = option(
+        (), "origins a browser may call the API from (CORS), comma-separated; '*': any "
+            "(empty: no CORS headers, preflights refused)")
+    allow_credentials: bool = option(False, "CORS: let browsers send credentials (cookies, "
+                                            "HTTP auth) with cross-origin requests")
     max_concurrent_requests: int = option(
         1024, "generation requests in flight before answering 429")
     retry_after_s: int = option(1, "Retry-After seconds sent with 429 answers")

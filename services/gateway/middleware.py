@@ -137,7 +137,9 @@ def auth(api_key: str | None) -> Middleware:
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if expected is not None and request.path not in _OPEN_PATHS:
+        preflight = request.method == "OPTIONS" \
+            and "Access-Control-Request-Method" in request.headers  # browsers send no key
+        if expected is not None and request.path not in _OPEN_PATHS and not preflight:
             # Bytes that are not UTF-8 arrive as surrogates: they compare unequal, not fail.
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
