@@ -86,7 +86,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "bad_words": (([],), "bad_words is not implemented"),
     "allowed_token_ids": ((), "allowed_token_ids is not implemented"),
     "logits_processors": ((), "logits processors are not supported"),
-    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not implemented"),
     "return_token_ids": ((False,), "return_token_ids is not implemented"),
     "vllm_xargs": (({},), "vllm_xargs is not supported"),
     "kv_transfer_params": ((), "KV transfer parameters are not supported"),
@@ -278,6 +277,8 @@ class RequestOptions:
     """Keep only the prompt's last N tokens (vLLM's field); -1: the model's context length."""
     return_prompt_logprobs: bool = False
     """The body asked for `prompt_logprobs`: each choice carries them (vLLM's shape)."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name tokens as `token_id:<id>` instead of their text (vLLM's field)."""
 
 
 def _options(fields: _Fields) -> RequestOptions:
@@ -296,7 +297,18 @@ def _options(fields: _Fields) -> RequestOptions:
         priority=fields.int_("priority") or 0, cache_salt=cache_salt,
         user=fields.str_("user") or fields.str_("safety_identifier"),
         truncate_prompt_tokens=_truncate(fields),
-        return_prompt_logprobs=_prompt_logprobs(fields, stream))
+        return_prompt_logprobs=_prompt_logprobs(fields, stream),
+        return_tokens_as_token_ids=bool(fields.bool_("return_tokens_as_token_ids")))
+
+
+class TokenIdNames:
+    """A TokenRenderer naming each token `token_id:<id>` (return_tokens_as_token_ids)."""
+
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.token_text(token_id).encode()
 
 
 def _prompt_logprobs(fields: _Fields, stream: bool) -> bool:

@@ -182,6 +182,8 @@ def _has_news(text: str, token_ids: list[int], delta: ChoiceDelta, logprobs: boo
 def renderer_for(job: GenerationJob, prompts: Sequence[Any],
                  lookup: oai.TokenRenderer) -> Renderer:
     """The renderer of `job`'s endpoint, with a fresh response id."""
+    if job.options.return_tokens_as_token_ids:
+        lookup = oai.TokenIdNames()
     if job.chat:
         return ChatRenderer(job, prompts, lookup, oai.chat_completion_id())
     return CompletionRenderer(job, prompts, lookup, oai.completion_id())

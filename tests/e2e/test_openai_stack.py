@@ -141,6 +141,23 @@ def test_prompt_logprobs_come_back_in_vllms_shape(client, tokenizer) -> None:
     assert refused.value.body["param"] == "prompt_logprobs"  # type: ignore[index]
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, tokenizer) -> None:
+    ids = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, echo=True,
+                                    logprobs=1, temperature=0,
+                                    extra_body={"return_tokens_as_token_ids": True})
+    tokens = out.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert tokens[:len(ids)] == [f"token_id:{i}" for i in ids]
+    assert all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens[len(ids):])
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=2, temperature=0, logprobs=True, top_logprobs=1,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and all(c.token.startswith("token_id:") for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+
+
 def test_a_request_may_bring_its_own_chat_template(client, tokenizer) -> None:
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     chat = client.chat.completions.create(
