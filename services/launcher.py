@@ -93,6 +93,7 @@ class LauncherConfig(EngineOptions):
                                                  "--model value)")
     allowed_origins: str | None = option(None, "origins a browser may call the API from "
                                                "(CORS), comma-separated; '*': any (unset: none)")
+    access_log: bool = option(True, "the gateway logs one line per API request")
     run_dir: str | None = option(None, "folder for the services' logs (unset: a new "
                                        "temporary folder)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = option("INFO", "services' "
@@ -347,6 +348,8 @@ class Stack:
             gateway += ["--api-key", c.api_key]
         if c.allowed_origins:
             gateway += ["--allowed-origins", c.allowed_origins]
+        if not c.access_log:
+            gateway.append("--no-access-log")
         if c.num_gateways > 1:
             gateway.append("--reuse-port")
         for name in self.gateway_names:

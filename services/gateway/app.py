@@ -89,8 +89,11 @@ class Gateway:
     async def start(self) -> int:
         """Listen on config.host:config.port (shared with other gateway processes when
         config.reuse_port); returns the bound port."""
-        runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
-                               shutdown_timeout=self.config.drain_grace_s)
+        access = {"access_log_class": middleware.AccessLogger,
+                  "access_log": middleware.ACCESS_LOG} if self.config.access_log \
+            else {"access_log": None}
+        runner = web.AppRunner(self.app, handler_cancellation=True,
+                               shutdown_timeout=self.config.drain_grace_s, **access)
         await runner.setup()
         self._runner = runner
         await web.TCPSite(runner, self.config.host, self.config.port,

@@ -68,6 +68,8 @@ class GatewayConfig(ServiceConfig):
            "has, when its worker is lost mid-generation (0: such a request ends with an error)")
     model_cache_ttl_s: float = option(5.0, "seconds the worker list (models, context) is cached")
     health_timeout_s: float = option(2.0, "deadline of the checks behind GET /health")
+    access_log: bool = option(True, "log one line per API request (client, method, path, "
+                                    "status, bytes, seconds); probes and scrapes are not logged")
 
     def validate(self) -> None:
         super().validate()

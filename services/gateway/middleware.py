@@ -48,6 +48,27 @@ def error_response(status: int, body: dict[str, object], retry_after_s: int) -> 
 
 
 REQUEST_ID_HEADER = "X-Request-Id"
+ACCESS_LOG = logging.getLogger("meshserve.services.gateway.access")
+
+
+class AccessLogger(web.AbstractAccessLogger):
+    """One line per API request, as uvicorn writes them (`--no-access-log` turns it off);
+    /health, /version and /metrics are left out: probes and scrapers would drown it."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse,
+            time: float) -> None:
+        if request.path in _OPEN_PATHS:
+            return
+        self.logger.info('%s "%s %s HTTP/%d.%d" %d %d %.3fs', request.remote, request.method,
+                         request.path_qs, *request.version, response.status,
+                         response.body_length, time,
+                         extra={"http_method": request.method, "url_path": request.path,
+                                "http_status": response.status, "seconds": round(time, 6),
+                                "request_id": request.headers.get(REQUEST_ID_HEADER, "")})
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)
 
 
 async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
