@@ -27,7 +27,8 @@ ROLES = ("gateway", "tokenizer", "scheduler", "worker", "kvstore")
 _USAGE = """usage: meshserve COMMAND [ARGS]
 
 commands:
-  up          start Redis, tokenizer, scheduler, kvstore, workers and the gateway
+  up [MODEL]  start Redis, tokenizer, scheduler, kvstore, workers and the gateway
+  serve MODEL the same, spelled as `vllm serve MODEL`
   gateway     run the OpenAI-compatible HTTP gateway
   tokenizer   run the tokenizer service
   scheduler   run the global scheduler
@@ -118,10 +119,10 @@ def _service_main(role: str) -> Callable[[Sequence[str]], int]:
     return entry
 
 
-def _launcher_main(argv: Sequence[str]) -> int:
+def _launcher_main(argv: Sequence[str], prog: str = "meshserve up") -> int:
     from meshserve.services.launcher import main as launcher_main
 
-    return launcher_main(list(argv))
+    return launcher_main(list(argv), prog)
 
 
 def _bench_main(argv: Sequence[str]) -> int:
@@ -140,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command in ROLES:
         return _service_main(command)(rest)
     commands: dict[str, Callable[[Sequence[str]], int]] = {
-        "up": _launcher_main, "run-batch": run_batch_main, "bench": _bench_main,
+        "up": _launcher_main, "serve": lambda rest: _launcher_main(rest, "meshserve serve"),
+        "run-batch": run_batch_main, "bench": _bench_main,
         "version": version_main, "--version": version_main}
     handler = commands.get(command)
     if handler is None:

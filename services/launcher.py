@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -573,16 +573,30 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`meshserve up`: start the stack, print the gateway URL, run until Ctrl-C/SIGTERM."""
+def positional_model(argv: Sequence[str]) -> list[str]:
+    """`MODEL --flags...` (as `vllm serve MODEL` takes it) as `--model MODEL --flags...`;
+    ConfigError when the model is given both ways."""
+    argv = list(argv)
+    if not argv or argv[0].startswith("-"):
+        return argv
+    model, rest = argv[0], argv[1:]
+    if any(a == "--model" or a.startswith("--model=") for a in rest):
+        raise ConfigError(f"the model is given twice: {model!r} and --model", param="model")
+    return ["--model", model, *rest]
+
+
+def main(argv: list[str] | None = None, prog: str = "meshserve up") -> int:
+    """`meshserve up [MODEL]` (also `meshserve serve MODEL`): start the stack, print the
+    gateway URL, run until Ctrl-C/SIGTERM."""
     try:
-        config = LauncherConfig.from_args(argv, strict_env=False, prog="meshserve up")
+        args = positional_model(sys.argv[1:] if argv is None else argv)
+        config = LauncherConfig.from_args(args, strict_env=False, prog=prog)
     except ConfigError as exc:
-        print(f"meshserve up: {exc.message}", file=sys.stderr)
+        print(f"{prog}: {exc.message}", file=sys.stderr)
         return 2
 
     def say(line: str) -> None:
-        print(f"meshserve up: {line}", file=sys.stderr, flush=True)
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)
 
     try:
         with _sigterm_as_exit():

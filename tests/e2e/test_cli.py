@@ -114,12 +114,15 @@ def test_run_batch_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
     (["run-batch", "-i", "/nonexistent/in.jsonl", "-o", "/tmp/o.jsonl", "--block-size", "7"], 2,
      "block_size"),
     (["frobnicate"], 2, "unknown command"),
+    (["serve", "m1", "--model", "m2"], 2, "meshserve serve: the model is given twice"),
+    (["up", "--tokenizer", "2"], 2, "meshserve up: unrecognized arguments: --tokenizer 2"),
 ])
 def test_cli_rejects_bad_invocations(argv: list[str], code: int, message: str) -> None:
     done = subprocess.run([str(meshserve_script()), *argv], check=False, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == code
     assert message in done.stderr
+    assert done.stderr.count("meshserve up:") <= 1  # the program is named once
 
 
 def test_version_names_the_package() -> None:

@@ -163,3 +163,15 @@ def test_a_flag_is_never_read_from_its_abbreviation() -> None:
     # Whoever prints the error names the program: the message does not.
     assert not refused.value.message.startswith("meshserve up")
     assert LauncherConfig.from_args(["--tokenizers", "2"], prog="meshserve up").tokenizers == 2
+
+
+def test_the_model_may_come_first_as_vllm_serve_takes_it() -> None:
+    from meshserve.services.launcher import LauncherConfig, positional_model
+
+    argv = positional_model(["org/model", "--port", "0"])
+    assert argv == ["--model", "org/model", "--port", "0"]
+    assert LauncherConfig.from_args(argv).model == "org/model"
+    assert positional_model(["--port", "0"]) == ["--port", "0"]  # no positional: as given
+    with pytest.raises(ConfigError, match="given twice"):
+        positional_model(["a", "--model=b"])
+
