@@ -216,3 +216,61 @@ def test_a_request_the_router_saw_no_store_blocks_for_does_not_ask_the_store(
     assert second.kv_tier.stats.probes == 0 and store.acquired == 0
     first_transfer.stop()
     second_transfer.stop()
+
+
+class GatedClient(MemoryClient):
+    """A store whose answers to probes wait for `gate`: blocks that take long to arrive."""
+
+    def __init__(self, store: MemoryStore, gate: threading.Event) -> None:
+        super().__init__(store)
+        self.gate = gate
+
+    def acquire(self, hashes: Sequence[bytes]) -> Lease:
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().acquire(hashes)
+
+
+def test_the_engine_serves_others_while_a_prompts_blocks_are_on_their_way(
+        folder: Path) -> None:
+    store = MemoryStore()
+    rng = random.Random(2)
+    stored = [rng.randrange(3, 200) for _ in range(5 * BLOCK + 3)]
+    other = [rng.randrange(3, 200) for _ in range(2 * BLOCK + 1)]
+    reference, _ = run(make_engine(folder, None)[0], stored)
+    first, first_transfer = make_engine(folder, store)
+    assert first_transfer is not None
+    run(first, stored, "a")
+    wait_saved(first_transfer, store, 5)
+    first_transfer.stop()
+
+    gate = threading.Event()
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
+                                    num_kv_blocks=64, block_size=BLOCK, max_model_len=256))
+    transfer = KVTransfer(lambda: GatedClient(store, gate), engine.runner.kv_caches,
+                          retry_s=0.0)
+    transfer.start()
+    engine.attach_kv_tier(transfer, max_save_backlog_bytes=1 << 30)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("loaded", stored, params)
+    # The router saw none of its blocks in the store: it does not wait for the store.
+    engine.add_request("other", other, params, store_lookup=False)
+    outputs: dict[str, list[int]] = {"loaded": [], "other": []}
+    finished: set[str] = set()
+    # The store holds the first prompt's blocks but has not answered: the other request
+    # runs to its end meanwhile, and the first has produced nothing.
+    for _ in range(200):
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finished.add(out.request_id)
+        if "other" in finished:
+            break
+    assert finished == {"other"} and len(outputs["other"]) == 12
+    assert outputs["loaded"] == []
+    gate.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    assert outputs["loaded"] == reference, "KV loaded from the store gave different tokens"
+    assert engine.kv_tier is not None and engine.kv_tier.stats.loaded_blocks == 5
+    transfer.stop()
