@@ -120,7 +120,7 @@ def _service_main(role: str) -> Callable[[Sequence[str]], int]:
 
 
 def _launcher_main(argv: Sequence[str], prog: str = "meshserve up") -> int:
-    from meshserve.services.launcher import main as launcher_main
+    from meshserve.services.up import main as launcher_main
 
     return launcher_main(list(argv), prog)
 

@@ -22,12 +22,12 @@ the stack stops (exit 1) only when what is left cannot serve. The launcher's own
 `--gateways N` (N > 1) starts N gateway processes, gateway-0..N-1, on the same host:port
 with SO_REUSEPORT: the kernel spreads new connections over them, and each keeps its own
 channels and sessions to the other services. A lone gateway is named `gateway` and
-listens without SO_REUSEPORT, so that a taken port is an error rather than shared.
+listens without SO_REUSEPORT, so that a taken port is an error rather than shared. The
+command line (`meshserve up`, `meshserve serve MODEL`) is services/up.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import json
@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -56,7 +56,7 @@ from meshserve.services.launcher_probes import (
 from meshserve.services.supervisor import RestartPolicy, Supervisor
 from meshserve.services.worker.config import EngineOptions
 from meshserve.shared.config import ENV_PREFIX, Config, option
-from meshserve.shared.errors import ConfigError, MeshError, UnavailableError
+from meshserve.shared.errors import UnavailableError
 from meshserve.shared.redis_server import EmbeddedRedis, find_free_port
 
 _LOOPBACK = "127.0.0.1"
@@ -559,59 +559,3 @@ def start_stack(config: LauncherConfig, *, environ: Mapping[str, str] | None = N
         tempfile.mkdtemp(prefix="meshserve-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     return Stack(config, run_dir, environ).start(say)
-
-
-@contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """While starting, SIGTERM unwinds like Ctrl-C so that started children are stopped."""
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def positional_model(argv: Sequence[str]) -> list[str]:
-    """`MODEL --flags...` (as `vllm serve MODEL` takes it) as `--model MODEL --flags...`;
-    ConfigError when the model is given both ways."""
-    argv = list(argv)
-    if not argv or argv[0].startswith("-"):
-        return argv
-    model, rest = argv[0], argv[1:]
-    if any(a == "--model" or a.startswith("--model=") for a in rest):
-        raise ConfigError(f"the model is given twice: {model!r} and --model", param="model")
-    return ["--model", model, *rest]
-
-
-def main(argv: list[str] | None = None, prog: str = "meshserve up") -> int:
-    """`meshserve up [MODEL]` (also `meshserve serve MODEL`): start the stack, print the
-    gateway URL, run until Ctrl-C/SIGTERM."""
-    try:
-        args = positional_model(sys.argv[1:] if argv is None else argv)
-        config = LauncherConfig.from_args(args, strict_env=False, prog=prog)
-    except ConfigError as exc:
-        print(f"{prog}: {exc.message}", file=sys.stderr)
-        return 2
-
-    def say(line: str) -> None:
-        print(f"{prog}: {line}", file=sys.stderr, flush=True)
-
-    try:
-        with _sigterm_as_exit():
-            stack = start_stack(config, say=say)
-    except MeshError as exc:
-        say(f"failed: {exc.message}")
-        return 1
-    except KeyboardInterrupt:
-        say("interrupted while starting; stopped")
-        return 130
-    with stack:
-        model = ", ".join(stack.model_names())
-        print(f"meshserve is up: {stack.base_url} (model {model}, {config.workers} "
-              f"worker(s), {config.num_gateways} gateway(s)); logs in {stack.run_dir}; "
-              f"launcher metrics {stack.launcher_metrics_url}; Ctrl-C stops", flush=True)
-        code = stack.wait()
-        say("stopping" if code == 0 else "stopping everything")
-    return code

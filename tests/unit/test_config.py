@@ -166,7 +166,8 @@ def test_a_flag_is_never_read_from_its_abbreviation() -> None:
 
 
 def test_the_model_may_come_first_as_vllm_serve_takes_it() -> None:
-    from meshserve.services.launcher import LauncherConfig, positional_model
+    from meshserve.services.launcher import LauncherConfig
+    from meshserve.services.up import positional_model
 
     argv = positional_model(["org/model", "--port", "0"])
     assert argv == ["--model", "org/model", "--port", "0"]
