@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.structured_outputs import StructuredOutputs
 
 # Most sequences one request may fan out to; each holds its own KV blocks.
 MAX_N = 128
@@ -26,7 +27,8 @@ class SamplingParams:
     `temperature` == 0 means greedy. `logprobs` is the number of top
     alternatives returned per output token (0: only the chosen token's
     logprob; None: no logprobs). `stop` strings are matched by the
-    detokenizer, not by the engine.
+    detokenizer, not by the engine. `structured` constrains every output token to a
+    schema, regex, choice or grammar (compiled and applied by the worker).
     """
 
     n: int = 1
@@ -49,6 +51,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured: StructuredOutputs | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

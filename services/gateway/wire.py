@@ -17,6 +17,7 @@ from meshserve.proto.v1 import common_pb2, tokenizer_pb2, worker_pb2
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
+from meshserve.shared.structured_outputs import StructuredOutputs
 
 _UINT32_MAX = 2**32 - 1
 _INT32 = (-(2**31), 2**31 - 1)
@@ -64,10 +65,18 @@ def sampling_params(params: SamplingParams, max_tokens: int | None) -> common_pb
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         extra_json=orjson.dumps(params.extra).decode() if params.extra else "")
+    if params.structured is not None:
+        message.structured_outputs.CopyFrom(structured_outputs(params.structured))
     if params.logit_bias:
         check_token_ids(list(params.logit_bias), "logit_bias")
         message.logit_bias.update(params.logit_bias)
     return message
+
+
+def structured_outputs(value: StructuredOutputs) -> common_pb2.StructuredOutputs:
+    return common_pb2.StructuredOutputs(
+        kind=common_pb2.StructuredKind.Value(f"STRUCTURED_KIND_{value.kind.name}"),
+        spec=value.spec, disable_any_whitespace=not value.any_whitespace)
 
 
 def _json_text(value: Any) -> str:

@@ -15,6 +15,7 @@ import orjson
 from meshserve.proto.v1 import common_pb2, worker_pb2
 from meshserve.services.worker.request_stream import RequestTimes, SequenceDelta, StreamUpdate
 from meshserve.shared.errors import InternalError, InvalidRequestError
+from meshserve.shared.structured_outputs import StructuredKind, StructuredOutputs
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -44,7 +45,16 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         skip_special_tokens=p.skip_special_tokens if has("skip_special_tokens") else True,
         spaces_between_special_tokens=(p.spaces_between_special_tokens
                                        if has("spaces_between_special_tokens") else True),
+        structured=(_structured(p.structured_outputs) if has("structured_outputs") else None),
         extra=_extra(p.extra_json))
+
+
+def _structured(p: common_pb2.StructuredOutputs) -> StructuredOutputs:
+    if p.kind == common_pb2.STRUCTURED_KIND_UNSPECIFIED:
+        raise InvalidRequestError("structured_outputs.kind is unspecified",
+                                  param="structured_outputs")
+    name = common_pb2.StructuredKind.Name(p.kind).removeprefix("STRUCTURED_KIND_")
+    return StructuredOutputs(StructuredKind[name], p.spec, not p.disable_any_whitespace)
 
 
 def _extra(extra_json: str) -> dict[str, object]:
