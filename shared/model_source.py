@@ -111,3 +111,19 @@ def _hub_unreachable_reason() -> str | None:
     except OSError as exc:
         return f"cannot connect to {host}:{port}: {exc}"
     return None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_folder(source: ModelSource) -> Path | None:
+    """The folder holding the model's Hugging Face tokenizer files, or None if it has none.
+
+    A GGUF file carries its tokenizer: it is exported to a folder once and cached (the
+    first call may take seconds)."""
+    if source.gguf_file is not None:
+        from meshserve.shared.gguf_export import exported_folder
+
+        return exported_folder(source.gguf_file)
+    folder = source.path if source.path.is_dir() else source.path.parent
+    return folder if any((folder / f).is_file() for f in _TOKENIZER_FILES) else None

@@ -24,6 +24,7 @@ import orjson
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
+from meshserve.shared.structured_request import structured_outputs_of
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
@@ -71,18 +72,10 @@ def sse(obj: object) -> bytes:
 
 # -- fields meshserve does not implement -----------------------------------------------------
 
-_STRUCTURED = "structured outputs are not implemented"
 # Fields of the OpenAI and vLLM request schemas that meshserve does not implement: each
 # is refused with a 400 naming it, unless its value is absent, null or one of the values
 # listed (those that ask for nothing, such as vLLM's defaults). Nothing is silently ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
     "bad_words": (([],), "bad_words is not implemented"),
     "allowed_token_ids": ((), "allowed_token_ids is not implemented"),
     "logits_processors": ((), "logits processors are not supported"),
@@ -118,11 +111,7 @@ _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "prompt_cache_retention": ((), "prompt cache retention is not supported"),
 }
 UNSUPPORTED_CHAT_FIELDS = {**UNSUPPORTED_FIELDS, **_UNSUPPORTED_CHAT_FIELDS}
-UNSUPPORTED_COMPLETION_FIELDS = {
-    **UNSUPPORTED_FIELDS,
-    "response_format": (({"type": "text"},), ("response_format on /v1/completions is not "
-                                             "implemented")),
-}
+UNSUPPORTED_COMPLETION_FIELDS = UNSUPPORTED_FIELDS
 
 
 def _refuse_unsupported(body: Mapping[str, Any],
@@ -244,6 +233,7 @@ def _sampling_kwargs(fields: _Fields) -> dict[str, Any]:
         kwargs["stop_token_ids"] = tuple(stop_ids)
     kwargs["stop"] = _stop_strings(fields)
     kwargs["logit_bias"] = _logit_bias(fields)
+    kwargs["structured"] = structured_outputs_of(fields.body)
     best_of = fields.int_("best_of")
     if best_of is not None and best_of != (kwargs["n"] or 1):
         raise _bad(f"best_of ({best_of}) must equal n ({kwargs['n'] or 1}); "
@@ -421,14 +411,6 @@ def _tools(fields: _Fields) -> tuple[dict[str, Any], ...] | None:
     return tuple(tools) if tools else None
 
 
-def _response_format(fields: _Fields) -> None:
-    value = fields.obj("response_format")
-    kind = None if value is None else value.get("type")
-    if value is not None and kind != "text":
-        raise _bad(f"response_format type {kind!r} is not supported; only 'text' is",
-                   "response_format")
-
-
 def _chat_sampling(fields: _Fields) -> SamplingParams:
     kwargs = _sampling_kwargs(fields)
     aliases: dict[str, str] = {}
@@ -454,7 +436,6 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
     messages = fields.list_("messages")
     if not messages or not all(isinstance(m, dict) for m in messages):
         raise _bad("'messages' must be a non-empty array of message objects", "messages")
-    _response_format(fields)
     params = _chat_sampling(fields)
     add_generation_prompt = fields.bool_("add_generation_prompt")
     continue_final = bool(fields.bool_("continue_final_message"))

@@ -32,8 +32,8 @@ class StructuredKind(enum.Enum):
 
 @dataclass(frozen=True)
 class StructuredOutputs:
-    """One request's output constraint. `spec` is text in every kind, so that equal
-    constraints compare (and cache) equal whatever the body's key order was."""
+    """One request's output constraint. `spec` is text in every kind (a JSON schema's
+    key order is kept: generated objects follow its order of properties)."""
 
     kind: StructuredKind
     spec: str = ""
@@ -63,7 +63,7 @@ class StructuredOutputs:
                                           param=param) from None
         if isinstance(schema, bool) or not isinstance(schema, Mapping):
             raise InvalidRequestError(f"'{param}' must be a JSON schema object", param=param)
-        text = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode()
+        text = orjson.dumps(schema).decode()  # key order kept: properties come in it
         return cls(StructuredKind.JSON, text, any_whitespace)
 
     @classmethod

@@ -54,6 +54,9 @@ class EngineOptions(Config):
     async_scheduling: Literal["auto", "on", "off"] = option(
         "auto", "overlap the CPU's work for the next step with the device's current step "
                 "(auto: on a GPU)")
+    structured_outputs_backend: Literal["xgrammar", "none"] = option(
+        "xgrammar", "what compiles the grammars of structured outputs (response_format, "
+                    "structured_outputs, guided_*; none: such requests are refused)")
     step_trace: str | None = option(
         None, "diagnostics: record every engine step (time, duration, running and waiting "
               "sequences, requests added, tokens) and write them as JSON lines to this file "

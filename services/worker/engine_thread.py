@@ -23,7 +23,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import Request, RequestOutput
@@ -61,6 +63,7 @@ class _Add:
     arrival: float
     resumed: dict[int, list[int]] | None = None  # the engine request's own indices
     store_lookup: bool = True
+    grammar: Any = None  # params.structured compiled (set once the compile is done)
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,16 @@ class _Abort:
     indices: list[int] | None = None  # the request's own sequence indices; None: all
 
 
+@dataclass(frozen=True)
+class _Compiled:
+    """The grammar of a constrained request is compiled (or failed to)."""
+
+    add: _Add
+    future: Future[Any]
+
+
 _STOP = object()
-_Command = _Add | _Abort | object
+_Command = _Add | _Abort | _Compiled | object
 
 
 @dataclass
@@ -114,6 +125,9 @@ class EngineThread:
         # Engine requests whose first-token time has been read (see _step).
         self._first_timed: set[str] = set()
         self._pending_errors: list[tuple[str, MeshError]] = []
+        # Engine-thread side: constrained requests whose grammar is compiling, and the
+        # sequences aborted meanwhile (None: all of them).
+        self._compiling: dict[str, _Add] = {}
         self._kv_seq = 0
         # Engine steps whose results reached the event loop, the latest one's timing, and
         # totals for the step-rate metrics (time in step(), tokens produced).
@@ -321,24 +335,57 @@ class EngineThread:
             if isinstance(command, _Add):
                 self._add(command)
                 self._added_since_step += 1
+            elif isinstance(command, _Compiled):
+                self._compiled(command)
             elif isinstance(command, _Abort):
+                if command.indices is None and self._compiling.pop(command.engine_id, None):
+                    continue  # its grammar was still compiling: it never reaches the engine
                 self.engine.abort_request(command.engine_id, command.indices)
                 if not self.engine.sequences(command.engine_id):
                     self._sequences.pop(command.engine_id, None)
                     self._first_timed.discard(command.engine_id)
 
     def _add(self, command: _Add) -> None:
+        if command.params.structured is not None and command.grammar is None:
+            # Compiled off this thread; the request joins the engine when its grammar is
+            # ready (cached grammars are ready at once), and the others run meanwhile.
+            try:
+                future = self.engine.grammars.submit(command.params.structured)
+            except MeshError as exc:
+                self._pending_errors.append((command.engine_id, exc))
+                return
+            self._compiling[command.engine_id] = command
+            if future.done():
+                self._compiled(_Compiled(command, future))
+            else:
+                future.add_done_callback(
+                    lambda done: self._commands.put(_Compiled(command, done)))
+            return
         try:
             self.engine.add_request(command.engine_id, command.prompt, command.params,
                                     priority=command.priority, cache_salt=command.cache_salt,
                                     lora_id=command.lora_id, arrival_time=command.arrival,
                                     resumed=command.resumed,
-                                    store_lookup=command.store_lookup)
+                                    store_lookup=command.store_lookup,
+                                    grammar=command.grammar)
         except MeshError as exc:
             self._pending_errors.append((command.engine_id, exc))
             return
         # Kept to read their scheduling timestamps later.
         self._sequences[command.engine_id] = self.engine.sequences(command.engine_id)
+
+    def _compiled(self, command: _Compiled) -> None:
+        add = command.add
+        if self._compiling.get(add.engine_id) is not add:
+            return  # aborted while its grammar compiled
+        del self._compiling[add.engine_id]
+        error = command.future.exception()
+        if error is None:
+            self._add(replace(add, grammar=command.future.result()))
+            return
+        if not isinstance(error, MeshError):
+            error = InternalError(f"compiling the request's grammar failed: {error!r}")
+        self._pending_errors.append((add.engine_id, error))
 
     def _take_errors(self, batch: _StepBatch) -> None:
         batch.errors, self._pending_errors = self._pending_errors, []

@@ -15,9 +15,9 @@ import orjson
 from meshserve.proto.v1 import common_pb2, worker_pb2
 from meshserve.services.worker.request_stream import RequestTimes, SequenceDelta, StreamUpdate
 from meshserve.shared.errors import InternalError, InvalidRequestError
-from meshserve.shared.structured_outputs import StructuredKind, StructuredOutputs
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
+from meshserve.shared.structured_outputs import StructuredKind, StructuredOutputs
 
 FINISH_PB = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
              "abort": common_pb2.FINISH_REASON_ABORT}

@@ -33,7 +33,10 @@ READ_BY_CHAT = {
 VLLM_READ = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
              "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
              "spaces_between_special_tokens", "add_special_tokens", "priority", "cache_salt",
-             "truncate_prompt_tokens", "prompt_logprobs", "return_tokens_as_token_ids"}
+             "truncate_prompt_tokens", "prompt_logprobs", "return_tokens_as_token_ids",
+             "response_format", "structured_outputs", "guided_json", "guided_regex",
+             "guided_choice", "guided_grammar", "guided_decoding_backend",
+             "guided_whitespace_pattern"}
 VLLM_CHAT_READ = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                   "chat_template"}
 

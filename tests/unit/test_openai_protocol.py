@@ -173,7 +173,7 @@ def test_chat_defaults() -> None:
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 25}, "top_logprobs"),
     ({"logprobs": 3}, "logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"add_generation_prompt": True, "continue_final_message": True},

@@ -37,6 +37,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # Overlapped loop: queue step N+1 before reading step N's tokens (auto: on a GPU).
     async_scheduling: str = "auto"  # auto | on | off
+    # What compiles structured-output grammars (none: such requests are refused).
+    structured_outputs_backend: str = "xgrammar"  # xgrammar | none
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str, param: str) -> None:
@@ -67,6 +69,9 @@ class EngineConfig:
         check(self.async_scheduling in ("auto", "on", "off"),
               f"--async-scheduling must be auto, on or off, got {self.async_scheduling!r}",
               "async_scheduling")
+        check(self.structured_outputs_backend in ("xgrammar", "none"),
+              "--structured-outputs-backend must be xgrammar or none, got "
+              f"{self.structured_outputs_backend!r}", "structured_outputs_backend")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")

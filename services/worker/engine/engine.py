@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -43,6 +44,10 @@ from meshserve.services.worker.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from meshserve.services.worker.engine.structured_output import (
+    GrammarCompiler,
+    new_matcher,
+)
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.loader import (
     ModelSource,
@@ -54,6 +59,7 @@ from meshserve.services.worker.models.loader import (
 from meshserve.shared.block_hash import extra_keys_for
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
 from meshserve.shared.kv_events import KVEvent
+from meshserve.shared.model_source import tokenizer_folder
 from meshserve.shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -134,6 +140,11 @@ class LLMEngine:
             config.async_scheduling == "auto" and self.device.type == "cuda")
         self._in_flight: LaunchedStep | None = None  # queued, results not read yet
         self.kv_tier: KVTier | None = None
+        self.grammars = GrammarCompiler(
+            lambda: tokenizer_folder(self.source), vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.model_config.eos_token_ids,
+            backend=config.structured_outputs_backend)
+        self.grammars.preload()
         log.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     # ----- sizing -------------------------------------------------------------
@@ -197,8 +208,12 @@ class LLMEngine:
                     *, priority: int = 0, cache_salt: str | None = None,
                     lora_id: int | None = None, arrival_time: float | None = None,
                     resumed: Mapping[int, Sequence[int]] | None = None,
-                    store_lookup: bool = True) -> None:
+                    store_lookup: bool = True, grammar: Any = None) -> None:
         """Queue a request (n sequences). Raises InvalidRequestError for a bad one.
+
+        `grammar`: the compiled grammar of `params.structured` (`self.grammars.submit`);
+        when a constrained request comes without it, it is compiled here, on the caller's
+        thread (the worker's engine thread compiles before adding instead).
 
         `store_lookup` False: the KV tier is not asked for its prompt blocks (the router
         saw none there).
@@ -214,6 +229,8 @@ class LLMEngine:
         max_tokens = self.validator.check(prompt_token_ids, params)
         if resumed is not None:
             self.validator.check_resumed(resumed, len(prompt_token_ids), params.n, max_tokens)
+        if params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured)
         extra_keys = extra_keys_for(lora_id, cache_salt)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         sequences: list[Request] = []
@@ -233,10 +250,23 @@ class LLMEngine:
             seq.store_checked = not store_lookup
             if params.seed is not None:
                 seq.generator = make_generator(params.seed, self.device, index)
+            if grammar is not None:
+                seq.grammar = self._matcher(grammar, seq)
             sequences.append(seq)
         self._groups[request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)
+
+    def _matcher(self, grammar: Any, seq: Request) -> Any:
+        """The sequence's grammar matcher, past the output tokens it already has."""
+        stop_ids = list(dict.fromkeys([*seq.eos_token_ids, *seq.params.stop_token_ids]))
+        matcher = new_matcher(grammar, stop_ids)
+        for token in seq.output_token_ids:  # a resumed sequence's tokens
+            if not matcher.accept_token(token):
+                raise InvalidRequestError("a resumed sequence's output does not follow its "
+                                          "structured output constraint",
+                                          param="structured_outputs")
+        return matcher
 
     def abort_request(self, request_id: str, indices: list[int] | None = None) -> None:
         """Stop a request (or only its sequences `indices`) wherever it is. Blocks are freed
@@ -287,6 +317,13 @@ class LLMEngine:
             for seq in launched.sample_requests:  # their tokens' places, until read
                 seq.output_token_ids.append(PENDING_TOKEN)
                 seq.num_pending += 1
+        if launched is not None and launched.sample_deferred:
+            # Constrained sequences: their grammars take the step before's tokens (read
+            # now, while the device runs this step's forward), then this step samples.
+            if previous is not None:
+                outputs.extend(self._apply(previous.result()))
+                previous = None
+            self.runner.sample(launched)
         if previous is not None:
             outputs.extend(self._apply(previous.result()))
         if launched is not None:
@@ -322,6 +359,8 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             status = self._stop_status(seq, token, count)
+            if seq.grammar is not None and status is None:
+                status = self._grammar_status(seq, token)
             if status is not None:
                 self._finish(seq, status)
                 self._forget_if_done(seq.group_id)
@@ -344,6 +383,17 @@ class LLMEngine:
         if count >= seq.max_tokens or seq.num_prompt_tokens + count >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    @staticmethod
+    def _grammar_status(seq: Request, token: int) -> RequestStatus | None:
+        """Feed `token` to the sequence's grammar: FINISHED_STOPPED once the grammar is
+        complete (or, which the mask prevents, rejects the token)."""
+        matcher: Any = seq.grammar
+        if not matcher.accept_token(token):
+            log.warning("%s: grammar rejected token %d; finishing the sequence",
+                        seq.request_id, token)
+            return RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED if matcher.is_terminated() else None
 
     def _forget_if_done(self, group_id: str) -> None:
         group = self._groups.get(group_id)

@@ -77,6 +77,13 @@ class LaunchedStep:
         self.prompt_scores = prompt_scores
         # Sequence (by identity) -> its row in `sample.token_ids`.
         self.sample_index = {id(r): i for i, r in enumerate(sample_requests)}
+        # [S, V] float32 logits of a step whose sampling is not queued yet.
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def sample_deferred(self) -> bool:
+        """Whether `ModelRunner.sample` must still queue this step's sampling."""
+        return self.logits is not None
 
     def result(self) -> StepResult:
         result = StepResult()
@@ -187,7 +194,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step and wait for its results."""
-        return self.launch(out).result()
+        launched = self.launch(out)
+        if launched.sample_deferred:
+            self.sample(launched)
+        return launched.result()
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None
@@ -205,13 +215,23 @@ class ModelRunner:
                 previous.sample.token_ids[sources])
         hidden = self._forward(inputs)
         prompt_scores = self._score_prompts(hidden, inputs)
-        sample = None
+        launched = LaunchedStep(out, inputs.sample_requests, None, prompt_scores)
         if inputs.sample_rows:
             rows = self._tensor(inputs.sample_rows, torch.long)
-            logits = self.model.compute_logits(hidden[rows])  # [S, V] float32
-            sample = self.sampler.sample_async(
-                logits, [_row(r) for r in inputs.sample_requests])
-        return LaunchedStep(out, inputs.sample_requests, sample, prompt_scores)
+            launched.logits = self.model.compute_logits(hidden[rows])  # [S, V] float32
+            if not any(r.grammar is not None for r in inputs.sample_requests):
+                self.sample(launched)
+        return launched
+
+    @torch.inference_mode()
+    def sample(self, launched: LaunchedStep) -> None:
+        """Queue the sampling of a launched step whose sampling `launch` left to the caller
+        (constrained sequences: their grammars must first take the tokens of the step
+        before, which the caller reads while the device runs this step's forward)."""
+        assert launched.logits is not None and launched.sample is None, "nothing to sample"
+        rows = [_row(r) for r in launched.sample_requests]
+        launched.sample = self.sampler.sample_async(launched.logits, rows)
+        launched.logits = None
 
     def prepare(self, out: SchedulerOutput, previous: LaunchedStep | None = None
                 ) -> StepInputs:
@@ -311,4 +331,6 @@ def _row(request: Request) -> SamplingRow:
         output_token_ids=request.output_token_ids,
         generator=request.generator,  # type: ignore[arg-type]
         stop_ids=stop_ids,
+        # A finished sequence's token is dropped: its matcher may have terminated.
+        grammar=None if request.is_finished else request.grammar,
     )

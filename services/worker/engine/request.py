@@ -84,6 +84,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # Per-sequence random source when params.seed is set (a torch.Generator, set by the engine).
         self.generator: object | None = None
+        # The grammar matcher (xgrammar) of a constrained sequence; it has accepted every
+        # output token the host knows.
+        self.grammar: object | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from meshserve.services.worker.engine.structured_output import BitmaskApplier
 from meshserve.shared.errors import InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
@@ -43,6 +44,8 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # EOS ids + params.stop_token_ids: masked while len(output) < min_tokens.
     stop_ids: tuple[int, ...] = ()
+    # The sequence's grammar matcher (xgrammar) when its output is constrained.
+    grammar: object | None = None
 
 
 @dataclass
@@ -260,6 +263,7 @@ class Sampler:
         self._host_rng = random.Random(seed)
         # Reseeded for each seeded row's draw on a CPU (see _draw).
         self._keyed = torch.Generator(device=self.device)
+        self._bitmask: BitmaskApplier | None = None  # made on the first constrained row
 
     @torch.inference_mode()
     def sample(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -290,6 +294,9 @@ class Sampler:
 
     def _process(self, logits: Tensor, rows: list[SamplingRow]) -> _Processed:
         self._check(logits, rows)
+        if any(row.grammar is not None for row in rows):
+            # In place and first, as vLLM does: logprobs then describe the masked logits.
+            self._grammar_mask().apply(logits, [row.grammar for row in rows])
         adjusted = self._adjust(logits, rows)
         sampled_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not sampled_rows:
@@ -303,6 +310,11 @@ class Sampler:
             scaled = adjusted[self._index(sampled_rows)].div_(divisor)
         params = [rows[i].params for i in sampled_rows]
         return _Processed(adjusted, self._filter(scaled, params), sampled_rows)
+
+    def _grammar_mask(self) -> BitmaskApplier:
+        if self._bitmask is None:
+            self._bitmask = BitmaskApplier(self.vocab_size, self.device)
+        return self._bitmask
 
     def _check(self, logits: Tensor, rows: list[SamplingRow]) -> None:
         if logits.dim() != 2 or logits.shape != (len(rows), self.vocab_size):
