@@ -84,10 +84,11 @@ def main() -> None:
     low = min(1000, engine.model_config.vocab_size // 4)
     prompts = [[rng.randrange(low, engine.model_config.vocab_size - 512)
                 for _ in range(args.prompt_len)] for _ in range(args.requests)]
-    _run(engine, prompts[:8], [None] * 8, 16)  # warm-up (kernels, graphs, sampler paths)
-    _run(engine, prompts[:8], [specs[0], None] * 4, 16)
     half = [specs[(i // 2) % len(specs)] if i % 2 == 0 else None
             for i in range(args.requests)]
+    # Warm-up at full size (kernels, graphs and sampler paths of every batch shape).
+    _run(engine, prompts, [None] * args.requests, 16)
+    _run(engine, prompts, half, 16)
     runs: dict[str, list[dict[str, float]]] = {"free": [], "half_json_schema": []}
     for repeat in range(args.repeats):
         for name, constraints in (("free", [None] * args.requests),
@@ -164,7 +165,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="structured.json")
     return parser.parse_args()
 

@@ -46,6 +46,7 @@ from meshserve.services.worker.engine.scheduler import (
 )
 from meshserve.services.worker.engine.structured_output import (
     GrammarCompiler,
+    accept_tokens,
     new_matcher,
 )
 from meshserve.services.worker.models.config import ModelConfig
@@ -348,6 +349,7 @@ class LLMEngine:
         for request, start, scored in result.prompt_logprobs:
             request.prompt_logprobs[start : start + len(scored)] = scored
         now = time.monotonic()
+        accepted = self._accept_grammar_tokens(result)
         for seq, token, logprobs in result.sampled:
             if seq.is_finished:  # aborted, or stopped by the step before, while queued
                 continue
@@ -360,7 +362,7 @@ class LLMEngine:
                 seq.first_token_time = now
             status = self._stop_status(seq, token, count)
             if seq.grammar is not None and status is None:
-                status = self._grammar_status(seq, token)
+                status = self._grammar_status(seq, token, accepted[id(seq)])
             if status is not None:
                 self._finish(seq, status)
                 self._forget_if_done(seq.group_id)
@@ -385,14 +387,25 @@ class LLMEngine:
         return None
 
     @staticmethod
-    def _grammar_status(seq: Request, token: int) -> RequestStatus | None:
-        """Feed `token` to the sequence's grammar: FINISHED_STOPPED once the grammar is
-        complete (or, which the mask prevents, rejects the token)."""
-        matcher: Any = seq.grammar
-        if not matcher.accept_token(token):
+    def _accept_grammar_tokens(result: StepResult) -> dict[int, bool]:
+        """Feed each constrained sequence's new token to its grammar, in one batch; by
+        sequence identity, whether the grammar took it."""
+        rows = [(seq, token) for seq, token, _ in result.sampled
+                if seq.grammar is not None and not seq.is_finished]
+        if not rows:
+            return {}
+        taken = accept_tokens([seq.grammar for seq, _ in rows], [token for _, token in rows])
+        return {id(seq): ok for (seq, _), ok in zip(rows, taken, strict=True)}
+
+    @staticmethod
+    def _grammar_status(seq: Request, token: int, accepted: bool) -> RequestStatus | None:
+        """FINISHED_STOPPED once the sequence's grammar is complete (or, which the mask
+        prevents, has rejected `token`)."""
+        if not accepted:
             log.warning("%s: grammar rejected token %d; finishing the sequence",
                         seq.request_id, token)
             return RequestStatus.FINISHED_STOPPED
+        matcher: Any = seq.grammar
         return RequestStatus.FINISHED_STOPPED if matcher.is_terminated() else None
 
     def _forget_if_done(self, group_id: str) -> None:

@@ -59,6 +59,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._cache: dict[tuple[str, str, bool], Future[Any]] = {}
+        if backend != "none":
+            # Here, not first on a pool thread: transformers' lazy imports are not safe to
+            # race with the engine's own (seen as a failed import on a GPU worker).
+            import xgrammar  # noqa: F401
 
     def preload(self) -> None:
         """Start loading the tokenizer in the background (first requests then wait less)."""
@@ -224,6 +228,13 @@ def _log_failure(future: Future[Any]) -> None:
     exc = future.exception()
     if exc is not None:
         log.warning("structured outputs unavailable: %s", exc)
+
+
+def accept_tokens(matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
+    """Feed token i to matcher i, all in one call into xgrammar; whether each took it."""
+    import xgrammar as xgr
+
+    return list(xgr.BatchGrammarMatcher.batch_accept_token(list(matchers), list(tokens)))
 
 
 def new_matcher(grammar: Any, stop_token_ids: Sequence[int]) -> Any:
