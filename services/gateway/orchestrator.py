@@ -108,12 +108,13 @@ class Orchestrator:
         return left
 
     async def tokenize(self, model: str, prompt: str | ChatPrompt, *, add_special_tokens: bool,
-                       deadline: float, truncate_prompt_tokens: int | None = None
-                       ) -> tokenizer_pb2.TokenizeResponse:
+                       deadline: float, truncate_prompt_tokens: int | None = None,
+                       return_token_strs: bool = False) -> tokenizer_pb2.TokenizeResponse:
         """Tokenize one text or chat prompt on a tokenizer replica (keeping only its last
         `truncate_prompt_tokens` tokens when set; -1: the model's context length)."""
         request = tokenizer_pb2.TokenizeRequest(model=model,
-                                                add_special_tokens=add_special_tokens)
+                                                add_special_tokens=add_special_tokens,
+                                                return_token_strs=return_token_strs)
         keep = await self._keep_tokens(model, truncate_prompt_tokens)
         if keep is not None:
             request.truncate_prompt_tokens = keep

@@ -84,11 +84,13 @@ class ServiceHandlers:
                                           param="prompt")
             prompt = body["prompt"]
             add_special = _typed(body, "add_special_tokens", bool, "a boolean", True)
+        strs = _typed(body, "return_token_strs", bool, "a boolean", False)
         response = await self._orch.tokenize(model, prompt, add_special_tokens=add_special,
-                                             deadline=self._deadline())
+                                             deadline=self._deadline(), return_token_strs=strs)
         tokens = list(response.token_ids)
         return json_response({"count": len(tokens), "max_model_len": response.max_model_len,
-                              "tokens": tokens, "token_strs": None})
+                              "tokens": tokens,
+                              "token_strs": list(response.token_strs) if strs else None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize: {"tokens": [ids]} -> {"prompt": text}."""

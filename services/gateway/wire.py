@@ -66,7 +66,7 @@ def sampling_params(params: SamplingParams, max_tokens: int | None) -> common_pb
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         extra_json=orjson.dumps(params.extra).decode() if params.extra else "")
     if params.structured is not None:
-        message.structured_outputs.CopyFrom(structured_outputs(params.structured))
+        message.structured.CopyFrom(structured_outputs(params.structured))
     if params.logit_bias:
         check_token_ids(list(params.logit_bias), "logit_bias")
         message.logit_bias.update(params.logit_bias)

@@ -120,8 +120,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
         result = await self._tokenize(request, "tokenize")
+        strs = (self.model.tokenizer.convert_ids_to_tokens(result.token_ids)
+                if request.return_token_strs else [])
         return tokenizer_pb2.TokenizeResponse(token_ids=result.token_ids, prompt_text=result.text,
-                                              max_model_len=self.model.max_model_len)
+                                              max_model_len=self.model.max_model_len,
+                                              token_strs=strs)
 
     async def CountTokens(self, request: tokenizer_pb2.CountTokensRequest,
                           context: grpc.aio.ServicerContext

@@ -45,7 +45,7 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         skip_special_tokens=p.skip_special_tokens if has("skip_special_tokens") else True,
         spaces_between_special_tokens=(p.spaces_between_special_tokens
                                        if has("spaces_between_special_tokens") else True),
-        structured=(_structured(p.structured_outputs) if has("structured_outputs") else None),
+        structured=(_structured(p.structured) if has("structured") else None),
         extra=_extra(p.extra_json))
 
 

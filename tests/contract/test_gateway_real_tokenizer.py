@@ -101,8 +101,16 @@ async def test_echo_tokenize_and_detokenize(mesh: Mesh, api: AsyncOpenAI,
     text = "Stream the 缓存 block 🤖"
     async with aiohttp.ClientSession(mesh.base_url) as http:
         async with http.post("/tokenize", json={"prompt": text}) as resp:
-            tokens = (await resp.json())["tokens"]
-            assert tokens == list(hf.encode(text))
+            body = await resp.json()
+            tokens = body["tokens"]
+            assert tokens == list(hf.encode(text)) and body["token_strs"] is None
+        async with http.post("/tokenize", json={"prompt": text,
+                                                "return_token_strs": True}) as resp:
+            assert (await resp.json())["token_strs"] == hf.convert_ids_to_tokens(tokens)
+        async with http.post("/tokenize", json={"prompt": text,
+                                                "return_token_strs": "yes"}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == (
+                "return_token_strs")
         async with http.post("/detokenize", json={"tokens": tokens}) as resp:
             assert (await resp.json())["prompt"] == hf.decode(tokens)
 
