@@ -28,7 +28,9 @@ class SamplingParams:
     alternatives returned per output token (0: only the chosen token's
     logprob; None: no logprobs). `stop` strings are matched by the
     detokenizer, not by the engine. `structured` constrains every output token to a
-    schema, regex, choice or grammar (compiled and applied by the worker).
+    schema, regex, choice or grammar (compiled and applied by the worker); the tokens of
+    `bad_words` are never generated (vLLM's meaning: a word's last token is banned where
+    its other tokens were just generated).
     """
 
     n: int = 1
@@ -52,6 +54,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured: StructuredOutputs | None = None
+    bad_words: tuple[str, ...] = ()
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,6 +91,8 @@ class SamplingParams:
                "stop_token_ids must be non-negative integers", "stop_token_ids")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop must be a list of non-empty strings", "stop")
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
+               "bad_words must be a list of non-empty strings", "bad_words")
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
                 _check(isinstance(token, int) and token >= 0,
@@ -98,6 +103,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling needs every earlier output token on the host."""
+        return self.needs_penalties or bool(self.bad_words)
 
     @property
     def needs_penalties(self) -> bool:

@@ -64,6 +64,7 @@ class _Add:
     resumed: dict[int, list[int]] | None = None  # the engine request's own indices
     store_lookup: bool = True
     grammar: Any = None  # params.structured compiled (set once the compile is done)
+    bad_words_ids: tuple[tuple[int, ...], ...] | None = None  # params.bad_words tokenized
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,11 @@ class _Abort:
 
 @dataclass(frozen=True)
 class _Compiled:
-    """The grammar of a constrained request is compiled (or failed to)."""
+    """Work a request needed before the engine (its grammar compiled, its bad words
+    tokenized) is done, or failed; `field` of `add` takes the result."""
 
     add: _Add
+    field: str
     future: Future[Any]
 
 
@@ -346,20 +349,20 @@ class EngineThread:
                     self._first_timed.discard(command.engine_id)
 
     def _add(self, command: _Add) -> None:
-        if command.params.structured is not None and command.grammar is None:
-            # Compiled off this thread; the request joins the engine when its grammar is
-            # ready (cached grammars are ready at once), and the others run meanwhile.
-            try:
-                future = self.engine.grammars.submit(command.params.structured)
-            except MeshError as exc:
-                self._pending_errors.append((command.engine_id, exc))
+        params, grammars = command.params, self.engine.grammars
+        # Grammars compile and bad words tokenize off this thread; the request joins the
+        # engine when they are ready (a cached grammar is ready at once), and the others
+        # run meanwhile.
+        try:
+            if params.bad_words and command.bad_words_ids is None:
+                self._prepare(command, "bad_words_ids", grammars.submit_bad_words(
+                    params.bad_words))
                 return
-            self._compiling[command.engine_id] = command
-            if future.done():
-                self._compiled(_Compiled(command, future))
-            else:
-                future.add_done_callback(
-                    lambda done: self._commands.put(_Compiled(command, done)))
+            if params.structured is not None and command.grammar is None:
+                self._prepare(command, "grammar", grammars.submit(params.structured))
+                return
+        except MeshError as exc:
+            self._pending_errors.append((command.engine_id, exc))
             return
         try:
             self.engine.add_request(command.engine_id, command.prompt, command.params,
@@ -367,21 +370,30 @@ class EngineThread:
                                     lora_id=command.lora_id, arrival_time=command.arrival,
                                     resumed=command.resumed,
                                     store_lookup=command.store_lookup,
-                                    grammar=command.grammar)
+                                    grammar=command.grammar,
+                                    bad_words_ids=command.bad_words_ids)
         except MeshError as exc:
             self._pending_errors.append((command.engine_id, exc))
             return
         # Kept to read their scheduling timestamps later.
         self._sequences[command.engine_id] = self.engine.sequences(command.engine_id)
 
+    def _prepare(self, command: _Add, field: str, future: Future[Any]) -> None:
+        self._compiling[command.engine_id] = command
+        if future.done():
+            self._compiled(_Compiled(command, field, future))
+        else:
+            future.add_done_callback(
+                lambda done: self._commands.put(_Compiled(command, field, done)))
+
     def _compiled(self, command: _Compiled) -> None:
         add = command.add
         if self._compiling.get(add.engine_id) is not add:
-            return  # aborted while its grammar compiled
+            return  # aborted meanwhile
         del self._compiling[add.engine_id]
         error = command.future.exception()
         if error is None:
-            self._add(replace(add, grammar=command.future.result()))
+            self._add(replace(add, **{command.field: command.future.result()}))
             return
         if not isinstance(error, MeshError):
             error = InternalError(f"compiling the request's grammar failed: {error!r}")

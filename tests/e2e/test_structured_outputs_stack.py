@@ -144,3 +144,20 @@ def test_an_invalid_schema_is_a_400_naming_the_field(client: openai.OpenAI,
     # The stack serves on.
     ok = client.completions.create(model=MODEL, prompt="x", max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_words_change_the_output_and_a_wrong_shape_is_refused(
+        client: openai.OpenAI) -> None:
+    free = client.completions.create(model=MODEL, prompt="once", max_tokens=24,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    # Runs of plain letters (random weights also write bytes that are not UTF-8).
+    words = re.findall(r"[A-Za-z]{3,}", free.choices[0].text)
+    assert words
+    banned = client.completions.create(model=MODEL, prompt="once", max_tokens=24,
+                                       temperature=0,
+                                       extra_body={"ignore_eos": True,
+                                                   "bad_words": words})
+    assert banned.choices[0].text != free.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="once", extra_body={"bad_words": [3]})
+    assert refused.value.body["param"] == "bad_words"  # type: ignore[index]

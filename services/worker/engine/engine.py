@@ -209,12 +209,14 @@ class LLMEngine:
                     *, priority: int = 0, cache_salt: str | None = None,
                     lora_id: int | None = None, arrival_time: float | None = None,
                     resumed: Mapping[int, Sequence[int]] | None = None,
-                    store_lookup: bool = True, grammar: Any = None) -> None:
+                    store_lookup: bool = True, grammar: Any = None,
+                    bad_words_ids: tuple[tuple[int, ...], ...] | None = None) -> None:
         """Queue a request (n sequences). Raises InvalidRequestError for a bad one.
 
         `grammar`: the compiled grammar of `params.structured` (`self.grammars.submit`);
         when a constrained request comes without it, it is compiled here, on the caller's
         thread (the worker's engine thread compiles before adding instead).
+        `bad_words_ids`: `params.bad_words` tokenized (`self.grammars.bad_word_ids`), likewise.
 
         `store_lookup` False: the KV tier is not asked for its prompt blocks (the router
         saw none there).
@@ -232,6 +234,8 @@ class LLMEngine:
             self.validator.check_resumed(resumed, len(prompt_token_ids), params.n, max_tokens)
         if params.structured is not None and grammar is None:
             grammar = self.grammars.compile(params.structured)
+        if params.bad_words and bad_words_ids is None:
+            bad_words_ids = self.grammars.bad_word_ids(params.bad_words)
         extra_keys = extra_keys_for(lora_id, cache_salt)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         sequences: list[Request] = []
@@ -253,6 +257,7 @@ class LLMEngine:
                 seq.generator = make_generator(params.seed, self.device, index)
             if grammar is not None:
                 seq.grammar = self._matcher(grammar, seq)
+            seq.bad_words = bad_words_ids or ()
             sequences.append(seq)
         self._groups[request_id] = sequences
         for seq in sequences:
@@ -341,7 +346,7 @@ class LLMEngine:
     @staticmethod
     def _needs_history(step: LaunchedStep) -> bool:
         """Whether the next step needs `step`'s tokens on the host before it samples."""
-        return any(seq.params.needs_penalties and not seq.is_finished
+        return any(seq.params.needs_history and not seq.is_finished
                    for seq in step.sample_requests)
 
     def _apply(self, result: StepResult) -> list[RequestOutput]:

@@ -333,4 +333,5 @@ def _row(request: Request) -> SamplingRow:
         stop_ids=stop_ids,
         # A finished sequence's token is dropped: its matcher may have terminated.
         grammar=None if request.is_finished else request.grammar,
+        bad_words=request.bad_words,
     )

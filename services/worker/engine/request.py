@@ -87,6 +87,9 @@ class Request:
         # The grammar matcher (xgrammar) of a constrained sequence; it has accepted every
         # output token the host knows.
         self.grammar: object | None = None
+        # params.bad_words as token sequences: the last token of each is banned where the
+        # output ends with the others.
+        self.bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,6 +1,7 @@
 """Turns one step's logits into tokens and logprobs, each row under its own sampling parameters.
 
-Per row, in vLLM/OpenAI order: logit_bias -> min_tokens masking -> penalties -> temperature ->
+Per row, in vLLM/OpenAI order: grammar mask -> logit_bias -> min_tokens and bad_words
+masking -> penalties -> temperature ->
 top_k -> top_p -> min_p -> sample. Greedy rows (temperature 0) take the argmax of the logits
 after penalties, which the filters cannot change. Logprobs come from the raw logits as passed in
 (vLLM's default "raw_logprobs").
@@ -46,6 +47,9 @@ class SamplingRow:
     stop_ids: tuple[int, ...] = ()
     # The sequence's grammar matcher (xgrammar) when its output is constrained.
     grammar: object | None = None
+    # Token sequences never generated: each one's last token is banned where the output
+    # ends with its others (vLLM's bad_words).
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -155,6 +159,16 @@ def logprob_entries(table: list[list[float]]) -> list[TokenLogprobs]:
         entries.append(TokenLogprobs(token_id=int(row[0]), logprob=row[1], rank=int(row[2]),
                                      top=list(zip(top_ids, row[3 + num_top:]))))
     return entries
+
+
+def banned_tokens(output: Sequence[int], bad_words: Sequence[Sequence[int]]) -> list[int]:
+    """Tokens a bad word bans next: its last token, where `output` ends with the others."""
+    banned = []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix == 0 or (len(output) >= prefix and list(output[-prefix:]) == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
 
 
 def apply_penalties(
@@ -344,6 +358,8 @@ class Sampler:
                            _to_device(v, torch.float32, self.device), accumulate=True)
         masked = [(i, token) for i, row in enumerate(rows)
                   if len(row.output_token_ids) < row.params.min_tokens for token in row.stop_ids]
+        masked += [(i, token) for i, row in enumerate(rows) if row.bad_words
+                   for token in banned_tokens(row.output_token_ids, row.bad_words)]
         if masked:
             out = out.clone() if out is logits else out
             r, c = zip(*masked)

@@ -58,6 +58,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._compiler: Any = None
+        self._tokenizer: Any = None
         self._cache: dict[tuple[str, str, bool], Future[Any]] = {}
         if backend != "none":
             # Here, not first on a pool thread: transformers' lazy imports are not safe to
@@ -94,21 +95,44 @@ class GrammarCompiler:
             raise InvalidRequestError("structured outputs are switched off on this worker "
                                       "(--structured-outputs-backend none)", param=_PARAM)
 
+    def submit_bad_words(self, words: Sequence[str]) -> Future[tuple[tuple[int, ...], ...]]:
+        """`bad_word_ids(words)` on a pool thread (the tokenizer may still be loading)."""
+        return self._pool.submit(self.bad_word_ids, words)
+
+    def bad_word_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's token ids, as written and after a space (as vLLM tokenizes them)."""
+        tokenizer = self._get_tokenizer("bad_words")
+        found: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    found[ids] = None
+        return tuple(found)
+
+    def _get_tokenizer(self, param: str) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                folder = self._folder()
+                if folder is None:
+                    raise InvalidRequestError(f"{param} needs the model's tokenizer, and this "
+                                              "worker's model has none", param=param)
+                self._tokenizer = AutoTokenizer.from_pretrained(str(folder),
+                                                                local_files_only=True)
+            return self._tokenizer
+
     def _get_compiler(self) -> Any:
+        tokenizer = self._get_tokenizer(_PARAM)
         with self._lock:
             if self._compiler is None:
-                self._compiler = self._load_compiler()
+                self._compiler = self._load_compiler(tokenizer)
             return self._compiler
 
-    def _load_compiler(self) -> Any:
+    def _load_compiler(self, tokenizer: Any) -> Any:
         import xgrammar as xgr
-        from transformers import AutoTokenizer
 
-        folder = self._folder()
-        if folder is None:
-            raise InvalidRequestError("structured outputs need the model's tokenizer, and "
-                                      "this worker's model has none", param=_PARAM)
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=self._eos or None)
         log.info("structured outputs: xgrammar ready for a vocabulary of %d", self.vocab_size)
