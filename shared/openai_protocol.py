@@ -76,7 +76,6 @@ def sse(obj: object) -> bytes:
 # is refused with a 400 naming it, unless its value is absent, null or one of the values
 # listed (those that ask for nothing, such as vLLM's defaults). Nothing is silently ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
-    "allowed_token_ids": ((), "allowed_token_ids is not implemented"),
     "logits_processors": ((), "logits processors are not supported"),
     "return_token_ids": ((False,), "return_token_ids is not implemented"),
     "vllm_xargs": (({},), "vllm_xargs is not supported"),
@@ -238,6 +237,11 @@ def _sampling_kwargs(fields: _Fields) -> dict[str, Any]:
         if not all(isinstance(w, str) and w.strip() for w in bad_words):
             raise _bad("'bad_words' must be an array of non-empty strings", "bad_words")
         kwargs["bad_words"] = tuple(bad_words)
+    allowed = fields.list_("allowed_token_ids")
+    if allowed:
+        if not all(_is_token_id(t) for t in allowed):
+            raise _bad("'allowed_token_ids' must be an array of token ids", "allowed_token_ids")
+        kwargs["allowed_token_ids"] = tuple(allowed)
     best_of = fields.int_("best_of")
     if best_of is not None and best_of != (kwargs["n"] or 1):
         raise _bad(f"best_of ({best_of}) must equal n ({kwargs['n'] or 1}); "

@@ -30,7 +30,7 @@ class SamplingParams:
     detokenizer, not by the engine. `structured` constrains every output token to a
     schema, regex, choice or grammar (compiled and applied by the worker); the tokens of
     `bad_words` are never generated (vLLM's meaning: a word's last token is banned where
-    its other tokens were just generated).
+    its other tokens were just generated); with `allowed_token_ids`, only those tokens are.
     """
 
     n: int = 1
@@ -55,6 +55,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     structured: StructuredOutputs | None = None
     bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every token
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,6 +92,8 @@ class SamplingParams:
                "stop_token_ids must be non-negative integers", "stop_token_ids")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop must be a list of non-empty strings", "stop")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+               "allowed_token_ids must be non-negative integers", "allowed_token_ids")
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
                "bad_words must be a list of non-empty strings", "bad_words")
         if self.logit_bias:
@@ -116,5 +119,6 @@ class SamplingParams:
 
     def max_token_id(self) -> int:
         """Largest token id the parameters name (-1 if none), for vocabulary checks."""
-        ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
+        ids = (list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
+               + list(self.allowed_token_ids))
         return max(ids, default=-1)

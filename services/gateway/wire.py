@@ -58,6 +58,7 @@ def sampling_params(params: SamplingParams, max_tokens: int | None) -> common_pb
         repetition_penalty=params.repetition_penalty, seed=seed,
         min_tokens=_in_int32(params.min_tokens, "min_tokens"), max_tokens=max_tokens,
         stop=list(params.stop), bad_words=list(params.bad_words),
+        allowed_token_ids=check_token_ids(params.allowed_token_ids, "allowed_token_ids"),
         stop_token_ids=check_token_ids(params.stop_token_ids, "stop_token_ids"),
         include_stop_str_in_output=params.include_stop_str_in_output,
         ignore_eos=params.ignore_eos, logprobs=params.logprobs,

@@ -46,7 +46,7 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         spaces_between_special_tokens=(p.spaces_between_special_tokens
                                        if has("spaces_between_special_tokens") else True),
         structured=(_structured(p.structured) if has("structured") else None),
-        bad_words=tuple(p.bad_words),
+        bad_words=tuple(p.bad_words), allowed_token_ids=tuple(p.allowed_token_ids),
         extra=_extra(p.extra_json))
 
 

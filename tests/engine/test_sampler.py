@@ -97,6 +97,23 @@ def test_min_tokens_masks_stop_ids_until_reached() -> None:
     assert torch.equal(processed, logits[0])
 
 
+def test_allowed_token_ids_keep_only_those_tokens_in_their_rows() -> None:
+    logits = random_logits(3, 40, seed=4)
+    allowed = (3, 17, 29)
+    rows = [make_row(temperature=0.0, allowed_token_ids=allowed), make_row(temperature=0.0),
+            make_row(temperature=1.0, seed=5, allowed_token_ids=allowed)]
+    processed = Sampler(40, CPU).process(logits, rows)
+    outside = [t for t in range(40) if t not in allowed]
+    assert torch.equal(processed[0, list(allowed)], logits[0, list(allowed)])
+    assert bool((processed[0, outside] == -math.inf).all())
+    assert torch.equal(processed[1], logits[1])  # the free row is untouched
+    for seed in range(20):
+        rows[2] = make_row(temperature=1.0, seed=seed, allowed_token_ids=allowed)
+        tokens = Sampler(40, CPU).sample(logits, rows).token_ids
+        assert tokens[0] == max(allowed, key=lambda t: logits[0, t].item())
+        assert tokens[2] in allowed
+
+
 def reference_penalties(row: list[float], prompt: list[int], output: list[int],
                         repetition: float, frequency: float, presence: float) -> list[float]:
     out = list(row)

@@ -30,7 +30,7 @@ class RequestValidator:
                 param="prompt")
         if params.max_token_id() >= self.vocab_size:
             raise InvalidRequestError(
-                f"token id {params.max_token_id()} in stop_token_ids or logit_bias is outside "
+                f"token id {params.max_token_id()} in stop_token_ids, logit_bias or allowed_token_ids is outside "
                 f"the vocabulary (0..{self.vocab_size - 1})", param="stop_token_ids")
         if num_prompt >= self.max_model_len:
             raise ContextLengthError(

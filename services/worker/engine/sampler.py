@@ -347,12 +347,13 @@ class Sampler:
                                           param="stop_token_ids")
 
     def _adjust(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
-        """logit_bias, then min_tokens masking, then penalties; copies only when one applies."""
-        out = logits
+        """allowed_token_ids, logit_bias, then min_tokens and bad_words masking, then
+        penalties; copies only when one applies."""
+        out = self._allow_only(logits, rows)
         bias = [(i, token, value) for i, row in enumerate(rows)
                 for token, value in (row.params.logit_bias or {}).items()]
         if bias:
-            out = logits.clone()
+            out = logits.clone() if out is logits else out
             r, c, v = zip(*bias)
             out.index_put_((self._index(r), self._index(c)),
                            _to_device(v, torch.float32, self.device), accumulate=True)
@@ -373,6 +374,20 @@ class Sampler:
         index = self._index(penalised)
         out[index] = self._penalise(out[index], [rows[i] for i in penalised])
         return out
+
+    def _allow_only(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+        """`logits`, or a copy where rows with allowed_token_ids keep only those tokens."""
+        allowed = [(i, token) for i, row in enumerate(rows)
+                   for token in row.params.allowed_token_ids]
+        if not allowed:
+            return logits
+        r, c = zip(*allowed)
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[self._index(r), self._index(c)] = True
+        limited = _to_device([bool(row.params.allowed_token_ids) for row in rows], torch.bool,
+                             self.device)
+        keep |= ~limited.unsqueeze(1)
+        return logits.masked_fill(~keep, _NEG_INF)
 
     @staticmethod
     def _penalise(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
