@@ -196,6 +196,21 @@ def test_a_length_bounded_string_admits_no_control_character_or_surrogate(
         assert (matcher.accept_string(text) and matcher.is_completed()) == fits, text
 
 
+def test_a_structural_tag_constrains_only_what_follows_its_trigger(folder: Path,
+                                                                  tokenizer: Any) -> None:
+    tag = {"type": "structural_tag", "triggers": ["<f>"], "structures": [
+        {"begin": "<f>", "end": "</f>", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                   "maximum": 9}},
+            "required": ["n"], "additionalProperties": False}}]}
+    spec = StructuredOutputs(StructuredKind.STRUCTURAL_TAG, json.dumps(tag))
+    grammar = make_engine(folder).grammars.compile(spec)
+    for text, fits in [("free text <f>{\"n\": 3}</f> more", True),
+                       ("<f>{\"n\": 12}</f>", False), ("no tags at all", True)]:
+        matcher = new_matcher(grammar, [])
+        assert matcher.accept_string(text) == fits, text
+
+
 def test_choice_grammar_escapes_quotes_and_newlines() -> None:
     assert choice_grammar(['a"b', "c\\d", "e\nf"]) == r'root ::= "a\"b" | "c\\d" | "e\nf"'
 

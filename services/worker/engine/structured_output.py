@@ -176,7 +176,8 @@ def _compile_spec(compiler: Any, spec: StructuredOutputs) -> Any:
     if kind is StructuredKind.GRAMMAR:
         return compiler.compile_grammar(spec.spec)
     if kind is StructuredKind.STRUCTURAL_TAG:
-        return compiler.compile_structural_tag(spec.spec)
+        return compiler.compile_structural_tag(orjson.dumps(
+            structural_tag_format(orjson.loads(spec.spec))).decode())
     raise InvalidRequestError(f"unknown structured output kind {kind}", param=_PARAM)
 
 
@@ -217,6 +218,18 @@ def strict_json_strings(schema: Any) -> Any:
         if isinstance(out.get(key), dict):
             out[key] = {name: strict_json_strings(s) for name, s in out[key].items()}
     return out
+
+
+def structural_tag_format(tag: dict[str, Any]) -> dict[str, Any]:
+    """A structural tag in xgrammar's format: the older shape (`structures` of begin /
+    schema / end, and `triggers`, as OpenAI-style clients send it) becomes triggered tags."""
+    if "format" in tag or "structures" not in tag:
+        return tag
+    tags = [{"begin": s.get("begin", ""), "end": s.get("end", ""),
+             "content": {"type": "json_schema", "json_schema": s.get("schema", {})}}
+            for s in tag["structures"]]
+    return {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": tag.get("triggers", []), "tags": tags}}
 
 
 def choice_grammar(options: Sequence[str]) -> str:
