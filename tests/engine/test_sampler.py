@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from meshserve.services.worker.engine import sampler as sampler_module
+from meshserve.services.worker.engine import logits_processors as processors_module
 from meshserve.services.worker.engine.sampler import (
     Sampler,
     SamplingRow,
@@ -389,8 +389,8 @@ def test_work_no_row_needs_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("called although no row needs it")
 
-    monkeypatch.setattr(sampler_module, "_sorted_values", forbidden)
-    monkeypatch.setattr(sampler_module, "_token_counts", forbidden)
+    monkeypatch.setattr(processors_module, "_sorted_values", forbidden)
+    monkeypatch.setattr(processors_module, "_token_counts", forbidden)
     logits = random_logits(4, 100, seed=12)
     sampler = Sampler(100, CPU)
     greedy = sampler.sample(logits, [make_row(temperature=0.0) for _ in range(4)])

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from meshserve.services.worker.engine.logits_processors import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    banned_tokens,
+    to_device,
+)
 from meshserve.services.worker.engine.structured_output import BitmaskApplier
 from meshserve.shared.errors import InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
@@ -161,96 +166,6 @@ def logprob_entries(table: list[list[float]]) -> list[TokenLogprobs]:
     return entries
 
 
-def banned_tokens(output: Sequence[int], bad_words: Sequence[Sequence[int]]) -> list[int]:
-    """Tokens a bad word bans next: its last token, where `output` ends with the others."""
-    banned = []
-    for word in bad_words:
-        prefix = len(word) - 1
-        if prefix == 0 or (len(output) >= prefix and list(output[-prefix:]) == list(word[:-1])):
-            banned.append(word[-1])
-    return banned
-
-
-def apply_penalties(
-    logits: Tensor,
-    prompt_ids: Sequence[Sequence[int]] | None,
-    output_ids: Sequence[Sequence[int]],
-    repetition: Sequence[float] | None,
-    frequency: Sequence[float] | None,
-    presence: Sequence[float] | None,
-) -> Tensor:
-    """Penalised copy of `logits` [P, V], one list of token ids and one factor per row.
-
-    repetition (HF/vLLM): tokens seen in the prompt or output have logit / r if positive, else
-    logit * r. frequency and presence (OpenAI): logit -= f * count + p * (count > 0) over output
-    tokens. A None factor list skips that penalty (repetition needs prompt_ids). Token ids
-    must lie in [0, V); the engine checks prompts against the vocabulary on admission.
-    """
-    vocab = logits.shape[1]
-    out_counts = _token_counts(output_ids, vocab, logits.device)  # [P, V]
-    seen = out_counts > 0
-    if repetition is not None:
-        if prompt_ids is None:
-            raise InternalError("repetition penalty needs the prompt token ids")
-        seen_any = seen | (_token_counts(prompt_ids, vocab, logits.device) > 0)
-        rep = _to_device(repetition, torch.float32, logits.device).unsqueeze(1)  # [P, 1]
-        logits = torch.where(seen_any, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    if frequency is not None:
-        freq = _to_device(frequency, torch.float32, logits.device).unsqueeze(1)
-        logits = logits - freq * out_counts
-    if presence is not None:
-        pres = _to_device(presence, torch.float32, logits.device).unsqueeze(1)
-        logits = logits - pres * seen
-    return logits
-
-
-def apply_top_k_top_p(
-    logits: Tensor, top_k: Sequence[int] | None, top_p: Sequence[float] | None
-) -> Tensor:
-    """Copy of `logits` [F, V] with tokens outside each row's top_k and top_p set to -inf.
-
-    top_k keeps the k largest logits; top_p then keeps the smallest set of the most likely
-    tokens whose probability (renormalised after top_k) reaches p, at least one token. Both cut
-    at a threshold value, so tokens tied with the last kept one stay. k = V and p = 1 leave a
-    row as it is; all rows need a k in [1, V] when top_k is given. With neither, `logits` is
-    returned as it is.
-    """
-    vocab = logits.shape[1]
-    if top_p is None:
-        if top_k is None:
-            return logits
-        # Only top_k: the k-th largest value comes from a partial top-k, no full sort.
-        ks = _to_device(top_k, torch.long, logits.device).unsqueeze(1)  # [F, 1]
-        kth = logits.topk(max(top_k), dim=-1).values.gather(1, ks - 1)  # [F, 1]
-        return logits.masked_fill(logits < kth, _NEG_INF)
-    ascending = _sorted_values(logits)  # [F, V]
-    threshold = torch.full((logits.shape[0], 1), _NEG_INF, device=logits.device)
-    if top_k is not None:
-        ks = _to_device(top_k, torch.long, logits.device).unsqueeze(1)
-        threshold = ascending.gather(1, vocab - ks)  # [F, 1], the k-th largest
-        ascending = ascending.masked_fill(ascending < threshold, _NEG_INF)
-    ps = _to_device(top_p, torch.float32, logits.device).unsqueeze(1)  # [F, 1]
-    # vLLM's rule: drop the low end while its cumulative mass stays <= 1 - p; keep the max.
-    # Masses stay unnormalised (the row max is the last entry, the total the last cumulative
-    # sum), and as the sum never decreases a binary search counts the dropped entries.
-    cumulative = (ascending - ascending[:, -1:]).exp_().cumsum_(dim=-1)  # [F, V]
-    limit = (1 - ps) * cumulative[:, -1:]  # [F, 1]
-    dropped = torch.searchsorted(cumulative, limit, right=True).clamp_(max=vocab - 1)  # [F, 1]
-    smallest_kept = ascending.gather(1, dropped)  # [F, 1]
-    threshold = torch.maximum(threshold, smallest_kept)
-    return logits.masked_fill(logits < threshold, _NEG_INF)
-
-
-def apply_min_p(logits: Tensor, min_p: Sequence[float]) -> Tensor:
-    """Copy of `logits` [M, V] without tokens whose probability is below min_p x the row's max.
-
-    In log space, p < min_p * p_max is logit < max_logit + log(min_p): no softmax needed.
-    """
-    offset = _to_device([math.log(m) for m in min_p], torch.float32, logits.device)  # [M]
-    floor = logits.amax(dim=-1, keepdim=True) + offset.unsqueeze(1)  # [M, 1]
-    return logits.masked_fill(logits < floor, _NEG_INF)
-
-
 @dataclass
 class _Processed:
     """Logits after the processors: `adjusted` [B, V] (bias, min_tokens, penalties) for greedy
@@ -316,7 +231,7 @@ class Sampler:
         if not sampled_rows:
             return _Processed(adjusted, None, [])
         temperatures = [rows[i].params.temperature for i in sampled_rows]
-        divisor = _to_device(temperatures, torch.float32, self.device).unsqueeze(1)  # [S, 1]
+        divisor = to_device(temperatures, torch.float32, self.device).unsqueeze(1)  # [S, 1]
         # `scaled` [S, V] is always a fresh tensor, so the filters may write into it.
         if len(sampled_rows) == len(rows):
             scaled = adjusted / divisor
@@ -356,7 +271,7 @@ class Sampler:
             out = logits.clone() if out is logits else out
             r, c, v = zip(*bias)
             out.index_put_((self._index(r), self._index(c)),
-                           _to_device(v, torch.float32, self.device), accumulate=True)
+                           to_device(v, torch.float32, self.device), accumulate=True)
         masked = [(i, token) for i, row in enumerate(rows)
                   if len(row.output_token_ids) < row.params.min_tokens for token in row.stop_ids]
         masked += [(i, token) for i, row in enumerate(rows) if row.bad_words
@@ -384,7 +299,7 @@ class Sampler:
         r, c = zip(*allowed)
         keep = torch.zeros_like(logits, dtype=torch.bool)
         keep[self._index(r), self._index(c)] = True
-        limited = _to_device([bool(row.params.allowed_token_ids) for row in rows], torch.bool,
+        limited = to_device([bool(row.params.allowed_token_ids) for row in rows], torch.bool,
                              self.device)
         keep |= ~limited.unsqueeze(1)
         return logits.masked_fill(~keep, _NEG_INF)
@@ -454,7 +369,7 @@ class Sampler:
         base = self._host_rng.getrandbits(62)
         seeds = [base + j if seed is None else seed
                  for j, seed in enumerate(map(_row_seed, rows))]
-        return gumbel_argmax(logits, _to_device(seeds, torch.int64, self.device))
+        return gumbel_argmax(logits, to_device(seeds, torch.int64, self.device))
 
     def _draw(self, logits: Tensor, seeds: list[int | None]) -> Tensor:
         """Exponential race: argmax(p / q) with q ~ Exp(1) per token picks a token with
@@ -491,7 +406,7 @@ class Sampler:
         return logprob_table(logits[index], tokens[index], num_top)
 
     def _index(self, values: Sequence[int]) -> Tensor:
-        return _to_device(values, torch.long, self.device)
+        return to_device(values, torch.long, self.device)
 
 
 # A single row's argmax over a large vocabulary is one slow reduction on a GPU; rows of at
@@ -557,33 +472,3 @@ def _unpack(host: list[float], num_rows: int, wanted: list[int],
         entry.top = entry.top[:count]
         logprobs[i] = entry
     return SamplerOutput(token_ids=[int(t) for t in host[:num_rows]], logprobs=logprobs)
-
-
-def _to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
-               dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A tensor of `values` on `device`, copied up without blocking the host off the CPU."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-def _token_counts(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> Tensor:
-    """Occurrences [P, V] float32 of each token id in each row's list."""
-    width = max((len(ids) for ids in token_ids), default=0)
-    # Rows are padded with id `vocab`, counted in an extra column that is then dropped.
-    padded = [list(ids) + [vocab] * (width - len(ids)) for ids in token_ids]
-    index = _to_device(padded, torch.long, device).view(len(token_ids), width)  # [P, L]
-    counts = torch.zeros(len(token_ids), vocab + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
-    return counts[:, :vocab]
-
-
-def _sorted_values(logits: Tensor) -> Tensor:
-    """Each row of `logits` [F, V] sorted ascending (values only).
-
-    On CPU numpy's SIMD sort of values is several times faster than torch.sort, which also
-    builds indices nobody needs here; on accelerators torch.sort stays on the device.
-    """
-    if logits.device.type == "cpu":
-        return torch.from_numpy(np.sort(logits.numpy(), axis=-1))
-    return torch.sort(logits, dim=-1).values
