@@ -24,8 +24,8 @@ def constraint(body: dict[str, object], chat: bool = True) -> StructuredOutputs 
     {"response_format": {"type": "json_schema",
                          "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
     {"structured_outputs": {"json": SCHEMA}},
-    {"structured_outputs": {"json": '{"required": ["a"], "properties": {"a": '
-                                    '{"type": "integer"}}, "type": "object"}'}},
+    {"structured_outputs": {"json": '{"type": "object", "properties": {"a": '
+                                    '{"type": "integer"}}, "required": ["a"]}'}},
     {"guided_json": SCHEMA},
     {"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"},
 ])
