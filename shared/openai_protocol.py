@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import orjson
@@ -24,7 +24,9 @@ import orjson
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
+from meshserve.shared.structured_outputs import StructuredOutputs
 from meshserve.shared.structured_request import structured_outputs_of
+from meshserve.shared.tool_choice import ToolChoice, read_tool_choice
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
@@ -88,9 +90,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
 }
 _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "documents": ((), "documents are not supported"),
-    "include_reasoning": ((True,), "reasoning parsing is not implemented"),
     "reasoning_effort": ((), "reasoning_effort is not supported"),
-    "parallel_tool_calls": ((), "tool calls are not parsed from the output"),
     "functions": ((), "'functions' is not supported; tools reach the chat template"),
     "function_call": ((), "'function_call' is not supported"),
     "audio": ((), "audio output is not supported"),
@@ -403,6 +403,9 @@ class ChatCompletionRequest:
     add_special_tokens: bool = False
     chat_template: str | None = None
     """A Jinja chat template for this request instead of the model's (vLLM's field)."""
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    include_reasoning: bool = True
 
 
 def _tools(fields: _Fields) -> tuple[dict[str, Any], ...] | None:
@@ -413,10 +416,18 @@ def _tools(fields: _Fields) -> tuple[dict[str, Any], ...] | None:
                 or not isinstance(function, dict) or not isinstance(function.get("name"), str)):
             raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                        "tools")
-    choice = fields.raw("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise _bad("only 'auto' and 'none' are supported for 'tool_choice'", "tool_choice")
     return tuple(tools) if tools else None
+
+
+def _with_tool_constraint(params: SamplingParams, constraint: StructuredOutputs | None
+                          ) -> SamplingParams:
+    """`params` constrained to the JSON a required or named tool choice calls for."""
+    if constraint is None:
+        return params
+    if params.structured is not None:
+        raise _bad("a required or named tool_choice constrains the output itself; it cannot "
+                   "be combined with response_format or structured_outputs", "tool_choice")
+    return replace(params, structured=constraint)
 
 
 def _chat_sampling(fields: _Fields) -> SamplingParams:
@@ -453,10 +464,15 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
         raise _bad("'add_generation_prompt' and 'continue_final_message' cannot both be true",
                    "continue_final_message")
     add_special = fields.bool_("add_special_tokens")
+    tools = _tools(fields)
+    choice = read_tool_choice(fields.raw("tool_choice"), tools)
+    parallel = fields.bool_("parallel_tool_calls") is not False
+    params = _with_tool_constraint(params, choice.constraint(tools or (), parallel=parallel))
+    include_reasoning = fields.bool_("include_reasoning") is not False
     return ChatCompletionRequest(
-        tuple(messages), params, _options(fields), _tools(fields), add_generation_prompt,
+        tuple(messages), params, _options(fields), tools, add_generation_prompt,
         continue_final, fields.obj("chat_template_kwargs"), bool(add_special),
-        fields.str_("chat_template"))
+        fields.str_("chat_template"), choice, parallel, include_reasoning)
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -70,6 +70,14 @@ class GatewayConfig(ServiceConfig):
     health_timeout_s: float = option(2.0, "deadline of the checks behind GET /health")
     access_log: bool = option(True, "log one line per API request (client, method, path, "
                                     "status, bytes, seconds); probes and scrapes are not logged")
+    tool_call_parser: str | None = option(
+        None, "how tool calls are read from a model's output for tool_choice 'auto': hermes, "
+              "qwen3, qwen3_coder, llama3_json or mistral (required and named tool choices "
+              "need none: they are enforced with structured outputs)")
+    enable_auto_tool_choice: bool = option(
+        False, "let tool_choice 'auto' parse tool calls with --tool-call-parser (as vLLM)")
+    reasoning_parser: str | None = option(
+        None, "split a reasoning model's thinking into reasoning_content: deepseek_r1 or qwen3")
 
     def validate(self) -> None:
         super().validate()
@@ -91,9 +99,23 @@ class GatewayConfig(ServiceConfig):
         for name in ("completions_default_max_tokens", "chat_default_max_tokens"):
             value = getattr(self, name)
             self.require(value >= 0, f"must be >= 0 (0: up to the context), got {value}", name)
+        self.require(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+                     "needs --tool-call-parser", "enable_auto_tool_choice")
+        self._require_parser("tool_call_parser", "tool_parsers", "TOOL_PARSERS")
+        self._require_parser("reasoning_parser", "reasoning_parsers", "REASONING_PARSERS")
         for name in ("request_timeout_s", "model_cache_ttl_s", "health_timeout_s"):
             value = getattr(self, name)
             self.require(value > 0, f"must be > 0, got {value}", name)
+
+    def _require_parser(self, name: str, module: str, table: str) -> None:
+        value = getattr(self, name)
+        if value is None:
+            return
+        import importlib
+
+        known = getattr(importlib.import_module(f"meshserve.services.gateway.{module}"), table)
+        self.require(value in known, f"must be one of {', '.join(sorted(known))}, got "
+                                     f"{value!r}", name)
 
     def default_max_tokens(self, chat: bool) -> int | None:
         """max_tokens applied when a request gives none; None: up to the context."""

@@ -18,6 +18,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from meshserve.services.gateway.admission import Admission
+from meshserve.services.gateway.chat_output import ChatOutputSettings
 from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.generation import Generation
@@ -109,8 +110,21 @@ class Handlers:
         model = await self._orch.resolve_model(parsed.options.model)
         job = GenerationJob.for_chat(
             parsed, model=model, arrival=arrival, deadline=deadline,
-            default_max_tokens=self._config.default_max_tokens(chat=True))
+            default_max_tokens=self._config.default_max_tokens(chat=True),
+            chat_output=self._chat_output(parsed))
         return await self._run(request, job)
+
+    def _chat_output(self, parsed: oai.ChatCompletionRequest) -> ChatOutputSettings:
+        """How the request's choices are read back (tool calls, reasoning), as vLLM: an
+        explicit tool_choice 'auto' needs --enable-auto-tool-choice and a parser."""
+        config, choice = self._config, parsed.tool_choice
+        auto = config.enable_auto_tool_choice and config.tool_call_parser is not None
+        if choice.mode == "auto" and choice.explicit and parsed.tools and not auto:
+            raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice '
+                                      "and --tool-call-parser to be set", param="tool_choice")
+        return ChatOutputSettings(choice, parsed.tools or (),
+                                  config.tool_call_parser if auto else None,
+                                  config.reasoning_parser, parsed.include_reasoning)
 
     def _clock(self) -> tuple[float, float]:
         now = asyncio.get_running_loop().time()

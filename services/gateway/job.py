@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshserve.services.gateway.chat_output import ChatOutputSettings
 from meshserve.shared.errors import ContextLengthError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.openai_protocol import (
@@ -58,6 +59,7 @@ class GenerationJob:
     echo: bool = False
     add_special_tokens: bool = True
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    chat_output: ChatOutputSettings | None = None  # how chat choices are read back
 
     @classmethod
     def for_completion(cls, parsed: CompletionRequest, body: dict[str, Any], *, model: str,
@@ -73,7 +75,8 @@ class GenerationJob:
     @classmethod
     def for_chat(cls, parsed: ChatCompletionRequest, *, model: str,
                  default_max_tokens: int | None, arrival: float,
-                 deadline: float) -> GenerationJob:
+                 deadline: float, chat_output: ChatOutputSettings | None = None
+                 ) -> GenerationJob:
         """A /v1/chat/completions job."""
         prompt = ChatPrompt(parsed.messages, parsed.tools, parsed.add_generation_prompt,
                             parsed.continue_final_message, parsed.chat_template_kwargs,
@@ -81,7 +84,8 @@ class GenerationJob:
         return cls(model=model, prompts=(prompt,), params=parsed.params, options=parsed.options,
                    deadline=deadline, arrival=arrival, chat=True,
                    max_tokens=parsed.params.max_tokens, default_max_tokens=default_max_tokens,
-                   add_special_tokens=parsed.add_special_tokens)
+                   add_special_tokens=parsed.add_special_tokens,
+                   chat_output=chat_output if chat_output and chat_output.active else None)
 
     @property
     def num_choices(self) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshserve.services.gateway.chat_output import ChoiceOutput, merge_pieces
 from meshserve.services.gateway.job import ChoiceDelta, GenerationJob, GenerationUpdate
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.logprobs import TokenLogprobs
@@ -143,7 +144,15 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
-    """`chat.completion` objects and `chat.completion.chunk`s."""
+    """`chat.completion` objects and `chat.completion.chunk`s; with a tool choice or a
+    reasoning parser, each choice's text is read back into message fields."""
+
+    def __init__(self, job: GenerationJob, prompts: Sequence[Any], lookup: oai.TokenRenderer,
+                 response_id: str, created: int | None = None) -> None:
+        super().__init__(job, prompts, lookup, response_id, created)
+        settings = job.chat_output
+        self._outputs = ([ChoiceOutput(settings) for _ in range(job.num_choices)]
+                         if settings is not None else None)
 
     def _logprobs(self, entries: list[TokenLogprobs | None]) -> dict[str, Any] | None:
         if not self.job.wants_logprobs:
@@ -156,6 +165,8 @@ class ChatRenderer(Renderer):
                         for i in range(self.job.num_choices))
 
     def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if self._outputs is not None:
+            return self._parsed_stream_choice(delta, self._outputs[delta.index])
         if not _has_news(delta.text, delta.token_ids, delta, self.job.wants_logprobs):
             return None
         return oai.chat_delta_choice(
@@ -167,10 +178,39 @@ class ChatRenderer(Renderer):
                ) -> dict[str, Any]:
         return oai.chat_chunk(self.response_id, self.created, self.job.model, choices, usage)
 
+    def _parsed_stream_choice(self, delta: ChoiceDelta, output: ChoiceOutput
+                              ) -> dict[str, Any] | None:
+        pieces = output.feed(delta.text)
+        if delta.finish_reason is not None:
+            pieces += output.finish()
+        fields = merge_pieces(pieces)
+        if not fields and delta.finish_reason is None and not (
+                self.job.wants_logprobs and delta.token_ids):
+            return None
+        finish = self._finish_reason(delta.finish_reason, output.called)
+        return {"index": delta.index, "delta": fields,
+                "logprobs": self._logprobs(list(delta.logprobs or ())),
+                "finish_reason": finish, "stop_reason": delta.stop_reason}
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """"tool_calls" when the model called tools of its own choice or of a required
+        choice; a named function's call ends with the model's own reason (as OpenAI)."""
+        settings = self.job.chat_output
+        if reason == "stop" and called and settings is not None and (
+                settings.tool_choice.mode != "named"):
+            return "tool_calls"
+        return reason
+
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
-        choices = [self._with_prompt_logprobs(oai.chat_choice(
-            i, "".join(c.texts), c.finish_reason, c.stop_reason, self._logprobs(c.logprobs)), i)
-            for i, c in enumerate(self._choices)]
+        choices = []
+        for i, c in enumerate(self._choices):
+            choice = oai.chat_choice(i, "".join(c.texts), c.finish_reason, c.stop_reason,
+                                     self._logprobs(c.logprobs))
+            if self._outputs is not None:
+                fields, called = self._outputs[i].message("".join(c.texts))
+                choice["message"].update(fields)
+                choice["finish_reason"] = self._finish_reason(c.finish_reason, called)
+            choices.append(self._with_prompt_logprobs(choice, i))
         return oai.chat_response(self.response_id, self.created, self.job.model, choices, usage)
 
 

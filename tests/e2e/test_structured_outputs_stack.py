@@ -161,3 +161,92 @@ def test_bad_words_change_the_output_and_a_wrong_shape_is_refused(
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt="once", extra_body={"bad_words": [3]})
     assert refused.value.body["param"] == "bad_words"  # type: ignore[index]
+
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "minimum": -99, "maximum": 99},
+            "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+            "required": ["a", "b"], "additionalProperties": False}}},
+]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def streamed_message(client: openai.OpenAI, **kwargs: Any) -> dict[int, dict[str, Any]]:
+    """Each choice's streamed deltas put back together: content, tool calls, finish."""
+    out: dict[int, dict[str, Any]] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            message = out.setdefault(choice.index, {"content": "", "calls": {}})
+            message["content"] += choice.delta.content or ""
+            for call in choice.delta.tool_calls or ():
+                known = message["calls"].setdefault(call.index, {"arguments": ""})
+                if call.id:
+                    assert "id" not in known and call.type == "function"
+                    known["id"], known["name"] = call.id, call.function.name
+                known["arguments"] += call.function.arguments or ""
+            if choice.finish_reason:
+                message["finish"] = choice.finish_reason
+    return out
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_required_tool_choice_always_gives_valid_calls(client: openai.OpenAI,
+                                                         parallel: bool) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL, "messages": [{"role": "user", "content": "weather in Paris?"}],
+        "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": parallel,
+        # Room for many calls: a random model decides how many, ~70 tokens each here.
+        "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 1400}
+    answer = client.chat.completions.create(**kwargs)
+    streamed = streamed_message(client, **kwargs)
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = choice.message.tool_calls or []
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments),
+                                PARAMETERS[call.function.name])
+        again = streamed[choice.index]
+        assert again["finish"] == "tool_calls"
+        assert [(c["name"], c["arguments"]) for _, c in sorted(again["calls"].items())] == [
+            (c.function.name, c.function.arguments) for c in calls]
+
+
+def test_a_named_tool_choice_calls_that_function(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL, "messages": [{"role": "user", "content": "add 2 and 3"}],
+        "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}},
+        "n": 2, "temperature": 1.0, "seed": 4, "max_tokens": 400}
+    answer = client.chat.completions.create(**kwargs)
+    streamed = streamed_message(client, **kwargs)
+    for choice in answer.choices:
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == "stop" and len(calls) == 1
+        assert calls[0].function.name == "add"
+        jsonschema.validate(json.loads(calls[0].function.arguments), PARAMETERS["add"])
+        again = streamed[choice.index]
+        assert list(again["calls"]) == [0] and again["calls"][0]["name"] == "add"
+        assert again["calls"][0]["arguments"] == calls[0].function.arguments
+
+
+def test_tool_choice_errors_name_the_field(client: openai.OpenAI) -> None:
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    for extra in ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                  {"tool_choice": "auto"},  # no parser configured on this stack
+                  {"tool_choice": "required",
+                   "response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**base, **extra)  # type: ignore[arg-type]
+        assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
+    # Tools without a tool_choice and without a parser: plain text, as before.
+    plain = client.chat.completions.create(**base, max_tokens=4)  # type: ignore[arg-type]
+    assert plain.choices[0].message.tool_calls is None

@@ -28,7 +28,7 @@ READ_BY_CHAT = {
     "model", "messages", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
     "max_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream",
     "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
-    "safety_identifier"}
+    "safety_identifier", "parallel_tool_calls"}
 # vLLM's extra request fields (its CompletionRequest / ChatCompletionRequest), read here.
 VLLM_READ = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
              "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
@@ -38,7 +38,7 @@ VLLM_READ = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
              "guided_choice", "guided_grammar", "guided_decoding_backend",
              "guided_whitespace_pattern", "bad_words", "allowed_token_ids"}
 VLLM_CHAT_READ = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-                  "chat_template"}
+                  "chat_template", "include_reasoning"}
 
 
 def openai_fields(params: Any) -> set[str]:
