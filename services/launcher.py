@@ -94,6 +94,13 @@ class LauncherConfig(EngineOptions):
     allowed_origins: str | None = option(None, "origins a browser may call the API from "
                                                "(CORS), comma-separated; '*': any (unset: none)")
     access_log: bool = option(True, "the gateway logs one line per API request")
+    tool_call_parser: str | None = option(
+        None, "how tool calls are read from the output for tool_choice 'auto' (hermes, "
+              "qwen3, qwen3_coder, llama3_json, mistral)")
+    enable_auto_tool_choice: bool = option(
+        False, "let tool_choice 'auto' parse tool calls with --tool-call-parser")
+    reasoning_parser: str | None = option(
+        None, "split a reasoning model's thinking into reasoning_content (deepseek_r1, qwen3)")
     run_dir: str | None = option(None, "folder for the services' logs (unset: a new "
                                        "temporary folder)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = option("INFO", "services' "
@@ -350,6 +357,12 @@ class Stack:
             gateway += ["--allowed-origins", c.allowed_origins]
         if not c.access_log:
             gateway.append("--no-access-log")
+        for flag, value in (("--tool-call-parser", c.tool_call_parser),
+                            ("--reasoning-parser", c.reasoning_parser)):
+            if value:
+                gateway += [flag, value]
+        if c.enable_auto_tool_choice:
+            gateway.append("--enable-auto-tool-choice")
         if c.num_gateways > 1:
             gateway.append("--reuse-port")
         for name in self.gateway_names:
