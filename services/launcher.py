@@ -94,6 +94,8 @@ class LauncherConfig(EngineOptions):
     allowed_origins: str | None = option(None, "origins a browser may call the API from "
                                                "(CORS), comma-separated; '*': any (unset: none)")
     access_log: bool = option(True, "the gateway logs one line per API request")
+    root_path: str = option("", "path prefix the gateway also serves the API under "
+                                "(behind a proxy), e.g. /llm")
     tool_call_parser: str | None = option(
         None, "how tool calls are read from the output for tool_choice 'auto' (hermes, "
               "qwen3, qwen3_coder, llama3_json, mistral)")
@@ -357,7 +359,8 @@ class Stack:
             gateway += ["--allowed-origins", c.allowed_origins]
         if not c.access_log:
             gateway.append("--no-access-log")
-        for flag, value in (("--tool-call-parser", c.tool_call_parser),
+        for flag, value in (("--root-path", c.root_path),
+                            ("--tool-call-parser", c.tool_call_parser),
                             ("--reasoning-parser", c.reasoning_parser)):
             if value:
                 gateway += [flag, value]

@@ -44,15 +44,23 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
         middleware.auth(config.api_key),
     ])
     app.on_response_prepare.append(middleware.echo_request_id)
-    app.router.add_post(COMPLETIONS_URL, generation.completions)
-    app.router.add_post(CHAT_COMPLETIONS_URL, generation.chat_completions)
-    app.router.add_get("/v1/models", service.models)
-    app.router.add_get("/v1/models/{model:.+}", service.model)  # ids may hold slashes
-    app.router.add_post("/tokenize", service.tokenize)
-    app.router.add_post("/detokenize", service.detokenize)
-    app.router.add_get("/health", service.health)
-    app.router.add_get("/version", service.version)
-    app.router.add_get("/metrics", telemetry.handle_metrics)
+    routes = [
+        ("POST", COMPLETIONS_URL, generation.completions),
+        ("POST", CHAT_COMPLETIONS_URL, generation.chat_completions),
+        ("GET", "/v1/models", service.models),
+        ("GET", "/v1/models/{model:.+}", service.model),  # ids may hold slashes
+        ("POST", "/tokenize", service.tokenize),
+        ("POST", "/detokenize", service.detokenize),
+        ("GET", "/health", service.health),
+        ("GET", "/version", service.version),
+        ("GET", "/metrics", telemetry.handle_metrics),
+    ]
+    # Behind a proxy that serves the API under --root-path, requests may arrive with the
+    # prefix (the proxy kept it) or without it (the proxy stripped it): both are served.
+    prefixes = ["", config.root_path] if config.root_path else [""]
+    for prefix in prefixes:
+        for method, path, handler in routes:
+            app.router.add_route(method, prefix + path, handler)
     if config.allowed_origins:
         _allow_cors(app, config.allowed_origins, config.allow_credentials)
     return app

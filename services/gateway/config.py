@@ -70,6 +70,9 @@ class GatewayConfig(ServiceConfig):
     health_timeout_s: float = option(2.0, "deadline of the checks behind GET /health")
     access_log: bool = option(True, "log one line per API request (client, method, path, "
                                     "status, bytes, seconds); probes and scrapes are not logged")
+    root_path: str = option(
+        "", "path prefix the API is served under behind a proxy, e.g. /llm (requests are "
+            "answered with and without it)")
     tool_call_parser: str | None = option(
         None, "how tool calls are read from a model's output for tool_choice 'auto': hermes, "
               "qwen3, qwen3_coder, llama3_json or mistral (required and named tool choices "
@@ -99,6 +102,10 @@ class GatewayConfig(ServiceConfig):
         for name in ("completions_default_max_tokens", "chat_default_max_tokens"):
             value = getattr(self, name)
             self.require(value >= 0, f"must be >= 0 (0: up to the context), got {value}", name)
+        self.require(not self.root_path or (self.root_path.startswith("/")
+                                            and not self.root_path.endswith("/")),
+                     f"must start with '/' and not end with one, got {self.root_path!r}",
+                     "root_path")
         self.require(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
                      "needs --tool-call-parser", "enable_auto_tool_choice")
         self._require_parser("tool_call_parser", "tool_parsers", "TOOL_PARSERS")
