@@ -141,6 +141,7 @@ class WorkerInfo:
     lora_ids: tuple[int, ...] = ()
     tensor_parallel_size: int = 1
     kv_namespace: str = ""
+    sampling_defaults_json: str = ""  # request fields' defaults (generation config), JSON
     epoch: int = 0
     """The epoch the worker asks for at registration (0: the registry assigns one)."""
 

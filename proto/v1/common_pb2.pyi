@@ -177,7 +177,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., draining: _Optional[bool] = ..., snapshot_unix_ns: _Optional[int] = ..., num_active_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "address", "model_names", "block_size", "max_model_len", "num_total_blocks", "lora_ids", "tensor_parallel_size", "kv_namespace")
+    __slots__ = ("worker_id", "epoch", "address", "model_names", "block_size", "max_model_len", "num_total_blocks", "lora_ids", "tensor_parallel_size", "kv_namespace", "sampling_defaults_json")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class WorkerInfo(_message.Message):
     LORA_IDS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_JSON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     address: str
@@ -198,7 +199,8 @@ class WorkerInfo(_message.Message):
     lora_ids: _containers.RepeatedScalarFieldContainer[int]
     tensor_parallel_size: int
     kv_namespace: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., model_names: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lora_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_namespace: _Optional[str] = ...) -> None: ...
+    sampling_defaults_json: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., model_names: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lora_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_namespace: _Optional[str] = ..., sampling_defaults_json: _Optional[str] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("kind", "message", "param")

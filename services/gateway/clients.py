@@ -11,10 +11,12 @@ shared by every request of this gateway and opened again on first use after one 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,6 +47,7 @@ class WorkerEntry:
     worker_id: str
     model_names: tuple[str, ...]
     max_model_len: int
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation config
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,8 @@ class MeshClients:
     async def _fetch_workers(self) -> list[WorkerEntry]:
         with mesh_errors():
             response = await self.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest())
-        workers = [WorkerEntry(w.info.worker_id, tuple(w.info.model_names), w.info.max_model_len)
+        workers = [WorkerEntry(w.info.worker_id, tuple(w.info.model_names), w.info.max_model_len,
+                               _defaults(w.info.sampling_defaults_json))
                    for w in response.workers]
         self._worker_cache = (time.monotonic(), workers)
         return workers
@@ -198,6 +202,15 @@ class MeshClients:
         for worker in await self.list_workers(refresh=refresh):
             names.update(dict.fromkeys(worker.model_names))
         return list(names)
+
+    async def sampling_defaults(self, model: str) -> dict[str, Any]:
+        """Defaults for the request fields a body leaves out, as `model`'s workers announce
+        them (its generation config; empty when none or unknown)."""
+        try:
+            workers = await self.list_workers()
+        except MeshError:
+            return {}
+        return next((w.sampling_defaults for w in workers if model in w.model_names), {})
 
     async def max_model_len(self, model: str) -> int | None:
         """Context length of `model` as its workers announce it (None when unknown)."""
@@ -251,3 +264,14 @@ async def _serving(channel: grpc.aio.Channel, service: str, timeout_s: float) ->
     except grpc.RpcError:
         return False
     return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _defaults(text: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        logging.getLogger(__name__).warning("a worker announced sampling defaults that are not JSON: %.200s", text)
+        return {}
+    return value if isinstance(value, dict) else {}

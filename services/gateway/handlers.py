@@ -33,6 +33,7 @@ from meshserve.shared.errors import (
     MeshError,
     UnavailableError,
 )
+from meshserve.shared.generation_config import apply_defaults
 from meshserve.shared.status import http_error
 
 _log = logging.getLogger(__name__)
@@ -94,25 +95,47 @@ class Handlers:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
-        body = await read_json(request)
+        body, defaults = await self._with_defaults(await read_json(request))
         parsed = oai.parse_completion_request(body)
         arrival, deadline = self._clock()
         model = await self._orch.resolve_model(parsed.options.model)
         job = GenerationJob.for_completion(
             parsed, body, model=model, arrival=arrival, deadline=deadline,
-            default_max_tokens=self._config.default_max_tokens(chat=False))
+            default_max_tokens=self._default_max_tokens(False, defaults))
         return await self._run(request, job)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
-        parsed = oai.parse_chat_request(await read_json(request))
+        body, defaults = await self._with_defaults(await read_json(request))
+        parsed = oai.parse_chat_request(body)
         arrival, deadline = self._clock()
         model = await self._orch.resolve_model(parsed.options.model)
         job = GenerationJob.for_chat(
             parsed, model=model, arrival=arrival, deadline=deadline,
-            default_max_tokens=self._config.default_max_tokens(chat=True),
+            default_max_tokens=self._default_max_tokens(True, defaults),
             chat_output=self._chat_output(parsed))
         return await self._run(request, job)
+
+    async def _with_defaults(self, body: dict[str, Any]
+                             ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The body with the model's sampling defaults (its generation config, announced by
+        its workers) for the fields it leaves out, and those defaults."""
+        requested = body.get("model")
+        try:
+            model = await self._orch.resolve_model(requested if isinstance(requested, str)
+                                                   else None)
+        except MeshError:
+            return body, {}  # the request's own checks report the model
+        defaults = await self._orch.sampling_defaults(model)
+        return apply_defaults(body, defaults), defaults
+
+    def _default_max_tokens(self, chat: bool, defaults: dict[str, Any]) -> int | None:
+        """The configured default, capped by the model's max_new_tokens when it has one."""
+        configured = self._config.default_max_tokens(chat=chat)
+        cap = defaults.get("max_tokens")
+        if not isinstance(cap, int) or cap <= 0:
+            return configured
+        return cap if configured is None else min(configured, cap)
 
     def _chat_output(self, parsed: oai.ChatCompletionRequest) -> ChatOutputSettings:
         """How the request's choices are read back (tool calls, reasoning), as vLLM: an

@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from opentelemetry import trace
@@ -82,6 +82,10 @@ class Orchestrator:
         if self._config.served_model_names:
             return list(self._config.served_model_names)
         return await self._clients.model_names()
+
+    async def sampling_defaults(self, model: str) -> dict[str, Any]:
+        """The model's defaults for request fields a body leaves out."""
+        return await self._clients.sampling_defaults(model)
 
     async def resolve_model(self, requested: str | None) -> str:
         """The model a request names (the first served one when it names none)."""

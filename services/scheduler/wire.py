@@ -15,7 +15,7 @@ def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
         block_size=msg.block_size, max_model_len=msg.max_model_len,
         num_total_blocks=msg.num_total_blocks, lora_ids=tuple(msg.lora_ids),
         tensor_parallel_size=msg.tensor_parallel_size or 1, kv_namespace=msg.kv_namespace,
-        epoch=msg.epoch)
+        sampling_defaults_json=msg.sampling_defaults_json, epoch=msg.epoch)
 
 
 def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
@@ -36,7 +36,8 @@ def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
             model_names=info.model_names, block_size=info.block_size,
             max_model_len=info.max_model_len, num_total_blocks=info.num_total_blocks,
             lora_ids=info.lora_ids, tensor_parallel_size=info.tensor_parallel_size,
-            kv_namespace=info.kv_namespace),
+            kv_namespace=info.kv_namespace,
+            sampling_defaults_json=info.sampling_defaults_json),
         load=common_pb2.WorkerLoad(
             worker_id=info.worker_id, epoch=record.epoch, num_running=load.num_running,
             num_waiting=load.num_waiting,

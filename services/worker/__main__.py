@@ -12,6 +12,7 @@ engine failure is fatal: NOT_SERVING, deregister, exit 1.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -34,10 +35,12 @@ from meshserve.services.worker.registration import Registration
 from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
 from meshserve.services.worker.step_trace import write_step_trace
 from meshserve.shared.errors import UnavailableError
+from meshserve.shared.generation_config import sampling_defaults
 from meshserve.shared.grpc_client import GrpcClient
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.kv_events import AllBlocksCleared
 from meshserve.shared.kv_index import KVIndex
+from meshserve.shared.model_source import tokenizer_folder
 from meshserve.shared.redis_server import connect
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.service_main import in_daemon_thread, run_service, service_telemetry
@@ -187,7 +190,8 @@ class WorkerProcess:
             worker_id="pending", address="pending", model_names=tuple(names),
             block_size=engine.kv.block_size, max_model_len=engine.max_model_len,
             num_total_blocks=engine.kv.num_blocks,
-            kv_namespace=kv_namespace(names[0], engine))
+            kv_namespace=kv_namespace(names[0], engine),
+            sampling_defaults_json=_sampling_defaults(config, engine))
         self.servicer = WorkerServicer(self.thread, self.info, tracer=telemetry.tracer,
                                        registry=telemetry.registry,
                                        draining=lambda: self.draining)
@@ -305,5 +309,20 @@ def main(argv: list[str] | None = None) -> int:
     return run_service("worker", WorkerConfig, serve, argv)
 
 
+def _sampling_defaults(config: WorkerConfig, engine: LLMEngine) -> str:
+    """The model's request defaults (generation config) as JSON, logged when there are any."""
+    source = engine.source
+    folder = source.path if source.path.is_dir() else None
+    if source.gguf_file is not None and config.generation_config == "auto":
+        folder = tokenizer_folder(source)  # the GGUF's exported config folder
+    defaults = sampling_defaults(folder, config.generation_config,
+                                 config.override_generation_config)
+    if defaults:
+        _log.info("default sampling parameters from the model's generation config (used for "
+                 "fields a request leaves out): %s", defaults)
+    return json.dumps(defaults) if defaults else ""
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

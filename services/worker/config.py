@@ -57,6 +57,12 @@ class EngineOptions(Config):
     structured_outputs_backend: Literal["xgrammar", "none"] = option(
         "xgrammar", "what compiles the grammars of structured outputs (response_format, "
                     "structured_outputs, guided_*; none: such requests are refused)")
+    generation_config: str = option(
+        "auto", "sampling defaults for fields a request leaves out: auto (the model's "
+                "generation_config.json, as vLLM), vllm (none), or a folder holding one")
+    override_generation_config: str | None = option(
+        None, "JSON object of sampling defaults that win over the generation config, e.g. "
+              "'{\"temperature\": 0.5}'")
     step_trace: str | None = option(
         None, "diagnostics: record every engine step (time, duration, running and waiting "
               "sequences, requests added, tokens) and write them as JSON lines to this file "

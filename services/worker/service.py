@@ -55,7 +55,7 @@ def worker_info_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:
         model_names=list(info.model_names), block_size=info.block_size,
         max_model_len=info.max_model_len, num_total_blocks=info.num_total_blocks,
         lora_ids=list(info.lora_ids), tensor_parallel_size=info.tensor_parallel_size,
-        kv_namespace=info.namespace)
+        kv_namespace=info.namespace, sampling_defaults_json=info.sampling_defaults_json)
 
 
 @asynccontextmanager

@@ -46,6 +46,10 @@ SCHEMAS: list[dict[str, Any]] = [
 def stack(tmp_path_factory: pytest.TempPathFactory):
     model = build_tiny_model(tmp_path_factory.mktemp("so-model"), "llama", seed=23,
                              max_position_embeddings=2048)
+    # Sampling defaults for fields a request leaves out (every other test sets its own).
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**config, "temperature": 0.0, "max_new_tokens": 7}))
     config = LauncherConfig(model=str(model), served_model_name=MODEL, workers=1, port=0,
                             num_kv_blocks=512, dtype="float32", device="cpu",
                             run_dir=str(tmp_path_factory.mktemp("run")),
@@ -250,3 +254,21 @@ def test_tool_choice_errors_name_the_field(client: openai.OpenAI) -> None:
     # Tools without a tool_choice and without a parser: plain text, as before.
     plain = client.chat.completions.create(**base, max_tokens=4)  # type: ignore[arg-type]
     assert plain.choices[0].message.tool_calls is None
+
+
+def test_the_models_generation_config_fills_what_a_request_leaves_out(
+        client: openai.OpenAI) -> None:
+    # temperature 0 from generation_config.json: different seeds, same (greedy) text.
+    texts = {client.completions.create(model=MODEL, prompt="hello", max_tokens=12, seed=seed,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+             for seed in (1, 2, 3)}
+    assert len(texts) == 1
+    sampled = {client.completions.create(model=MODEL, prompt="hello", max_tokens=12,
+                                         seed=seed, temperature=1.0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+               for seed in (1, 2, 3)}
+    assert len(sampled) > 1  # the request's own temperature wins
+    # max_new_tokens caps the default output length.
+    capped = client.chat.completions.create(model=MODEL, extra_body={"ignore_eos": True},
+                                            messages=[{"role": "user", "content": "hi"}])
+    assert capped.usage is not None and capped.usage.completion_tokens == 7
