@@ -138,7 +138,7 @@ def _reasoning_parser(settings: ChatOutputSettings) -> Any:
     from meshserve.services.gateway.reasoning_parsers import REASONING_PARSERS
 
     assert settings.reasoning_parser is not None
-    return REASONING_PARSERS[settings.reasoning_parser]()
+    return REASONING_PARSERS[settings.reasoning_parser](field="reasoning_content")
 
 
 class ChoiceOutput:
@@ -160,7 +160,8 @@ class ChoiceOutput:
             content = content or ""
             fields["content"] = content or None
             if self.settings.include_reasoning:
-                fields["reasoning_content"] = reasoning
+                # vLLM's newer name too: clients of either generation find it.
+                fields["reasoning_content"] = fields["reasoning"] = reasoning
         if self._tools is None:
             return fields, False
         leftover, calls = self._tools.extract(content)
@@ -218,4 +219,6 @@ def merge_pieces(pieces: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                     known["function"][key] = known["function"].get(key, "") + function[key]
     if calls:
         delta["tool_calls"] = [calls[i] for i in sorted(calls)]
+    if "reasoning_content" in delta:
+        delta["reasoning"] = delta["reasoning_content"]  # vLLM's newer name
     return delta

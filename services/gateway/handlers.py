@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -36,6 +37,8 @@ from meshserve.shared.errors import (
 from meshserve.shared.generation_config import apply_defaults
 from meshserve.shared.status import http_error
 
+# Tool parsers whose markers are special tokens ([TOOL_CALLS]): vLLM keeps them in the text.
+_SPECIAL_MARKER_PARSERS = frozenset({"mistral"})
 _log = logging.getLogger(__name__)
 # No OpenAI request nests anywhere near this deep; deeper bodies would only reach recursive
 # code (validation, repr, serialization) and its recursion limit.
@@ -110,10 +113,14 @@ class Handlers:
         parsed = oai.parse_chat_request(body)
         arrival, deadline = self._clock()
         model = await self._orch.resolve_model(parsed.options.model)
+        chat_output = self._chat_output(parsed)
+        if chat_output.tool_parser in _SPECIAL_MARKER_PARSERS:
+            # Their call markers are special tokens, which the text would otherwise lose.
+            parsed = replace(parsed, params=replace(parsed.params, skip_special_tokens=False))
         job = GenerationJob.for_chat(
             parsed, model=model, arrival=arrival, deadline=deadline,
             default_max_tokens=self._default_max_tokens(True, defaults),
-            chat_output=self._chat_output(parsed))
+            chat_output=chat_output)
         return await self._run(request, job)
 
     async def _with_defaults(self, body: dict[str, Any]
