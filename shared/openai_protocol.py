@@ -344,6 +344,8 @@ class CompletionRequest:
     options: RequestOptions = field(default_factory=RequestOptions)
     echo: bool = False
     add_special_tokens: bool = True
+    suffix: str | None = None
+    """Fill-in-the-middle: the text after the completion (the tokenizer builds the prompt)."""
 
 
 def _prompts(value: object) -> tuple[Prompt, ...]:
@@ -367,8 +369,9 @@ def parse_completion_request(body: object) -> CompletionRequest:
     if "prompt" not in fields.body:
         raise _bad("'prompt' is required", "prompt")
     prompts = _prompts(fields.raw("prompt"))
-    if fields.raw("suffix") is not None:
-        raise _bad("'suffix' is not supported", "suffix")
+    suffix = fields.str_("suffix")
+    if suffix is not None and not all(isinstance(p, str) for p in prompts):
+        raise _bad("'suffix' needs text prompts (not token ids)", "suffix")
     kwargs = _sampling_kwargs(fields)
     max_tokens = fields.int_("max_tokens")
     if max_tokens is not None:
@@ -380,7 +383,7 @@ def parse_completion_request(body: object) -> CompletionRequest:
     params = _make_params(kwargs, {})
     add_special = fields.bool_("add_special_tokens")
     return CompletionRequest(prompts, params, _options(fields), echo,
-                             True if add_special is None else add_special)
+                             True if add_special is None else add_special, suffix)
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshserve.proto.v1 import common_pb2 as meshserve_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"meshserve/proto/v1/tokenizer.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\"\xb1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\x12\x63ontent_parts_json\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x06 \x01(\t\x12\x19\n\x11reasoning_content\x18\x07 \x01(\tB\n\n\x08_content\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\x84\x03\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.meshserve.v1.ChatMessagesH\x00\x12\x12\n\ntools_json\x18\x04 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x07 \x01(\x08\x12\x15\n\rchat_template\x18\x08 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\t \x01(\t\x12\x1e\n\x16truncate_prompt_tokens\x18\n \x01(\r\x12\x19\n\x11return_token_strs\x18\x14 \x01(\x08\x42\x07\n\x05inputB\x18\n\x16_add_generation_promptB\x15\n\x13_add_special_tokens\"e\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\"C\n\x12\x43ountTokensRequest\x12-\n\x06prompt\x18\x01 \x01(\x0b\x32\x1d.meshserve.v1.TokenizeRequest\";\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x7f\n\x11\x44\x65tokenizeRequest\x12\x32\n\x07options\x18\x01 \x01(\x0b\x32\x1f.meshserve.v1.DetokenizeOptionsH\x00\x12.\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1d.meshserve.v1.DetokenizeDeltaH\x00\x42\x06\n\x04kind\"\xb5\x02\n\x11\x44\x65tokenizeOptions\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rnum_sequences\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\rB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"u\n\x0eSequenceTokens\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x18\n\x10lookup_token_ids\x18\x04 \x03(\r\x12\x18\n\x10stopped_on_token\x18\x05 \x01(\x08\"B\n\x0f\x44\x65tokenizeDelta\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.meshserve.v1.SequenceTokens\"\x93\x01\n\x0cSequenceText\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07stopped\x18\x03 \x01(\x08\x12\x13\n\x0bstop_string\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x13\n\x0btoken_bytes\x18\x06 \x03(\x0c\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\"C\n\x12\x44\x65tokenizeResponse\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.meshserve.v1.SequenceText\"\xb1\x01\n\x0e\x44\x65tokenizeOpen\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x30\n\x07options\x18\x02 \x01(\x0b\x32\x1f.meshserve.v1.DetokenizeOptions\x12,\n\x0cprompt_tails\x18\x03 \x03(\x0b\x32\x16.meshserve.v1.TokenIds\x12\x1a\n\x12samples_per_prompt\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xe5\x01\n\x18\x44\x65tokenizeSessionRequest\x12+\n\x05opens\x18\x01 \x03(\x0b\x32\x1c.meshserve.v1.DetokenizeOpen\x12\x0f\n\x07handles\x18\x02 \x03(\x04\x12\x0f\n\x07indices\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x03(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x0e\n\x06\x66inals\x18\x06 \x03(\x08\x12\x19\n\x11stopped_on_tokens\x18\x07 \x03(\x08\x12\x18\n\x10lookup_token_ids\x18\x08 \x03(\r\x12\x0e\n\x06\x63loses\x18\t \x03(\x04\"\xbe\x01\n\x19\x44\x65tokenizeSessionResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0f\n\x07stopped\x18\x02 \x03(\x08\x12\x10\n\x08\x66inished\x18\x03 \x03(\x08\x12\x19\n\x11num_output_tokens\x18\x04 \x03(\r\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\x12\x13\n\x0btoken_bytes\x18\x06 \x03(\x0c\x12)\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x19.meshserve.v1.HandleError\"A\n\x0bHandleError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Error2\xee\x02\n\tTokenizer\x12I\n\x08Tokenize\x12\x1d.meshserve.v1.TokenizeRequest\x1a\x1e.meshserve.v1.TokenizeResponse\x12R\n\x0b\x43ountTokens\x12 .meshserve.v1.CountTokensRequest\x1a!.meshserve.v1.CountTokensResponse\x12h\n\x11\x44\x65tokenizeSession\x12&.meshserve.v1.DetokenizeSessionRequest\x1a\'.meshserve.v1.DetokenizeSessionResponse(\x01\x30\x01\x12X\n\nDetokenize\x12\x1f.meshserve.v1.DetokenizeRequest\x1a .meshserve.v1.DetokenizeResponse\"\x03\x88\x02\x01(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"meshserve/proto/v1/tokenizer.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\"\xb1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\x12\x63ontent_parts_json\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x06 \x01(\t\x12\x19\n\x11reasoning_content\x18\x07 \x01(\tB\n\n\x08_content\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\xa4\x03\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.meshserve.v1.ChatMessagesH\x00\x12\x12\n\ntools_json\x18\x04 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x07 \x01(\x08\x12\x15\n\rchat_template\x18\x08 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\t \x01(\t\x12\x1e\n\x16truncate_prompt_tokens\x18\n \x01(\r\x12\x19\n\x11return_token_strs\x18\x14 \x01(\x08\x12\x13\n\x06suffix\x18\x15 \x01(\tH\x03\x88\x01\x01\x42\x07\n\x05inputB\x18\n\x16_add_generation_promptB\x15\n\x13_add_special_tokensB\t\n\x07_suffix\"e\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\"C\n\x12\x43ountTokensRequest\x12-\n\x06prompt\x18\x01 \x01(\x0b\x32\x1d.meshserve.v1.TokenizeRequest\";\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x7f\n\x11\x44\x65tokenizeRequest\x12\x32\n\x07options\x18\x01 \x01(\x0b\x32\x1f.meshserve.v1.DetokenizeOptionsH\x00\x12.\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1d.meshserve.v1.DetokenizeDeltaH\x00\x42\x06\n\x04kind\"\xb5\x02\n\x11\x44\x65tokenizeOptions\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rnum_sequences\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\rB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"u\n\x0eSequenceTokens\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x18\n\x10lookup_token_ids\x18\x04 \x03(\r\x12\x18\n\x10stopped_on_token\x18\x05 \x01(\x08\"B\n\x0f\x44\x65tokenizeDelta\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.meshserve.v1.SequenceTokens\"\x93\x01\n\x0cSequenceText\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07stopped\x18\x03 \x01(\x08\x12\x13\n\x0bstop_string\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x13\n\x0btoken_bytes\x18\x06 \x03(\x0c\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\"C\n\x12\x44\x65tokenizeResponse\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.meshserve.v1.SequenceText\"\xb1\x01\n\x0e\x44\x65tokenizeOpen\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x30\n\x07options\x18\x02 \x01(\x0b\x32\x1f.meshserve.v1.DetokenizeOptions\x12,\n\x0cprompt_tails\x18\x03 \x03(\x0b\x32\x16.meshserve.v1.TokenIds\x12\x1a\n\x12samples_per_prompt\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xe5\x01\n\x18\x44\x65tokenizeSessionRequest\x12+\n\x05opens\x18\x01 \x03(\x0b\x32\x1c.meshserve.v1.DetokenizeOpen\x12\x0f\n\x07handles\x18\x02 \x03(\x04\x12\x0f\n\x07indices\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x03(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x0e\n\x06\x66inals\x18\x06 \x03(\x08\x12\x19\n\x11stopped_on_tokens\x18\x07 \x03(\x08\x12\x18\n\x10lookup_token_ids\x18\x08 \x03(\r\x12\x0e\n\x06\x63loses\x18\t \x03(\x04\"\xbe\x01\n\x19\x44\x65tokenizeSessionResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0f\n\x07stopped\x18\x02 \x03(\x08\x12\x10\n\x08\x66inished\x18\x03 \x03(\x08\x12\x19\n\x11num_output_tokens\x18\x04 \x03(\r\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\x12\x13\n\x0btoken_bytes\x18\x06 \x03(\x0c\x12)\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x19.meshserve.v1.HandleError\"A\n\x0bHandleError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Error2\xee\x02\n\tTokenizer\x12I\n\x08Tokenize\x12\x1d.meshserve.v1.TokenizeRequest\x1a\x1e.meshserve.v1.TokenizeResponse\x12R\n\x0b\x43ountTokens\x12 .meshserve.v1.CountTokensRequest\x1a!.meshserve.v1.CountTokensResponse\x12h\n\x11\x44\x65tokenizeSession\x12&.meshserve.v1.DetokenizeSessionRequest\x1a\'.meshserve.v1.DetokenizeSessionResponse(\x01\x30\x01\x12X\n\nDetokenize\x12\x1f.meshserve.v1.DetokenizeRequest\x1a .meshserve.v1.DetokenizeResponse\"\x03\x88\x02\x01(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,35 +39,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=265
   _globals['_CHATMESSAGES']._serialized_end=324
   _globals['_TOKENIZEREQUEST']._serialized_start=327
-  _globals['_TOKENIZEREQUEST']._serialized_end=715
-  _globals['_TOKENIZERESPONSE']._serialized_start=717
-  _globals['_TOKENIZERESPONSE']._serialized_end=818
-  _globals['_COUNTTOKENSREQUEST']._serialized_start=820
-  _globals['_COUNTTOKENSREQUEST']._serialized_end=887
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=889
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=948
-  _globals['_DETOKENIZEREQUEST']._serialized_start=950
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1077
-  _globals['_DETOKENIZEOPTIONS']._serialized_start=1080
-  _globals['_DETOKENIZEOPTIONS']._serialized_end=1389
-  _globals['_SEQUENCETOKENS']._serialized_start=1391
-  _globals['_SEQUENCETOKENS']._serialized_end=1508
-  _globals['_DETOKENIZEDELTA']._serialized_start=1510
-  _globals['_DETOKENIZEDELTA']._serialized_end=1576
-  _globals['_SEQUENCETEXT']._serialized_start=1579
-  _globals['_SEQUENCETEXT']._serialized_end=1726
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1728
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1795
-  _globals['_DETOKENIZEOPEN']._serialized_start=1798
-  _globals['_DETOKENIZEOPEN']._serialized_end=1975
-  _globals['_TOKENIDS']._serialized_start=1977
-  _globals['_TOKENIDS']._serialized_end=2006
-  _globals['_DETOKENIZESESSIONREQUEST']._serialized_start=2009
-  _globals['_DETOKENIZESESSIONREQUEST']._serialized_end=2238
-  _globals['_DETOKENIZESESSIONRESPONSE']._serialized_start=2241
-  _globals['_DETOKENIZESESSIONRESPONSE']._serialized_end=2431
-  _globals['_HANDLEERROR']._serialized_start=2433
-  _globals['_HANDLEERROR']._serialized_end=2498
-  _globals['_TOKENIZER']._serialized_start=2501
-  _globals['_TOKENIZER']._serialized_end=2867
+  _globals['_TOKENIZEREQUEST']._serialized_end=747
+  _globals['_TOKENIZERESPONSE']._serialized_start=749
+  _globals['_TOKENIZERESPONSE']._serialized_end=850
+  _globals['_COUNTTOKENSREQUEST']._serialized_start=852
+  _globals['_COUNTTOKENSREQUEST']._serialized_end=919
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=921
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=980
+  _globals['_DETOKENIZEREQUEST']._serialized_start=982
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1109
+  _globals['_DETOKENIZEOPTIONS']._serialized_start=1112
+  _globals['_DETOKENIZEOPTIONS']._serialized_end=1421
+  _globals['_SEQUENCETOKENS']._serialized_start=1423
+  _globals['_SEQUENCETOKENS']._serialized_end=1540
+  _globals['_DETOKENIZEDELTA']._serialized_start=1542
+  _globals['_DETOKENIZEDELTA']._serialized_end=1608
+  _globals['_SEQUENCETEXT']._serialized_start=1611
+  _globals['_SEQUENCETEXT']._serialized_end=1758
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1760
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1827
+  _globals['_DETOKENIZEOPEN']._serialized_start=1830
+  _globals['_DETOKENIZEOPEN']._serialized_end=2007
+  _globals['_TOKENIDS']._serialized_start=2009
+  _globals['_TOKENIDS']._serialized_end=2038
+  _globals['_DETOKENIZESESSIONREQUEST']._serialized_start=2041
+  _globals['_DETOKENIZESESSIONREQUEST']._serialized_end=2270
+  _globals['_DETOKENIZESESSIONRESPONSE']._serialized_start=2273
+  _globals['_DETOKENIZESESSIONRESPONSE']._serialized_end=2463
+  _globals['_HANDLEERROR']._serialized_start=2465
+  _globals['_HANDLEERROR']._serialized_end=2530
+  _globals['_TOKENIZER']._serialized_start=2533
+  _globals['_TOKENIZER']._serialized_end=2899
 # @@protoc_insertion_point(module_scope)

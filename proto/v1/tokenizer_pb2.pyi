@@ -32,7 +32,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "text", "chat", "tools_json", "add_generation_prompt", "add_special_tokens", "continue_final_message", "chat_template", "chat_template_kwargs_json", "truncate_prompt_tokens", "return_token_strs")
+    __slots__ = ("model", "text", "chat", "tools_json", "add_generation_prompt", "add_special_tokens", "continue_final_message", "chat_template", "chat_template_kwargs_json", "truncate_prompt_tokens", "return_token_strs", "suffix")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class TokenizeRequest(_message.Message):
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     chat: ChatMessages
@@ -55,7 +56,8 @@ class TokenizeRequest(_message.Message):
     chat_template_kwargs_json: str
     truncate_prompt_tokens: int
     return_token_strs: bool
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tools_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., return_token_strs: _Optional[bool] = ...) -> None: ...
+    suffix: str
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tools_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., return_token_strs: _Optional[bool] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "prompt_text", "max_model_len", "token_strs")

@@ -60,6 +60,7 @@ class GenerationJob:
     add_special_tokens: bool = True
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     chat_output: ChatOutputSettings | None = None  # how chat choices are read back
+    suffix: str | None = None  # fill-in-the-middle: the text after the completion
 
     @classmethod
     def for_completion(cls, parsed: CompletionRequest, body: dict[str, Any], *, model: str,
@@ -70,7 +71,8 @@ class GenerationJob:
         return cls(model=model, prompts=parsed.prompts, params=parsed.params,
                    options=parsed.options, deadline=deadline, arrival=arrival,
                    max_tokens=explicit, default_max_tokens=default_max_tokens,
-                   echo=parsed.echo, add_special_tokens=parsed.add_special_tokens)
+                   echo=parsed.echo, add_special_tokens=parsed.add_special_tokens,
+                   suffix=parsed.suffix)
 
     @classmethod
     def for_chat(cls, parsed: ChatCompletionRequest, *, model: str,

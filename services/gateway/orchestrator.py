@@ -113,7 +113,8 @@ class Orchestrator:
 
     async def tokenize(self, model: str, prompt: str | ChatPrompt, *, add_special_tokens: bool,
                        deadline: float, truncate_prompt_tokens: int | None = None,
-                       return_token_strs: bool = False) -> tokenizer_pb2.TokenizeResponse:
+                       return_token_strs: bool = False, suffix: str | None = None
+                       ) -> tokenizer_pb2.TokenizeResponse:
         """Tokenize one text or chat prompt on a tokenizer replica (keeping only its last
         `truncate_prompt_tokens` tokens when set; -1: the model's context length)."""
         request = tokenizer_pb2.TokenizeRequest(model=model,
@@ -124,6 +125,8 @@ class Orchestrator:
             request.truncate_prompt_tokens = keep
         if isinstance(prompt, str):
             request.text = prompt
+            if suffix is not None:
+                request.suffix = suffix
         else:
             request.chat.CopyFrom(wire.chat_messages(prompt.messages))
             request.tools_json = orjson.dumps(prompt.tools).decode() if prompt.tools else ""
@@ -164,7 +167,7 @@ class Orchestrator:
             return PreparedPrompt(ids, text, await self._clients.max_model_len(job.model))
         response = await self.tokenize(job.model, prompt, deadline=job.deadline,
                                        add_special_tokens=job.add_special_tokens,
-                                       truncate_prompt_tokens=truncate)
+                                       truncate_prompt_tokens=truncate, suffix=job.suffix)
         if not response.token_ids:
             raise InvalidRequestError("the prompt is empty (it has no tokens)",
                                       param=job.prompt_param)

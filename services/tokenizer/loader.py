@@ -20,6 +20,9 @@ from meshserve.shared.gguf_export import exported_folder
 # transformers marks "no limit" with a huge sentinel (int(1e30)).
 _NO_MAX_LENGTH = 10**12
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# Fill-in-the-middle token spellings: StarCoder / SmolLM2, then Qwen2.5-Coder.
+_FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+               ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 # Names that apply_chat_template itself takes; a request may not set them
 # through chat_template_kwargs.
@@ -122,6 +125,17 @@ class Tokenizer:
             return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens,
                                   clean_up_tokenization_spaces=False))
+
+    def fill_in_middle(self, prefix: str, suffix: str) -> str:
+        """The prompt of a fill-in-the-middle completion in the model's FIM tokens (prefix,
+        suffix, middle order, as StarCoder, SmolLM2 and Qwen2.5-Coder are trained)."""
+        vocab = self.hf.get_vocab()
+        for begin, after, middle in _FIM_TOKENS:
+            if begin in vocab and after in vocab and middle in vocab:
+                return f"{begin}{prefix}{after}{suffix}{middle}"
+        raise _bad("'suffix' needs a model whose tokenizer has fill-in-the-middle tokens "
+                   "(such as <fim_prefix>, <fim_suffix>, <fim_middle>); this model's has none",
+                   "suffix")
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         """Vocabulary strings of the ids (e.g. 'Ġhello' for byte-level BPE)."""

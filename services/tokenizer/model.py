@@ -26,6 +26,7 @@ class PromptInput:
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     truncate_prompt_tokens: int = 0
+    suffix: str | None = None  # fill-in-the-middle: the text after the completion
 
     @property
     def size(self) -> int:
@@ -78,6 +79,8 @@ class ServedModel:
         else:
             assert prompt.text is not None, "a prompt needs text or messages"
             text = prompt.text
+            if prompt.suffix is not None:
+                text = self.tokenizer.fill_in_middle(text, prompt.suffix)
         ids = self.tokenizer.encode(text, add_special_tokens=prompt.add_special_tokens)
         if prompt.truncate_prompt_tokens:
             ids = ids[-prompt.truncate_prompt_tokens:]

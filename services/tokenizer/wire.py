@@ -55,7 +55,10 @@ def prompt_input(request: tokenizer_pb2.TokenizeRequest) -> PromptInput:
                 raise InvalidRequestError(f"{name} applies to chat prompts only", param=name)
         return PromptInput(text=request.text,
                            add_special_tokens=True if add_special is None else add_special,
-                           truncate_prompt_tokens=request.truncate_prompt_tokens)
+                           truncate_prompt_tokens=request.truncate_prompt_tokens,
+                           suffix=request.suffix if request.HasField("suffix") else None)
+    if request.HasField("suffix"):
+        raise InvalidRequestError("suffix applies to text prompts only", param="suffix")
     tools = _json(request.tools_json, "tools") if request.tools_json else None
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):

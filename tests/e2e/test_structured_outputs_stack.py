@@ -272,3 +272,12 @@ def test_the_models_generation_config_fills_what_a_request_leaves_out(
     capped = client.chat.completions.create(model=MODEL, extra_body={"ignore_eos": True},
                                             messages=[{"role": "user", "content": "hi"}])
     assert capped.usage is not None and capped.usage.completion_tokens == 7
+
+
+def test_suffix_on_a_model_without_fim_tokens_is_a_400_saying_why(
+        client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="def f():", suffix="return 1",
+                                  max_tokens=4)
+    assert refused.value.body["param"] == "suffix"  # type: ignore[index]
+    assert "fill-in-the-middle" in refused.value.message

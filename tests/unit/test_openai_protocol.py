@@ -112,7 +112,7 @@ def test_wrong_types_name_the_parameter(key: str, value: object, message: str) -
     ({"top_p": 0}, "top_p"),
     ({"logit_bias": {"3": 101}}, "logit_bias"),
     ({"stop": ["ok", ""]}, "stop"),
-    ({"suffix": "tail"}, "suffix"),
+    ({"prompt": [1, 2], "suffix": "tail"}, "suffix"),
     ({"best_of": 3, "n": 2}, "best_of"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"cache_salt": ""}, "cache_salt"),
