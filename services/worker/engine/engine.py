@@ -9,7 +9,9 @@ step N+1 while the device runs step N. Tokens that step N samples stay on the de
 as step N+1's inputs; the host sees them one step later, and a sequence that turns
 out to have stopped at N (EOS, a stop token) spends one discarded token of N+1.
 Length limits are known in advance and never waste one. Steps whose sequences need
-their whole token history on the host (penalties) wait for the step before them.
+their whole token history on the host (penalties, bad words) wait for the step before
+them; a step with constrained sequences (structured outputs) queues its forward pass
+first, then reads the step before (its grammars take those tokens) and queues its sampling.
 """
 
 from __future__ import annotations
