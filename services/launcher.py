@@ -357,6 +357,7 @@ class Stack:
             gateway += ["--api-key", c.api_key]
         if c.allowed_origins:
             gateway += ["--allowed-origins", c.allowed_origins]
+        gateway += ["--redis-url", self.redis_url]  # stored /v1/responses answers
         if not c.access_log:
             gateway.append("--no-access-log")
         for flag, value in (("--root-path", c.root_path),

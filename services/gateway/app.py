@@ -47,6 +47,8 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     routes = [
         ("POST", COMPLETIONS_URL, generation.completions),
         ("POST", CHAT_COMPLETIONS_URL, generation.chat_completions),
+        ("POST", "/v1/responses", generation.responses),
+        ("GET", "/v1/responses/{response_id}", generation.get_response),
         ("GET", "/v1/models", service.models),
         ("GET", "/v1/models/{model:.+}", service.model),  # ids may hold slashes
         ("POST", "/tokenize", service.tokenize),
@@ -63,6 +65,11 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
             app.router.add_route(method, prefix + path, handler)
     if config.allowed_origins:
         _allow_cors(app, config.allowed_origins, config.allow_credentials)
+
+    async def close_store(_: web.Application) -> None:
+        await generation.store.close()
+
+    app.on_cleanup.append(close_store)
     return app
 
 

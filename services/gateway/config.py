@@ -70,6 +70,11 @@ class GatewayConfig(ServiceConfig):
     health_timeout_s: float = option(2.0, "deadline of the checks behind GET /health")
     access_log: bool = option(True, "log one line per API request (client, method, path, "
                                     "status, bytes, seconds); probes and scrapes are not logged")
+    redis_url: str | None = option(
+        None, "Redis where /v1/responses keeps stored responses, shared by every gateway "
+              "replica (unset: kept in this process)")
+    responses_ttl_s: float = option(3600.0, "seconds a stored /v1/responses answer can be "
+                                            "retrieved or continued")
     root_path: str = option(
         "", "path prefix the API is served under behind a proxy, e.g. /llm (requests are "
             "answered with and without it)")
@@ -110,7 +115,8 @@ class GatewayConfig(ServiceConfig):
                      "needs --tool-call-parser", "enable_auto_tool_choice")
         self._require_parser("tool_call_parser", "tool_parsers", "TOOL_PARSERS")
         self._require_parser("reasoning_parser", "reasoning_parsers", "REASONING_PARSERS")
-        for name in ("request_timeout_s", "model_cache_ttl_s", "health_timeout_s"):
+        for name in ("request_timeout_s", "model_cache_ttl_s", "health_timeout_s",
+                     "responses_ttl_s"):
             value = getattr(self, name)
             self.require(value > 0, f"must be > 0, got {value}", name)
 

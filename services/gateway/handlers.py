@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 from opentelemetry import trace
 
+from meshserve.services.gateway import responses
 from meshserve.services.gateway.admission import Admission
 from meshserve.services.gateway.chat_output import ChatOutputSettings
 from meshserve.services.gateway.config import GatewayConfig
@@ -95,6 +96,7 @@ class Handlers:
         self._orch = orchestrator
         self._admission = admission
         self._drain = drain
+        self.store = responses.ResponseStore(config.redis_url, config.responses_ttl_s)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
@@ -156,6 +158,46 @@ class Handlers:
                                   config.tool_call_parser if auto else None,
                                   config.reasoning_parser, parsed.include_reasoning)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/responses: run as a chat request, answered as a `response`."""
+        body = await read_json(request)
+        previous = body.get("previous_response_id")
+        if previous is not None and not isinstance(previous, str):
+            raise InvalidRequestError("'previous_response_id' must be a string",
+                                      param="previous_response_id")
+        history = (await self.store.get(previous))["messages"] if previous else []
+        chat, defaults = await self._with_defaults(responses.chat_body(body, history))
+        parsed = oai.parse_chat_request(chat)
+        arrival, deadline = self._clock()
+        model = await self._orch.resolve_model(parsed.options.model)
+        job = GenerationJob.for_chat(
+            parsed, model=model, arrival=arrival, deadline=deadline,
+            default_max_tokens=self._default_max_tokens(True, defaults),
+            chat_output=self._chat_output(parsed))
+        _annotate_request(job)
+        self._drain.refuse_if_draining()
+        with self._admission.slot(), self._drain.track():
+            answer = await self._answer(job)
+        result = responses.response_object(responses.response_id(), body, answer,
+                                           oai.created_timestamp())
+        if body.get("store") is not False:
+            message = answer["choices"][0]["message"]
+            said = {k: message[k] for k in ("role", "content", "tool_calls") if message.get(k)}
+            await self.store.put(result, [*history, *responses.input_messages(body["input"]),
+                                          said])
+        if not body.get("stream"):
+            return json_response(result)
+        stream = web.StreamResponse(headers=_SSE_HEADERS)
+        await stream.prepare(request)
+        await stream.write(b"".join(responses.stream_events(result)))
+        await stream.write_eof()
+        return stream
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}: a stored response (404 when unknown or expired)."""
+        stored = await self.store.get(request.match_info["response_id"], "response_id")
+        return json_response(stored["response"])
+
     def _clock(self) -> tuple[float, float]:
         now = asyncio.get_running_loop().time()
         return now, now + self._config.request_timeout_s
@@ -174,6 +216,10 @@ class Handlers:
             "(request_timeout_s)")
 
     async def _aggregate(self, job: GenerationJob) -> web.Response:
+        return json_response(await self._answer(job))
+
+    async def _answer(self, job: GenerationJob) -> dict[str, Any]:
+        """The whole response body of a job."""
         try:
             async with asyncio.timeout_at(job.deadline):
                 async with self._orch.generate(job) as generation:
@@ -185,7 +231,7 @@ class Handlers:
                     _annotate_result(generation, renderer, usage)
         except TimeoutError as exc:
             raise self._deadline_error() from exc
-        return json_response(body)
+        return body
 
     async def _stream(self, request: web.Request, job: GenerationJob) -> web.StreamResponse:
         response: web.StreamResponse | None = None

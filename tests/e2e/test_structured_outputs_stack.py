@@ -281,3 +281,49 @@ def test_suffix_on_a_model_without_fim_tokens_is_a_400_saying_why(
                                   max_tokens=4)
     assert refused.value.body["param"] == "suffix"  # type: ignore[index]
     assert "fill-in-the-middle" in refused.value.message
+
+
+def test_the_responses_api_answers_streams_stores_and_continues(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="Name a city.", max_output_tokens=6,
+                                    instructions="Be short.", temperature=0)
+    assert first.object == "response" and first.id.startswith("resp_")
+    assert first.status == "incomplete" and first.incomplete_details is not None
+    assert first.usage is not None and first.usage.output_tokens == 6
+    text = first.output_text
+    assert text and client.responses.retrieve(first.id).output_text == text
+    events = list(client.responses.create(model=MODEL, input="Name a city.",
+                                          max_output_tokens=6, instructions="Be short.",
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    # Continuing: the stored conversation comes before the new input.
+    fresh = client.responses.create(model=MODEL, input="And another?", max_output_tokens=2)
+    more = client.responses.create(model=MODEL, input="And another?", max_output_tokens=2,
+                                   previous_response_id=first.id)
+    assert more.usage is not None and fresh.usage is not None
+    assert more.usage.input_tokens > fresh.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input="x", reasoning={"effort": "high"})
+    assert refused.value.body["param"] == "reasoning"  # type: ignore[index]
+
+
+def test_the_responses_api_returns_function_calls(client: openai.OpenAI) -> None:
+    tools = [{"type": "function", "name": t["function"]["name"],
+              "parameters": t["function"]["parameters"]} for t in TOOLS]
+    answer = client.responses.create(model=MODEL, input="add 1 and 2", tools=tools,
+                                     tool_choice={"type": "function", "name": "add"},
+                                     max_output_tokens=400, temperature=1.0)
+    [call] = [item for item in answer.output if item.type == "function_call"]
+    assert call.name == "add" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS["add"])
+    # The call's output goes back as an input item.
+    after = client.responses.create(model=MODEL, previous_response_id=answer.id,
+                                    max_output_tokens=3, input=[{
+                                        "type": "function_call_output",
+                                        "call_id": call.call_id, "output": "3"}])
+    assert after.status in ("completed", "incomplete")
