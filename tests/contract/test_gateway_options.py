@@ -1,5 +1,5 @@
-"""--root-path: behind a proxy the API answers under the prefix and without it (the proxy
-may keep or strip it); other prefixes are still 404, and a bad prefix is refused."""
+"""Gateway options: --root-path (the API answers under the prefix and without it, as a
+proxy may keep or strip it) and the tool-call / reasoning parser flags."""
 
 from __future__ import annotations
 
@@ -30,3 +30,15 @@ async def test_the_api_answers_with_and_without_the_root_path() -> None:
 def test_a_root_path_must_be_a_clean_prefix(root_path: str) -> None:
     with pytest.raises(ConfigError, match="root_path|root-path"):
         GatewayConfig(root_path=root_path)
+
+
+@pytest.mark.parametrize(("settings", "words"), [
+    ({"tool_call_parser": "nope"}, "hermes"),
+    ({"reasoning_parser": "nope"}, "deepseek_r1"),
+    ({"enable_auto_tool_choice": True}, "tool-call-parser"),
+])
+def test_parser_flags_are_checked(settings: dict[str, object], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        GatewayConfig(**settings)  # type: ignore[arg-type]
+    GatewayConfig(tool_call_parser="qwen3_coder", enable_auto_tool_choice=True,
+                  reasoning_parser="qwen3")
