@@ -177,19 +177,55 @@ class Handlers:
         _annotate_request(job)
         self._drain.refuse_if_draining()
         with self._admission.slot(), self._drain.track():
+            if body.get("stream"):
+                return await self._stream_response(request, job, body, history)
             answer = await self._answer(job)
         result = responses.response_object(responses.response_id(), body, answer,
                                            oai.created_timestamp())
-        if body.get("store") is not False:
-            message = answer["choices"][0]["message"]
-            said = {k: message[k] for k in ("role", "content", "tool_calls") if message.get(k)}
-            await self.store.put(result, [*history, *responses.input_messages(body["input"]),
-                                          said])
-        if not body.get("stream"):
-            return json_response(result)
-        stream = web.StreamResponse(headers=_SSE_HEADERS)
-        await stream.prepare(request)
-        await stream.write(b"".join(responses.stream_events(result)))
+        await self._store_response(body, history, answer, result)
+        return json_response(result)
+
+    async def _store_response(self, body: dict[str, Any], history: list[dict[str, Any]],
+                              answer: dict[str, Any], result: dict[str, Any]) -> None:
+        if body.get("store") is False:
+            return
+        message = answer["choices"][0]["message"]
+        said = {k: message[k] for k in ("role", "content", "tool_calls") if message.get(k)}
+        await self.store.put(result, [*history, *responses.input_messages(body["input"]), said])
+
+    async def _stream_response(self, request: web.Request, job: GenerationJob,
+                               body: dict[str, Any], history: list[dict[str, Any]]
+                               ) -> web.StreamResponse:
+        """A /v1/responses stream: plain text as it is generated, the rest at the end."""
+        rid, created, events = responses.response_id(), oai.created_timestamp(), \
+            responses.ResponseEvents()
+        item = responses.message_id() if job.chat_output is None else None
+        stream: web.StreamResponse | None = None
+        try:
+            async with asyncio.timeout_at(job.deadline):
+                async with self._orch.generate(job) as generation:
+                    renderer = renderer_for(job, generation.prompts, generation.lookup)
+                    stream = web.StreamResponse(headers=_SSE_HEADERS)
+                    await stream.prepare(request)
+                    await stream.write(events.start(rid, body, job.model, created, item))
+                    async for update in generation.updates():
+                        renderer.add(update)
+                        text = "".join(d.text for d in update.choices if d.index == 0)
+                        if item is not None and text:
+                            await stream.write(events.text(item, text))
+                    answer = renderer.response(generation.usage())
+        except Exception as exc:
+            error = self._stream_error(exc)
+            if stream is None:
+                raise error from exc
+            await stream.write(events.event("error", {"code": error.kind,
+                                                      "message": error.message}))
+            await stream.write_eof()
+            return stream
+        result = responses.response_object(rid, body, answer, created, item)
+        await self._store_response(body, history, answer, result)
+        assert stream is not None
+        await stream.write(events.finish(result, item is not None))
         await stream.write_eof()
         return stream
 

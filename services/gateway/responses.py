@@ -125,13 +125,14 @@ def _response_format(fmt: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def response_object(rid: str, body: Mapping[str, Any], chat: Mapping[str, Any],
-                    created: int) -> dict[str, Any]:
-    """The `response` of a finished chat answer (its first choice)."""
+                    created: int, message_id: str | None = None) -> dict[str, Any]:
+    """The `response` of a finished chat answer (its first choice); `message_id`: the id of
+    its message item, already announced to a stream (the item is there even if empty)."""
     choice = chat["choices"][0]
     message = choice["message"]
     output: list[dict[str, Any]] = []
-    if message.get("content"):
-        output.append(_message_item(message["content"]))
+    if message.get("content") or message_id is not None:
+        output.append(_message_item(message.get("content") or "", message_id))
     for call in message.get("tool_calls") or ():
         output.append({"type": "function_call", "id": f"fc_{call['id']}", "status": "completed",
                        "call_id": call["id"], "name": call["function"]["name"],
@@ -160,26 +161,69 @@ def response_object(rid: str, body: Mapping[str, Any], chat: Mapping[str, Any],
     }
 
 
-def _message_item(text: str) -> dict[str, Any]:
-    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def _message_item(text: str, item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "message", "id": item_id or message_id(), "status": "completed",
             "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def stream_events(response: dict[str, Any]) -> list[bytes]:
-    """The SSE events of a response, in OpenAI's order, numbered."""
-    pending = {**response, "status": "in_progress", "output": [], "usage": None,
-               "incomplete_details": None}
-    events: list[tuple[str, dict[str, Any]]] = [
-        ("response.created", {"response": pending}),
-        ("response.in_progress", {"response": pending})]
-    for index, item in enumerate(response["output"]):
-        events += _item_events(index, item)
-    done = "response.completed" if response["status"] == "completed" else "response.incomplete"
-    events.append((done, {"response": response}))
-    return [b"event: " + name.encode() + b"\ndata: " + orjson.dumps(
-        {"type": name, "sequence_number": n, **data}) + b"\n\n"
-        for n, (name, data) in enumerate(events)]
+class ResponseEvents:
+    """A response's SSE events in OpenAI's order, numbered as they are made.
+
+    Plain text streams as it is generated: `start` announces the response, its message
+    item and text part; `text` sends each delta; `finish` closes them and sends the other
+    items (function calls) and the final response. Without `message_id` (tool calls or
+    reasoning being parsed) everything after `start` comes with `finish`."""
+
+    def __init__(self) -> None:
+        self._number = 0
+
+    def event(self, name: str, data: dict[str, Any]) -> bytes:
+        body = orjson.dumps({"type": name, "sequence_number": self._number, **data})
+        self._number += 1
+        return b"event: " + name.encode() + b"\ndata: " + body + b"\n\n"
+
+    def start(self, rid: str, body: Mapping[str, Any], model: str, created: int,
+              message_id: str | None) -> bytes:
+        pending = {"id": rid, "object": "response", "created_at": created, "model": model,
+                   "status": "in_progress", "output": [], "usage": None,
+                   "previous_response_id": body.get("previous_response_id")}
+        out = [self.event("response.created", {"response": pending}),
+               self.event("response.in_progress", {"response": pending})]
+        if message_id is not None:
+            item = {"type": "message", "id": message_id, "status": "in_progress",
+                    "role": "assistant", "content": []}
+            out += [self.event("response.output_item.added", {"output_index": 0, "item": item}),
+                    self.event("response.content_part.added", {
+                        "output_index": 0, "item_id": message_id, "content_index": 0,
+                        "part": {"type": "output_text", "text": "", "annotations": []}})]
+        return b"".join(out)
+
+    def text(self, message_id: str, delta: str) -> bytes:
+        return self.event("response.output_text.delta", {
+            "output_index": 0, "item_id": message_id, "content_index": 0, "delta": delta,
+            "logprobs": []})
+
+    def finish(self, response: dict[str, Any], streamed_message: bool) -> bytes:
+        out = []
+        for index, item in enumerate(response["output"]):
+            events = _item_events(index, item)
+            if streamed_message and index == 0:
+                events = [e for e in events if e[0] in _CLOSING]
+            out += [self.event(name, data) for name, data in events]
+        done = ("response.completed" if response["status"] == "completed"
+                else "response.incomplete")
+        out.append(self.event(done, {"response": response}))
+        return b"".join(out)
+
+
+# What closes a message item that was streamed as it was generated.
+_CLOSING = ("response.output_text.done", "response.content_part.done",
+            "response.output_item.done")
 
 
 def _item_events(index: int, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

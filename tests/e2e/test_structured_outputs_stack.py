@@ -298,6 +298,11 @@ def test_the_responses_api_answers_streams_stores_and_continues(client: openai.O
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.incomplete"
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [i for i, kind in enumerate(kinds) if kind == "response.output_text.delta"]
+    assert len(deltas) > 1  # the text streams as it is generated
+    assert kinds.index("response.content_part.added") < deltas[0]
+    assert deltas[-1] < kinds.index("response.output_text.done") < kinds.index(
+        "response.output_item.done")
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     # Continuing: the stored conversation comes before the new input.
     fresh = client.responses.create(model=MODEL, input="And another?", max_output_tokens=2)
