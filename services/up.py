@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from meshserve.services.launcher import LauncherConfig, start_stack
+from meshserve.services.vllm_options import translate
 from meshserve.shared.errors import ConfigError, MeshError
 
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None, prog: str = "meshserve up") -> int:
     """`meshserve up [MODEL]` (also `meshserve serve MODEL`): start the stack, print the
     gateway URL, run until Ctrl-C/SIGTERM."""
     try:
-        args = positional_model(sys.argv[1:] if argv is None else argv)
+        args = translate(positional_model(sys.argv[1:] if argv is None else argv))
         config = LauncherConfig.from_args(args, strict_env=False, prog=prog)
     except ConfigError as exc:
         print(f"{prog}: {exc.message}", file=sys.stderr)

@@ -68,6 +68,28 @@ def _optional_inner(tp: Any) -> Any | None:
     return None
 
 
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_int(text: str) -> int:
+    """An integer as vLLM reads sizes: `4k` = 4000, `4K` = 4096 (likewise m/M, g/G, t/T),
+    `1.5k` = 1500 (a fraction only with a decimal suffix)."""
+    text = text.strip()
+    suffix = text[-1:] if text[-1:] in {**_DECIMAL, **_BINARY} else ""
+    number = text[:-1] if suffix else text
+    if not suffix:
+        return int(number)
+    if suffix in _BINARY:
+        if not number.isdigit():
+            raise ValueError(f"{text!r}: a binary suffix ({suffix}) takes a whole number")
+        return int(number) * _BINARY[suffix]
+    value = float(number) * _DECIMAL[suffix]
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(value)
+
+
 def parse_value(text: str, tp: Any) -> Any:
     """Parse one flag or environment string as type `tp`; ValueError if it is not one."""
     inner = _optional_inner(tp)
@@ -89,7 +111,9 @@ def parse_value(text: str, tp: Any) -> Any:
         raise ValueError(f"expected a boolean (true/false, 1/0, yes/no, on/off), got {text!r}")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp(text)
-    if tp in (int, float, str, Path):
+    if tp is int:
+        return human_int(text)
+    if tp in (float, str, Path):
         return tp(text)
     raise TypeError(f"config fields of type {_type_name(tp)} are not supported")
 

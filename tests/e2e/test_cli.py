@@ -115,7 +115,9 @@ def test_run_batch_end_to_end(tiny_llama_dir: Path, tmp_path: Path) -> None:
      "block_size"),
     (["frobnicate"], 2, "unknown command"),
     (["serve", "m1", "--model", "m2"], 2, "meshserve serve: the model is given twice"),
-    (["up", "--tokenizer", "2"], 2, "meshserve up: unrecognized arguments: --tokenizer 2"),
+    (["up", "--tokenizer", "2"], 2,
+     "meshserve up: --tokenizer 2: this vLLM option is not supported by meshserve"),
+    (["up", "--tokenizerz", "2"], 2, "meshserve up: unrecognized arguments: --tokenizerz 2"),
 ])
 def test_cli_rejects_bad_invocations(argv: list[str], code: int, message: str) -> None:
     done = subprocess.run([str(meshserve_script()), *argv], check=False, capture_output=True,

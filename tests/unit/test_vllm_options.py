@@ -1,0 +1,71 @@
+"""`vllm serve` command lines on `meshserve serve`: vLLM's spellings, --config YAML files
+(flags after it win), 4k-style sizes, and a clear refusal of what meshserve lacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshserve.services.launcher import LauncherConfig
+from meshserve.services.up import positional_model
+from meshserve.services.vllm_options import translate
+from meshserve.shared.config import human_int
+from meshserve.shared.errors import ConfigError
+
+
+def config_of(*argv: str) -> LauncherConfig:
+    return LauncherConfig.from_args(translate(positional_model(argv)), environ={})
+
+
+def test_vllm_spellings_give_the_same_config_as_ours() -> None:
+    theirs = config_of("m", "--data-parallel-size", "3", "--disable-uvicorn-access-log",
+                       "--kv-cache-memory-bytes=2G", "-tp", "1", "--uvicorn-log-level",
+                       "warning", "--structured-outputs-config", '{"backend": "xgrammar"}',
+                       "--disable-log-requests", "--max-model-len", "4k")
+    ours = config_of("--model", "m", "--workers", "3", "--no-access-log", "--kv-cache-memory",
+                     str(2 * 2**30), "--log-level", "WARNING", "--max-model-len", "4000")
+    assert theirs == ours
+
+
+@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp=4"],
+                                  ["--quantization", "fp8"], ["--enable-lora"],
+                                  ["--kv-cache-dtype", "fp8"], ["--tokenizer", "x"],
+                                  ["--speculative-config", "{}"]])
+def test_unsupported_vllm_options_are_refused_by_name(argv: list[str]) -> None:
+    with pytest.raises(ConfigError, match="not supported by meshserve") as refused:
+        translate(argv)
+    assert argv[0].split("=")[0] in refused.value.message
+
+
+def test_harmless_values_of_unsupported_options_pass() -> None:
+    assert translate(["--pipeline-parallel-size", "1", "--kv-cache-dtype", "auto",
+                      "--port", "9"]) == ["--port", "9"]
+
+
+def test_a_config_file_is_read_and_flags_after_it_win(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("max_model_len: 2k\nenable-prefix-caching: false\nworkers: 2\n"
+                    "data-parallel-size: 3\nport: 8100\n")
+    config = config_of("m", "--config", str(path), "--port", "8200")
+    assert (config.max_model_len, config.enable_prefix_caching, config.workers,
+            config.port) == (2000, False, 3, 8200)
+    path.write_text("max_model_lenn: 5\n")
+    with pytest.raises(ConfigError, match="max-model-lenn"):
+        config_of("m", "--config", str(path))
+    path.write_text("tensor_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match="not supported"):
+        config_of("m", "--config", str(path))
+
+
+@pytest.mark.parametrize(("text", "value"), [("4k", 4000), ("4K", 4096), ("1.5k", 1500),
+                                             ("25.6k", 25600), ("2M", 2 * 2**20),
+                                             ("3g", 3 * 10**9), ("17", 17)])
+def test_sizes_read_as_vllm_reads_them(text: str, value: int) -> None:
+    assert human_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["1.5K", "0.0001k", "k", "4x"])
+def test_bad_sizes_are_errors(text: str) -> None:
+    with pytest.raises(ValueError):
+        human_int(text)
