@@ -79,7 +79,6 @@ def sse(obj: object) -> bytes:
 # listed (those that ask for nothing, such as vLLM's defaults). Nothing is silently ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "logits_processors": ((), "logits processors are not supported"),
-    "return_token_ids": ((False,), "return_token_ids is not implemented"),
     "vllm_xargs": (({},), "vllm_xargs is not supported"),
     "kv_transfer_params": ((), "KV transfer parameters are not supported"),
     "mm_processor_kwargs": ((), "multimodal inputs are not supported"),
@@ -276,6 +275,8 @@ class RequestOptions:
     return_prompt_logprobs: bool = False
     """The body asked for `prompt_logprobs`: each choice carries them (vLLM's shape)."""
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    """Choices carry their `token_ids` and the prompt's `prompt_token_ids` (vLLM's field)."""
     """Logprobs name tokens as `token_id:<id>` instead of their text (vLLM's field)."""
 
 
@@ -296,7 +297,8 @@ def _options(fields: _Fields) -> RequestOptions:
         user=fields.str_("user") or fields.str_("safety_identifier"),
         truncate_prompt_tokens=_truncate(fields),
         return_prompt_logprobs=_prompt_logprobs(fields, stream),
-        return_tokens_as_token_ids=bool(fields.bool_("return_tokens_as_token_ids")))
+        return_tokens_as_token_ids=bool(fields.bool_("return_tokens_as_token_ids")),
+        return_token_ids=bool(fields.bool_("return_token_ids")))
 
 
 class TokenIdNames:

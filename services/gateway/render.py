@@ -29,6 +29,7 @@ class _Choice:
     started: bool = False  # its first delta (with the echoed prompt) was rendered
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # from its first delta
     text_length: int = 0  # characters streamed so far (text_offset of the next chunk)
+    output_ids: list[int] = field(default_factory=list)  # generated tokens only
 
 
 class Renderer:
@@ -43,6 +44,7 @@ class Renderer:
         self.response_id = response_id
         self.created = oai.created_timestamp() if created is None else created
         self._choices = [_Choice() for _ in range(job.num_choices)]
+        self._ids_sent: set[int] = set()  # choices whose prompt_token_ids were streamed
 
     # -- streaming --------------------------------------------------------------------------
 
@@ -52,10 +54,31 @@ class Renderer:
 
     def chunks(self, update: GenerationUpdate, usage: dict[str, Any] | None = None) -> bytes:
         """The SSE events of one update: one per choice with news."""
-        events = [oai.sse(self._chunk([choice], usage))
-                  for delta in update.choices
-                  if (choice := self._stream_choice(delta)) is not None]
+        events = []
+        for delta in update.choices:
+            choice = self._stream_choice(delta)
+            if choice is not None:
+                first = delta.index not in self._ids_sent
+                self._ids_sent.add(delta.index)
+                events.append(oai.sse(self._chunk([self._with_token_ids(
+                    choice, delta.index, delta.token_ids, first)], usage)))
         return b"".join(events)
+
+    @property
+    def _tokens_are_news(self) -> bool:
+        """Whether held-back tokens (no text yet) still make a chunk: their logprobs or ids
+        were asked for."""
+        return self.job.wants_logprobs or self.job.options.return_token_ids
+
+    def _with_token_ids(self, choice: dict[str, Any], index: int, token_ids: list[int],
+                        with_prompt: bool) -> dict[str, Any]:
+        """A choice with vLLM's `token_ids` (and, first, `prompt_token_ids`) when asked."""
+        if self.job.options.return_token_ids:
+            if with_prompt:
+                choice["prompt_token_ids"] = list(
+                    self.prompts[index // self.job.params.n].token_ids)
+            choice["token_ids"] = list(token_ids)
+        return choice
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:
         """The last chunk of `stream_options.include_usage`: no choices, the usage."""
@@ -72,6 +95,7 @@ class Renderer:
             text, ids, entries = self._with_echo(delta, choice)
             choice.texts.append(text)
             choice.token_ids.extend(ids)
+            choice.output_ids.extend(delta.token_ids)
             choice.logprobs.extend(entries)
             if delta.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
@@ -100,7 +124,9 @@ class Renderer:
         raise NotImplementedError
 
     def _with_prompt_logprobs(self, choice: dict[str, Any], index: int) -> dict[str, Any]:
-        """A whole response's choice, with vLLM's `prompt_logprobs` when they were asked."""
+        """A whole response's choice, with vLLM's `prompt_logprobs` and token ids when they
+        were asked."""
+        self._with_token_ids(choice, index, self._choices[index].output_ids, True)
         if self.job.options.return_prompt_logprobs:
             entries = self._choices[index].prompt_logprobs or [None]
             choice["prompt_logprobs"] = oai.prompt_logprobs_field(entries, self.lookup)
@@ -123,7 +149,7 @@ class CompletionRenderer(Renderer):
     def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         choice = self._choices[delta.index]
         text, ids, entries = self._with_echo(delta, choice)
-        if not _has_news(text, ids, delta, self.job.wants_logprobs):
+        if not _has_news(text, ids, delta, self._tokens_are_news):
             return None
         logprobs = self._logprobs(ids, entries, choice.text_length)
         choice.text_length += len(text)
@@ -167,7 +193,7 @@ class ChatRenderer(Renderer):
     def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         if self._outputs is not None:
             return self._parsed_stream_choice(delta, self._outputs[delta.index])
-        if not _has_news(delta.text, delta.token_ids, delta, self.job.wants_logprobs):
+        if not _has_news(delta.text, delta.token_ids, delta, self._tokens_are_news):
             return None
         return oai.chat_delta_choice(
             delta.index, delta.text if delta.text or delta.finish_reason is None else None,
@@ -185,7 +211,7 @@ class ChatRenderer(Renderer):
             pieces += output.finish()
         fields = merge_pieces(pieces)
         if not fields and delta.finish_reason is None and not (
-                self.job.wants_logprobs and delta.token_ids):
+                self._tokens_are_news and delta.token_ids):
             return None
         finish = self._finish_reason(delta.finish_reason, output.called)
         return {"index": delta.index, "delta": fields,

@@ -332,3 +332,26 @@ def test_the_responses_api_returns_function_calls(client: openai.OpenAI) -> None
                                         "type": "function_call_output",
                                         "call_id": call.call_id, "output": "3"}])
     assert after.status in ("completed", "incomplete")
+
+
+def test_return_token_ids_gives_prompt_and_output_ids(client: openai.OpenAI) -> None:
+    answer = client.completions.create(model=MODEL, prompt="hello there", max_tokens=5,
+                                       temperature=0, extra_body={"return_token_ids": True,
+                                                                  "ignore_eos": True})
+    choice = answer.choices[0].model_dump()
+    tokens = client.post("/../tokenize", cast_to=object,
+                         body={"model": MODEL, "prompt": "hello there"})
+    assert choice["prompt_token_ids"] == tokens["tokens"]  # type: ignore[index]
+    assert len(choice["token_ids"]) == 5
+    streamed: list[int] = []
+    prompt_ids = []
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+            temperature=0, stream=True, extra_body={"return_token_ids": True,
+                                                    "ignore_eos": True}):
+        for c in chunk.choices:
+            extra = c.model_dump()
+            streamed += extra.get("token_ids") or []
+            if extra.get("prompt_token_ids"):
+                prompt_ids.append(extra["prompt_token_ids"])
+    assert len(streamed) == 5 and len(prompt_ids) == 1 and prompt_ids[0]

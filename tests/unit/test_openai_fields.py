@@ -36,7 +36,8 @@ VLLM_READ = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
              "truncate_prompt_tokens", "prompt_logprobs", "return_tokens_as_token_ids",
              "response_format", "structured_outputs", "guided_json", "guided_regex",
              "guided_choice", "guided_grammar", "guided_decoding_backend",
-             "guided_whitespace_pattern", "bad_words", "allowed_token_ids"}
+             "guided_whitespace_pattern", "bad_words", "allowed_token_ids",
+             "return_token_ids"}
 VLLM_CHAT_READ = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                   "chat_template", "include_reasoning"}
 
