@@ -6,18 +6,18 @@
     fields, called = output.message(text)  # whole: the message's fields
 
 A required or named tool choice was enforced with structured outputs (shared/tool_choice.py),
-so its JSON always parses here; `auto` runs the parser chosen by --tool-call-parser over the
-content, after the reasoning parser (--reasoning-parser) has taken the reasoning out.
+so its JSON always parses here (services/gateway/forced_calls.py); `auto` runs the parser
+chosen by --tool-call-parser over the content, after the reasoning parser (--reasoning-parser)
+has taken the reasoning out. parallel_tool_calls false keeps the first call only (as vLLM).
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from meshserve.services.gateway.forced_calls import NamedCall, RequiredCalls
 from meshserve.shared.tool_choice import ToolChoice
 
 
@@ -45,6 +45,7 @@ class ChatOutputSettings:
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     include_reasoning: bool = True
+    parallel_tool_calls: bool = True  # False: only the first call is returned (as vLLM)
 
     @property
     def parses_tools(self) -> bool:
@@ -55,70 +56,6 @@ class ChatOutputSettings:
     def active(self) -> bool:
         """Whether the output needs any reading back at all."""
         return self.parses_tools or self.reasoning_parser is not None
-
-
-@dataclass(frozen=True)
-class _Call:
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-
-def _compact(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
-
-
-class NamedCall:
-    """The output is the named function's arguments object."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._call = _Call(name, "")
-        self._started = False
-
-    def extract(self, text: str) -> tuple[str | None, list[_Call]]:
-        # The text as generated, so that streamed pieces add up to the same arguments.
-        return None, [_Call(self.name, text, self._call.id)]
-
-    def feed(self, delta: str) -> list[dict[str, Any]]:
-        piece: dict[str, Any] = {"index": 0, "function": {"arguments": delta}}
-        if not self._started:
-            self._started = True
-            piece = {"index": 0, "id": self._call.id, "type": "function",
-                     "function": {"name": self.name, "arguments": delta}}
-        elif not delta:
-            return []
-        return [{"tool_calls": [piece]}]
-
-    def finish(self) -> list[dict[str, Any]]:
-        return [] if self._started else self.feed("")
-
-
-class RequiredCalls:
-    """The output is a JSON array of {"name", "parameters"}: the calls, sent whole at the
-    end when streamed."""
-
-    def __init__(self) -> None:
-        self._text: list[str] = []
-
-    def extract(self, text: str) -> tuple[str | None, list[_Call]]:
-        try:
-            calls = json.loads(text)
-            return None, [_Call(c["name"], _compact(c["parameters"])) for c in calls]
-        except (ValueError, TypeError, KeyError):
-            return text or None, []
-
-    def feed(self, delta: str) -> list[dict[str, Any]]:
-        self._text.append(delta)
-        return []
-
-    def finish(self) -> list[dict[str, Any]]:
-        content, calls = self.extract("".join(self._text))
-        if not calls:
-            return [{"content": content}] if content else []
-        return [{"tool_calls": [{"index": i, "id": c.id, "type": "function",
-                                 "function": {"name": c.name, "arguments": c.arguments}}
-                                for i, c in enumerate(calls)]}]
 
 
 def _tool_parser(settings: ChatOutputSettings) -> Any:
@@ -166,6 +103,8 @@ class ChoiceOutput:
             return fields, False
         leftover, calls = self._tools.extract(content)
         fields["content"] = leftover
+        if not self.settings.parallel_tool_calls:
+            calls = calls[:1]
         if calls:
             fields["tool_calls"] = [{"id": c.id, "type": "function",
                                      "function": {"name": c.name, "arguments": c.arguments}}
@@ -196,8 +135,19 @@ class ChoiceOutput:
         return out
 
     def _note(self, pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not self.settings.parallel_tool_calls:
+            pieces = [p for p in map(_first_call_only, pieces) if p]
         self.called = self.called or any(p.get("tool_calls") for p in pieces)
         return pieces
+
+
+def _first_call_only(piece: dict[str, Any]) -> dict[str, Any]:
+    """`piece` without the deltas of calls after the first (parallel_tool_calls false)."""
+    if "tool_calls" not in piece:
+        return piece
+    calls = [c for c in piece["tool_calls"] if c["index"] == 0]
+    rest = {k: v for k, v in piece.items() if k != "tool_calls"}
+    return {**rest, "tool_calls": calls} if calls else rest
 
 
 def merge_pieces(pieces: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -156,7 +156,8 @@ class Handlers:
                                       "and --tool-call-parser to be set", param="tool_choice")
         return ChatOutputSettings(choice, parsed.tools or (),
                                   config.tool_call_parser if auto else None,
-                                  config.reasoning_parser, parsed.include_reasoning)
+                                  config.reasoning_parser, parsed.include_reasoning,
+                                  parsed.parallel_tool_calls)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/responses: run as a chat request, answered as a `response`."""

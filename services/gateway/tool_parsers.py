@@ -19,12 +19,19 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+import string
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 
 def _new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+def _mistral_call_id() -> str:
+    # Mistral's chat templates refuse tool call ids other than 9 letters or digits when a
+    # conversation sends the calls back; vLLM's mistral parser makes its ids the same way.
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 def _dumps(obj: Any) -> str:
@@ -291,6 +298,10 @@ class MistralToolParser(ToolParser):
     ARGS = "[ARGS]"
 
     def _parse_block(self, body: str) -> list[ToolCall] | None:
+        calls = self._parse_calls(body)
+        return None if calls is None else [replace(c, id=_mistral_call_id()) for c in calls]
+
+    def _parse_calls(self, body: str) -> list[ToolCall] | None:
         if self.ARGS in body:
             name, _, args_text = body.partition(self.ARGS)
             try:

@@ -285,6 +285,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, encode: Callable[[str], list[int]] | None = None, eos: int = EOS) -> None:
         """`encode`: the tokenizer of the scripts (default: one token per byte)."""
         self.encode = encode or (lambda text: list(text.encode()))
+        self.script: Callable[[int], str] = script  # what sequence i generates
         self.eos = eos
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.resumed: list[dict[int, list[int]]] = []  # of each add ({} for a new request)
@@ -371,7 +372,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         params = request.params
         n = params.n if params.HasField("n") else 1
         # Each script ends with EOS, which finishes its sequence with FINISH_REASON_STOP.
-        seqs = {p * n + s: (list(prompt.token_ids), [*self.encode(script(p * n + s)), self.eos])
+        seqs = {p * n + s: (list(prompt.token_ids), [*self.encode(self.script(p * n + s)), self.eos])
                 for p, prompt in enumerate(request.prompts) for s in range(n)}
         limit = params.max_tokens if params.HasField("max_tokens") else 10**9
         sent = dict.fromkeys(seqs, 0)

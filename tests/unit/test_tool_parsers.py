@@ -19,12 +19,13 @@ from meshserve.services.gateway.tool_parsers import (
 )
 
 Parsed = tuple[str | None, list[tuple[str, str]]]
+CALL_ID = r"call_[0-9a-f]{24}|[A-Za-z0-9]{9}"  # mistral's ids: 9 letters or digits
 
 
 def _whole(parser: ToolParser, text: str) -> Parsed:
     content, calls = parser.extract(text)
     for c in calls:
-        assert re.fullmatch(r"call_[0-9a-f]{24}", c.id)
+        assert re.fullmatch(CALL_ID, c.id)
     assert len({c.id for c in calls}) == len(calls)
     return content, [(c.name, c.arguments) for c in calls]
 
@@ -51,7 +52,7 @@ def _stream(parser: ToolParser, text: str, seed: int) -> Parsed:
         i = tc["index"]
         if "id" in tc:
             assert i == len(names) and tc["type"] == "function"
-            assert re.fullmatch(r"call_[0-9a-f]{24}", tc["id"])
+            assert re.fullmatch(CALL_ID, tc["id"])
             names[i] = tc["function"]["name"]
             args[i] = tc["function"]["arguments"]
         else:
@@ -292,6 +293,16 @@ def test_coder_without_tools_keeps_strings() -> None:
 def test_tool_call_ids() -> None:
     a, b = ToolCall("f", "{}"), ToolCall("f", "{}")
     assert re.fullmatch(r"call_[0-9a-f]{24}", a.id) and a.id != b.id
+
+
+def test_mistral_call_ids_are_nine_letters_or_digits() -> None:
+    _, calls = MistralToolParser().extract('[TOOL_CALLS][{"name": "f", "arguments": {}}, '
+                                           '{"name": "g", "arguments": {}}]')
+    assert len(calls) == 2 and calls[0].id != calls[1].id
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c.id) for c in calls)
+    _, [call] = HermesToolParser().extract('<tool_call>{"name": "f", "arguments": {}}'
+                                           '</tool_call>')
+    assert call.id.startswith("call_")
 
 
 def test_registry() -> None:
