@@ -1,0 +1,141 @@
+"""The /v1/responses endpoints: POST (create, whole or streamed), GET and DELETE by id.
+
+A request runs as the chat job of its converted body (responses.py) through the chat
+handlers' admission, orchestration and rendering; its answer is stored (response_store.py)
+unless `store` is false, with the conversation a `previous_response_id` continues from.
+A stream sends plain text as it is generated and everything else (reasoning, function
+calls) whole at the end (response_events.py); an error after the first event ends it
+with an `error` event, as the chat stream ends with its error chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from meshserve.services.gateway import responses
+from meshserve.services.gateway.drain import Drain
+from meshserve.services.gateway.handlers import Handlers, json_response, read_json
+from meshserve.services.gateway.job import GenerationJob
+from meshserve.services.gateway.orchestrator import Orchestrator
+from meshserve.services.gateway.render import renderer_for
+from meshserve.services.gateway.response_events import ResponseEvents
+from meshserve.services.gateway.response_store import ResponseStore
+from meshserve.shared.errors import InvalidRequestError, MeshError, UnavailableError
+from meshserve.shared.openai_protocol import created_timestamp
+
+_log = logging.getLogger(__name__)
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}
+
+
+class ResponsesEndpoint:
+    """Handlers of /v1/responses and /v1/responses/{response_id}."""
+
+    def __init__(self, chat: Handlers, orchestrator: Orchestrator, store: ResponseStore,
+                 drain: Drain) -> None:
+        self._chat = chat
+        self._orch = orchestrator
+        self.store = store
+        self._drain = drain
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/responses."""
+        body = await read_json(request)
+        previous = body.get("previous_response_id")
+        if previous is not None and not isinstance(previous, str):
+            raise InvalidRequestError("'previous_response_id' must be a string",
+                                      param="previous_response_id")
+        responses.refuse_unsupported(body)  # before the store is asked anything
+        history: list[dict[str, Any]] = []
+        if previous:
+            history = (await self.store.get(previous, "previous_response_id"))["messages"]
+        job = await self._chat.chat_job(responses.chat_body(body, history),
+                                        parse=responses.parse_chat)
+        with self._chat.admitted(job):
+            if body.get("stream"):
+                return await self._stream(request, job, body, history)
+            answer = await self._chat.answer(job)
+        result = responses.response_object(responses.response_id(), body, answer,
+                                           created=created_timestamp(), params=job.params)
+        await self._keep(body, history, answer, result)
+        return json_response(result)
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{response_id}: a stored response (404 when unknown or expired)."""
+        stored = await self.store.get(request.match_info["response_id"])
+        return json_response(stored["response"])
+
+    async def delete(self, request: web.Request) -> web.Response:
+        """DELETE /v1/responses/{response_id}: forget a stored response (404 when none)."""
+        response_id = request.match_info["response_id"]
+        await self.store.delete(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def _keep(self, body: dict[str, Any], history: list[dict[str, Any]],
+                    answer: dict[str, Any], result: dict[str, Any]) -> None:
+        """Store the answer with its conversation, unless the request said store: false."""
+        if body.get("store") is False:
+            return
+        conversation = [*history, *responses.input_messages(body["input"]),
+                        responses.assistant_message(answer)]
+        await self.store.put(result, conversation)
+
+    async def _stream(self, request: web.Request, job: GenerationJob, body: dict[str, Any],
+                      history: list[dict[str, Any]]) -> web.StreamResponse:
+        """Events: announced once the first output arrived, text as it is generated, the
+        rest when the answer is complete."""
+        rid, created, events = responses.response_id(), created_timestamp(), ResponseEvents()
+        # Output read back by parsers (tool calls, reasoning) is only known at the end.
+        item = responses.message_id() if job.chat_output is None else None
+        stream: web.StreamResponse | None = None
+        try:
+            async with asyncio.timeout_at(job.deadline):
+                async with self._orch.generate(job) as generation:
+                    renderer = renderer_for(job, generation.prompts, generation.lookup)
+                    stream = web.StreamResponse(headers=_SSE_HEADERS)
+                    await stream.prepare(request)
+                    pending = responses.pending_response(rid, body, job.model, created,
+                                                         job.params)
+                    await stream.write(events.start(pending, item))
+                    async for update in generation.updates():
+                        renderer.add(update)
+                        text = "".join(d.text for d in update.choices if d.index == 0)
+                        if item is not None and text:
+                            await stream.write(events.text(item, text))
+                    answer = renderer.response(generation.usage())
+            result = responses.response_object(rid, body, answer, created=created,
+                                               params=job.params, message_id=item)
+            await self._keep(body, history, answer, result)
+        except asyncio.CancelledError as exc:
+            if stream is None or not self._drain.ended_by_drain(exc):
+                raise  # the client went away (or the request never started)
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            await _end(stream, events, UnavailableError(
+                "the gateway shut down before this response was complete; retry the request"))
+            return stream
+        except ConnectionResetError:
+            raise  # the client went away: nobody to tell
+        except Exception as exc:  # after the first event, every error is an event
+            error = self._chat.stream_error(exc)
+            if stream is None:
+                raise error from exc
+            await _end(stream, events, error)
+            return stream
+        await stream.write(events.finish(result, item is not None))
+        await stream.write_eof()
+        return stream
+
+
+async def _end(stream: web.StreamResponse, events: ResponseEvents, error: MeshError) -> None:
+    """An open stream's last event: the error."""
+    _log.warning("response stream ended by an error: %s", error,
+                 extra={"error_kind": error.kind})
+    try:
+        await stream.write(events.error(error))
+        await stream.write_eof()
+    except (ConnectionError, RuntimeError):  # the client is gone as well
+        _log.info("client went away before the error event")
