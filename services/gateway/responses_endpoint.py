@@ -66,6 +66,12 @@ class ResponsesEndpoint:
 
     async def retrieve(self, request: web.Request) -> web.Response:
         """GET /v1/responses/{response_id}: a stored response (404 when unknown or expired)."""
+        if request.query.get("stream", "false").lower() not in ("false", "0"):
+            raise InvalidRequestError("streaming a stored response is not supported (there are "
+                                      "no background responses to follow)", param="stream")
+        if request.query.getall("include[]", []) or request.query.getall("include", []):
+            raise InvalidRequestError("'include' is not supported: no extra output can be "
+                                      "included", param="include")
         stored = await self.store.get(request.match_info["response_id"])
         return json_response(stored["response"])
 

@@ -70,6 +70,11 @@ async def test_an_answer_is_a_response_stored_in_redis_and_found_by_another_gate
     found = await other.responses.retrieve(answer.id)
     assert found.model_dump() == answer.model_dump()
     assert found.metadata == {"run": "1"} and found.instructions == "be kind"
+    for asked, param in (({"stream": True}, "stream"),
+                         ({"include": ["message.output_text.logprobs"]}, "include")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await other.responses.retrieve(answer.id, **asked)  # type: ignore[call-overload]
+        assert refused.value.body["param"] == param  # type: ignore[index]
 
 
 async def test_previous_response_id_continues_the_stored_conversation(
