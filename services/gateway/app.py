@@ -55,6 +55,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
         ("POST", RESPONSES_URL, answers.create),
         ("GET", RESPONSES_URL + "/{response_id}", answers.retrieve),
         ("DELETE", RESPONSES_URL + "/{response_id}", answers.delete),
+        ("GET", RESPONSES_URL + "/{response_id}/input_items", answers.input_items),
         ("GET", "/v1/models", service.models),
         ("GET", "/v1/models/{model:.+}", service.model),  # ids may hold slashes
         ("POST", "/tokenize", service.tokenize),

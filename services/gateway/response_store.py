@@ -1,8 +1,8 @@
 """Stored /v1/responses answers: the response object and the conversation that continues it.
 
     store = ResponseStore(redis_url, ttl_s)
-    await store.put(response, messages)     # unless the request said store: false
-    stored = await store.get(response_id)   # {"response": ..., "messages": [...]}, or a 404
+    await store.put(response, messages, items)  # unless the request said store: false
+    stored = await store.get(response_id)   # {"response", "messages", "input_items"}, or 404
     await store.delete(response_id)
 
 In Redis when the gateway has one (`--redis-url`; `meshserve up` and the compose stack
@@ -41,10 +41,13 @@ class ResponseStore:
             else None
         self._local: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
 
-    async def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        """Keep `response` and the conversation `messages` that a continuation starts from."""
+    async def put(self, response: dict[str, Any], messages: list[dict[str, Any]],
+                  input_items: list[dict[str, Any]]) -> None:
+        """Keep `response`, the conversation `messages` that a continuation starts from, and
+        the request's `input_items` as GET .../input_items lists them."""
         key = response_key(response["id"])
-        value = orjson.dumps({"response": response, "messages": messages})
+        value = orjson.dumps({"response": response, "messages": messages,
+                              "input_items": input_items})
         if self._redis is None:
             self._local[key] = (time.monotonic() + self.ttl_s, value)
             while len(self._local) > LOCAL_CAPACITY:

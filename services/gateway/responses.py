@@ -198,6 +198,30 @@ def input_messages(value: object) -> list[dict[str, Any]]:
     return messages
 
 
+def input_items(value: object) -> list[dict[str, Any]]:
+    """A validated `input` as the items GET /v1/responses/{id}/input_items lists: each with
+    an id (the client's, else a new one) and status, in OpenAI's item shapes."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    assert isinstance(value, list), "input_messages validated the input"
+    return [_listed_item(item) for item in value]
+
+
+def _listed_item(item: Mapping[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    listed = {"status": "completed", **item, "type": kind}
+    if kind == "message":
+        content = item["content"]
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        if isinstance(content, str):
+            content = [{"type": part, "text": content}]
+        if part == "output_text":
+            content = [{"annotations": [], **p} for p in content]
+        return {**listed, "id": item.get("id") or message_id(), "content": content}
+    prefix = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[kind]
+    return {**listed, "id": item.get("id") or f"{prefix}_{uuid.uuid4().hex}"}
+
+
 def _message(item: Mapping[str, Any], index: int) -> dict[str, Any]:
     role = item.get("role")
     if role not in _ROLES:

@@ -28,6 +28,7 @@ from meshserve.shared.errors import InvalidRequestError, MeshError, UnavailableE
 from meshserve.shared.openai_protocol import created_timestamp
 
 _log = logging.getLogger(__name__)
+_MAX_PAGE = 100  # most input items one page lists, as OpenAI
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
@@ -75,6 +76,37 @@ class ResponsesEndpoint:
         stored = await self.store.get(request.match_info["response_id"])
         return json_response(stored["response"])
 
+    async def input_items(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{response_id}/input_items: the items of its request's input, a
+        page (`limit`, 1 to 100, default 20) after the item `after`, newest first unless
+        `order` is asc."""
+        query = request.query
+        if query.getall("include[]", []) or query.getall("include", []):
+            raise InvalidRequestError("'include' is not supported: no extra output can be "
+                                      "included", param="include")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequestError(f"'order' must be asc or desc, got {order!r:.20}",
+                                      param="order")
+        limit = query.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= _MAX_PAGE:
+            raise InvalidRequestError(f"'limit' must be between 1 and {_MAX_PAGE}, got "
+                                      f"{limit!r:.20}", param="limit")
+        items = (await self.store.get(request.match_info["response_id"]))["input_items"]
+        items = items[::-1] if order == "desc" else items
+        after = query.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise InvalidRequestError(f"no input item {after!r:.60} in this response",
+                                          param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:int(limit)]
+        return json_response({"object": "list", "data": page,
+                              "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None,
+                              "has_more": len(items) > len(page)})
+
     async def delete(self, request: web.Request) -> web.Response:
         """DELETE /v1/responses/{response_id}: forget a stored response (404 when none)."""
         response_id = request.match_info["response_id"]
@@ -88,7 +120,7 @@ class ResponsesEndpoint:
             return
         conversation = [*history, *responses.input_messages(body["input"]),
                         responses.assistant_message(answer)]
-        await self.store.put(result, conversation)
+        await self.store.put(result, conversation, responses.input_items(body["input"]))
 
     async def _stream(self, request: web.Request, job: GenerationJob, body: dict[str, Any],
                       history: list[dict[str, Any]]) -> web.StreamResponse:

@@ -112,6 +112,24 @@ async def test_store_false_stores_nothing(api: AsyncOpenAI,
     assert f"'{answer.id}' not found" in missing.value.message
 
 
+async def test_input_items_are_listed_page_by_page(api: AsyncOpenAI, other: AsyncOpenAI
+                                                   ) -> None:
+    answer = await api.responses.create(model=MODEL, max_output_tokens=1, input=[
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"role": "user", "content": [{"type": "input_text", "text": "c"}]}])
+    pages = other.responses.input_items.list(answer.id, limit=2)
+    texts = [item.content[0].text async for item in pages]  # type: ignore[union-attr]
+    assert texts == ["c", "b", "a"]  # newest first; a second page after the first two
+    first = await other.responses.input_items.list(answer.id, limit=2, order="asc")
+    assert [i.content[0].text for i in first.data] == ["a", "b"]  # type: ignore[union-attr]
+    assert first.has_more and first.last_id == first.data[1].id
+    with pytest.raises(openai.BadRequestError) as refused:
+        await other.responses.input_items.list(answer.id, limit=101)
+    assert refused.value.body["param"] == "limit"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.input_items.list("resp_nope")
+
+
 async def test_a_deleted_response_is_gone(api: AsyncOpenAI, other: AsyncOpenAI) -> None:
     answer = await api.responses.create(model=MODEL, input="hi", max_output_tokens=2)
     await other.responses.delete(answer.id)

@@ -9,11 +9,12 @@ from typing import Any
 import orjson
 import pydantic
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 
 from meshserve.services.gateway.response_events import ResponseEvents
 from meshserve.services.gateway.responses import (
     assistant_message,
+    input_items,
     pending_response,
     response_object,
 )
@@ -175,3 +176,22 @@ def test_an_error_is_the_last_event(streamed: bool) -> None:
     sent = parse(start + events.error(DeadlineExceededError("too slow")))
     assert sent[-1].type == "error" and sent[-1].code == "deadline_exceeded"
     assert sent[-1].message == "too slow" and sent[-1].sequence_number == len(sent) - 1
+
+
+def test_input_items_are_listed_with_ids_in_openais_item_shapes() -> None:
+    item = pydantic.TypeAdapter(ResponseItem)
+    items = input_items([
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "assistant", "id": "msg_a",
+         "content": [{"type": "output_text", "text": "yo"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "3"},
+        {"type": "reasoning", "id": "rs_a", "summary": []}])
+    listed = [item.validate_python(i) for i in items]
+    assert [i.type for i in listed] == ["message", "message", "function_call",
+                                        "function_call_output", "reasoning"]
+    assert listed[0].content[0].text == "hi" and listed[0].id.startswith("msg_")
+    assert listed[1].id == "msg_a" and listed[1].content[0].type == "output_text"
+    assert listed[2].id.startswith("fc_") and listed[3].id.startswith("fco_")
+    assert len({i.id for i in listed}) == 5
+    assert input_items("hello")[0]["content"] == [{"type": "input_text", "text": "hello"}]
