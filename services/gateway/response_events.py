@@ -48,15 +48,16 @@ class ResponseEvents:
             out += [self.event("response.output_item.added", {"output_index": 0, "item": item}),
                     self.event("response.content_part.added", {
                         "output_index": 0, "item_id": message_id, "content_index": 0,
-                        "part": {"type": "output_text", "text": "", "annotations": [],
-                                 "logprobs": []}})]
+                        "part": {"type": "output_text", "text": "", "annotations": []}})]
         return b"".join(out)
 
-    def text(self, message_id: str, delta: str) -> bytes:
-        """Text generated into the message item opened by `start`."""
+    def text(self, message_id: str, delta: str,
+             logprobs: list[dict[str, Any]] | None = None) -> bytes:
+        """Text generated into the message item opened by `start` (with the logprobs of its
+        tokens when they were asked for)."""
         return self.event("response.output_text.delta", {
             "output_index": 0, "item_id": message_id, "content_index": 0, "delta": delta,
-            "logprobs": []})
+            "logprobs": logprobs or []})
 
     def finish(self, response: dict[str, Any], streamed_message: bool) -> bytes:
         """Every output item (only closed, for a message streamed since `start`), then the
@@ -99,9 +100,12 @@ def item_events(index: int, item: dict[str, Any]) -> list[tuple[str, dict[str, A
                 ("response.reasoning_text.done", {**at, "text": part["text"]}),
                 done]
     return [added,
-            ("response.content_part.added", {**at, "part": {**part, "text": ""}}),
-            ("response.output_text.delta", {**at, "delta": part["text"], "logprobs": []}),
-            ("response.output_text.done", {**at, "text": part["text"], "logprobs": []}),
+            ("response.content_part.added", {**at, "part": {**part, "text": "",
+                                                              "logprobs": []}}),
+            ("response.output_text.delta", {**at, "delta": part["text"],
+                                             "logprobs": part["logprobs"]}),
+            ("response.output_text.done", {**at, "text": part["text"],
+                                           "logprobs": part["logprobs"]}),
             ("response.content_part.done", {**at, "part": part}),
             done]
 

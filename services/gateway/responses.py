@@ -23,6 +23,8 @@ RESPONSES_URL = "/v1/responses"
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
 _FORMATS = ("text", "json_object", "json_schema")
+# The one `include` meshserve has to give: the output text's token logprobs.
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # OpenAI's limits on `metadata`.
 _METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 
@@ -31,12 +33,10 @@ _METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 # values listed). Nothing is silently ignored.
 UNSUPPORTED_RESPONSE_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "reasoning": (({},), "reasoning settings are not supported"),
-    "include": (([],), "no extra output (logprobs, encrypted reasoning, ...) can be included"),
     "background": ((False,), "background responses are not supported"),
     "background_options": ((), "background responses are not supported"),
     "conversation": ((), "conversations are not supported; continue with previous_response_id"),
     "prompt": ((), "prompt templates are not supported"),
-    "top_logprobs": ((0,), "logprobs are not returned by /v1/responses"),
     "max_tool_calls": ((), "max_tool_calls is not supported"),
     "truncation": (("disabled",), ("only 'disabled' is supported: a conversation past the "
                                    "context is a 400, never cut")),
@@ -124,6 +124,9 @@ def chat_body(body: Mapping[str, Any], history: list[dict[str, Any]]) -> dict[st
         chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(tools)]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    if wants_logprobs(body):
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.get("top_logprobs") or 0
     text = _typed(body, "text", Mapping, "an object")
     if text:
         if text.get("verbosity") not in (None, "medium"):
@@ -131,6 +134,17 @@ def chat_body(body: Mapping[str, Any], history: list[dict[str, Any]]) -> dict[st
         if text.get("format") is not None:
             chat["response_format"] = _response_format(text["format"])
     return chat
+
+
+def wants_logprobs(body: Mapping[str, Any]) -> bool:
+    """Whether the output text carries token logprobs: `include` asks for them, or
+    `top_logprobs` is set. Anything else `include` asks for is refused."""
+    include = _typed(body, "include", list, "an array of strings")
+    for value in include or ():
+        if value != INCLUDE_LOGPROBS:
+            raise _bad(f"'include' value {value!r:.60} is not supported; only "
+                       f"{INCLUDE_LOGPROBS!r} is", "include")
+    return bool(include) or body.get("top_logprobs") is not None
 
 
 def parse_chat(chat: dict[str, Any]) -> oai.ChatCompletionRequest:
@@ -305,7 +319,8 @@ def response_object(rid: str, body: Mapping[str, Any], chat: Mapping[str, Any], 
                        "content": [{"type": "reasoning_text", "text": reasoning}],
                        "status": "completed"})
     if message.get("content") or message_id is not None:
-        output.append(_message_item(message.get("content") or "", message_id))
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
+        output.append(_message_item(message.get("content") or "", message_id, logprobs))
     output += [function_call_item(call) for call in message.get("tool_calls") or ()]
     incomplete = choice.get("finish_reason") == "length"
     return {**_envelope(rid, body, chat["model"], created, params),
@@ -328,11 +343,14 @@ def function_call_item(call: Mapping[str, Any]) -> dict[str, Any]:
             "call_id": call["id"], "name": function["name"], "arguments": function["arguments"]}
 
 
-def _message_item(text: str, item_id: str | None = None) -> dict[str, Any]:
+def _message_item(text: str, item_id: str | None,
+                  logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The message item of the output text; `logprobs` in the chat shape, which is the
+    Responses shape too ({token, logprob, bytes, top_logprobs})."""
     return {"type": "message", "id": item_id or message_id(), "status": "completed",
             "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": []}]}
+                         "logprobs": logprobs}]}
 
 
 def _envelope(rid: str, body: Mapping[str, Any], model: str, created: int,
@@ -345,7 +363,7 @@ def _envelope(rid: str, body: Mapping[str, Any], model: str, created: int,
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "previous_response_id": body.get("previous_response_id"),
         "temperature": params.temperature, "top_p": params.top_p,
-        "max_output_tokens": body.get("max_output_tokens"),
+        "top_logprobs": params.logprobs, "max_output_tokens": body.get("max_output_tokens"),
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": [_tool_echo(t) for t in body.get("tools") or ()],
         "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},

@@ -19,13 +19,13 @@ from aiohttp import web
 from meshserve.services.gateway import responses
 from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.handlers import Handlers, json_response, read_json
-from meshserve.services.gateway.job import GenerationJob
+from meshserve.services.gateway.job import GenerationJob, GenerationUpdate
 from meshserve.services.gateway.orchestrator import Orchestrator
-from meshserve.services.gateway.render import renderer_for
+from meshserve.services.gateway.render import Renderer, renderer_for
 from meshserve.services.gateway.response_events import ResponseEvents
 from meshserve.services.gateway.response_store import ResponseStore
 from meshserve.shared.errors import InvalidRequestError, MeshError, UnavailableError
-from meshserve.shared.openai_protocol import created_timestamp
+from meshserve.shared.openai_protocol import chat_logprobs, created_timestamp
 
 _log = logging.getLogger(__name__)
 _MAX_PAGE = 100  # most input items one page lists, as OpenAI
@@ -141,9 +141,10 @@ class ResponsesEndpoint:
                     await stream.write(events.start(pending, item))
                     async for update in generation.updates():
                         renderer.add(update)
-                        text = "".join(d.text for d in update.choices if d.index == 0)
-                        if item is not None and text:
-                            await stream.write(events.text(item, text))
+                        data = _text_event(events, item, update, renderer,
+                                           job.wants_logprobs) if item is not None else b""
+                        if data:
+                            await stream.write(data)
                     answer = renderer.response(generation.usage())
             result = responses.response_object(rid, body, answer, created=created,
                                                params=job.params, message_id=item)
@@ -166,6 +167,19 @@ class ResponsesEndpoint:
         await stream.write(events.finish(result, item is not None))
         await stream.write_eof()
         return stream
+
+
+def _text_event(events: ResponseEvents, item: str, update: GenerationUpdate,
+                renderer: Renderer, logprobs: bool) -> bytes:
+    """The delta event of what the update's first choice says (nothing when it says
+    nothing: tokens held back for a possible stop string come with the next)."""
+    deltas = [d for d in update.choices if d.index == 0]
+    text = "".join(d.text for d in deltas)
+    entries = [e for d in deltas for e in d.logprobs or ()] if logprobs else []
+    if not text and not entries:
+        return b""
+    shown = chat_logprobs(entries, renderer.lookup)["content"] if entries else None
+    return events.text(item, text, shown)
 
 
 async def _end(stream: web.StreamResponse, events: ResponseEvents, error: MeshError) -> None:

@@ -11,7 +11,15 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 from openai import AsyncOpenAI
-from test_gateway_fakes import CACHED_TOKENS, CHUNK, MODEL, Mesh, script, start_mesh
+from test_gateway_fakes import (
+    CACHED_TOKENS,
+    CHUNK,
+    MODEL,
+    Mesh,
+    script,
+    start_mesh,
+    token_logprob,
+)
 
 from meshserve.services.gateway.app import Gateway
 from meshserve.services.gateway.response_store import response_key
@@ -165,6 +173,29 @@ async def test_the_clients_streaming_helper_builds_the_final_response(api: Async
         texts = [e.delta async for e in stream if e.type == "response.output_text.delta"]
         final = await stream.get_final_response()
     assert final.status == "completed" and final.output_text == script(0) == "".join(texts)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_included_logprobs_come_with_the_text(mesh: Mesh, api: AsyncOpenAI,
+                                                    stream: bool) -> None:
+    asked = {"model": MODEL, "input": "hi", "max_output_tokens": 7, "top_logprobs": 2,
+             "include": ["message.output_text.logprobs"]}
+    expected = script(0).encode()[:7]
+    if stream:
+        events = [e async for e in await api.responses.create(**asked, stream=True)]
+        streamed = [lp for e in events if e.type == "response.output_text.delta"
+                    for lp in e.logprobs]
+        assert [lp.token for lp in streamed] == [chr(b) for b in expected]
+        answer = events[-1].response  # type: ignore[union-attr]
+    else:
+        answer = await api.responses.create(**asked)
+    assert mesh.worker.requests[0].params.logprobs == 2
+    logprobs = answer.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert [lp.token for lp in logprobs] == [chr(b) for b in expected]
+    assert [lp.bytes for lp in logprobs] == [[b] for b in expected]
+    assert [lp.logprob for lp in logprobs] == [token_logprob(b) for b in expected]
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert answer.top_logprobs == 2
 
 
 async def test_refusals_name_the_field(api: AsyncOpenAI) -> None:

@@ -21,7 +21,7 @@ from meshserve.shared.structured_outputs import StructuredKind
 
 READ = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
         "stream", "tools", "tool_choice", "parallel_tool_calls", "previous_response_id",
-        "store", "text", "metadata", "user", "safety_identifier"}
+        "store", "text", "metadata", "user", "safety_identifier", "include", "top_logprobs"}
 BASE = {"model": "m", "input": "hi"}
 
 
@@ -113,6 +113,18 @@ def test_text_formats_become_structured_outputs() -> None:
     assert anything.params.structured.kind is StructuredKind.JSON_OBJECT
 
 
+def test_logprobs_are_asked_by_include_or_top_logprobs() -> None:
+    assert parse_chat(chat_body(BASE, [])).params.logprobs is None
+    assert parse_chat(chat_body({**BASE, "include": []}, [])).params.logprobs is None
+    included = parse_chat(chat_body({**BASE, "include": ["message.output_text.logprobs"]}, []))
+    assert included.params.logprobs == 0  # the chosen token's only
+    top = parse_chat(chat_body({**BASE, "top_logprobs": 3}, []))
+    assert top.params.logprobs == 3
+    with pytest.raises(InvalidRequestError) as refused:
+        parse_chat(chat_body({**BASE, "top_logprobs": 21}, []))
+    assert refused.value.param == "top_logprobs"
+
+
 def test_sampling_fields_and_vllm_extras_reach_the_chat_request() -> None:
     parsed = parse_chat(chat_body({**BASE, "temperature": 0.5, "top_p": 0.9, "top_k": 3,
                                    "max_output_tokens": 9, "seed": 4}, []))
@@ -145,6 +157,8 @@ def test_sampling_fields_and_vllm_extras_reach_the_chat_request() -> None:
     ({"text": {"format": {"type": "json_schema", "name": "n"}}}, "text", "schema object"),
     ({"text": {"verbosity": "high"}}, "text", "verbosity"),
     ({"request_id": "r1"}, "request_id", "not supported"),
+    ({"include": ["reasoning.encrypted_content"]}, "include", "only 'message.output_text"),
+    ({"include": "message.output_text.logprobs"}, "include", "an array"),
 ])
 def test_what_is_wrong_is_named(extra: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(InvalidRequestError) as refused:

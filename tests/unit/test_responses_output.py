@@ -195,3 +195,19 @@ def test_input_items_are_listed_with_ids_in_openais_item_shapes() -> None:
     assert listed[2].id.startswith("fc_") and listed[3].id.startswith("fco_")
     assert len({i.id for i in listed}) == 5
     assert input_items("hello")[0]["content"] == [{"type": "input_text", "text": "hello"}]
+
+
+def test_logprobs_of_the_chat_answer_ride_in_the_text_part_and_its_events() -> None:
+    entry = {"token": "4", "logprob": -0.5, "bytes": [52],
+             "top_logprobs": [{"token": "4", "logprob": -0.5, "bytes": [52]}]}
+    answer = chat_answer({"content": "4"})
+    answer["choices"][0]["logprobs"] = {"content": [entry], "refusal": None}
+    result = response_object("resp_1", BODY, answer, created=1, params=PARAMS,
+                             message_id="msg_1")
+    assert Response.model_validate(result).output[0].content[0].logprobs[0].logprob == -0.5
+    events = ResponseEvents()
+    sent = parse(events.start(pending_response("resp_1", BODY, "m", 1, PARAMS), "msg_1")
+                 + events.text("msg_1", "4", [entry]) + events.finish(result, True))
+    delta, done = (e for e in sent if e.type in ("response.output_text.delta",
+                                                 "response.output_text.done"))
+    assert delta.logprobs[0].token == "4" and done.logprobs[0].top_logprobs[0].logprob == -0.5
