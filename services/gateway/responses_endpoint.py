@@ -1,7 +1,8 @@
 """The /v1/responses endpoints: POST (create, whole or streamed), GET and DELETE by id.
 
 A request runs as the chat job of its converted body (responses.py) through the chat
-handlers' admission, orchestration and rendering; its answer is stored (response_store.py)
+handlers' admission, orchestration and rendering, and is answered as a `response`
+(response_objects.py); its answer is stored (response_store.py)
 unless `store` is false, with the conversation a `previous_response_id` continues from.
 A stream sends plain text as it is generated and everything else (reasoning, function
 calls) whole at the end (response_events.py); an error after the first event ends it
@@ -16,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from meshserve.services.gateway import response_objects as objects
 from meshserve.services.gateway import responses
 from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.handlers import Handlers, json_response, read_json
@@ -60,7 +62,7 @@ class ResponsesEndpoint:
             if body.get("stream"):
                 return await self._stream(request, job, body, history)
             answer = await self._chat.answer(job)
-        result = responses.response_object(responses.response_id(), body, answer,
+        result = objects.response_object(objects.response_id(), body, answer,
                                            created=created_timestamp(), params=job.params)
         await self._keep(body, history, answer, result)
         return json_response(result)
@@ -119,16 +121,16 @@ class ResponsesEndpoint:
         if body.get("store") is False:
             return
         conversation = [*history, *responses.input_messages(body["input"]),
-                        responses.assistant_message(answer)]
-        await self.store.put(result, conversation, responses.input_items(body["input"]))
+                        objects.assistant_message(answer)]
+        await self.store.put(result, conversation, objects.input_items(body["input"]))
 
     async def _stream(self, request: web.Request, job: GenerationJob, body: dict[str, Any],
                       history: list[dict[str, Any]]) -> web.StreamResponse:
         """Events: announced once the first output arrived, text as it is generated, the
         rest when the answer is complete."""
-        rid, created, events = responses.response_id(), created_timestamp(), ResponseEvents()
+        rid, created, events = objects.response_id(), created_timestamp(), ResponseEvents()
         # Output read back by parsers (tool calls, reasoning) is only known at the end.
-        item = responses.message_id() if job.chat_output is None else None
+        item = objects.message_id() if job.chat_output is None else None
         stream: web.StreamResponse | None = None
         try:
             async with asyncio.timeout_at(job.deadline):
@@ -136,7 +138,7 @@ class ResponsesEndpoint:
                     renderer = renderer_for(job, generation.prompts, generation.lookup)
                     stream = web.StreamResponse(headers=_SSE_HEADERS)
                     await stream.prepare(request)
-                    pending = responses.pending_response(rid, body, job.model, created,
+                    pending = objects.pending_response(rid, body, job.model, created,
                                                          job.params)
                     await stream.write(events.start(pending, item))
                     async for update in generation.updates():
@@ -146,7 +148,7 @@ class ResponsesEndpoint:
                         if data:
                             await stream.write(data)
                     answer = renderer.response(generation.usage())
-            result = responses.response_object(rid, body, answer, created=created,
+            result = objects.response_object(rid, body, answer, created=created,
                                                params=job.params, message_id=item)
             await self._keep(body, history, answer, result)
         except asyncio.CancelledError as exc:

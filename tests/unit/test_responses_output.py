@@ -12,7 +12,7 @@ import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 
 from meshserve.services.gateway.response_events import ResponseEvents
-from meshserve.services.gateway.responses import (
+from meshserve.services.gateway.response_objects import (
     assistant_message,
     input_items,
     pending_response,
