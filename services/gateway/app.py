@@ -23,6 +23,9 @@ from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.handlers import Handlers
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.services.gateway.orchestrator import Orchestrator
+from meshserve.services.gateway.response_store import ResponseStore
+from meshserve.services.gateway.responses import RESPONSES_URL
+from meshserve.services.gateway.responses_endpoint import ResponsesEndpoint
 from meshserve.services.gateway.service_handlers import ServiceHandlers
 from meshserve.shared.openai_protocol import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
 from meshserve.shared.telemetry import Telemetry
@@ -37,6 +40,8 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     admission = Admission(config.max_concurrent_requests, metrics.in_flight)
     drain = drain or Drain()
     generation = Handlers(config, orchestrator, admission, drain)
+    store = ResponseStore(config.redis_url, config.responses_ttl_s)
+    answers = ResponsesEndpoint(generation, orchestrator, store, drain)
     service = ServiceHandlers(config, orchestrator, clients, drain)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
         middleware.observe(telemetry.tracer, metrics),
@@ -47,8 +52,10 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     routes = [
         ("POST", COMPLETIONS_URL, generation.completions),
         ("POST", CHAT_COMPLETIONS_URL, generation.chat_completions),
-        ("POST", "/v1/responses", generation.responses),
-        ("GET", "/v1/responses/{response_id}", generation.get_response),
+        ("POST", RESPONSES_URL, answers.create),
+        ("GET", RESPONSES_URL + "/{response_id}", answers.retrieve),
+        ("DELETE", RESPONSES_URL + "/{response_id}", answers.delete),
+        ("GET", RESPONSES_URL + "/{response_id}/input_items", answers.input_items),
         ("GET", "/v1/models", service.models),
         ("GET", "/v1/models/{model:.+}", service.model),  # ids may hold slashes
         ("POST", "/tokenize", service.tokenize),
@@ -67,7 +74,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
         _allow_cors(app, config.allowed_origins, config.allow_credentials)
 
     async def close_store(_: web.Application) -> None:
-        await generation.store.close()
+        await store.close()
 
     app.on_cleanup.append(close_store)
     return app

@@ -1,4 +1,5 @@
-"""The generation endpoints: POST /v1/completions and POST /v1/chat/completions.
+"""The generation endpoints: POST /v1/completions and POST /v1/chat/completions (and the
+chat jobs that /v1/responses runs: responses_endpoint.py).
 
 A request is parsed (shared/openai_protocol.py), its model resolved, admitted (or 429),
 run by the orchestrator under the per-request deadline, and answered as SSE chunks or
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -18,7 +21,6 @@ import orjson
 from aiohttp import web
 from opentelemetry import trace
 
-from meshserve.services.gateway import responses
 from meshserve.services.gateway.admission import Admission
 from meshserve.services.gateway.chat_output import ChatOutputSettings
 from meshserve.services.gateway.config import GatewayConfig
@@ -96,7 +98,6 @@ class Handlers:
         self._orch = orchestrator
         self._admission = admission
         self._drain = drain
-        self.store = responses.ResponseStore(config.redis_url, config.responses_ttl_s)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
@@ -111,19 +112,25 @@ class Handlers:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
-        body, defaults = await self._with_defaults(await read_json(request))
-        parsed = oai.parse_chat_request(body)
+        return await self._run(request, await self.chat_job(await read_json(request)))
+
+    async def chat_job(self, body: dict[str, Any],
+                       parse: Callable[[dict[str, Any]], oai.ChatCompletionRequest]
+                       = oai.parse_chat_request) -> GenerationJob:
+        """The job of a chat body: the model's sampling defaults filled in, validated by
+        `parse`, its model resolved, and how its output is read back (tools, reasoning)."""
+        body, defaults = await self._with_defaults(body)
+        parsed = parse(body)
         arrival, deadline = self._clock()
         model = await self._orch.resolve_model(parsed.options.model)
         chat_output = self._chat_output(parsed)
         if chat_output.tool_parser in _SPECIAL_MARKER_PARSERS:
             # Their call markers are special tokens, which the text would otherwise lose.
             parsed = replace(parsed, params=replace(parsed.params, skip_special_tokens=False))
-        job = GenerationJob.for_chat(
+        return GenerationJob.for_chat(
             parsed, model=model, arrival=arrival, deadline=deadline,
             default_max_tokens=self._default_max_tokens(True, defaults),
             chat_output=chat_output)
-        return await self._run(request, job)
 
     async def _with_defaults(self, body: dict[str, Any]
                              ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -159,90 +166,21 @@ class Handlers:
                                   config.reasoning_parser, parsed.include_reasoning,
                                   parsed.parallel_tool_calls)
 
-    async def responses(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/responses: run as a chat request, answered as a `response`."""
-        body = await read_json(request)
-        previous = body.get("previous_response_id")
-        if previous is not None and not isinstance(previous, str):
-            raise InvalidRequestError("'previous_response_id' must be a string",
-                                      param="previous_response_id")
-        history = (await self.store.get(previous))["messages"] if previous else []
-        chat, defaults = await self._with_defaults(responses.chat_body(body, history))
-        parsed = oai.parse_chat_request(chat)
-        arrival, deadline = self._clock()
-        model = await self._orch.resolve_model(parsed.options.model)
-        job = GenerationJob.for_chat(
-            parsed, model=model, arrival=arrival, deadline=deadline,
-            default_max_tokens=self._default_max_tokens(True, defaults),
-            chat_output=self._chat_output(parsed))
-        _annotate_request(job)
-        self._drain.refuse_if_draining()
-        with self._admission.slot(), self._drain.track():
-            if body.get("stream"):
-                return await self._stream_response(request, job, body, history)
-            answer = await self._answer(job)
-        result = responses.response_object(responses.response_id(), body, answer,
-                                           oai.created_timestamp())
-        await self._store_response(body, history, answer, result)
-        return json_response(result)
-
-    async def _store_response(self, body: dict[str, Any], history: list[dict[str, Any]],
-                              answer: dict[str, Any], result: dict[str, Any]) -> None:
-        if body.get("store") is False:
-            return
-        message = answer["choices"][0]["message"]
-        said = {k: message[k] for k in ("role", "content", "tool_calls") if message.get(k)}
-        await self.store.put(result, [*history, *responses.input_messages(body["input"]), said])
-
-    async def _stream_response(self, request: web.Request, job: GenerationJob,
-                               body: dict[str, Any], history: list[dict[str, Any]]
-                               ) -> web.StreamResponse:
-        """A /v1/responses stream: plain text as it is generated, the rest at the end."""
-        rid, created, events = responses.response_id(), oai.created_timestamp(), \
-            responses.ResponseEvents()
-        item = responses.message_id() if job.chat_output is None else None
-        stream: web.StreamResponse | None = None
-        try:
-            async with asyncio.timeout_at(job.deadline):
-                async with self._orch.generate(job) as generation:
-                    renderer = renderer_for(job, generation.prompts, generation.lookup)
-                    stream = web.StreamResponse(headers=_SSE_HEADERS)
-                    await stream.prepare(request)
-                    await stream.write(events.start(rid, body, job.model, created, item))
-                    async for update in generation.updates():
-                        renderer.add(update)
-                        text = "".join(d.text for d in update.choices if d.index == 0)
-                        if item is not None and text:
-                            await stream.write(events.text(item, text))
-                    answer = renderer.response(generation.usage())
-        except Exception as exc:
-            error = self._stream_error(exc)
-            if stream is None:
-                raise error from exc
-            await stream.write(events.event("error", {"code": error.kind,
-                                                      "message": error.message}))
-            await stream.write_eof()
-            return stream
-        result = responses.response_object(rid, body, answer, created, item)
-        await self._store_response(body, history, answer, result)
-        assert stream is not None
-        await stream.write(events.finish(result, item is not None))
-        await stream.write_eof()
-        return stream
-
-    async def get_response(self, request: web.Request) -> web.Response:
-        """GET /v1/responses/{id}: a stored response (404 when unknown or expired)."""
-        stored = await self.store.get(request.match_info["response_id"], "response_id")
-        return json_response(stored["response"])
-
     def _clock(self) -> tuple[float, float]:
         now = asyncio.get_running_loop().time()
         return now, now + self._config.request_timeout_s
 
-    async def _run(self, request: web.Request, job: GenerationJob) -> web.StreamResponse:
+    @contextmanager
+    def admitted(self, job: GenerationJob) -> Iterator[None]:
+        """Runs `job` as an admitted request: traced, refused while the gateway drains (503)
+        or is full (429), counted until the block ends."""
         _annotate_request(job)
         self._drain.refuse_if_draining()
         with self._admission.slot(), self._drain.track():
+            yield
+
+    async def _run(self, request: web.Request, job: GenerationJob) -> web.StreamResponse:
+        with self.admitted(job):
             if job.options.stream:
                 return await self._stream(request, job)
             return await self._aggregate(job)
@@ -253,9 +191,9 @@ class Handlers:
             "(request_timeout_s)")
 
     async def _aggregate(self, job: GenerationJob) -> web.Response:
-        return json_response(await self._answer(job))
+        return json_response(await self.answer(job))
 
-    async def _answer(self, job: GenerationJob) -> dict[str, Any]:
+    async def answer(self, job: GenerationJob) -> dict[str, Any]:
         """The whole response body of a job."""
         try:
             async with asyncio.timeout_at(job.deadline):
@@ -289,7 +227,7 @@ class Handlers:
         except ConnectionResetError:
             raise  # the client went away: nobody to tell
         except Exception as exc:  # after the first byte, every error is an event
-            error = self._stream_error(exc)
+            error = self.stream_error(exc)
             if response is None:
                 raise error from exc
             await self._end_stream(response, job, error)
@@ -299,7 +237,7 @@ class Handlers:
         await response.write_eof()
         return response
 
-    def _stream_error(self, exc: Exception) -> MeshError:
+    def stream_error(self, exc: Exception) -> MeshError:
         """The MeshError a failed stream reports (an unexpected exception as internal)."""
         if isinstance(exc, MeshError):
             return exc

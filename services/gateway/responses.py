@@ -1,72 +1,177 @@
-"""OpenAI's Responses API on top of the chat path: a /v1/responses body becomes a chat body
-(input items, instructions and the stored conversation of `previous_response_id` become
-messages; function tools become chat tools; `text.format` becomes `response_format`), and
-the chat answer becomes a `response` object or its stream of events.
+"""OpenAI's Responses API on top of the chat path: the request side.
 
-Stored responses (`store`, default true) keep the conversation needed to continue them, in
-Redis when the gateway has one (so every gateway replica finds them), else in this
-process, for `--responses-ttl-s`.
+A /v1/responses body becomes a chat body (`chat_body`): input items, instructions and the
+stored conversation of `previous_response_id` become messages, function tools become chat
+tools, `text.format` becomes `response_format` (structured outputs), included logprobs
+become chat logprobs; `parse_chat` validates it as any chat request, naming the Responses
+field when something is wrong. The answer side is response_objects.py, the stream of
+events response_events.py, stored answers response_store.py.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
+from meshserve.shared import openai_protocol as oai
+from meshserve.shared.errors import InvalidRequestError
 
-from meshserve.shared.errors import InvalidRequestError, NotFoundError
+RESPONSES_URL = "/v1/responses"
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text")
+_FORMATS = ("text", "json_object", "json_schema")
+# The one `include` meshserve has to give: the output text's token logprobs.
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's limits on `metadata`.
+_METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 
-# Fields of the Responses API meshserve does not implement (refused unless harmless).
-UNSUPPORTED_RESPONSE_FIELDS: dict[str, tuple[object, ...]] = {
-    "reasoning": (), "include": ([],), "background": (False,), "conversation": (),
-    "prompt": (), "top_logprobs": (0,), "max_tool_calls": (), "truncation": ("disabled",),
-    "service_tier": ("auto", "default"), "stream_options": (), "prompt_cache_key": (),
-    "safety_identifier": (), "prompt_cache_retention": (), "context_management": (),
-    "moderation": (), "image": (), "background_options": (), "access_programs": (),
-    "prompt_cache_options": (),
+# Fields of the Responses request meshserve does not implement: each is refused with a 400
+# naming it unless it asks for nothing (absent, null, an object of nulls, or one of the
+# values listed). Nothing is silently ignored.
+UNSUPPORTED_RESPONSE_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
+    "reasoning": (({},), "reasoning settings are not supported"),
+    "background": ((False,), "background responses are not supported"),
+    "background_options": ((), "background responses are not supported"),
+    "conversation": ((), "conversations are not supported; continue with previous_response_id"),
+    "prompt": ((), "prompt templates are not supported"),
+    "max_tool_calls": ((), "max_tool_calls is not supported"),
+    "truncation": (("disabled",), ("only 'disabled' is supported: a conversation past the "
+                                   "context is a 400, never cut")),
+    "service_tier": (("auto", "default"), "service tiers are not supported"),
+    "stream_options": (({"include_obfuscation": False},),
+                       "stream obfuscation is not implemented"),
+    "prompt_cache_key": ((), ("prompt cache keys are not supported (prefix caching is "
+                              "automatic)")),
+    "prompt_cache_retention": ((), "prompt cache retention is not supported"),
+    "prompt_cache_options": ((), "prompt cache options are not supported"),
+    "context_management": ((), "context management is not supported"),
+    "moderation": ((), "moderation is not supported"),
+    "image": ((), "image generation is not supported"),
+    "access_programs": ((), "programmatic tool calling is not supported"),
 }
+# Keys of a function tool besides type, name, description, parameters and strict: refused
+# unless they ask for nothing.
+_UNSUPPORTED_TOOL_KEYS: dict[str, tuple[object, ...]] = {
+    "defer_loading": (False,), "async": (False,), "allowed_callers": (["direct"],),
+    "output_schema": ()}
+# vLLM's sampling extras of its Responses request, handed to the chat parser as they are.
+_PASSED_THROUGH = ("top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens",
+                   "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                   "priority", "cache_salt", "chat_template_kwargs", "request_id",
+                   "mm_processor_kwargs")
+# What the chat parser's errors name -> the Responses field the client wrote.
+_CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
+                "response_format": "text"}
 
 
 def _bad(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
-def response_id() -> str:
-    return f"resp_{uuid.uuid4().hex}"
+def _asks_for_nothing(value: object, harmless: tuple[object, ...]) -> bool:
+    if value is None or any(value == ok and type(value) is type(ok) for ok in harmless):
+        return True
+    return isinstance(value, Mapping) and all(v is None for v in value.values())
+
+
+def refuse_unsupported(body: Mapping[str, Any]) -> None:
+    """InvalidRequestError naming the first unsupported field that asks for something."""
+    for name, (harmless, reason) in UNSUPPORTED_RESPONSE_FIELDS.items():
+        if not _asks_for_nothing(body.get(name), harmless):
+            raise _bad(f"'{name}' is not supported on /v1/responses: {reason}", name)
+
+
+def _typed(body: Mapping[str, Any], key: str, kind: type, what: str) -> Any:
+    """`body[key]` when it is a `kind` (None when absent or null), else a 400 naming it."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise _bad(f"'{key}' must be {what}, got {value!r:.60}", key)
+    return value
 
 
 def chat_body(body: Mapping[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat body that runs a Responses body after the stored `history` messages."""
-    for name, harmless in UNSUPPORTED_RESPONSE_FIELDS.items():
-        value = body.get(name)
-        if value is not None and value not in harmless:
-            raise _bad(f"'{name}' is not supported on /v1/responses", name)
-    messages = list(history)
-    if isinstance(body.get("instructions"), str):
-        messages.insert(0, {"role": "system", "content": body["instructions"]})
-    messages += input_messages(body.get("input"))
-    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages,
-                            "stream": False}
+    refuse_unsupported(body)
+    instructions = _typed(body, "instructions", str, "a string")
+    for key in ("store", "stream", "parallel_tool_calls"):
+        _typed(body, key, bool, "a boolean")
+    _typed(body, "previous_response_id", str, "a string")
+    read_metadata(body)
+    # Instructions lead the conversation and are not carried into its continuations.
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    messages += [*history, *input_messages(body.get("input"))]
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                      ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"),
-                     ("user", "user")):
+                     ("user", "user"), ("safety_identifier", "safety_identifier"),
+                     *((k, k) for k in _PASSED_THROUGH)):
         if body.get(src) is not None:
             chat[dst] = body[src]
-    if body.get("tools"):
-        chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(body["tools"])]
+    tools = _typed(body, "tools", list, "an array of tools")
+    if tools:
+        chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(tools)]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
-    text = body.get("text")
-    if isinstance(text, Mapping) and isinstance(text.get("format"), Mapping):
-        chat["response_format"] = _response_format(text["format"])
+    if wants_logprobs(body):
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.get("top_logprobs") or 0
+    text = _typed(body, "text", Mapping, "an object")
+    if text:
+        if text.get("verbosity") not in (None, "medium"):
+            raise _bad("'text.verbosity' is not supported", "text")
+        if text.get("format") is not None:
+            chat["response_format"] = _response_format(text["format"])
     return chat
 
 
+def wants_logprobs(body: Mapping[str, Any]) -> bool:
+    """Whether the output text carries token logprobs: `include` asks for them, or
+    `top_logprobs` is set. Anything else `include` asks for is refused."""
+    include = _typed(body, "include", list, "an array of strings")
+    for value in include or ():
+        if value != INCLUDE_LOGPROBS:
+            raise _bad(f"'include' value {value!r:.60} is not supported; only "
+                       f"{INCLUDE_LOGPROBS!r} is", "include")
+    return bool(include) or body.get("top_logprobs") is not None
+
+
+def parse_chat(chat: dict[str, Any]) -> oai.ChatCompletionRequest:
+    """`chat` validated as a chat request; errors name the Responses field."""
+    try:
+        return oai.parse_chat_request(chat)
+    except InvalidRequestError as exc:
+        param = _CHAT_PARAMS.get(exc.param or "", exc.param)
+        if param == exc.param:
+            raise
+        message = exc.message.replace(exc.param or "", param or "", 1)
+        raise InvalidRequestError(message, param=param) from exc
+
+
+def read_metadata(body: Mapping[str, Any]) -> dict[str, str]:
+    """The request's `metadata`, checked against OpenAI's limits ({} when absent)."""
+    value = _typed(body, "metadata", Mapping, "an object of strings")
+    metadata = dict(value or {})
+    if len(metadata) > _METADATA_PAIRS:
+        raise _bad(f"'metadata' holds at most {_METADATA_PAIRS} pairs", "metadata")
+    for key, text in metadata.items():
+        if len(key) > _METADATA_KEY_CHARS or not isinstance(text, str) \
+                or len(text) > _METADATA_VALUE_CHARS:
+            raise _bad(f"'metadata' maps keys of up to {_METADATA_KEY_CHARS} characters to "
+                       f"strings of up to {_METADATA_VALUE_CHARS}; {key!r:.70} does not",
+                       "metadata")
+    return metadata
+
+
+# -- input items -> chat messages -----------------------------------------------------------
+
 def input_messages(value: object) -> list[dict[str, Any]]:
-    """Chat messages of a Responses `input` (a string or a list of items)."""
+    """Chat messages of a Responses `input` (a string or a list of items).
+
+    Function calls that follow each other (or follow an assistant message) become one
+    assistant message with several tool_calls, as a chat template expects parallel calls.
+    Reasoning items are left out: chat templates drop earlier turns' reasoning.
+    """
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -77,213 +182,87 @@ def input_messages(value: object) -> list[dict[str, Any]]:
             raise _bad(f"input[{i}] must be an object", "input")
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role"), "content": _text(item.get("content"), i)})
+            messages.append(_message(item, i))
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            call = {"id": _field(item, "call_id", i), "type": "function",
+                    "function": {"name": _field(item, "name", i),
+                                 "arguments": _field(item, "arguments", i)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": item.get("output")})
-        else:
-            raise _bad(f"input[{i}] has type {kind!r}; meshserve reads message, function_call "
-                       "and function_call_output items", "input")
+            messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", i),
+                             "content": _text(item.get("output"), f"input[{i}].output")})
+        elif kind != "reasoning":
+            raise _bad(f"input[{i}] has type {kind!r}; meshserve reads message, "
+                       "function_call, function_call_output and reasoning items", "input")
     return messages
 
 
-def _text(content: object, index: int) -> str:
+def _message(item: Mapping[str, Any], index: int) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise _bad(f"input[{index}].role must be one of {', '.join(_ROLES)}, got {role!r:.40}",
+                   "input")
+    return {"role": role, "content": _text(item.get("content"), f"input[{index}].content")}
+
+
+def _field(item: Mapping[str, Any], key: str, index: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise _bad(f"input[{index}].{key} must be a string", "input")
+    return value
+
+
+def _text(content: object, where: str) -> str:
+    """The text of a string or of a list of input_text / output_text parts."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") in (
-            "input_text", "output_text") for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise _bad(f"input[{index}].content must be a string or input_text/output_text parts",
-               "input")
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+                raise _bad(f"{where} parts must be input_text or output_text with a text "
+                           f"(only text input is supported), got {kind!r:.40}", "input")
+        return "".join(part["text"] for part in content)
+    raise _bad(f"{where} must be a string or an array of input_text parts", "input")
 
 
 def _chat_tool(tool: object, index: int) -> dict[str, Any]:
-    if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(
-            tool.get("name"), str):
-        raise _bad(f"tools[{index}] must be a function tool with a name (other tool types "
-                   "are not supported)", "tools")
-    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    if not isinstance(tool, Mapping) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        raise _bad(f"tools[{index}] has type {kind!r:.40}; only function tools are supported",
+                   "tools")
+    if not isinstance(tool.get("name"), str):
+        raise _bad(f"tools[{index}] must have a name", "tools")
+    for key, harmless in _UNSUPPORTED_TOOL_KEYS.items():
+        if not _asks_for_nothing(tool.get(key), harmless):
+            raise _bad(f"tools[{index}].{key} is not supported", "tools")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
 
 def _chat_tool_choice(choice: object) -> object:
+    if choice in ("none", "auto", "required"):
+        return choice
     if isinstance(choice, Mapping) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
+    raise _bad("'tool_choice' must be 'none', 'auto', 'required' or "
+               "{'type': 'function', 'name': ...}", "tool_choice")
 
 
-def _response_format(fmt: Mapping[str, Any]) -> dict[str, Any]:
-    if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name", "output"), "schema": fmt.get("schema"),
-            "strict": fmt.get("strict")}}
-    return {"type": fmt.get("type")}
-
-
-def response_object(rid: str, body: Mapping[str, Any], chat: Mapping[str, Any],
-                    created: int, message_id: str | None = None) -> dict[str, Any]:
-    """The `response` of a finished chat answer (its first choice); `message_id`: the id of
-    its message item, already announced to a stream (the item is there even if empty)."""
-    choice = chat["choices"][0]
-    message = choice["message"]
-    output: list[dict[str, Any]] = []
-    if message.get("content") or message_id is not None:
-        output.append(_message_item(message.get("content") or "", message_id))
-    for call in message.get("tool_calls") or ():
-        output.append({"type": "function_call", "id": f"fc_{call['id']}", "status": "completed",
-                       "call_id": call["id"], "name": call["function"]["name"],
-                       "arguments": call["function"]["arguments"]})
-    usage = chat.get("usage") or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    incomplete = choice.get("finish_reason") == "length"
-    return {
-        "id": rid, "object": "response", "created_at": created, "model": chat["model"],
-        "status": "incomplete" if incomplete else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "error": None, "instructions": body.get("instructions"), "output": output,
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": body.get("previous_response_id"),
-        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-        "max_output_tokens": body.get("max_output_tokens"),
-        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools", []),
-        "metadata": body.get("metadata") or {}, "store": body.get("store", True),
-        "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
-        "user": body.get("user"),
-        "usage": {"input_tokens": usage.get("prompt_tokens", 0),
-                  "input_tokens_details": {"cached_tokens": cached},
-                  "output_tokens": usage.get("completion_tokens", 0),
-                  "output_tokens_details": {"reasoning_tokens": 0},
-                  "total_tokens": usage.get("total_tokens", 0)},
-    }
-
-
-def message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
-
-
-def _message_item(text: str, item_id: str | None = None) -> dict[str, Any]:
-    return {"type": "message", "id": item_id or message_id(), "status": "completed",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
-
-
-class ResponseEvents:
-    """A response's SSE events in OpenAI's order, numbered as they are made.
-
-    Plain text streams as it is generated: `start` announces the response, its message
-    item and text part; `text` sends each delta; `finish` closes them and sends the other
-    items (function calls) and the final response. Without `message_id` (tool calls or
-    reasoning being parsed) everything after `start` comes with `finish`."""
-
-    def __init__(self) -> None:
-        self._number = 0
-
-    def event(self, name: str, data: dict[str, Any]) -> bytes:
-        body = orjson.dumps({"type": name, "sequence_number": self._number, **data})
-        self._number += 1
-        return b"event: " + name.encode() + b"\ndata: " + body + b"\n\n"
-
-    def start(self, rid: str, body: Mapping[str, Any], model: str, created: int,
-              message_id: str | None) -> bytes:
-        pending = {"id": rid, "object": "response", "created_at": created, "model": model,
-                   "status": "in_progress", "output": [], "usage": None,
-                   "previous_response_id": body.get("previous_response_id")}
-        out = [self.event("response.created", {"response": pending}),
-               self.event("response.in_progress", {"response": pending})]
-        if message_id is not None:
-            item = {"type": "message", "id": message_id, "status": "in_progress",
-                    "role": "assistant", "content": []}
-            out += [self.event("response.output_item.added", {"output_index": 0, "item": item}),
-                    self.event("response.content_part.added", {
-                        "output_index": 0, "item_id": message_id, "content_index": 0,
-                        "part": {"type": "output_text", "text": "", "annotations": []}})]
-        return b"".join(out)
-
-    def text(self, message_id: str, delta: str) -> bytes:
-        return self.event("response.output_text.delta", {
-            "output_index": 0, "item_id": message_id, "content_index": 0, "delta": delta,
-            "logprobs": []})
-
-    def finish(self, response: dict[str, Any], streamed_message: bool) -> bytes:
-        out = []
-        for index, item in enumerate(response["output"]):
-            events = _item_events(index, item)
-            if streamed_message and index == 0:
-                events = [e for e in events if e[0] in _CLOSING]
-            out += [self.event(name, data) for name, data in events]
-        done = ("response.completed" if response["status"] == "completed"
-                else "response.incomplete")
-        out.append(self.event(done, {"response": response}))
-        return b"".join(out)
-
-
-# What closes a message item that was streamed as it was generated.
-_CLOSING = ("response.output_text.done", "response.content_part.done",
-            "response.output_item.done")
-
-
-def _item_events(index: int, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    common = {"output_index": index, "item_id": item["id"]}
-    if item["type"] == "function_call":
-        return [("response.output_item.added", {"output_index": index,
-                                                "item": {**item, "arguments": "",
-                                                         "status": "in_progress"}}),
-                ("response.function_call_arguments.delta", {**common,
-                                                            "delta": item["arguments"]}),
-                ("response.function_call_arguments.done", {**common,
-                                                           "arguments": item["arguments"]}),
-                ("response.output_item.done", {"output_index": index, "item": item})]
-    part = item["content"][0]
-    empty = {**part, "text": ""}
-    at = {**common, "content_index": 0}
-    return [("response.output_item.added", {"output_index": index, "item": {
-                **item, "status": "in_progress", "content": []}}),
-            ("response.content_part.added", {**at, "part": empty}),
-            ("response.output_text.delta", {**at, "delta": part["text"], "logprobs": []}),
-            ("response.output_text.done", {**at, "text": part["text"], "logprobs": []}),
-            ("response.content_part.done", {**at, "part": part}),
-            ("response.output_item.done", {"output_index": index, "item": item})]
-
-
-class ResponseStore:
-    """Stored responses and the conversations that continue them, in Redis when given (any
-    gateway replica finds them), else in this process; each kept for `ttl_s`."""
-
-    def __init__(self, redis_url: str | None, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
-        self._local: dict[str, tuple[float, bytes]] = {}
-        self._redis: Any = None
-        if redis_url:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.Redis.from_url(redis_url)
-
-    async def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        value = orjson.dumps({"response": response, "messages": messages})
-        key = f"meshserve:response:{response['id']}"
-        if self._redis is not None:
-            await self._redis.set(key, value, px=int(self.ttl_s * 1000))
-            return
-        now = time.monotonic()
-        self._local = {k: v for k, v in self._local.items() if v[0] > now}
-        self._local[key] = (now + self.ttl_s, value)
-
-    async def get(self, rid: str, param: str = "previous_response_id") -> dict[str, Any]:
-        key = f"meshserve:response:{rid}"
-        if self._redis is not None:
-            value = await self._redis.get(key)
-        else:
-            entry = self._local.get(key)
-            value = entry[1] if entry and entry[0] > time.monotonic() else None
-        if value is None:
-            raise NotFoundError(f"Previous response with id '{rid}' not found.", param=param)
-        stored: dict[str, Any] = orjson.loads(value)
-        return stored
-
-    async def close(self) -> None:
-        if self._redis is not None:
-            await self._redis.aclose()
+def _response_format(fmt: object) -> dict[str, Any]:
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    if not isinstance(fmt, Mapping) or kind not in _FORMATS:
+        raise _bad(f"'text.format' type must be one of {', '.join(_FORMATS)}, got {kind!r:.40}",
+                   "text")
+    if kind != "json_schema":
+        return {"type": kind}
+    if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema"), Mapping):
+        raise _bad("'text.format' of type json_schema needs a name and a schema object",
+                   "text")
+    schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": schema}

@@ -7,6 +7,7 @@ text/bytes that OpenAI logprobs show.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -20,9 +21,13 @@ from meshserve.shared.gguf_export import exported_folder
 # transformers marks "no limit" with a huge sentinel (int(1e30)).
 _NO_MAX_LENGTH = 10**12
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-# Fill-in-the-middle token spellings: StarCoder / SmolLM2, then Qwen2.5-Coder.
+# Fill-in-the-middle tokens (before the prefix, before the suffix, before the middle), as
+# StarCoder / SantaCoder, Qwen2.5-Coder / CodeGemma and DeepSeek-Coder spell them.
 _FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-               ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+               ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+               # DeepSeek-Coder's, with full-width bars: <｜fim▁begin｜> ...
+               ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>",
+                "<\uff5cfim\u2581end\uff5c>"))
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 # Names that apply_chat_template itself takes; a request may not set them
 # through chat_template_kwargs.
@@ -126,16 +131,28 @@ class Tokenizer:
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens,
                                   clean_up_tokenization_spaces=False))
 
+    @functools.cached_property
+    def fim_tokens(self) -> tuple[str, str, str] | None:
+        """The model's fill-in-the-middle tokens (prefix, suffix, middle), None when it has
+        none. A spelling counts only when each of its tokens encodes as one token: a name
+        that is in the vocabulary but split by the encoder would feed the model its pieces."""
+        unknown = self.hf.unk_token_id
+        for spelling in _FIM_TOKENS:
+            encoded = [self.encode(token, add_special_tokens=False) for token in spelling]
+            if all(len(ids) == 1 and ids[0] != unknown for ids in encoded):
+                return spelling
+        return None
+
     def fill_in_middle(self, prefix: str, suffix: str) -> str:
-        """The prompt of a fill-in-the-middle completion in the model's FIM tokens (prefix,
-        suffix, middle order, as StarCoder, SmolLM2 and Qwen2.5-Coder are trained)."""
-        vocab = self.hf.get_vocab()
-        for begin, after, middle in _FIM_TOKENS:
-            if begin in vocab and after in vocab and middle in vocab:
-                return f"{begin}{prefix}{after}{suffix}{middle}"
-        raise _bad("'suffix' needs a model whose tokenizer has fill-in-the-middle tokens "
-                   "(such as <fim_prefix>, <fim_suffix>, <fim_middle>); this model's has none",
-                   "suffix")
+        """The prompt of a fill-in-the-middle completion in the model's FIM tokens, in the
+        prefix-suffix-middle order StarCoder, Qwen2.5-Coder and DeepSeek-Coder are trained
+        on: the model generates the middle."""
+        if self.fim_tokens is None:
+            raise _bad("'suffix' is not supported for this model: the model's tokenizer has "
+                       "no fill-in-the-middle tokens (such as <fim_prefix>, <fim_suffix>, "
+                       "<fim_middle>)", "suffix")
+        begin, after, middle = self.fim_tokens
+        return f"{begin}{prefix}{after}{suffix}{middle}"
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         """Vocabulary strings of the ids (e.g. 'Ġhello' for byte-level BPE)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshserve.services.tokenizer.loader import Tokenizer
-from meshserve.shared.errors import NotFoundError
+from meshserve.shared.errors import InvalidRequestError, NotFoundError
 
 # Role markers and separators a chat template adds per message (ChatML: about 30; the
 # default model's rendering of 1000 two-character messages is 32,620 characters).
@@ -82,6 +82,11 @@ class ServedModel:
             if prompt.suffix is not None:
                 text = self.tokenizer.fill_in_middle(text, prompt.suffix)
         ids = self.tokenizer.encode(text, add_special_tokens=prompt.add_special_tokens)
-        if prompt.truncate_prompt_tokens:
+        if prompt.truncate_prompt_tokens and len(ids) > prompt.truncate_prompt_tokens:
+            if prompt.suffix is not None:  # cutting the left would cut the FIM prefix token
+                raise InvalidRequestError(
+                    f"the fill-in-the-middle prompt has {len(ids)} tokens, more than "
+                    f"'truncate_prompt_tokens' keeps ({prompt.truncate_prompt_tokens}); "
+                    "shorten the prompt or the suffix instead", param="truncate_prompt_tokens")
             ids = ids[-prompt.truncate_prompt_tokens:]
         return TokenizedPrompt(ids, text)
