@@ -20,10 +20,12 @@ from meshserve.services.gateway.admission import Admission
 from meshserve.services.gateway.clients import MeshClients
 from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.gateway.drain import Drain
+from meshserve.services.gateway.embeddings import EmbeddingHandlers
 from meshserve.services.gateway.handlers import Handlers
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.services.gateway.orchestrator import Orchestrator
 from meshserve.services.gateway.service_handlers import ServiceHandlers
+from meshserve.shared.openai_embeddings import EMBEDDINGS_URL
 from meshserve.shared.openai_protocol import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
 from meshserve.shared.telemetry import Telemetry
 
@@ -38,6 +40,8 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     drain = drain or Drain()
     generation = Handlers(config, orchestrator, admission, drain)
     service = ServiceHandlers(config, orchestrator, clients, drain)
+    embeddings = EmbeddingHandlers(config, orchestrator, clients, admission, drain,
+                                   telemetry.tracer)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
         middleware.observe(telemetry.tracer, metrics),
         middleware.errors(config.retry_after_s),
@@ -46,6 +50,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     app.on_response_prepare.append(middleware.echo_request_id)
     app.router.add_post(COMPLETIONS_URL, generation.completions)
     app.router.add_post(CHAT_COMPLETIONS_URL, generation.chat_completions)
+    app.router.add_post(EMBEDDINGS_URL, embeddings.embeddings)
     app.router.add_get("/v1/models", service.models)
     app.router.add_get("/v1/models/{model:.+}", service.model)  # ids may hold slashes
     app.router.add_post("/tokenize", service.tokenize)
