@@ -72,7 +72,7 @@ _CONFIG_CLASSES = {"tokenizer": "TokenizerConfig", "scheduler": "SchedulerConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LauncherConfig(EngineOptions, RunnerOptions):
+class LauncherConfig(RunnerOptions, EngineOptions):
     """The whole mesh on this machine; engine and runner options go to every worker."""
 
     workers: int = option(1, "model workers to start")

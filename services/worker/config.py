@@ -100,7 +100,7 @@ assert not _missing, f"EngineOptions lacks EngineConfig fields: {_missing}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WorkerConfig(EngineOptions, RunnerOptions, ServiceConfig):
+class WorkerConfig(RunnerOptions, EngineOptions, ServiceConfig):
     """One worker: a model replica served as the gRPC Worker service (generating, or
     pooling under --runner pooling)."""
 
