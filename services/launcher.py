@@ -55,6 +55,7 @@ from meshserve.services.launcher_probes import (
 )
 from meshserve.services.supervisor import RestartPolicy, Supervisor
 from meshserve.services.worker.config import EngineOptions
+from meshserve.services.worker.runner_config import RunnerOptions
 from meshserve.shared.config import ENV_PREFIX, Config, option
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.redis_server import EmbeddedRedis, find_free_port
@@ -71,8 +72,8 @@ _CONFIG_CLASSES = {"tokenizer": "TokenizerConfig", "scheduler": "SchedulerConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LauncherConfig(EngineOptions):
-    """The whole mesh on this machine; engine options go to every worker."""
+class LauncherConfig(RunnerOptions, EngineOptions):
+    """The whole mesh on this machine; engine and runner options go to every worker."""
 
     workers: int = option(1, "model workers to start")
     tokenizers: int = option(1, "tokenizer replicas to start")
@@ -347,7 +348,7 @@ class Stack:
             self._add(worker_id, "worker", [
                 *self._common(address), "--worker-id", worker_id, "--redis-url", self.redis_url,
                 "--scheduler-address", self.scheduler_address, *served,
-                *c.engine_flags(), *placement], grpc_serving(address))
+                *c.engine_flags(), *c.runner_flags(), *placement], grpc_serving(address))
         gateway = [*self._common(), "--host", c.host, "--port", str(self.gateway_port),
                    "--tokenizer-addresses", ",".join(self.tokenizer_addresses),
                    "--scheduler-address", self.scheduler_address]

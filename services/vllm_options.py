@@ -20,6 +20,15 @@ from typing import Any
 
 from meshserve.shared.errors import ConfigError
 
+def _task(value: str) -> list[str]:
+    """vLLM's older --task: generate, or embed (a pooling runner converting the causal LM)."""
+    if value in ("auto", "generate"):
+        return []
+    if value == "embed":
+        return ["--runner", "pooling", "--convert", "embed"]
+    raise _refuse("--task", value)
+
+
 # vLLM name -> how it reads in meshserve: a flag name (the value follows), or a function of
 # the value giving the flags.
 _RENAMED: dict[str, str | Callable[[str], list[str]]] = {
@@ -31,6 +40,7 @@ _RENAMED: dict[str, str | Callable[[str], list[str]]] = {
                                               _json_field(v, "backend", "xgrammar")],
     "--guided-decoding-backend": lambda v: ["--structured-outputs-backend",
                                             "xgrammar" if v in ("auto", "xgrammar") else v],
+    "--task": _task,
 }
 # vLLM switches (no value) and their meshserve flags ([] : accepted, nothing to do).
 _SWITCHES: dict[str, list[str]] = {
@@ -46,8 +56,7 @@ _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "--quantization": (), "-q": (), "--kv-cache-dtype": ("auto",),
     "--speculative-config": (), "--lora-modules": (), "--max-loras": (),
     "--max-lora-rank": (), "--cpu-offload-gb": ("0",), "--swap-space": (),
-    "--limit-mm-per-prompt": (), "--task": ("generate",), "--runner": ("generate", "auto"),
-    "--convert": ("none", "auto"), "--pooler-config": (), "--distributed-executor-backend": (),
+    "--limit-mm-per-prompt": (), "--distributed-executor-backend": (),
     "--hf-overrides": (), "--rope-scaling": (), "--max-seq-len-to-capture": (),
     "--chat-template": (), "--response-role": ("assistant",), "--ssl-keyfile": (),
     "--ssl-certfile": (), "--middleware": (), "--lora-dtype": (), "--revision": (),

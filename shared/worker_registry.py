@@ -34,6 +34,9 @@ WORKERS_KEY = f"{KEY_ROOT}workers"
 LOAD_CHANNEL = f"{KEY_ROOT}events:load"
 _WORKER_PREFIX = f"{KEY_ROOT}worker:"
 _MAX_EPOCH = 2**63 - 1  # Redis INCR works on signed 64-bit integers
+RUNNER_GENERATE = "generate"
+RUNNER_POOLING = "pooling"
+RUNNERS = (RUNNER_GENERATE, RUNNER_POOLING)
 
 _LUA_OLDER = """
 local function older(a, b)
@@ -144,6 +147,10 @@ class WorkerInfo:
     sampling_defaults_json: str = ""  # request fields' defaults (generation config), JSON
     epoch: int = 0
     """The epoch the worker asks for at registration (0: the registry assigns one)."""
+    runner: str = RUNNER_GENERATE
+    """What the worker runs its model for: "generate" or "pooling" (embeddings)."""
+    embedding_size: int = 0
+    """Pooling workers: the length of the vectors they pool (0 otherwise)."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -154,6 +161,9 @@ class WorkerInfo:
         if self.block_size <= 0:
             raise InvalidRequestError(f"worker {self.worker_id}: block_size must be positive, "
                                       f"got {self.block_size}", param="block_size")
+        if self.runner not in RUNNERS:
+            raise InvalidRequestError(f"worker {self.worker_id}: runner must be one of "
+                                      f"{list(RUNNERS)}, got {self.runner!r}", param="runner")
         if not 0 <= self.epoch <= _MAX_EPOCH:
             raise InvalidRequestError(f"worker {self.worker_id}: epoch must be in "
                                       f"[0, 2**63), got {self.epoch}", param="epoch")

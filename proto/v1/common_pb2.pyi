@@ -23,6 +23,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class Runner(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUNNER_UNSPECIFIED: _ClassVar[Runner]
+    RUNNER_GENERATE: _ClassVar[Runner]
+    RUNNER_POOLING: _ClassVar[Runner]
 STRUCTURED_KIND_UNSPECIFIED: StructuredKind
 STRUCTURED_KIND_JSON: StructuredKind
 STRUCTURED_KIND_JSON_OBJECT: StructuredKind
@@ -34,6 +40,9 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+RUNNER_UNSPECIFIED: Runner
+RUNNER_GENERATE: Runner
+RUNNER_POOLING: Runner
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "min_tokens", "max_tokens", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "extra_json", "structured", "bad_words", "allowed_token_ids")
@@ -177,7 +186,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., draining: _Optional[bool] = ..., snapshot_unix_ns: _Optional[int] = ..., num_active_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "address", "model_names", "block_size", "max_model_len", "num_total_blocks", "lora_ids", "tensor_parallel_size", "kv_namespace", "sampling_defaults_json")
+    __slots__ = ("worker_id", "epoch", "address", "model_names", "block_size", "max_model_len", "num_total_blocks", "lora_ids", "tensor_parallel_size", "kv_namespace", "sampling_defaults_json", "runner", "embedding_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +198,8 @@ class WorkerInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     address: str
@@ -200,7 +211,9 @@ class WorkerInfo(_message.Message):
     tensor_parallel_size: int
     kv_namespace: str
     sampling_defaults_json: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., model_names: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lora_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_namespace: _Optional[str] = ..., sampling_defaults_json: _Optional[str] = ...) -> None: ...
+    runner: Runner
+    embedding_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., model_names: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lora_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_namespace: _Optional[str] = ..., sampling_defaults_json: _Optional[str] = ..., runner: _Optional[_Union[Runner, str]] = ..., embedding_size: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("kind", "message", "param")

@@ -50,7 +50,7 @@ class DeregisterWorkerResponse(_message.Message):
     def __init__(self, removed: _Optional[bool] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "block_hashes", "num_prompt_tokens", "lora_id", "cache_salt", "priority", "deadline_unix_ns", "expected_output_tokens", "num_sequences", "exclude_worker_ids")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "block_hashes", "num_prompt_tokens", "lora_id", "cache_salt", "priority", "deadline_unix_ns", "expected_output_tokens", "num_sequences", "exclude_worker_ids", "runner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class RouteRequest(_message.Message):
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +76,8 @@ class RouteRequest(_message.Message):
     expected_output_tokens: int
     num_sequences: int
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    runner: _common_pb2.Runner
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., runner: _Optional[_Union[_common_pb2.Runner, str]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("worker_id", "address", "epoch", "num_matched_blocks", "num_kvstore_blocks", "block_size", "queued_ns", "policy", "score", "num_prompt_blocks", "num_running", "num_waiting", "num_used_blocks")

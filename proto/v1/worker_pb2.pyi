@@ -7,6 +7,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "inputs", "dimensions", "normalize", "deadline_unix_ns")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[Prompt]
+    dimensions: int
+    normalize: bool
+    deadline_unix_ns: int
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., deadline_unix_ns: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("dimensions", "embeddings", "num_prompt_tokens", "queued_ns", "forward_ns")
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_NS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    dimensions: int
+    embeddings: bytes
+    num_prompt_tokens: int
+    queued_ns: int
+    forward_ns: int
+    def __init__(self, dimensions: _Optional[int] = ..., embeddings: _Optional[bytes] = ..., num_prompt_tokens: _Optional[int] = ..., queued_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+
 class Prompt(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class WorkerStub:
                 request_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/meshserve.v1.Worker/Embed',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -112,6 +117,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings, on pooling workers (`--runner pooling`) only: one pooled vector per input.
+        The worker batches the inputs of concurrent calls into shared forwards (one flat token
+        batch each, under its token budget), so a call of many inputs and many calls of one
+        input cost alike. Unary: an embedding has no partial output to stream. A generating
+        worker fails it with INVALID_ARGUMENT, as a pooling worker fails Session and Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +155,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -277,6 +298,33 @@ class Worker:
             '/meshserve.v1.Worker/GetInfo',
             meshserve_dot_proto_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
             meshserve_dot_proto_dot_v1_dot_worker__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Worker/Embed',
+            meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

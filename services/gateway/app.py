@@ -20,6 +20,7 @@ from meshserve.services.gateway.admission import Admission
 from meshserve.services.gateway.clients import MeshClients
 from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.gateway.drain import Drain
+from meshserve.services.gateway.embeddings import EmbeddingHandlers
 from meshserve.services.gateway.handlers import Handlers
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.services.gateway.orchestrator import Orchestrator
@@ -27,6 +28,7 @@ from meshserve.services.gateway.response_store import ResponseStore
 from meshserve.services.gateway.responses import RESPONSES_URL
 from meshserve.services.gateway.responses_endpoint import ResponsesEndpoint
 from meshserve.services.gateway.service_handlers import ServiceHandlers
+from meshserve.shared.openai_embeddings import EMBEDDINGS_URL
 from meshserve.shared.openai_protocol import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
 from meshserve.shared.telemetry import Telemetry
 
@@ -43,6 +45,8 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     store = ResponseStore(config.redis_url, config.responses_ttl_s)
     answers = ResponsesEndpoint(generation, orchestrator, store, drain)
     service = ServiceHandlers(config, orchestrator, clients, drain)
+    embeddings = EmbeddingHandlers(config, orchestrator, clients, admission, drain,
+                                   telemetry.tracer)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
         middleware.observe(telemetry.tracer, metrics),
         middleware.errors(config.retry_after_s),
@@ -52,6 +56,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     routes = [
         ("POST", COMPLETIONS_URL, generation.completions),
         ("POST", CHAT_COMPLETIONS_URL, generation.chat_completions),
+        ("POST", EMBEDDINGS_URL, embeddings.embeddings),
         ("POST", RESPONSES_URL, answers.create),
         ("GET", RESPONSES_URL + "/{response_id}", answers.retrieve),
         ("DELETE", RESPONSES_URL + "/{response_id}", answers.delete),

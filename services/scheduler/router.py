@@ -37,6 +37,8 @@ from meshserve.shared.errors import InvalidRequestError, UnavailableError
 from meshserve.shared.kv_index import KVSTORE_HOLDER_PREFIX, KVIndex
 from meshserve.shared.worker_registry import (
     LOAD_CHANNEL,
+    RUNNER_GENERATE,
+    RUNNER_POOLING,
     WorkerInfo,
     WorkerLoad,
     WorkerRecord,
@@ -65,6 +67,8 @@ class RouteQuery:
     expected_output_tokens: int = 0
     num_sequences: int = 1
     exclude_worker_ids: frozenset[str] = frozenset()
+    runner: str = RUNNER_GENERATE
+    """The kind of worker the request needs (generation or pooling)."""
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -241,7 +245,7 @@ class Router:
     async def _try_place(self, query: RouteQuery, hashes: PromptHashes) -> RouteDecision | None:
         records, matches = await self._reads.read(query.model, hashes)
         self.inflight.keep_only({r.worker_id for r in records})
-        serving = [r for r in records if r.info.serves(query.model)]
+        serving = _runners_of(query, [r for r in records if r.info.serves(query.model)])
         usable = [r for r in serving if r.worker_id not in query.exclude_worker_ids]
         if not usable:
             raise UnavailableError(
@@ -307,3 +311,19 @@ class Router:
             score=self.policy.score(choice), num_prompt_tokens=query.prompt_len,
             num_prompt_blocks=choice.num_prompt_blocks, num_running=choice.num_running,
             num_waiting=choice.num_waiting, num_used_blocks=choice.num_used_blocks)
+
+
+def _runners_of(query: RouteQuery, serving: list[WorkerRecord]) -> list[WorkerRecord]:
+    """The workers of `serving` that run the query's kind; InvalidRequestError when the model
+    is served, but only by workers of the other kind (an embedding model asked to generate,
+    or a generation model asked for embeddings)."""
+    fitting = [r for r in serving if r.info.runner == query.runner]
+    if serving and not fitting:
+        if query.runner == RUNNER_POOLING:
+            raise InvalidRequestError(
+                f"model {query.model!r} is a generation model: it does not serve embeddings "
+                "(no worker runs it with --runner pooling)", param="model")
+        raise InvalidRequestError(
+            f"model {query.model!r} is an embedding model (its workers run --runner "
+            "pooling): it serves /v1/embeddings, not text generation", param="model")
+    return fitting

@@ -6,7 +6,25 @@ import asyncio
 
 from meshserve.proto.v1 import common_pb2, scheduler_pb2
 from meshserve.services.scheduler.router import RouteDecision, RouteQuery
-from meshserve.shared.worker_registry import WorkerInfo, WorkerLoad, WorkerRecord
+from meshserve.shared.worker_registry import (
+    RUNNER_GENERATE,
+    RUNNER_POOLING,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerRecord,
+)
+
+# The proto's Runner enum <-> the registry's runner names (UNSPECIFIED: generate).
+_RUNNER_NAMES = {common_pb2.RUNNER_UNSPECIFIED: RUNNER_GENERATE,
+                 common_pb2.RUNNER_GENERATE: RUNNER_GENERATE,
+                 common_pb2.RUNNER_POOLING: RUNNER_POOLING}
+_RUNNER_ENUMS = {RUNNER_GENERATE: common_pb2.RUNNER_GENERATE,
+                 RUNNER_POOLING: common_pb2.RUNNER_POOLING}
+
+
+def runner_name(value: int) -> str:
+    """The registry's name of a proto Runner value (an unknown value is generate's)."""
+    return _RUNNER_NAMES.get(value, RUNNER_GENERATE)
 
 
 def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
@@ -15,7 +33,8 @@ def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
         block_size=msg.block_size, max_model_len=msg.max_model_len,
         num_total_blocks=msg.num_total_blocks, lora_ids=tuple(msg.lora_ids),
         tensor_parallel_size=msg.tensor_parallel_size or 1, kv_namespace=msg.kv_namespace,
-        sampling_defaults_json=msg.sampling_defaults_json, epoch=msg.epoch)
+        sampling_defaults_json=msg.sampling_defaults_json, epoch=msg.epoch,
+        runner=runner_name(msg.runner), embedding_size=msg.embedding_size)
 
 
 def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
@@ -37,7 +56,8 @@ def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
             max_model_len=info.max_model_len, num_total_blocks=info.num_total_blocks,
             lora_ids=info.lora_ids, tensor_parallel_size=info.tensor_parallel_size,
             kv_namespace=info.kv_namespace,
-            sampling_defaults_json=info.sampling_defaults_json),
+            sampling_defaults_json=info.sampling_defaults_json, runner=_RUNNER_ENUMS[info.runner],
+            embedding_size=info.embedding_size),
         load=common_pb2.WorkerLoad(
             worker_id=info.worker_id, epoch=record.epoch, num_running=load.num_running,
             num_waiting=load.num_waiting,
@@ -59,7 +79,7 @@ def query_from_proto(msg: scheduler_pb2.RouteRequest, wait_s: float) -> RouteQue
         priority=msg.priority, deadline=asyncio.get_running_loop().time() + wait_s,
         expected_output_tokens=msg.expected_output_tokens,
         num_sequences=max(1, msg.num_sequences),
-        exclude_worker_ids=frozenset(msg.exclude_worker_ids))
+        exclude_worker_ids=frozenset(msg.exclude_worker_ids), runner=runner_name(msg.runner))
 
 
 def decision_to_proto(decision: RouteDecision) -> scheduler_pb2.RouteResponse:

@@ -290,6 +290,10 @@ class WorkerProcess:
 
 async def serve(config: WorkerConfig) -> int:
     """Run the worker until stopped and drained; the process exit code."""
+    if config.pooling:  # an embedder: no generation engine (pooling_process.py)
+        from meshserve.services.worker.pooling_process import serve_pooling
+
+        return await serve_pooling(config, claim_epoch)
     async with service_telemetry("worker", config) as telemetry:
         engine = await in_daemon_thread(lambda: build_engine(config), "worker-load")
         worker = WorkerProcess(config, engine, telemetry)

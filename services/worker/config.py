@@ -14,6 +14,7 @@ import socket
 from typing import Literal
 
 from meshserve.services.worker.engine.config import EngineConfig, GiB
+from meshserve.services.worker.runner_config import RunnerOptions
 from meshserve.shared.config import Config, ServiceConfig, option
 from meshserve.shared.errors import ConfigError, InvalidRequestError
 
@@ -108,8 +109,9 @@ assert not _missing, f"EngineOptions lacks EngineConfig fields: {_missing}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WorkerConfig(EngineOptions, ServiceConfig):
-    """One worker: a model replica served as the gRPC Worker service."""
+class WorkerConfig(RunnerOptions, EngineOptions, ServiceConfig):
+    """One worker: a model replica served as the gRPC Worker service (generating, or
+    pooling under --runner pooling)."""
 
     port: int = option(50053, "port of the Worker gRPC service (0: any free port)")
     worker_id: str | None = option(None, "unique, stable id of this worker (unset: "

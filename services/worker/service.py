@@ -33,7 +33,7 @@ from meshserve.shared.errors import (
     NotFoundError,
 )
 from meshserve.shared.sampling_params import SamplingParams
-from meshserve.shared.worker_registry import WorkerInfo, WorkerLoad
+from meshserve.shared.worker_registry import RUNNER_POOLING, WorkerInfo, WorkerLoad
 
 
 def worker_load_pb(load: WorkerLoad, worker_id: str, epoch: int,
@@ -55,7 +55,10 @@ def worker_info_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:
         model_names=list(info.model_names), block_size=info.block_size,
         max_model_len=info.max_model_len, num_total_blocks=info.num_total_blocks,
         lora_ids=list(info.lora_ids), tensor_parallel_size=info.tensor_parallel_size,
-        kv_namespace=info.namespace, sampling_defaults_json=info.sampling_defaults_json)
+        kv_namespace=info.namespace, sampling_defaults_json=info.sampling_defaults_json,
+        runner=(common_pb2.RUNNER_POOLING if info.runner == RUNNER_POOLING
+                else common_pb2.RUNNER_GENERATE),
+        embedding_size=info.embedding_size)
 
 
 @asynccontextmanager
@@ -213,3 +216,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetInfo(self, request: worker_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.GetInfoResponse:
         return worker_pb2.GetInfoResponse(info=worker_info_pb(self.info))
+
+    async def Embed(self, request: worker_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.EmbedResponse:
+        raise InvalidRequestError(
+            f"worker {self.info.worker_id} runs a generation model: it does not embed (start "
+            "a worker with --runner pooling for /v1/embeddings)", param="model")

@@ -90,6 +90,14 @@ def test_the_stack_names_the_model_clients_use(stack, client) -> None:
     assert missing.value.body["param"] == "model"  # type: ignore[index]
 
 
+def test_embeddings_on_a_generation_model_are_a_400(client) -> None:
+    """As in vLLM: a model run for generation does not serve /v1/embeddings."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model=MODEL, input="hello")
+    assert "generation model" in str(refused.value)
+    assert refused.value.body["param"] == "model"  # type: ignore[index]
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tokenizer) -> None:
     text = "one two three four five six seven eight nine ten"
     ids = tokenizer(text)["input_ids"]

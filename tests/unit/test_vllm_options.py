@@ -43,6 +43,15 @@ def test_harmless_values_of_unsupported_options_pass() -> None:
                       "--port", "9"]) == ["--port", "9"]
 
 
+def test_task_embed_is_a_pooling_runner_and_other_tasks_are_refused() -> None:
+    assert config_of("m", "--task", "embed") == config_of("m", "--runner", "pooling",
+                                                          "--convert", "embed")
+    assert config_of("m", "--task", "generate") == config_of("m")
+    assert config_of("m", "--task", "embed").pooling
+    with pytest.raises(ConfigError, match="--task classify"):
+        translate(["--task", "classify"])
+
+
 def test_a_config_file_is_read_and_flags_after_it_win(tmp_path: Path) -> None:
     path = tmp_path / "serve.yaml"
     path.write_text("max_model_len: 2k\nenable-prefix-caching: false\nworkers: 2\n"

@@ -38,9 +38,12 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device, load_format: str) -> CausalLM:
-    """Build the model on `device` in `dtype` and fill its weights from the source."""
-    model = _materialize(config, dtype, device)
+               device: torch.device, load_format: str,
+               model_class: type[CausalLM] | None = None) -> CausalLM:
+    """Build the model on `device` in `dtype` and fill its weights from the source.
+
+    `model_class` replaces the architecture's own class (a pooling worker's embedder)."""
+    model = _materialize(config, dtype, device, model_class)
     if load_format == "dummy" or source.format == "dummy":
         _fill_dummy(model, device)
     elif source.format == "gguf":
@@ -51,10 +54,11 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
     return model.eval()
 
 
-def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 model_class: type[CausalLM] | None = None) -> CausalLM:
     """Allocate without initialising: build on the meta device, then give it real storage."""
     with torch.device("meta"):
-        model = get_model_class(config.architecture)(config)
+        model = (model_class or get_model_class(config.architecture))(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers()
     return model
