@@ -97,6 +97,7 @@ class MeshClients:
         self._scheduler_channel = self._client.channel(scheduler_address)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         self._workers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._closing: set[asyncio.Future[None]] = set()  # channels of broken sessions
         self._worker_cache: tuple[float, list[WorkerEntry]] | None = None
         self._cache_ttl_s = model_cache_ttl_s
         self._worker_refresh: asyncio.Future[list[WorkerEntry]] | None = None
@@ -147,9 +148,22 @@ class MeshClients:
     def worker_session(self, address: str) -> WorkerSession:
         """This gateway's Session stream to the worker at `address` (opened on first use)."""
         session = self._sessions.get(address)
-        if session is None or not session.usable:
+        if session is not None and not session.usable:
+            # The stream broke, so the worker may have restarted on this address: a fresh
+            # channel connects at once, where the old one may still wait out a reconnect
+            # backoff and fail the new stream with UNAVAILABLE.
+            self._drop_worker_channel(address)
+            session = None
+        if session is None:
             session = self._sessions[address] = WorkerSession(self.worker(address), address)
         return session
+
+    def _drop_worker_channel(self, address: str) -> None:
+        entry = self._workers.pop(address, None)
+        if entry is not None:
+            task = asyncio.ensure_future(entry[0].close(grace=None))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def detokenize_stream(self) -> DetokenizeStream:
         """The DetokenizeSession stream of the next tokenizer replica (round-robin), passing
@@ -252,7 +266,7 @@ class MeshClients:
         channels = [*self._tokenizer_channels, self._scheduler_channel,
                     *(c for c, _ in self._workers.values())]
         self._workers.clear()
-        await asyncio.gather(*(c.close() for c in channels))
+        await asyncio.gather(*(c.close() for c in channels), *self._closing)
 
 
 async def _serving(channel: grpc.aio.Channel, service: str, timeout_s: float) -> bool:
