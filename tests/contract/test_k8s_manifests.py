@@ -8,7 +8,10 @@ config parsers accept.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -332,3 +335,27 @@ def test_gpu_variant_differs_only_in_its_workers() -> None:
 def test_every_raw_manifest_file_parses() -> None:
     for path in K8S.rglob("*.yaml"):
         assert load_documents(path), path
+
+
+def test_prepare_cache_copies_the_images_default_model_into_the_writable_cache(
+        tmp_path: Path) -> None:
+    """The init container's script, run against a stand-in image cache: the .gguf lands
+    where the main container's MESHSERVE_CACHE looks for it."""
+    from meshserve.shared.default_model import GGUF_NAME
+
+    image_cache, writable = tmp_path / "image-cache", tmp_path / "writable"
+    (image_cache / "models").mkdir(parents=True)
+    (image_cache / "models" / GGUF_NAME).write_bytes(b"GGUF stand-in")
+    docs = build(K8S / "base")
+    for name in ("tokenizer", "worker"):
+        spec = pod_spec(find(docs, "Deployment", name))
+        init, main = spec["initContainers"][0], spec["containers"][0]
+        cache = container_env(main, docs, pod_ip=POD_IP, secret_value=SECRET)["MESHSERVE_CACHE"]
+        assert "MESHSERVE_CACHE" not in {e["name"] for e in init.get("env", [])}, name
+        assert {m["mountPath"]: m["name"] for m in init["volumeMounts"]}[cache] == \
+            {m["mountPath"]: m["name"] for m in main["volumeMounts"]}[cache], name
+        command = [part.replace(cache, str(writable / name)) for part in init["command"]]
+        assert command[:2] == ["python", "-c"], name
+        subprocess.run([sys.executable, *command[1:]], check=True, timeout=60,
+                       env={**os.environ, "MESHSERVE_CACHE": str(image_cache)})
+        assert (writable / name / "models" / GGUF_NAME).read_bytes() == b"GGUF stand-in"
