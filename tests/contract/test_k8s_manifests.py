@@ -227,8 +227,9 @@ def test_tokenizer_and_workers_read_one_model_setting(docs: list[Doc]) -> None:
         container = pod_spec(find(docs, "Deployment", name))["containers"][0]
         env = container_env(container, docs, pod_ip=POD_IP, secret_value=SECRET)
         config = CONFIGS[name].from_args(container["args"], environ=env)
-        assert config.model == settings["model"] == "default"  # type: ignore[attr-defined]
-        assert config.max_model_len is None  # type: ignore[attr-defined]  # "" is unset
+        values = config.as_dict()
+        assert values["model"] == settings["model"] == "default", name
+        assert values["max_model_len"] is None, name  # "" reads as unset
 
 
 def test_gateway_finds_every_tokenizer_through_the_headless_service(docs: list[Doc]) -> None:
