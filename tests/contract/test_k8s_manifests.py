@@ -306,6 +306,10 @@ def test_every_scalable_service_scales_on_what_saturates_it(docs: list[Doc]) -> 
     assert watched == {"gateway": {"meshserve:gateway_requests_in_flight"},
                        "tokenizer": {"Resource/cpu"},
                        "worker": {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}}
+    # The autoscalers own the replica counts: a Deployment that set one would be reset to
+    # it by every `kubectl apply`.
+    for name in SCALABLE:
+        assert "replicas" not in find(docs, "Deployment", name)["spec"], name
     # CPU utilization is a share of the request: the tokenizer must request CPU.
     tokenizer = pod_spec(find(docs, "Deployment", "tokenizer"))["containers"][0]
     assert tokenizer["resources"]["requests"]["cpu"]
@@ -322,6 +326,9 @@ def test_gpu_variant_differs_only_in_its_workers() -> None:
     assert gpu_args[gpu_args.index("--device") + 1] == "cuda"
     assert "nvidia.com/gpu" not in cpu_worker["containers"][0]["resources"]["limits"]
     assert gpu_worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # A rollout frees a GPU before it asks for one (no surge pod waiting for a GPU).
+    assert find(gpu, "Deployment", "worker")["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0, "maxUnavailable": 1}
     assert {c["image"] for c in containers(find(gpu, "Deployment", "worker"))} == {
         f"meshserve-cuda:{VERSION}"}
     # The base's env, mounts and volumes are kept; the GPU's caches come on top.
