@@ -151,6 +151,12 @@ def test_every_container_has_startup_readiness_and_liveness_probes(docs: list[Do
     for name, deployment in of_kind(docs, "Deployment").items():
         for container in containers(deployment, init=False):
             probes = [container[f"{kind}Probe"] for kind in ("startup", "readiness", "liveness")]
+            declared = {p["name"] for p in container["ports"]} | {
+                p["containerPort"] for p in container["ports"]}
+            for probe in probes:
+                action = probe.get("httpGet") or probe.get("grpc") or probe.get("exec")
+                assert action, (name, probe)
+                assert "port" not in action or action["port"] in declared, (name, probe)
             if not is_mesh(container):
                 continue
             args = container["args"]
