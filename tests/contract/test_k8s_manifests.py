@@ -1,0 +1,375 @@
+"""The Kubernetes manifests of compose/k8s: they build (kustomize), validate against the
+Kubernetes API schemas offline (kubernetes-validate, strict: unknown fields fail), and
+follow the policy of docs/scaling.md: resources, a locked-down security context, three
+probes, pinned images, a disruption budget per Deployment, an autoscaler per scalable
+service on metrics the services export, and container flags that the services' own
+config parsers accept.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from k8s_build import CLUSTER_SCOPED, Doc, build, container_env, find, load_documents, pod_spec
+
+from meshserve.services.gateway.config import GatewayConfig
+from meshserve.services.kvstore.config import KVStoreConfig
+from meshserve.services.scheduler.config import SchedulerConfig
+from meshserve.services.tokenizer.config import TokenizerConfig
+from meshserve.services.worker.config import WorkerConfig
+from meshserve.shared.config import ServiceConfig
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "compose" / "k8s"
+VARIANTS = ("base", "gpu")
+# The oldest Kubernetes the manifests are written for (grpc probes, autoscaling/v2 and
+# policy/v1 are all GA there); kubernetes-validate bundles its schemas.
+KUBERNETES_VERSION = "1.30.0"
+NAMESPACE = "meshserve"
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+CONFIGS: dict[str, type[ServiceConfig]] = {
+    "gateway": GatewayConfig, "tokenizer": TokenizerConfig, "scheduler": SchedulerConfig,
+    "worker": WorkerConfig, "kvstore": KVStoreConfig}
+SCALABLE = {"gateway", "tokenizer", "worker"}
+# Prometheus names of the gauges the autoscalers act on, as the services export them.
+EXPORTED_METRICS = {"meshserve:gateway_requests_in_flight", "vllm:num_requests_waiting",
+                    "vllm:kv_cache_usage_perc"}
+METRICS_PORT = 8001
+POD_IP = "10.1.2.3"
+SECRET = "key-from-the-secret"
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def docs(request: pytest.FixtureRequest) -> list[Doc]:
+    return build(K8S / request.param)
+
+
+def of_kind(docs: list[Doc], kind: str) -> dict[str, Doc]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def containers(deployment: Doc, *, init: bool = True) -> list[Doc]:
+    spec = pod_spec(deployment)
+    return [*(spec.get("initContainers", []) if init else []), *spec["containers"]]
+
+
+def is_mesh(container: Doc) -> bool:
+    return container.get("command", [""])[0] == "meshserve"
+
+
+def adapter_rules() -> list[dict[str, Any]]:
+    config = find(build(K8S / "prometheus-adapter"), "ConfigMap", "adapter-config")
+    rules: list[dict[str, Any]] = yaml.safe_load(config["data"]["config.yaml"])["rules"]
+    return rules
+
+
+def series_name(rule: dict[str, Any]) -> str:
+    match = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{", rule["seriesQuery"])
+    assert match, f"seriesQuery names no metric: {rule['seriesQuery']}"
+    return match.group(1)
+
+
+def test_every_kustomization_builds_into_named_namespaced_objects() -> None:
+    for variant in (*VARIANTS, "prometheus-adapter"):
+        objects = build(K8S / variant)
+        keys = [(d["kind"], d["metadata"]["name"]) for d in objects]
+        assert len(keys) == len(set(keys)), f"{variant}: duplicate objects"
+        for doc in objects:
+            if doc["kind"] not in CLUSTER_SCOPED:
+                assert doc["metadata"]["namespace"], (variant, doc["metadata"]["name"])
+    base = build(K8S / "base")
+    assert find(base, "Namespace", NAMESPACE)
+    assert {d["metadata"]["namespace"] for d in base if d["kind"] != "Namespace"} == {NAMESPACE}
+
+
+def test_every_file_is_listed_by_a_kustomization() -> None:
+    listed = {(K8S / v / "kustomization.yaml").resolve() for v in (*VARIANTS, "prometheus-adapter")}
+    for variant in (*VARIANTS, "prometheus-adapter"):
+        kustomization = yaml.safe_load((K8S / variant / "kustomization.yaml").read_text())
+        entries = kustomization["resources"] + [p["path"] for p in kustomization.get("patches", [])]
+        listed |= {(K8S / variant / e).resolve() for e in entries}
+    on_disk = {p.resolve() for p in K8S.rglob("*.yaml")}
+    assert on_disk - listed == set(), "manifests no kustomization applies"
+
+
+def test_every_object_validates_against_the_kubernetes_schemas(docs: list[Doc]) -> None:
+    for doc in docs + build(K8S / "prometheus-adapter"):
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {exc}")
+
+
+def test_every_validation_catches_an_unknown_field() -> None:
+    """The schemas are strict: a misspelt field fails (so the test above can fail)."""
+    gateway = find(build(K8S / "base"), "Deployment", "gateway")
+    pod_spec(gateway)["containers"][0]["readinesProbe"] = {"grpc": {"port": 1}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(gateway, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_container_has_requests_and_limits(docs: list[Doc]) -> None:
+    for name, deployment in of_kind(docs, "Deployment").items():
+        for container in containers(deployment):
+            resources = container["resources"]
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(resources[kind]), (name, container["name"])
+
+
+def test_every_pod_runs_as_non_root_on_a_read_only_root_without_capabilities(
+        docs: list[Doc]) -> None:
+    for name, deployment in of_kind(docs, "Deployment").items():
+        spec = pod_spec(deployment)
+        assert spec["automountServiceAccountToken"] is False, name
+        for container in containers(deployment):
+            effective = {**spec["securityContext"], **container.get("securityContext", {})}
+            where = (name, container["name"])
+            assert effective["runAsNonRoot"] is True and effective["runAsUser"] == 10001, where
+            assert effective["readOnlyRootFilesystem"] is True, where
+            assert effective["allowPrivilegeEscalation"] is False, where
+            assert effective["capabilities"] == {"drop": ["ALL"]}, where
+            assert effective["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            # Writable places are emptyDir volumes: /tmp for every mesh process.
+            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+            volumes = {v["name"]: v for v in spec.get("volumes", [])}
+            for volume in mounts.values():
+                assert set(volumes[volume]) & {"emptyDir", "configMap"}, (where, volume)
+            if is_mesh(container):
+                assert "/tmp" in mounts, where
+
+
+def test_every_container_has_startup_readiness_and_liveness_probes(docs: list[Doc]) -> None:
+    for name, deployment in of_kind(docs, "Deployment").items():
+        for container in containers(deployment, init=False):
+            probes = [container[f"{kind}Probe"] for kind in ("startup", "readiness", "liveness")]
+            declared = {p["name"] for p in container["ports"]} | {
+                p["containerPort"] for p in container["ports"]}
+            for probe in probes:
+                action = probe.get("httpGet") or probe.get("grpc") or probe.get("exec")
+                assert action, (name, probe)
+                assert "port" not in action or action["port"] in declared, (name, probe)
+            if not is_mesh(container):
+                continue
+            args = container["args"]
+            port = int(args[args.index("--port") + 1])
+            if container["command"][1] == "gateway":
+                ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+                assert ports["http"] == port
+                assert probes[1]["httpGet"] == {"path": "/health", "port": "http"}
+                # Liveness asks no peer: /health would restart gateways in any outage.
+                assert probes[2]["httpGet"] == {"path": "/version", "port": "http"}
+            else:  # grpc.health.v1 of the service's own server
+                assert all(probe["grpc"] == {"port": port} for probe in probes), name
+
+
+def test_every_image_is_pinned_to_the_project_version(docs: list[Doc]) -> None:
+    for name, deployment in of_kind(docs, "Deployment").items():
+        for container in containers(deployment):
+            image = container["image"]
+            repository, _, tag = image.rpartition(":")
+            assert repository and tag and tag != "latest", (name, image)
+            if is_mesh(container) or container["name"] == "prepare-cache":
+                assert image in (f"meshserve:{VERSION}", f"meshserve-cuda:{VERSION}"), name
+
+
+def test_every_deployment_has_one_disruption_budget(docs: list[Doc]) -> None:
+    budgets = of_kind(docs, "PodDisruptionBudget")
+    for name, deployment in of_kind(docs, "Deployment").items():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        matching = [b for b in budgets.values()
+                    if b["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        assert len(matching) == 1, f"{name}: {len(matching)} disruption budgets"
+
+
+def test_every_service_selects_pods_on_a_named_port(docs: list[Doc]) -> None:
+    deployments = of_kind(docs, "Deployment").values()
+    for name, service in of_kind(docs, "Service").items():
+        selector = service["spec"]["selector"]
+        pods = [d for d in deployments
+                if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(pods) == 1, name
+        names = {p["name"] for c in containers(pods[0], init=False) for p in c["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= names, name
+
+
+def test_every_container_flag_and_variable_is_one_its_service_reads(docs: list[Doc]) -> None:
+    """Each mesh container's args and environment, built by the service's own parser
+    (strict: an unknown flag or MESHSERVE_* variable is an error)."""
+    seen = set()
+    for name, deployment in of_kind(docs, "Deployment").items():
+        for container in filter(is_mesh, containers(deployment, init=False)):
+            role = container["command"][1]
+            assert container["command"] == ["meshserve", role], name
+            env = container_env(container, docs, pod_ip=POD_IP, secret_value=SECRET)
+            config = CONFIGS[role].from_args(container["args"], environ=env)
+            seen.add(role)
+            assert config.host == "0.0.0.0" and config.metrics_port == METRICS_PORT, name
+            annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["prometheus.io/port"] == str(METRICS_PORT), name
+            assert config.otlp_endpoint == "http://otel-collector:4317", name
+            assert getattr(config, "redis_url", "redis://redis:6379/0") == \
+                "redis://redis:6379/0", name
+            if isinstance(config, WorkerConfig):
+                assert config.advertise_address == f"{POD_IP}:{config.port}"
+                assert config.scheduler_address == "scheduler:50052"
+                assert config.kvstore_address == "kvstore:50054"
+            if isinstance(config, GatewayConfig):
+                assert config.api_key == SECRET
+    assert seen == set(CONFIGS)
+
+
+def test_tokenizer_and_workers_read_one_model_setting(docs: list[Doc]) -> None:
+    settings = find(docs, "ConfigMap", "meshserve-config")["data"]
+    for name in ("tokenizer", "worker"):
+        container = pod_spec(find(docs, "Deployment", name))["containers"][0]
+        env = container_env(container, docs, pod_ip=POD_IP, secret_value=SECRET)
+        config = CONFIGS[name].from_args(container["args"], environ=env)
+        values = config.as_dict()
+        assert values["model"] == settings["model"] == "default", name
+        assert values["max_model_len"] is None, name  # "" reads as unset
+
+
+def test_gateway_finds_every_tokenizer_through_the_headless_service(docs: list[Doc]) -> None:
+    gateway = pod_spec(find(docs, "Deployment", "gateway"))["containers"][0]
+    config = GatewayConfig.from_args(gateway["args"], environ=container_env(
+        gateway, docs, pod_ip=POD_IP, secret_value=SECRET))
+    headless = find(docs, "Service", "tokenizer-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    port = headless["spec"]["ports"][0]["port"]
+    namespace = headless["metadata"]["namespace"]
+    assert config.tokenizer_addresses == (
+        f"dns:///tokenizer-headless.{namespace}.svc:{port}",)
+
+
+def test_the_api_key_comes_from_a_secret_and_is_never_inlined(docs: list[Doc]) -> None:
+    assert not of_kind(docs, "Secret"), "an API key must not live in the repository"
+    gateway = pod_spec(find(docs, "Deployment", "gateway"))["containers"][0]
+    entry = next(e for e in gateway["env"] if e["name"] == "MESHSERVE_API_KEY")
+    ref = entry["valueFrom"]["secretKeyRef"]
+    assert "value" not in entry and "optional" not in ref  # no key: the pod waits
+    assert "--api-key" not in gateway["args"]
+    docs_text = (REPO / "docs" / "scaling.md").read_text()
+    assert f"create secret generic {ref['name']} --from-literal={ref['key']}=" in docs_text
+
+
+def test_collector_runs_the_compose_pipeline(docs: list[Doc]) -> None:
+    compose = yaml.safe_load((REPO / "compose" / "otel-collector.yaml").read_text())
+    config = yaml.safe_load(find(docs, "ConfigMap", "otel-collector")["data"]["config.yaml"])
+    for section in ("receivers", "processors", "extensions"):
+        assert config[section] == compose[section], section
+    traces = config["service"]["pipelines"]["traces"]
+    compose_traces = compose["service"]["pipelines"]["traces"]
+    assert traces["receivers"] == compose_traces["receivers"]
+    assert traces["processors"] == compose_traces["processors"]
+    assert set(traces["exporters"]) <= set(config["exporters"])
+    ports = {p["name"]: p["port"] for p in find(docs, "Service", "otel-collector")["spec"]["ports"]}
+    endpoint = config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    assert endpoint.endswith(f":{ports['otlp-grpc']}")
+    # limit_mib below the container's memory limit, so the collector sheds load first.
+    limit = pod_spec(find(docs, "Deployment", "otel-collector"))["containers"][0][
+        "resources"]["limits"]["memory"]
+    assert config["processors"]["memory_limiter"]["limit_mib"] < int(limit.removesuffix("Mi"))
+
+
+def test_adapter_rules_expose_the_exported_gauges_as_pods_metrics() -> None:
+    for rule in adapter_rules():
+        source = series_name(rule)
+        assert source in EXPORTED_METRICS, source
+        assert re.fullmatch(rule["name"]["matches"], source), rule["name"]
+        assert re.fullmatch(r"[a-z_][a-z0-9_]*", rule["name"]["as"]), rule["name"]["as"]
+        assert rule["resources"]["overrides"] == {
+            "namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+        for part in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"):
+            assert part in rule["metricsQuery"], part
+    assert {series_name(r) for r in adapter_rules()} == EXPORTED_METRICS
+
+
+def test_every_scalable_service_scales_on_what_saturates_it(docs: list[Doc]) -> None:
+    served = {r["name"]["as"]: series_name(r) for r in adapter_rules()}
+    autoscalers = of_kind(docs, "HorizontalPodAutoscaler")
+    assert set(autoscalers) == SCALABLE
+    watched: dict[str, set[str]] = {}
+    for name, hpa in autoscalers.items():
+        target = hpa["spec"]["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("Deployment", name)
+        assert find(docs, "Deployment", name)
+        assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"], name
+        watched[name] = set()
+        for metric in hpa["spec"]["metrics"]:
+            if metric["type"] == "Pods":
+                watched[name].add(served[metric["pods"]["metric"]["name"]])
+            else:
+                watched[name].add(f"{metric['type']}/{metric['resource']['name']}")
+    assert watched == {"gateway": {"meshserve:gateway_requests_in_flight"},
+                       "tokenizer": {"Resource/cpu"},
+                       "worker": {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}}
+    # The autoscalers own the replica counts: a Deployment that set one would be reset to
+    # it by every `kubectl apply`.
+    for name in SCALABLE:
+        assert "replicas" not in find(docs, "Deployment", name)["spec"], name
+    # CPU utilization is a share of the request: the tokenizer must request CPU.
+    tokenizer = pod_spec(find(docs, "Deployment", "tokenizer"))["containers"][0]
+    assert tokenizer["resources"]["requests"]["cpu"]
+
+
+def test_gpu_variant_differs_only_in_its_workers() -> None:
+    base, gpu = build(K8S / "base"), build(K8S / "gpu")
+    assert [d for d in base if d["metadata"]["name"] != "worker" or d["kind"] != "Deployment"] \
+        == [d for d in gpu if d["metadata"]["name"] != "worker" or d["kind"] != "Deployment"]
+    cpu_worker = pod_spec(find(base, "Deployment", "worker"))
+    gpu_worker = pod_spec(find(gpu, "Deployment", "worker"))
+    cpu_args, gpu_args = cpu_worker["containers"][0]["args"], gpu_worker["containers"][0]["args"]
+    assert cpu_args[cpu_args.index("--device") + 1] == "cpu"
+    assert gpu_args[gpu_args.index("--device") + 1] == "cuda"
+    assert "nvidia.com/gpu" not in cpu_worker["containers"][0]["resources"]["limits"]
+    assert gpu_worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # A rollout frees a GPU before it asks for one (no surge pod waiting for a GPU).
+    assert find(gpu, "Deployment", "worker")["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0, "maxUnavailable": 1}
+    assert {c["image"] for c in containers(find(gpu, "Deployment", "worker"))} == {
+        f"meshserve-cuda:{VERSION}"}
+    # The base's env, mounts and volumes are kept; the GPU's caches come on top.
+    for field in ("env", "volumeMounts"):
+        kept = {e["name"] if field == "env" else e["mountPath"]
+                for e in cpu_worker["containers"][0][field]}
+        assert kept < {e["name"] if field == "env" else e["mountPath"]
+                       for e in gpu_worker["containers"][0][field]}, field
+    assert {v["name"] for v in gpu_worker["volumes"]} == {"cache", "tmp", "dshm"}
+
+
+def test_every_raw_manifest_file_parses() -> None:
+    for path in K8S.rglob("*.yaml"):
+        assert load_documents(path), path
+
+
+def test_prepare_cache_copies_the_images_default_model_into_the_writable_cache(
+        tmp_path: Path) -> None:
+    """The init container's script, run against a stand-in image cache: the .gguf lands
+    where the main container's MESHSERVE_CACHE looks for it."""
+    from meshserve.shared.default_model import GGUF_NAME
+
+    image_cache, writable = tmp_path / "image-cache", tmp_path / "writable"
+    (image_cache / "models").mkdir(parents=True)
+    (image_cache / "models" / GGUF_NAME).write_bytes(b"GGUF stand-in")
+    docs = build(K8S / "base")
+    for name in ("tokenizer", "worker"):
+        spec = pod_spec(find(docs, "Deployment", name))
+        init, main = spec["initContainers"][0], spec["containers"][0]
+        cache = container_env(main, docs, pod_ip=POD_IP, secret_value=SECRET)["MESHSERVE_CACHE"]
+        assert "MESHSERVE_CACHE" not in {e["name"] for e in init.get("env", [])}, name
+        assert {m["mountPath"]: m["name"] for m in init["volumeMounts"]}[cache] == \
+            {m["mountPath"]: m["name"] for m in main["volumeMounts"]}[cache], name
+        command = [part.replace(cache, str(writable / name)) for part in init["command"]]
+        assert command[:2] == ["python", "-c"], name
+        subprocess.run([sys.executable, *command[1:]], check=True, timeout=60,
+                       env={**os.environ, "MESHSERVE_CACHE": str(image_cache)})
+        assert (writable / name / "models" / GGUF_NAME).read_bytes() == b"GGUF stand-in"
