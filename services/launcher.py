@@ -65,7 +65,7 @@ _LOOPBACK = "127.0.0.1"
 _CORES_PER_GATEWAY = 8
 _MAX_AUTO_GATEWAYS = 4
 _LOG_TAIL_LINES = 40
-_GATEWAY_LISTENING = "meshserve_gateway_http_listening 1.0"  # a sample of its /metrics
+_GATEWAY_LISTENING = "meshserve:gateway_http_listening 1.0"  # a sample of its /metrics
 _CONFIG_CLASSES = {"tokenizer": "TokenizerConfig", "scheduler": "SchedulerConfig",
                    "kvstore": "KVStoreConfig", "worker": "WorkerConfig",
                    "gateway": "GatewayConfig"}

@@ -144,10 +144,10 @@ class Telemetry:
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.rpc_duration = Histogram(
-            "meshserve_rpc_server_duration_seconds", "Time to serve one gRPC call",
+            "meshserve:rpc_server_duration_seconds", "Time to serve one gRPC call",
             ["method", "code"], registry=self.registry, buckets=_RPC_BUCKETS)
         self.rpc_in_flight = Gauge(
-            "meshserve_rpc_server_in_flight", "gRPC calls being served", ["method"],
+            "meshserve:rpc_server_in_flight", "gRPC calls being served", ["method"],
             registry=self.registry)
 
     def install_global(self) -> None:
