@@ -141,6 +141,7 @@ class Telemetry:
             self.tracer_provider.add_span_processor(SimpleSpanProcessor(span_exporter))
         self.tracer = self.tracer_provider.get_tracer("meshserve")
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics_port: int | None = None  # where start_metrics_server listens, once it does
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.rpc_duration = Histogram(
@@ -201,6 +202,7 @@ class Telemetry:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
+        self.metrics_port = runner.addresses[0][1]  # the bound port (port 0: a free one)
         return runner
 
 

@@ -34,7 +34,7 @@ from meshserve.services.worker.kvstore_client import KVStoreClient
 from meshserve.services.worker.registration import Registration
 from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
 from meshserve.services.worker.step_trace import write_step_trace
-from meshserve.services.worker.vllm_metrics import vllm_metrics_of
+from meshserve.services.worker.vllm_metrics import metrics_url_of, vllm_metrics_of
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.generation_config import sampling_defaults
 from meshserve.shared.grpc_client import GrpcClient
@@ -220,8 +220,9 @@ class WorkerProcess:
         self.server.install_signal_handlers()
         worker_id = self.config.resolved_worker_id(port)
         epoch = await claim_epoch(self.redis, worker_id, self.config.redis_url or "")
-        self.info = replace(self.info, worker_id=worker_id, epoch=epoch,
-                            address=self.config.resolved_advertise_address(port))
+        address = self.config.resolved_advertise_address(port)
+        self.info = replace(self.info, worker_id=worker_id, epoch=epoch, address=address,
+                            metrics_url=metrics_url_of(address, self.telemetry.metrics_port))
         self.servicer.info = self.info
         self.thread.epoch = epoch
         if self.redis is not None:

@@ -224,6 +224,15 @@ class WorkerVllmMetrics:
                 self.request_tpot.observe((now - first) / (out.num_output_tokens - 1))
 
 
+def metrics_url_of(advertised: str, metrics_port: int | None) -> str:
+    """The /metrics URL others reach this worker's metrics at: its advertised host and the
+    metrics port ("" when it serves none)."""
+    if metrics_port is None:
+        return ""
+    host = advertised.rsplit(":", 1)[0]
+    return f"http://{host}:{metrics_port}/metrics"
+
+
 def vllm_metrics_of(engine: LLMEngine, thread: EngineThread, model_name: str,
                     registry: CollectorRegistry) -> WorkerVllmMetrics:
     """The worker's vLLM metrics over its engine, fed by `thread` from now on."""
