@@ -140,3 +140,23 @@ def test_checker_lists_the_empty_queries_and_fails(dashboard, prometheus, tmp_pa
     ok = {"panels": [p for p in dashboard["panels"] if p.get("title") != "Preemptions"]}
     path.write_text(json.dumps(ok))
     assert checker.main(["--prometheus", prometheus, "--dashboard", str(path)]) == 0
+
+
+def test_prometheus_scrapes_every_role_where_compose_serves_metrics() -> None:
+    import yaml
+
+    config = yaml.safe_load((REPO / "compose" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"gateway", "tokenizer", "scheduler", "kvstore", "worker"}
+    for job in jobs.values():
+        ports = [c["port"] for c in job.get("dns_sd_configs", [])] + [
+            int(t.rsplit(":", 1)[1]) for c in job.get("static_configs", [])
+            for t in c["targets"]]
+        assert ports and set(ports) == {9100}, job["job_name"]
+    compose = yaml.safe_load((REPO / "compose" / "docker-compose.yml").read_text())
+    assert compose["x-service"]["environment"]["MESHSERVE_METRICS_PORT"] == "9100"
+    source = yaml.safe_load((REPO / "compose" / "grafana" / "provisioning" / "datasources" /
+                             "prometheus.yaml").read_text())["datasources"][0]
+    assert (source["uid"], source["url"]) == ("prometheus", "http://prometheus:9090")
+    grafana = compose["services"]["grafana"]
+    assert "./grafana/dashboards:/var/lib/grafana/dashboards:ro" in grafana["volumes"]
