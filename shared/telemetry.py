@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -195,10 +195,16 @@ class Telemetry:
         """aiohttp handler for GET /metrics."""
         return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def start_metrics_server(self, host: str, port: int) -> web.AppRunner:
-        """Serve /metrics on host:port; `await runner.cleanup()` stops it."""
+    async def start_metrics_server(
+            self, host: str, port: int,
+            routes: Iterable[tuple[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]]
+            = ()) -> web.AppRunner:
+        """Serve GET /metrics (and GET `routes`, path -> handler) on host:port;
+        `await runner.cleanup()` stops it."""
         app = web.Application()
         app.router.add_get("/metrics", self.handle_metrics)
+        for path, handler in routes:
+            app.router.add_get(path, handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()

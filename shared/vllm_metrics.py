@@ -30,7 +30,6 @@ REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
 REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
 REQUEST_PARAMS_N = "vllm:request_params_n"
 REQUEST_PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"
-REQUEST_MAX_GENERATION_TOKENS = "vllm:request_max_num_generation_tokens"
 # Latencies.
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
