@@ -74,8 +74,8 @@ scrape() {  # the worker's engine counters as JSON
   python3 - "$WORKER_METRICS" <<'PY'
 import json, sys, time, urllib.request
 text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
-wanted = ("meshserve_worker_engine_steps", "meshserve_worker_engine_step_seconds",
-          "meshserve_worker_engine_tokens")
+wanted = ("meshserve:worker_engine_steps", "meshserve:worker_engine_step_seconds",
+          "meshserve:worker_engine_tokens")
 values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
           if line.split() and line.split()[0] in wanted}
 print(json.dumps({"unix_s": time.time(), **values}))

@@ -55,9 +55,9 @@ from meshserve.shared.model_source import resolve_model
 MODEL_NAME = "model"
 POLICIES = ("kv-aware", "round-robin")
 # Worker counters read after each run: requests finished (by reason) and tokens generated.
-_WORKER_PREFIX = "meshserve_worker_"
-_WORKER_COUNTERS = {"meshserve_worker_sequences_finished": "sequences_finished",
-                    "meshserve_worker_generated_tokens": "generated_tokens"}
+_WORKER_PREFIX = "meshserve:worker_"
+_WORKER_COUNTERS = {"meshserve:worker_sequences_finished": "sequences_finished",
+                    "meshserve:worker_generated_tokens": "generated_tokens"}
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

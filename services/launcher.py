@@ -19,6 +19,12 @@ that dies on its own is started again on the same address after a backoff, withi
 the stack stops (exit 1) only when what is left cannot serve. The launcher's own /metrics
 (`--metrics-port`) counts restarts per service.
 
+Every service serves its own /metrics on a port of its own (`Stack.metrics_urls`, printed
+by `meshserve up`): free ports by default, or with `--metrics-port B` (env
+MESHSERVE_METRICS_PORT) B for the launcher and B+1, B+2, ... for the services in start
+order, so that a Prometheus config can name them. The gateway's /metrics/all merges them
+all (docs/metrics.md).
+
 `--gateways N` (N > 1) starts N gateway processes, gateway-0..N-1, on the same host:port
 with SO_REUSEPORT: the kernel spreads new connections over them, and each keeps its own
 channels and sessions to the other services. A lone gateway is named `gateway` and
@@ -65,7 +71,7 @@ _LOOPBACK = "127.0.0.1"
 _CORES_PER_GATEWAY = 8
 _MAX_AUTO_GATEWAYS = 4
 _LOG_TAIL_LINES = 40
-_GATEWAY_LISTENING = "meshserve_gateway_http_listening 1.0"  # a sample of its /metrics
+_GATEWAY_LISTENING = "meshserve:gateway_http_listening 1.0"  # a sample of its /metrics
 _CONFIG_CLASSES = {"tokenizer": "TokenizerConfig", "scheduler": "SchedulerConfig",
                    "kvstore": "KVStoreConfig", "worker": "WorkerConfig",
                    "gateway": "GatewayConfig"}
@@ -116,8 +122,10 @@ class LauncherConfig(RunnerOptions, EngineOptions):
                                     "before it is given up (0: a service that dies stops the "
                                     "stack)")
     restart_window_s: float = option(300.0, "window of --restart-budget, in seconds")
-    metrics_port: int = option(0, "port of the launcher's own /metrics (service restarts; "
-                                  "0: any free port)")
+    metrics_port: int = option(0, "first of the stack's /metrics ports: the launcher's own "
+                                  "(service restarts) is this one, each service the next in "
+                                  "start order (tokenizers, scheduler, kvstore, workers, "
+                                  "gateways); 0: any free ports")
 
     @property
     def num_gateways(self) -> int:
@@ -228,6 +236,8 @@ def child_env(role: str, environ: Mapping[str, str]) -> dict[str, str]:
     # the cores that the worker's engine and the other services need (on 2 cores, spinning
     # cost the mesh a third of its throughput).
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Each child gets --metrics-port of its own; the shared variable is the launcher's base.
+    env.pop(f"{ENV_PREFIX}METRICS_PORT", None)
     return env
 
 
@@ -259,6 +269,8 @@ class Stack:
         self.redis_url = config.redis_url or ""
         self.services: list[ServiceProcess] = []
         self._picked: set[int] = set()
+        # --metrics-port B: the services' metrics ports follow the launcher's, in start order.
+        self._next_metrics_port = config.metrics_port + 1 if config.metrics_port else 0
         port = config.port or self._free_port()
         shown = _LOOPBACK if config.host in ("0.0.0.0", "::", "") else config.host
         self._gateway_host = shown
@@ -306,6 +318,23 @@ class Stack:
             pass
         self._picked.add(port)
         return port
+
+    def _metrics_port(self) -> int:
+        """The next service's /metrics port: the next after --metrics-port, or a free one."""
+        if not self._next_metrics_port:
+            return self._free_port()
+        port = self._next_metrics_port
+        self._next_metrics_port += 1
+        self._picked.add(port)
+        return port
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Each service's own /metrics by name (the launcher's as "launcher", once up)."""
+        urls = {s.name: s.metrics_url for s in self.services}
+        if self.launcher_metrics_url:
+            urls["launcher"] = self.launcher_metrics_url
+        return urls
 
     def _free(self) -> str:
         return f"{_LOOPBACK}:{self._free_port()}"
@@ -370,9 +399,12 @@ class Stack:
             gateway.append("--enable-auto-tool-choice")
         if c.num_gateways > 1:
             gateway.append("--reuse-port")
+        # /metrics/all: the services planned so far; workers advertise theirs themselves.
+        gateway += ["--metrics-targets", ",".join(
+            f"{s.name}={s.metrics_url}" for s in self.services if s.role != "worker")]
         for name in self.gateway_names:
             # Its own /metrics is the one probe that reaches this process and no other.
-            metrics_port = self._free_port()
+            metrics_port = self._metrics_port()
             metrics_url = f"http://{self._gateway_host}:{metrics_port}/metrics"
             self._add(name, "gateway", gateway, metric_is(metrics_url, _GATEWAY_LISTENING),
                       metrics_port, self._gateway_host)
@@ -380,7 +412,7 @@ class Stack:
     def _add(self, name: str, role: str, argv: list[str], ready: Callable[[], bool],
              metrics_port: int | None = None, metrics_host: str = _LOOPBACK) -> None:
         """Plan one child, with a /metrics port of its own (a free one unless given)."""
-        metrics_port = metrics_port or self._free_port()
+        metrics_port = metrics_port or self._metrics_port()
         self.services.append(ServiceProcess(
             name, role, [*argv, "--metrics-port", str(metrics_port)],
             self.run_dir / f"{name}.log", ready,

@@ -96,13 +96,13 @@ class Supervisor:
                                         daemon=True)
         self.registry = registry or CollectorRegistry()
         labels = ["service", "role"]
-        self._restarts = Counter("meshserve_launcher_service_restarts",
+        self._restarts = Counter("meshserve:launcher_service_restarts",
                                  "Times a service was started again after it died", labels,
                                  registry=self.registry)
-        self._up = Gauge("meshserve_launcher_service_up",
+        self._up = Gauge("meshserve:launcher_service_up",
                          "1 while the service runs and answers its readiness check", labels,
                          registry=self.registry)
-        self._given_up = Gauge("meshserve_launcher_service_given_up",
+        self._given_up = Gauge("meshserve:launcher_service_given_up",
                                "1 once the service died more often than its restart budget",
                                labels, registry=self.registry)
         for child in children:

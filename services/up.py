@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None, prog: str = "meshserve up") -> int:
         print(f"meshserve is up: {stack.base_url} (model {model}, {config.workers} "
               f"worker(s), {config.num_gateways} gateway(s)); logs in {stack.run_dir}; "
               f"launcher metrics {stack.launcher_metrics_url}; Ctrl-C stops", flush=True)
+        for name, url in stack.metrics_urls.items():
+            print(f"metrics {name}: {url}", flush=True)
+        print(f"metrics all (merged): {stack.gateway_url}/metrics/all", flush=True)
         code = stack.wait()
         say("stopping" if code == 0 else "stopping everything")
     return code

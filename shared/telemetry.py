@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -141,13 +141,14 @@ class Telemetry:
             self.tracer_provider.add_span_processor(SimpleSpanProcessor(span_exporter))
         self.tracer = self.tracer_provider.get_tracer("meshserve")
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics_port: int | None = None  # where start_metrics_server listens, once it does
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.rpc_duration = Histogram(
-            "meshserve_rpc_server_duration_seconds", "Time to serve one gRPC call",
+            "meshserve:rpc_server_duration_seconds", "Time to serve one gRPC call",
             ["method", "code"], registry=self.registry, buckets=_RPC_BUCKETS)
         self.rpc_in_flight = Gauge(
-            "meshserve_rpc_server_in_flight", "gRPC calls being served", ["method"],
+            "meshserve:rpc_server_in_flight", "gRPC calls being served", ["method"],
             registry=self.registry)
 
     def install_global(self) -> None:
@@ -194,13 +195,20 @@ class Telemetry:
         """aiohttp handler for GET /metrics."""
         return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def start_metrics_server(self, host: str, port: int) -> web.AppRunner:
-        """Serve /metrics on host:port; `await runner.cleanup()` stops it."""
+    async def start_metrics_server(
+            self, host: str, port: int,
+            routes: Iterable[tuple[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]]
+            = ()) -> web.AppRunner:
+        """Serve GET /metrics (and GET `routes`, path -> handler) on host:port;
+        `await runner.cleanup()` stops it."""
         app = web.Application()
         app.router.add_get("/metrics", self.handle_metrics)
+        for path, handler in routes:
+            app.router.add_get(path, handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
+        self.metrics_port = runner.addresses[0][1]  # the bound port (port 0: a free one)
         return runner
 
 

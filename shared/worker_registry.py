@@ -151,6 +151,8 @@ class WorkerInfo:
     """What the worker runs its model for: "generate" or "pooling" (embeddings)."""
     embedding_size: int = 0
     """Pooling workers: the length of the vectors they pool (0 otherwise)."""
+    metrics_url: str = ""
+    """The worker's Prometheus /metrics URL ("": none)."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:

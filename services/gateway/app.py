@@ -22,6 +22,7 @@ from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.embeddings import EmbeddingHandlers
 from meshserve.services.gateway.handlers import Handlers
+from meshserve.services.gateway.merged_metrics import MergedMetrics, parse_targets
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.services.gateway.orchestrator import Orchestrator
 from meshserve.services.gateway.response_store import ResponseStore
@@ -68,6 +69,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
         ("GET", "/health", service.health),
         ("GET", "/version", service.version),
         ("GET", "/metrics", telemetry.handle_metrics),
+        ("GET", "/metrics/all", merged_metrics(config, telemetry, clients).handle),
     ]
     # Behind a proxy that serves the API under --root-path, requests may arrive with the
     # prefix (the proxy kept it) or without it (the proxy stripped it): both are served.
@@ -83,6 +85,17 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
 
     app.on_cleanup.append(close_store)
     return app
+
+
+def merged_metrics(config: GatewayConfig, telemetry: Telemetry,
+                   clients: MeshClients) -> MergedMetrics:
+    """The /metrics/all handler: this gateway, --metrics-targets and the workers."""
+    async def workers() -> list[tuple[str, str]]:
+        return [(w.worker_id, w.metrics_url) for w in await clients.list_workers()
+                if w.metrics_url]
+
+    return MergedMetrics(telemetry.registry, "gateway", f"{config.host}:{config.port}",
+                         parse_targets(config.metrics_targets), workers)
 
 
 def _allow_cors(app: web.Application, origins: tuple[str, ...], credentials: bool) -> None:

@@ -48,6 +48,7 @@ class WorkerEntry:
     model_names: tuple[str, ...]
     max_model_len: int
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation config
+    metrics_url: str = ""  # its Prometheus /metrics ("": none)
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ class MeshClients:
         with mesh_errors():
             response = await self.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest())
         workers = [WorkerEntry(w.info.worker_id, tuple(w.info.model_names), w.info.max_model_len,
-                               _defaults(w.info.sampling_defaults_json))
+                               _defaults(w.info.sampling_defaults_json), w.info.metrics_url)
                    for w in response.workers]
         self._worker_cache = (time.monotonic(), workers)
         return workers

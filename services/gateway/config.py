@@ -44,6 +44,9 @@ class GatewayConfig(ServiceConfig):
     served_model_names: tuple[str, ...] = option(
         (), "model names the API serves, comma-separated (empty: those the workers announce)")
     api_key: str | None = option(None, "Bearer token clients must send (unset: no auth)")
+    metrics_targets: tuple[str, ...] = option(
+        (), "other services' /metrics that GET /metrics/all merges, as name=url, "
+            "comma-separated (the registered workers' come from the scheduler)")
     allowed_origins: tuple[str, ...] = option(
         (), "origins a browser may call the API from (CORS), comma-separated; '*': any "
             "(empty: no CORS headers, preflights refused)")
@@ -92,6 +95,8 @@ class GatewayConfig(ServiceConfig):
         self.require(bool(self.tokenizer_addresses), "needs at least one address",
                      "tokenizer_addresses")
         self.require(bool(self.scheduler_address), "must not be empty", "scheduler_address")
+        bad = [t for t in self.metrics_targets if "=" not in t.strip("=")]
+        self.require(not bad, f"each target is name=url, got {bad}", "metrics_targets")
         self.require(self.backlog >= 1, f"must be >= 1, got {self.backlog}", "backlog")
         self.require(not (self.reuse_port and self.port == 0),
                      "needs a fixed --port (with port 0 each process would get its own)",

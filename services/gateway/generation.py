@@ -104,8 +104,8 @@ class Generation:
         self._prompt_logprobs_shown = (job.echo and job.wants_logprobs) \
             or job.options.return_prompt_logprobs
         # Labelled metric children, resolved once (a labels() lookup costs microseconds).
-        self._ttft = metrics.ttft.labels(job.model)
-        self._itl = metrics.itl.labels(job.model)
+        self._ttft = metrics.ttft.labels(*metrics.model(job.model))
+        self._itl = metrics.itl.labels(*metrics.model(job.model))
         self._mailbox: list[GenerationUpdate] = []
         self._deltas: list[ChoiceDelta] = []  # of the detokenizer answer being applied
         self._stopped: list[int] = []
@@ -357,11 +357,13 @@ class Generation:
             return
         self._closed = True
         loop_time = asyncio.get_running_loop().time()
-        model = self.job.model
-        self._metrics.e2e.labels(model).observe(loop_time - self.job.arrival)
+        metrics, labels = self._metrics, self._metrics.model(self.job.model)
+        metrics.e2e.labels(*labels).observe(loop_time - self.job.arrival)
         usage = self.usage()
-        self._metrics.prompt_tokens.labels(model).inc(usage["prompt_tokens"])
-        self._metrics.generation_tokens.labels(model).inc(usage["completion_tokens"])
+        metrics.prompt_tokens.labels(*labels).inc(usage["prompt_tokens"])
+        metrics.generation_tokens.labels(*labels).inc(usage["completion_tokens"])
+        for reason in self.finish_reasons:
+            metrics.request_success.labels(*labels, reason or "abort").inc()
         self._record_span()
 
     def cancel(self) -> None:

@@ -26,7 +26,7 @@ _log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 # Paths that answer probes and scrapers: no span (they would drown the traces), no auth.
-_OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/metrics/all"})
 # Status proxies log for a request whose client went away before the answer.
 CLIENT_CLOSED = 499
 # OpenAI error type of HTTP errors aiohttp raises itself (no route, wrong method, ...).

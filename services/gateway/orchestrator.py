@@ -16,7 +16,7 @@ request had any output token, that is a plain retry (`max_generate_attempts` wor
 all); after, a failover (`max_failovers` per request): the new worker gets the prompt and,
 for each unfinished sequence, every output token received so far, and continues from
 there, so the client's stream goes on as if nothing happened. Each failover is logged,
-counted (meshserve_gateway_failovers_total by outcome) and an event on the request's span.
+counted (meshserve:gateway_failovers_total by outcome) and an event on the request's span.
 On leaving the block: normally every sequence has finished; otherwise (error, deadline,
 client gone) the worker is told to abort and the tokenizer to forget the request, at once.
 The scheduler is told each attempt ended (a release on the route stream).

@@ -169,19 +169,19 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._store.stats()
-        yield GaugeMetricFamily("meshserve_kvstore_blocks", "Blocks held", value=s.num_blocks)
-        yield GaugeMetricFamily("meshserve_kvstore_used_bytes", "Bytes of block data held",
+        yield GaugeMetricFamily("meshserve:kvstore_blocks", "Blocks held", value=s.num_blocks)
+        yield GaugeMetricFamily("meshserve:kvstore_used_bytes", "Bytes of block data held",
                                 value=s.used_bytes)
-        yield GaugeMetricFamily("meshserve_kvstore_capacity_bytes", "Bytes the store may hold",
+        yield GaugeMetricFamily("meshserve:kvstore_capacity_bytes", "Bytes the store may hold",
                                 value=s.capacity_bytes)
-        yield GaugeMetricFamily("meshserve_kvstore_leases", "Leases held by readers",
+        yield GaugeMetricFamily("meshserve:kvstore_leases", "Leases held by readers",
                                 value=s.leases)
-        yield GaugeMetricFamily("meshserve_kvstore_reservations",
+        yield GaugeMetricFamily("meshserve:kvstore_reservations",
                                 "Reservations open for writers", value=s.reservations)
         for name, value in (("hits", s.hits), ("misses", s.misses),
                             ("evictions", s.evictions), ("stored", s.stored),
                             ("expired", s.expired)):
-            yield CounterMetricFamily(f"meshserve_kvstore_{name}", f"Blocks {name} since start",
+            yield CounterMetricFamily(f"meshserve:kvstore_{name}", f"Blocks {name} since start",
                                       value=value)
 
 

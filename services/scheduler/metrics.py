@@ -16,36 +16,36 @@ class SchedulerMetrics:
     """Routing outcomes, prefix hits and the global queue."""
 
     def __init__(self, registry: CollectorRegistry, queue: GlobalQueue) -> None:
-        self.routed = Counter("meshserve_scheduler_routed_total",
+        self.routed = Counter("meshserve:scheduler_routed_total",
                               "Requests placed on a worker", ["worker_id"], registry=registry)
         self.matched_blocks = Counter(
-            "meshserve_scheduler_matched_blocks_total",
+            "meshserve:scheduler_matched_blocks_total",
             "Prompt blocks the chosen worker already held", registry=registry)
         self.kvstore_blocks = Counter(
-            "meshserve_scheduler_kvstore_blocks_total",
+            "meshserve:scheduler_kvstore_blocks_total",
             "Further prompt blocks the kvstore held for the chosen worker", registry=registry)
         self.overlap = Histogram(
-            "meshserve_scheduler_route_overlap_ratio",
+            "meshserve:scheduler_route_overlap_ratio",
             "Fraction of the prompt's blocks the chosen worker held on its device",
             registry=registry, buckets=_OVERLAP_BUCKETS)
         self.prompt_tokens = Counter(
-            "meshserve_scheduler_prompt_tokens_total", "Prompt tokens of the requests routed",
+            "meshserve:scheduler_prompt_tokens_total", "Prompt tokens of the requests routed",
             registry=registry)
         self.matched_tokens = Counter(
-            "meshserve_scheduler_matched_prompt_tokens_total",
+            "meshserve:scheduler_matched_prompt_tokens_total",
             "Prompt tokens the chosen worker held on its device (over prompt_tokens_total: "
             "the prefix hit rate)", registry=registry)
         # Labels stay bounded: four policies, and worker ids name a fixed set of replicas.
         self.decisions = Counter(
-            "meshserve_scheduler_route_decisions_total", "Routing decisions by policy and worker",
+            "meshserve:scheduler_route_decisions_total", "Routing decisions by policy and worker",
             ["policy", "worker_id"], registry=registry)
         self.queue_wait = Histogram(
-            "meshserve_scheduler_queue_wait_seconds", "Time requests waited in the global queue",
+            "meshserve:scheduler_queue_wait_seconds", "Time requests waited in the global queue",
             registry=registry, buckets=_WAIT_BUCKETS)
-        self.queue_depth = Gauge("meshserve_scheduler_queue_depth",
+        self.queue_depth = Gauge("meshserve:scheduler_queue_depth",
                                  "Requests waiting in the global queue", registry=registry)
         self.queue_depth.set_function(lambda: len(queue))
-        self.redis_up = Gauge("meshserve_scheduler_redis_up",
+        self.redis_up = Gauge("meshserve:scheduler_redis_up",
                               "0 while Redis is unreachable (placement by load only)",
                               registry=registry)
 

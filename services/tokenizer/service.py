@@ -56,12 +56,12 @@ class TokenizerMetrics:
     latency: Histogram = field(init=False)
 
     def __post_init__(self) -> None:
-        self.requests = Counter("meshserve_tokenizer_requests", "Tokenizer calls received",
+        self.requests = Counter("meshserve:tokenizer_requests", "Tokenizer calls received",
                                 ["method"], registry=self.registry)
-        self.tokens = Counter("meshserve_tokenizer_tokens", "Tokens produced (tokenize) or "
+        self.tokens = Counter("meshserve:tokenizer_tokens", "Tokens produced (tokenize) or "
                               "turned into text (detokenize)", ["direction"],
                               registry=self.registry)
-        self.latency = Histogram("meshserve_tokenizer_latency_seconds", "Time to tokenize one "
+        self.latency = Histogram("meshserve:tokenizer_latency_seconds", "Time to tokenize one "
                                  "prompt or detokenize one delta", ["operation"],
                                  registry=self.registry, buckets=_LATENCY_BUCKETS)
 

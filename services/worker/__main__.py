@@ -34,6 +34,7 @@ from meshserve.services.worker.kvstore_client import KVStoreClient
 from meshserve.services.worker.registration import Registration
 from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
 from meshserve.services.worker.step_trace import write_step_trace
+from meshserve.services.worker.vllm_metrics import metrics_url_of, vllm_metrics_of
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.generation_config import sampling_defaults
 from meshserve.shared.grpc_client import GrpcClient
@@ -128,7 +129,7 @@ def _load_gauges(telemetry: Telemetry, thread: EngineThread) -> None:
             ("waiting", "Sequences waiting in the local queue", lambda: thread.load.num_waiting),
             ("kv_free_blocks", "Free KV blocks", lambda: thread.load.num_free_blocks),
             ("kv_total_blocks", "All KV blocks", lambda: thread.load.num_total_blocks)):
-        Gauge(f"meshserve_worker_{name}", help_text, registry=telemetry.registry
+        Gauge(f"meshserve:worker_{name}", help_text, registry=telemetry.registry
               ).set_function(read)
 
 
@@ -155,7 +156,7 @@ def _tier_metrics(telemetry: Telemetry, transfer: KVTransfer, engine: LLMEngine)
              lambda: transfer.stats.loaded_bytes),
             ("kvstore_load_seconds", "Seconds spent loading blocks from the kvstore",
              lambda: transfer.stats.load_seconds)):
-        Gauge(f"meshserve_worker_{name}_total", help_text, registry=telemetry.registry
+        Gauge(f"meshserve:worker_{name}_total", help_text, registry=telemetry.registry
               ).set_function(read)
 
 
@@ -204,6 +205,9 @@ class WorkerProcess:
         self._scheduler_channel: grpc.aio.Channel | None = None
         self.transfer: KVTransfer | None = None
         _load_gauges(telemetry, self.thread)
+        self.vllm_metrics = vllm_metrics_of(engine, self.thread, names[0],
+                                            telemetry.registry)
+        self.servicer.on_params = self.vllm_metrics.observe_params
 
     def _on_fatal(self, error: BaseException) -> None:
         self.failure = error
@@ -216,8 +220,9 @@ class WorkerProcess:
         self.server.install_signal_handlers()
         worker_id = self.config.resolved_worker_id(port)
         epoch = await claim_epoch(self.redis, worker_id, self.config.redis_url or "")
-        self.info = replace(self.info, worker_id=worker_id, epoch=epoch,
-                            address=self.config.resolved_advertise_address(port))
+        address = self.config.resolved_advertise_address(port)
+        self.info = replace(self.info, worker_id=worker_id, epoch=epoch, address=address,
+                            metrics_url=metrics_url_of(address, self.telemetry.metrics_port))
         self.servicer.info = self.info
         self.thread.epoch = epoch
         if self.redis is not None:

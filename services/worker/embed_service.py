@@ -32,9 +32,9 @@ class PoolingServicer(worker_pb2_grpc.WorkerServicer):
         self._embedder = batcher.embedder
         self.info = info
         self._draining = draining
-        self._inputs = Counter("meshserve_worker_embedded_inputs", "Inputs embedded",
+        self._inputs = Counter("meshserve:worker_embedded_inputs", "Inputs embedded",
                                registry=registry)
-        self._tokens = Counter("meshserve_worker_embedded_tokens",
+        self._tokens = Counter("meshserve:worker_embedded_tokens",
                                "Prompt tokens of the inputs embedded", registry=registry)
 
     async def Embed(self, request: worker_pb2.EmbedRequest,

@@ -140,6 +140,10 @@ class EngineThread:
         self.tokens_delivered = 0
         # Diagnostics (set before start()): one StepRecord per loop turn that stepped.
         self.step_trace: list[StepRecord] | None = None
+        # Called on the event loop with each delivered step's outputs and the timestamps
+        # read with them (the worker's vLLM metrics; services/worker/vllm_metrics.py).
+        self.on_step: Callable[[list[RequestOutput], Mapping[str, SequenceTimes]],
+                               None] | None = None
         self._added_since_step = 0
         self.failure: BaseException | None = None
         self.load = self._snapshot()
@@ -286,6 +290,8 @@ class EngineThread:
             self._forget_if_done(stream)
         if batch.kv is not None and self.on_kv_events is not None:
             self.on_kv_events(batch.kv)
+        if batch.outputs and self.on_step is not None:
+            self.on_step(batch.outputs, batch.times)
 
     def _fail_all(self, error: BaseException) -> None:
         """The engine died: end every stream with an internal error, then tell the owner."""

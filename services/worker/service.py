@@ -58,7 +58,7 @@ def worker_info_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:
         kv_namespace=info.namespace, sampling_defaults_json=info.sampling_defaults_json,
         runner=(common_pb2.RUNNER_POOLING if info.runner == RUNNER_POOLING
                 else common_pb2.RUNNER_GENERATE),
-        embedding_size=info.embedding_size)
+        embedding_size=info.embedding_size, metrics_url=info.metrics_url)
 
 
 @asynccontextmanager
@@ -96,12 +96,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._draining = draining
         # time.monotonic() + offset = wall clock, for spans made from engine timestamps.
         self._wall_offset_ns = time.time_ns() - time.monotonic_ns()
-        self._tokens = Counter("meshserve_worker_generated_tokens", "Tokens generated",
+        self._tokens = Counter("meshserve:worker_generated_tokens", "Tokens generated",
                                registry=registry)
-        self._finished = Counter("meshserve_worker_sequences_finished",
+        self._finished = Counter("meshserve:worker_sequences_finished",
                                  "Sequences finished, by reason", ["finish_reason"],
                                  registry=registry)
         self._sessions: set[WorkerSession] = set()
+        # Each accepted request's sampling parameters (the vLLM request-parameter metrics).
+        self.on_params: Callable[[SamplingParams], None] = lambda params: None
 
     def wake_sessions(self) -> None:
         """Let every session re-check its state (the worker started draining)."""
@@ -164,7 +166,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.HasField("lora_id") and request.lora_id not in self.info.lora_ids:
             raise NotFoundError(f"LoRA adapter {request.lora_id} is not loaded on worker "
                                 f"{self.info.worker_id}", param="lora_id")
-        return sampling_params_from_proto(request.params)
+        params = sampling_params_from_proto(request.params)
+        self.on_params(params)
+        return params
 
     def _count(self, update: StreamUpdate) -> None:
         for delta in update.deltas:

@@ -35,7 +35,7 @@ async def api(mesh: Mesh) -> AsyncIterator[AsyncOpenAI]:
 
 def failovers(mesh: Mesh, outcome: str) -> float:
     value = mesh.gateway.telemetry.registry.get_sample_value(
-        "meshserve_gateway_failovers_total", {"outcome": outcome})
+        "meshserve:gateway_failovers_total", {"outcome": outcome})
     return value or 0.0
 
 

@@ -37,8 +37,8 @@ async def test_client_disconnect_cancels_generate_and_aborts(mesh: Mesh) -> None
     await asyncio.wait_for(mesh.scheduler.release_seen.wait(), timeout=5)
     assert mesh.scheduler.released == [request_id]
     registry = mesh.gateway.telemetry.registry
-    assert registry.get_sample_value("meshserve_gateway_requests_in_flight") == 0
-    assert registry.get_sample_value("meshserve_gateway_requests_total", {
+    assert registry.get_sample_value("meshserve:gateway_requests_in_flight") == 0
+    assert registry.get_sample_value("meshserve:gateway_requests_total", {
         "endpoint": "/v1/chat/completions", "status": "499"}) == 1
 
 
@@ -59,17 +59,19 @@ async def test_metrics_expose_counts_and_histograms(mesh: Mesh) -> None:
         async with http.get("/metrics") as resp:
             assert resp.status == 200
             samples = metric_samples(await resp.text())
-    model = (("model", MODEL),)
-    assert samples[("meshserve_gateway_requests_total",
+    model = (("engine", "gateway"), ("model_name", MODEL))
+    assert samples[("meshserve:gateway_requests_total",
                     (("endpoint", "/v1/completions"), ("status", "200")))] == 1
-    assert samples[("meshserve_gateway_requests_total",
+    assert samples[("meshserve:gateway_requests_total",
                     (("endpoint", "/v1/completions"), ("status", "404")))] == 1
-    assert samples[("meshserve_gateway_time_to_first_token_seconds_count", model)] == 1
+    assert samples[("vllm:time_to_first_token_seconds_count", model)] == 1
     # 9 tokens in 3 messages: the first gives TTFT, the two others one ITL sample each.
-    assert samples[("meshserve_gateway_inter_token_latency_seconds_count", model)] == 2
-    assert samples[("meshserve_gateway_e2e_request_latency_seconds_count", model)] == 1
-    assert samples[("meshserve_gateway_generation_tokens_total", model)] == 9
-    assert samples[("meshserve_gateway_requests_in_flight", ())] == 0
+    assert samples[("vllm:inter_token_latency_seconds_count", model)] == 2
+    assert samples[("vllm:e2e_request_latency_seconds_count", model)] == 1
+    assert samples[("vllm:generation_tokens_total", model)] == 9
+    assert samples[("vllm:request_success_total",
+                    tuple(sorted((*model, ("finished_reason", "length")))))] == 1
+    assert samples[("meshserve:gateway_requests_in_flight", ())] == 0
 
 
 async def test_trace_context_reaches_every_service(mesh: Mesh) -> None:

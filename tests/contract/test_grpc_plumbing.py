@@ -322,7 +322,7 @@ async def test_failed_call_marks_its_span_and_metrics(harness: Harness) -> None:
             text = await response.text()
     finally:
         await runner.cleanup()
-    assert ('meshserve_rpc_server_duration_seconds_count{code="RESOURCE_EXHAUSTED",'
+    assert ('meshserve:rpc_server_duration_seconds_count{code="RESOURCE_EXHAUSTED",'
             'method="/meshserve.v1.Worker/Generate"} 1.0') in text
 
 

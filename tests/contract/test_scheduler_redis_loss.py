@@ -65,7 +65,7 @@ async def test_routes_survive_redis_loss_and_prefix_routing_returns_with_it(
         listed = await _listed(stub)
         assert listed.degraded and sorted(w.info.worker_id for w in listed.workers) == \
             ["w0", "w1"]
-        assert "meshserve_scheduler_redis_up 0.0" in generate_latest(registry).decode()
+        assert "meshserve:scheduler_redis_up 0.0" in generate_latest(registry).decode()
 
         redis.restart()  # back, empty, on the same port
         beat = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load("w0")))
@@ -83,7 +83,7 @@ async def test_routes_survive_redis_loss_and_prefix_routing_returns_with_it(
             await asyncio.sleep(0.05)
         assert (response.worker_id, response.num_matched_blocks) == ("w0", 4)
         assert not (await _listed(stub)).degraded
-        assert "meshserve_scheduler_redis_up 1.0" in generate_latest(registry).decode()
+        assert "meshserve:scheduler_redis_up 1.0" in generate_latest(registry).decode()
     finally:
         await client.aclose()
         await channel.close()

@@ -92,16 +92,16 @@ async def test_round_robin_alternates_even_when_one_worker_holds_the_prompt(
         (2, 0, 3)
 
     for worker_id in ("w0", "w1"):
-        assert scheduler.metric("meshserve_scheduler_route_decisions_total",
+        assert scheduler.metric("meshserve:scheduler_route_decisions_total",
                                 policy="round-robin", worker_id=worker_id) == 2
-    assert scheduler.metric("meshserve_scheduler_prompt_tokens_total") == 4 * len(PROMPT)
-    assert scheduler.metric("meshserve_scheduler_matched_prompt_tokens_total") == 2 * 4 * BLOCK
+    assert scheduler.metric("meshserve:scheduler_prompt_tokens_total") == 4 * len(PROMPT)
+    assert scheduler.metric("meshserve:scheduler_matched_prompt_tokens_total") == 2 * 4 * BLOCK
     # Overlap 0 twice (w0) and 4/5 twice (w1).
-    assert scheduler.metric("meshserve_scheduler_route_overlap_ratio_count") == 4
-    assert scheduler.metric("meshserve_scheduler_route_overlap_ratio_bucket", le="0.0") == 2
-    assert scheduler.metric("meshserve_scheduler_route_overlap_ratio_bucket", le="0.7") == 2
-    assert scheduler.metric("meshserve_scheduler_route_overlap_ratio_bucket", le="0.8") == 4
-    assert scheduler.metric("meshserve_scheduler_route_overlap_ratio_sum") == \
+    assert scheduler.metric("meshserve:scheduler_route_overlap_ratio_count") == 4
+    assert scheduler.metric("meshserve:scheduler_route_overlap_ratio_bucket", le="0.0") == 2
+    assert scheduler.metric("meshserve:scheduler_route_overlap_ratio_bucket", le="0.7") == 2
+    assert scheduler.metric("meshserve:scheduler_route_overlap_ratio_bucket", le="0.8") == 4
+    assert scheduler.metric("meshserve:scheduler_route_overlap_ratio_sum") == \
         pytest.approx(2 * 4 / PROMPT_BLOCKS)
 
 
@@ -125,12 +125,12 @@ async def test_kv_aware_sends_the_prompt_to_its_holder_then_weighs_the_kvstore(
     assert (fetched.worker_id, fetched.score, fetched.num_matched_blocks,
             fetched.num_kvstore_blocks) == ("w0", 2.0, 0, 4)
 
-    assert scheduler.metric("meshserve_scheduler_route_decisions_total",
+    assert scheduler.metric("meshserve:scheduler_route_decisions_total",
                             policy="kv-aware", worker_id="w1") == 3
-    assert scheduler.metric("meshserve_scheduler_route_decisions_total",
+    assert scheduler.metric("meshserve:scheduler_route_decisions_total",
                             policy="kv-aware", worker_id="w0") == 1
-    assert scheduler.metric("meshserve_scheduler_matched_prompt_tokens_total") == 3 * 4 * BLOCK
-    assert scheduler.metric("meshserve_scheduler_kvstore_blocks_total") == 4
+    assert scheduler.metric("meshserve:scheduler_matched_prompt_tokens_total") == 3 * 4 * BLOCK
+    assert scheduler.metric("meshserve:scheduler_kvstore_blocks_total") == 4
 
     # The Route span of the last decision carries what the response says.
     [span] = [s for s in scheduler.spans.get_finished_spans()

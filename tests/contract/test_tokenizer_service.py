@@ -440,11 +440,11 @@ async def test_spans_and_metrics(harness: Harness, hf: PreTrainedTokenizerBase) 
     assert spans["detokenize"].attributes["gen_ai.usage.output_tokens"] == len(ids)
     assert spans["detokenize"].attributes["gen_ai.request.id"] == "r1"
     sample = harness.telemetry.registry.get_sample_value
-    assert sample("meshserve_tokenizer_requests_total", {"method": "tokenize"}) == 1
-    assert sample("meshserve_tokenizer_requests_total", {"method": "detokenize"}) == 1
-    assert sample("meshserve_tokenizer_tokens_total", {"direction": "tokenize"}) == len(ids)
-    assert sample("meshserve_tokenizer_tokens_total", {"direction": "detokenize"}) == len(ids)
-    assert sample("meshserve_tokenizer_latency_seconds_count", {"operation": "detokenize"}) == 2
+    assert sample("meshserve:tokenizer_requests_total", {"method": "tokenize"}) == 1
+    assert sample("meshserve:tokenizer_requests_total", {"method": "detokenize"}) == 1
+    assert sample("meshserve:tokenizer_tokens_total", {"direction": "tokenize"}) == len(ids)
+    assert sample("meshserve:tokenizer_tokens_total", {"direction": "detokenize"}) == len(ids)
+    assert sample("meshserve:tokenizer_latency_seconds_count", {"operation": "detokenize"}) == 2
 
 
 async def test_unavailable_and_not_serving_until_the_model_is_set(
@@ -523,7 +523,7 @@ async def test_main_serves_after_load_and_drains_on_sigterm(
         assert list(reply.token_ids) == _hf_chat_ids(hf, MESSAGES, add_generation_prompt=True)
         async with aiohttp.ClientSession() as session, session.get(
                 f"http://127.0.0.1:{metrics_port}/metrics") as response:
-            assert 'meshserve_tokenizer_requests_total{method="tokenize"} 1.0' in \
+            assert 'meshserve:tokenizer_requests_total{method="tokenize"} 1.0' in \
                 await response.text()
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(exited, 60)

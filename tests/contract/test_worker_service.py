@@ -158,7 +158,7 @@ async def test_cancel_frees_blocks_at_once(worker: Harness) -> None:
     load = (await wait_idle(worker, within_s=1.0)).load
     assert load.num_free_blocks == NUM_BLOCKS
     aborted = worker.telemetry.registry.get_sample_value(
-        "meshserve_worker_sequences_finished_total", {"finish_reason": "abort"})
+        "meshserve:worker_sequences_finished_total", {"finish_reason": "abort"})
     assert aborted == 1
 
 

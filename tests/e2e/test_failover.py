@@ -164,10 +164,10 @@ def wait_back(stack: Stack, before: dict[str, int], killed: list[str]) -> None:
 
 
 def failovers(stack: Stack, outcome: str) -> float:
-    """The gateway's meshserve_gateway_failovers_total for `outcome`."""
+    """The gateway's meshserve:gateway_failovers_total for `outcome`."""
     (url,) = stack.gateway_metrics_urls
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    found = re.search(rf'meshserve_gateway_failovers_total{{outcome="{outcome}"}} (\S+)', text)
+    found = re.search(rf'meshserve:gateway_failovers_total{{outcome="{outcome}"}} (\S+)', text)
     return float(found.group(1)) if found else 0.0
 
 

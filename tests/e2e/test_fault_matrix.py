@@ -64,7 +64,7 @@ def _assert_recovered(stack: Stack, result) -> None:
     # The launcher restarted it once, and says so on its own /metrics.
     assert stack.restarts(result.service) == 1
     metrics = urllib.request.urlopen(stack.launcher_metrics_url, timeout=5).read().decode()
-    assert re.search(rf'meshserve_launcher_service_restarts_total{{[^}}]*service="'
+    assert re.search(rf'meshserve:launcher_service_restarts_total{{[^}}]*service="'
                      rf'{result.service}"[^}}]*}} 1\.0', metrics), metrics
 
 

@@ -49,7 +49,7 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 def completions_served(stack: Stack) -> list[float]:
-    return [metric(url, "meshserve_gateway_requests_total", endpoint="/v1/completions",
+    return [metric(url, "meshserve:gateway_requests_total", endpoint="/v1/completions",
                    status="200") for url in stack.gateway_metrics_urls]
 
 
@@ -69,7 +69,7 @@ def test_two_gateways_share_the_port_and_both_serve(tiny_llama_dir: Path,
         for pid in pids:
             assert stack.gateway_port in listening_ports(pid), pid
         for url in stack.gateway_metrics_urls:
-            assert metric(url, "meshserve_gateway_http_listening") == 1.0
+            assert metric(url, "meshserve:gateway_http_listening") == 1.0
 
         # Each client is a new connection, which the kernel hands to either gateway.
         for _ in range(MAX_CONNECTIONS):

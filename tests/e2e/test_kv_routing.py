@@ -76,7 +76,7 @@ def test_both_policies_run_the_same_requests_into_one_report(tmp_path: Path) -> 
     # --metrics-dir: every service's /metrics after each run, per-request TTFTs, gauges.
     for policy in ("kv-aware@2", "round-robin"):
         dumped = tmp_path / "metrics" / policy
-        assert "meshserve_worker_sequences_finished_total" in \
+        assert "meshserve:worker_sequences_finished_total" in \
             (dumped / "worker-0.prom").read_text()
         assert (dumped / "gateway.prom").is_file() and (dumped / "scheduler.prom").is_file()
         assert len(json.loads((dumped / "requests.json").read_text())["ttfts"]) == PROMPTS

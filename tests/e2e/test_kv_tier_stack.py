@@ -61,7 +61,7 @@ def wait_saved(stack: Stack, before: dict[str, float], blocks: int,
     event to wait on but the counters)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        now = per_service(stack, "worker", "meshserve_worker_kvstore_saved_blocks_total")
+        now = per_service(stack, "worker", "meshserve:worker_kvstore_saved_blocks_total")
         if any(now[w] - before[w] >= blocks for w in now):
             return now
         assert time.monotonic() < deadline, f"saves never arrived: {before} -> {now}"
@@ -91,7 +91,7 @@ def test_a_prompt_evicted_on_one_worker_is_loaded_from_the_store_by_the_other(
         client = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="none")
         rng = random.Random(0)
         target = random_prompt(rng, 10)
-        saved = per_service(stack, "worker", "meshserve_worker_kvstore_saved_blocks_total")
+        saved = per_service(stack, "worker", "meshserve:worker_kvstore_saved_blocks_total")
         computed, cached = complete(client, target)
         assert cached == 0
         # The target's full prompt blocks reach the store after the response: wait for them.
@@ -102,17 +102,17 @@ def test_a_prompt_evicted_on_one_worker_is_loaded_from_the_store_by_the_other(
         # every block of the target from its 48-block cache.
         for _ in range(16):
             complete(client, random_prompt(rng, 10), max_tokens=2)
-        loaded = per_service(stack, "worker", "meshserve_worker_kvstore_loaded_blocks_total")
+        loaded = per_service(stack, "worker", "meshserve:worker_kvstore_loaded_blocks_total")
         store_url = stack_service(stack, "kvstore").metrics_url
-        hits = metric(store_url, "meshserve_kvstore_hits_total")
+        hits = metric(store_url, "meshserve:kvstore_hits_total")
         again, cached = complete(client, target)
-        now = per_service(stack, "worker", "meshserve_worker_kvstore_loaded_blocks_total")
+        now = per_service(stack, "worker", "meshserve:worker_kvstore_loaded_blocks_total")
         gained = {w: now[w] - loaded[w] for w in now}
         (loader,) = [w for w in gained if gained[w] > 0]
         assert loader != computer, "the target went back to the worker that computed it"
         assert gained[loader] == (len(target) - 1) // BLOCK
         assert cached == gained[loader] * BLOCK
-        assert metric(store_url, "meshserve_kvstore_hits_total") >= hits + gained[loader]
+        assert metric(store_url, "meshserve:kvstore_hits_total") >= hits + gained[loader]
         assert again == computed, "KV loaded from the store gave a different output"
 
 

@@ -80,4 +80,4 @@ def test_a_thousand_at_once_get_only_200_or_429(stack: Stack) -> None:
     # The scheduler held back what the workers could not start: requests waited in its
     # global queue (seconds in all; a request placed at once waits no time there).
     scheduler_metrics = next(s.metrics_url for s in stack.services if s.role == "scheduler")
-    assert _metric(scheduler_metrics, "meshserve_scheduler_queue_wait_seconds_sum") > 1.0
+    assert _metric(scheduler_metrics, "meshserve:scheduler_queue_wait_seconds_sum") > 1.0

@@ -77,9 +77,9 @@ def test_a_dead_child_is_restarted_after_a_doubling_backoff() -> None:
     _tick(sup, 3.0 + 61)  # after a minute up, the backoff starts over
     assert "restarting it in 0.5s" in lines[-1]
     metrics = generate_latest(sup.registry).decode()
-    assert 'meshserve_launcher_service_restarts_total{role="worker",service="worker-0"} 2.0' \
+    assert 'meshserve:launcher_service_restarts_total{role="worker",service="worker-0"} 2.0' \
         in metrics
-    assert 'meshserve_launcher_service_up{role="worker",service="worker-0"} 0.0' in metrics
+    assert 'meshserve:launcher_service_up{role="worker",service="worker-0"} 0.0' in metrics
     assert reasons == []
 
 
@@ -94,7 +94,7 @@ def test_past_its_budget_a_child_is_given_up_and_the_rest_keeps_serving() -> Non
     _tick(sup, 1.0)
     assert "given up" in lines[-1] and sup.given_up() == {"worker-0"}
     assert reasons == []  # worker-1 still serves
-    assert 'meshserve_launcher_service_given_up{role="worker",service="worker-0"} 1.0' in \
+    assert 'meshserve:launcher_service_given_up{role="worker",service="worker-0"} 1.0' in \
         generate_latest(sup.registry).decode()
     w1.code = -9
     _tick(sup, 2.0)

@@ -76,6 +76,10 @@ class Scheduler:
         # The KV tier's hold on admission: given a waiting request and its local prefix
         # hits (blocks), whether it waits for blocks from the store (others go meanwhile).
         self.store_gate: Callable[[Request, int], bool] | None = None
+        # Totals since start for the worker's metrics (read from another thread: plain ints).
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up at first admission
+        self.prefix_cache_hits = 0  # of them, found in the prefix cache
 
     # ----- queue management -------------------------------------------------
     def _rank(self, request: Request) -> tuple[int, float, int]:
@@ -160,6 +164,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         out.preempted.append(request)
         out.scheduled = [s for s in out.scheduled if s.request is not request]
         self._enqueue(request)
@@ -191,6 +196,9 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
                 request.first_scheduled_time = time.monotonic()
+                if self.kv.enable_caching:
+                    self.prefix_cache_queries += request.num_tokens
+                    self.prefix_cache_hits += num_computed
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
