@@ -58,6 +58,9 @@ class EngineOptions(Config):
     structured_outputs_backend: Literal["xgrammar", "none"] = option(
         "xgrammar", "what compiles the grammars of structured outputs (response_format, "
                     "structured_outputs, guided_*; none: such requests are refused)")
+    tensor_parallel_size: int = option(
+        1, "devices one model replica is split over (-tp; one process per device, NCCL on "
+           "GPUs, gloo on CPUs); on a GPU, ranks use the devices from --device's index on")
     generation_config: str = option(
         "auto", "sampling defaults for fields a request leaves out: auto (the model's "
                 "generation_config.json, as vLLM), vllm (none), or a folder holding one")
