@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+from collections.abc import Sequence
 from typing import Literal
 
 from meshserve.services.worker.engine.config import EngineConfig, GiB
@@ -104,6 +105,18 @@ class EngineOptions(Config):
             else:
                 flags += [flag, "" if value is None else str(value)]
         return flags
+
+
+def short_flags(argv: Sequence[str]) -> list[str]:
+    """vLLM's short spellings that the worker's command line also takes (-tp N, -tp=N)."""
+    out: list[str] = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        if flag == "-tp":
+            out += ["--tensor-parallel-size", *([value] if eq else [])]
+        else:
+            out.append(arg)
+    return out
 
 
 _ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
