@@ -164,6 +164,10 @@ def attach_kvstore(config: WorkerConfig, engine: LLMEngine, namespace: str) -> K
     when no store is configured or offloading is off."""
     if not config.kvstore_address or not config.kv_offload:
         return None
+    if engine.parallel.enabled:
+        _log.warning("the KV tier is off: it does not yet work with --tensor-parallel-size > 1 "
+                     "(docs/tensor_parallel.md)")
+        return None
     address = config.kvstore_address
     transfer = KVTransfer(
         lambda: KVStoreClient(address, namespace, shm=config.kvstore_shm),

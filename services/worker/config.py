@@ -161,6 +161,8 @@ class WorkerConfig(RunnerOptions, EngineOptions, ServiceConfig):
         self.require(self.kv_offload_backlog_bytes > 0,
                      f"must be positive, got {self.kv_offload_backlog_bytes}",
                      "kv_offload_backlog_bytes")
+        self.require(not (self.pooling and self.tensor_parallel_size > 1),
+                     "a pooling worker runs on one device", "tensor_parallel_size")
         self.require(not (self.kvstore_address and self.kv_offload)
                      or self.enable_prefix_caching,
                      "the KV tier finds blocks by hash: it needs prefix caching",

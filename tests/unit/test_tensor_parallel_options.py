@@ -52,3 +52,8 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="needs 2 GPUs; 1 found"):
         _worker_devices(LauncherConfig(model="m", tensor_parallel_size=2))
+
+
+def test_a_pooling_worker_is_refused_more_than_one_rank() -> None:
+    with pytest.raises(ConfigError, match="pooling worker runs on one device"):
+        WorkerConfig.from_args(short_flags(["--runner", "pooling", "-tp", "2"]), environ={})
