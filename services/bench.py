@@ -479,7 +479,7 @@ def main(argv: Sequence[str]) -> int:
               "environment": {**environment_info(engine.device), "engine": engine_info(engine)},
               "model": model_info(engine.runner.model, engine.source.name,
                                   engine.model_config.architecture), **figures}
-    engine.close()  # its tensor-parallel ranks, if any
     print(summary(kind, result))
     write_json(config.output_json, result)
+    engine.close()  # its tensor-parallel ranks, if any
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.parallel.ranks import RankGroup
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -134,3 +136,22 @@ def test_one_kv_head_odd_vocabulary_tied_embeddings_and_output_bias(
         engine.close()
     for i, prompt in enumerate(prompts):
         assert tokens(out[f"r{i}"]) == hf_greedy(folder, prompt)
+
+
+def test_a_failing_rank_is_reported_with_its_number_and_exit_code(tmp_path: Path) -> None:
+    """Rank 1 fails to build its engine (no model there): rank 0 hears which rank and how."""
+    failures: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def on_failure(rank: int, code: int) -> None:
+        failures.append((rank, code))
+        done.set()
+
+    config = EngineConfig(model=str(tmp_path / "missing"), device="cpu",
+                          tensor_parallel_size=2)
+    group = RankGroup.start(config, torch.device("cpu"), on_failure=on_failure)
+    try:
+        assert done.wait(120), "rank 1's failure was not reported"
+    finally:
+        group.stop()
+    assert failures == [(1, 1)]

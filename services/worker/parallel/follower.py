@@ -59,4 +59,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    # Not sys.exit: interpreter shutdown would wait on the stdin watcher's blocked read.
+    os._exit(code)

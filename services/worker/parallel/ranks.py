@@ -60,6 +60,11 @@ def join_group(parallel: ParallelConfig, device: torch.device, port: int) -> Ste
     dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
                             rank=parallel.rank, world_size=parallel.world_size,
                             timeout=_COLLECTIVE_TIMEOUT)
+    if device.type == "cuda":
+        # NCCL connects lazily, at the first collective: make that one now, never inside a
+        # CUDA graph capture.
+        dist.all_reduce(torch.zeros(1, device=device))
+        torch.cuda.synchronize(device)
     # Steps are handed over host to host, with no timeout: an idle worker sends none.
     return StepSync(dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT))
 
@@ -126,7 +131,10 @@ class RankGroup:
                 log.warning("tensor-parallel rank pid %d did not exit; killing it", process.pid)
                 process.kill()
                 process.wait()
-        if dist.is_initialized():
+        # A gloo group is left so that another engine of this process can form one. NCCL's
+        # is not: destroying it can hang after graphs captured its collectives (PyTorch
+        # issue 115388), and a process runs one NCCL engine until it exits.
+        if dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
 
     def _watch(self, rank: int, process: subprocess.Popen[bytes]) -> None:
