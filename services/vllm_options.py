@@ -2,9 +2,9 @@
 option meshserve has under another name, `--config FILE.yaml`, and a clear refusal of the
 vLLM options meshserve does not support (never a silent no-op).
 
-    argv = translate(["Qwen/Qwen3-8B", "--config", "serve.yaml", "-tp", "1",
+    argv = translate(["Qwen/Qwen3-8B", "--config", "serve.yaml", "-tp", "2",
                       "--data-parallel-size", "2"])
-    # -> ["Qwen/Qwen3-8B", <the file's flags>, "--workers", "2"]
+    # -> ["Qwen/Qwen3-8B", <the file's flags>, "--tensor-parallel-size", "2", "--workers", "2"]
 
 Options with the same name in both (--max-model-len, --gpu-memory-utilization, --port, ...)
 pass through untouched; `4k`-style sizes are read by the config parser itself
