@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Tensor parallelism on one host with 2 GPUs, in one call of at most 10 minutes (aim: 8):
+# Tensor parallelism on one host with 2 GPUs, in one call of at most 10 minutes (the steps'
+# limits add up to 530 s; they usually take far less):
 #   check     a tiny random model (tests/tiny_models.py, float32) with CUDA graphs and the
 #             overlapped loop: greedy tokens and logprobs at TP=2 against TP=1
 #   lat_tp1   `meshserve bench latency` single stream (128 in / 128 out), Llama-3.1-8B shape
 #   lat_tp2   the same at --tensor-parallel-size 2   (target: TPOT <= 0.6 x lat_tp1's)
-#   lat70_tp2 the same with the Llama-3.1-70B shape at TP=2: TPOT against its floor, rank 0's
-#             weight bytes / measured copy bandwidth (dummy weights drawn on each GPU, per slice)
 #   tput_tp2  `meshserve bench throughput --dataset sharegpt-like` (1000 prompts) at TP=2
 #   tput_dp   the same prompt list shared round-robin by two TP=1 engines, one per GPU, in two
 #             processes at once (--num-shards 2 --shard-index 0|1): output tokens of both over
 #             the slower one's time
+#   lat70_tp2 lat_tp2 with the Llama-3.1-70B shape: TPOT against its floor, rank 0's weight
+#             bytes / measured copy bandwidth (dummy weights drawn on each GPU, per slice)
 # Results in $OUT: <step>.json and <step>.log per step, steps.log, summary.md, results.json.
 #
 #     bash loadtest/gpu_tp.sh            # from the repository root
@@ -123,23 +124,21 @@ print(json.dumps(result))
 Path(sys.argv[1]).write_text(json.dumps(result, indent=2))
 sys.exit(0 if same == len(one) else 1)
 PY
-step check 120 python3 "$RUN_DIR/tp_check.py" "$OUT/check.json" "$RUN_DIR/tiny"
+step check 75 python3 "$RUN_DIR/tp_check.py" "$OUT/check.json" "$RUN_DIR/tiny"
 
-# ---- single-stream decode: TP=1, TP=2, and the 70B shape at TP=2 ---------------------------
+# ---- single-stream decode: TP=1 and TP=2 ------------------------------------------------------
 # shellcheck disable=SC2086  # FLAGS_* are lists of flags
 LATENCY=(--input-len "$LAT_LEN" --output-len "$LAT_LEN" --batch-size 1 --num-iters "$LAT_ITERS"
          --num-iters-warmup 2 --max-num-seqs 1)
 # shellcheck disable=SC2086
-bench lat_tp1 75 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B
+bench lat_tp1 60 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B
 # shellcheck disable=SC2086
-bench lat_tp2 90 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B --tensor-parallel-size 2
-# shellcheck disable=SC2086
-bench lat70_tp2 150 latency "$MODEL_70B" "${LATENCY[@]}" $FLAGS_70B --tensor-parallel-size 2
+bench lat_tp2 75 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B --tensor-parallel-size 2
 
 # ---- ShareGPT-like throughput: one TP=2 engine, and two TP=1 engines side by side ----------
 THROUGHPUT=(--dataset sharegpt-like --num-prompts "$SHAREGPT_PROMPTS" --num-iters-warmup 1)
 # shellcheck disable=SC2086
-bench tput_tp2 110 throughput "$MODEL_8B" "${THROUGHPUT[@]}" $FLAGS_8B --tensor-parallel-size 2
+bench tput_tp2 90 throughput "$MODEL_8B" "${THROUGHPUT[@]}" $FLAGS_8B --tensor-parallel-size 2
 cat >"$RUN_DIR/pair.sh" <<SH
 #!/usr/bin/env bash
 # Two TP=1 engines at once, one per GPU, each running every other prompt of the same list.
@@ -156,7 +155,11 @@ rc=0
 for pid in "\${pids[@]}"; do wait "\$pid" || rc=1; done
 exit \$rc
 SH
-step tput_dp 110 bash "$RUN_DIR/pair.sh"
+step tput_dp 90 bash "$RUN_DIR/pair.sh"
+
+# ---- the 70B shape at TP=2 (last: the most likely to run out of memory on 80 GB cards) ------
+# shellcheck disable=SC2086
+bench lat70_tp2 140 latency "$MODEL_70B" "${LATENCY[@]}" $FLAGS_70B --tensor-parallel-size 2
 
 # ---- summary -------------------------------------------------------------------------------
 python3 - "$OUT" <<'PY'
