@@ -41,7 +41,7 @@ from meshserve.services.bench_serve.datasets import (  # noqa: F401 (the bench's
     SHAREGPT_SIGMA,
     sharegpt_like_lengths,
 )
-from meshserve.services.worker.config import EngineOptions
+from meshserve.services.worker.config import EngineOptions, short_flags
 from meshserve.services.worker.engine.request import Request
 from meshserve.services.worker.step_trace import StepRecord, write_step_trace
 from meshserve.shared.config import option
@@ -105,6 +105,10 @@ class ThroughputConfig(BenchOptions):
                  "synthetic ShareGPT-like length mix (median 200 in, 180 out)")
     input_len: int | None = option(None, "prompt tokens of each request (--dataset fixed)")
     output_len: int | None = option(None, "output tokens of each request (--dataset fixed)")
+    num_shards: int = option(
+        1, "run only every num-shards-th request of the prompt list, from --shard-index: "
+           "engines in separate processes (one per GPU) share one prompt list")
+    shard_index: int = option(0, "which share of the prompt list to run (see --num-shards)")
     warmup_prompts: int = option(
         8, "prompts of each warm-up batch (another seed, at most 16 output tokens each); as "
            "many as --num-prompts warms the kernels of full-size steps, as `bench serve "
@@ -116,6 +120,9 @@ class ThroughputConfig(BenchOptions):
                      "warmup_prompts")
         self.require(self.num_prompts >= 1, f"must be >= 1, got {self.num_prompts}",
                      "num_prompts")
+        self.require(0 <= self.shard_index < self.num_shards <= self.num_prompts,
+                     f"needs 0 <= shard index < shards <= prompts, got {self.shard_index} of "
+                     f"{self.num_shards}", "shard_index")
         for name in ("input_len", "output_len"):
             value = getattr(self, name)
             ok = value is not None and value >= 1 if self.dataset == "fixed" else value is None
@@ -271,6 +278,7 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
     graphs = engine.graph_report
     return {"kv_cache_blocks": engine.kv.num_blocks, "block_size": engine.kv.block_size,
             "async_scheduling": engine.async_scheduling, "max_num_seqs": engine.max_num_seqs,
+            "tensor_parallel_size": engine.parallel.world_size,
             "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
             "cuda_graphs": dataclasses.asdict(graphs) if graphs is not None else None,
             "piecewise_cuda_graphs": (dataclasses.asdict(engine.piecewise_report)
@@ -337,6 +345,8 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
     for run in range(config.num_iters_warmup):
         run_batch(engine, warm, min(_WARMUP_OUTPUT_LEN, lengths[0][1]), f"warm{run}")
     prompts = random_prompts([i for i, _ in lengths], engine.model_config, config.seed)
+    share = slice(config.shard_index, None, config.num_shards)
+    lengths, prompts = lengths[share], prompts[share]
     sequences: list[Request] = []
     times = TokenTimes()
     started = time.perf_counter()
@@ -447,7 +457,7 @@ def main(argv: Sequence[str]) -> int:
     kind = args[0]
     config_class = LatencyConfig if kind == "latency" else ThroughputConfig
     try:
-        config = config_class.from_args(args[1:], strict_env=False,
+        config = config_class.from_args(short_flags(args[1:]), strict_env=False,
                                         prog=f"meshserve bench {kind}")
     except ConfigError as exc:
         print(f"meshserve bench {kind}: {exc.message}", file=sys.stderr)
@@ -471,4 +481,5 @@ def main(argv: Sequence[str]) -> int:
                                   engine.model_config.architecture), **figures}
     print(summary(kind, result))
     write_json(config.output_json, result)
+    engine.close()  # its tensor-parallel ranks, if any
     return 0

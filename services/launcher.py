@@ -63,7 +63,7 @@ from meshserve.services.supervisor import RestartPolicy, Supervisor
 from meshserve.services.worker.config import EngineOptions
 from meshserve.services.worker.runner_config import RunnerOptions
 from meshserve.shared.config import ENV_PREFIX, Config, option
-from meshserve.shared.errors import UnavailableError
+from meshserve.shared.errors import ConfigError, UnavailableError
 from meshserve.shared.redis_server import EmbeddedRedis, find_free_port
 
 _LOOPBACK = "127.0.0.1"
@@ -248,12 +248,18 @@ def _worker_devices(config: LauncherConfig) -> list[list[str]]:
         import torch  # only to count GPUs (slow to import)
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    tp = config.tensor_parallel_size  # a worker's ranks take GPUs index, index + 1, ...
     if count:
-        per_gpu = -(-config.workers // count)
+        if tp > count:
+            raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {count} found",
+                              param="tensor_parallel_size")
+        groups = count // tp  # whole groups of tp GPUs, used round-robin
+        per_gpu = -(-config.workers // groups)
         share = [] if per_gpu == 1 else ["--gpu-memory-utilization",
                                          f"{config.gpu_memory_utilization / per_gpu:.3f}"]
-        return [["--device", f"cuda:{i % count}", *share] for i in range(config.workers)]
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // config.workers)
+        return [["--device", f"cuda:{(i % groups) * tp}", *share]
+                for i in range(config.workers)]
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.workers * tp))
     return [["--num-threads", str(threads)] for _ in range(config.workers)]
 
 

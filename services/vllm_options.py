@@ -2,9 +2,9 @@
 option meshserve has under another name, `--config FILE.yaml`, and a clear refusal of the
 vLLM options meshserve does not support (never a silent no-op).
 
-    argv = translate(["Qwen/Qwen3-8B", "--config", "serve.yaml", "-tp", "1",
+    argv = translate(["Qwen/Qwen3-8B", "--config", "serve.yaml", "-tp", "2",
                       "--data-parallel-size", "2"])
-    # -> ["Qwen/Qwen3-8B", <the file's flags>, "--workers", "2"]
+    # -> ["Qwen/Qwen3-8B", <the file's flags>, "--tensor-parallel-size", "2", "--workers", "2"]
 
 Options with the same name in both (--max-model-len, --gpu-memory-utilization, --port, ...)
 pass through untouched; `4k`-style sizes are read by the config parser itself
@@ -20,6 +20,7 @@ from typing import Any
 
 from meshserve.shared.errors import ConfigError
 
+
 def _task(value: str) -> list[str]:
     """vLLM's older --task: generate, or embed (a pooling runner converting the causal LM)."""
     if value in ("auto", "generate"):
@@ -34,6 +35,7 @@ def _task(value: str) -> list[str]:
 _RENAMED: dict[str, str | Callable[[str], list[str]]] = {
     "--data-parallel-size": "--workers",
     "-dp": "--workers",
+    "-tp": "--tensor-parallel-size",
     "--kv-cache-memory-bytes": "--kv-cache-memory",
     "--uvicorn-log-level": lambda v: ["--log-level", v.upper()],
     "--structured-outputs-config": lambda v: ["--structured-outputs-backend",
@@ -51,7 +53,6 @@ _SWITCHES: dict[str, list[str]] = {
 }
 # vLLM options meshserve does not support, and the values that ask for nothing.
 _UNSUPPORTED: dict[str, tuple[str, ...]] = {
-    "--tensor-parallel-size": ("1",), "-tp": ("1",),
     "--pipeline-parallel-size": ("1",), "-pp": ("1",),
     "--quantization": (), "-q": (), "--kv-cache-dtype": ("auto",),
     "--speculative-config": (), "--lora-modules": (), "--max-loras": (),

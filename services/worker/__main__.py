@@ -25,7 +25,7 @@ from prometheus_client import Gauge
 from redis.exceptions import RedisError
 
 from meshserve.proto.v1 import common_pb2, scheduler_pb2_grpc, worker_pb2_grpc
-from meshserve.services.worker.config import WorkerConfig
+from meshserve.services.worker.config import WorkerConfig, short_flags
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.kv_publisher import KVEventPublisher
@@ -165,6 +165,10 @@ def attach_kvstore(config: WorkerConfig, engine: LLMEngine, namespace: str) -> K
     when no store is configured or offloading is off."""
     if not config.kvstore_address or not config.kv_offload:
         return None
+    if engine.parallel.enabled:
+        _log.warning("the KV tier is off: it does not yet work with --tensor-parallel-size > 1 "
+                     "(docs/tensor_parallel.md)")
+        return None
     address = config.kvstore_address
     transfer = KVTransfer(
         lambda: KVStoreClient(address, namespace, shm=config.kvstore_shm),
@@ -192,7 +196,8 @@ class WorkerProcess:
             block_size=engine.kv.block_size, max_model_len=engine.max_model_len,
             num_total_blocks=engine.kv.num_blocks,
             kv_namespace=kv_namespace(names[0], engine),
-            sampling_defaults_json=_sampling_defaults(config, engine))
+            sampling_defaults_json=_sampling_defaults(config, engine),
+            tensor_parallel_size=engine.parallel.world_size)
         self.servicer = WorkerServicer(self.thread, self.info, tracer=telemetry.tracer,
                                        registry=telemetry.registry,
                                        draining=lambda: self.draining)
@@ -277,6 +282,7 @@ class WorkerProcess:
                     await self.thread.wait_stopped()
             except TimeoutError:
                 _log.warning("engine thread did not stop within 10s")
+        self.engine.close()  # its tensor-parallel ranks, if any
         if self.transfer is not None:
             await in_daemon_thread(self.transfer.stop, "kv-transfer-stop")
         if self.thread.step_trace is not None and self.config.step_trace:
@@ -315,7 +321,8 @@ async def serve(config: WorkerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `meshserve worker` / `python -m meshserve.services.worker`."""
-    return run_service("worker", WorkerConfig, serve, argv)
+    args = short_flags(sys.argv[1:] if argv is None else argv)
+    return run_service("worker", WorkerConfig, serve, args)
 
 
 def _sampling_defaults(config: WorkerConfig, engine: LLMEngine) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+from collections.abc import Sequence
 from typing import Literal
 
 from meshserve.services.worker.engine.config import EngineConfig, GiB
@@ -58,6 +59,9 @@ class EngineOptions(Config):
     structured_outputs_backend: Literal["xgrammar", "none"] = option(
         "xgrammar", "what compiles the grammars of structured outputs (response_format, "
                     "structured_outputs, guided_*; none: such requests are refused)")
+    tensor_parallel_size: int = option(
+        1, "devices one model replica is split over (-tp; one process per device, NCCL on "
+           "GPUs, gloo on CPUs); on a GPU, ranks use the devices from --device's index on")
     generation_config: str = option(
         "auto", "sampling defaults for fields a request leaves out: auto (the model's "
                 "generation_config.json, as vLLM), vllm (none), or a folder holding one")
@@ -103,6 +107,18 @@ class EngineOptions(Config):
         return flags
 
 
+def short_flags(argv: Sequence[str]) -> list[str]:
+    """vLLM's short spellings that the worker's command line also takes (-tp N, -tp=N)."""
+    out: list[str] = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        if flag == "-tp":
+            out += ["--tensor-parallel-size", *([value] if eq else [])]
+        else:
+            out.append(arg)
+    return out
+
+
 _ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 _missing = sorted(set(_ENGINE_FIELDS) - {f.name for f in dataclasses.fields(EngineOptions)})
 assert not _missing, f"EngineOptions lacks EngineConfig fields: {_missing}"
@@ -145,6 +161,8 @@ class WorkerConfig(RunnerOptions, EngineOptions, ServiceConfig):
         self.require(self.kv_offload_backlog_bytes > 0,
                      f"must be positive, got {self.kv_offload_backlog_bytes}",
                      "kv_offload_backlog_bytes")
+        self.require(not (self.pooling and self.tensor_parallel_size > 1),
+                     "a pooling worker runs on one device", "tensor_parallel_size")
         self.require(not (self.kvstore_address and self.kv_offload)
                      or self.enable_prefix_caching,
                      "the KV tier finds blocks by hash: it needs prefix caching",

@@ -28,7 +28,7 @@ def test_vllm_spellings_give_the_same_config_as_ours() -> None:
     assert theirs == ours
 
 
-@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp=4"],
+@pytest.mark.parametrize("argv", [["--pipeline-parallel-size", "2"], ["-pp=4"],
                                   ["--quantization", "fp8"], ["--enable-lora"],
                                   ["--kv-cache-dtype", "fp8"], ["--tokenizer", "x"],
                                   ["--speculative-config", "{}"]])
@@ -62,9 +62,17 @@ def test_a_config_file_is_read_and_flags_after_it_win(tmp_path: Path) -> None:
     path.write_text("max_model_lenn: 5\n")
     with pytest.raises(ConfigError, match="max-model-lenn"):
         config_of("m", "--config", str(path))
-    path.write_text("tensor_parallel_size: 2\n")
+    path.write_text("pipeline_parallel_size: 2\n")
     with pytest.raises(ConfigError, match="not supported"):
         config_of("m", "--config", str(path))
+
+
+def test_tensor_parallel_size_is_taken_in_every_spelling(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("tensor_parallel_size: 2\n")
+    configs = [config_of("m", "-tp", "2"), config_of("m", "-tp=2"),
+               config_of("m", "--tensor-parallel-size=2"), config_of("m", "--config", str(path))]
+    assert [c.tensor_parallel_size for c in configs] == [2, 2, 2, 2]
 
 
 @pytest.mark.parametrize(("text", "value"), [("4k", 4000), ("4K", 4096), ("1.5k", 1500),

@@ -39,6 +39,8 @@ class EngineConfig:
     async_scheduling: str = "auto"  # auto | on | off
     # What compiles structured-output grammars (none: such requests are refused).
     structured_outputs_backend: str = "xgrammar"  # xgrammar | none
+    # Devices (ranks) one model replica is split over (services/worker/parallel/).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str, param: str) -> None:
@@ -72,6 +74,8 @@ class EngineConfig:
         check(self.structured_outputs_backend in ("xgrammar", "none"),
               "--structured-outputs-backend must be xgrammar or none, got "
               f"{self.structured_outputs_backend!r}", "structured_outputs_backend")
+        check(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be at least 1",
+              "tensor_parallel_size")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")

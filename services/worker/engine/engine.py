@@ -52,6 +52,7 @@ from meshserve.services.worker.engine.structured_output import (
     new_matcher,
 )
 from meshserve.services.worker.models.config import ModelConfig
+from meshserve.services.worker.models.llama import CausalLM
 from meshserve.services.worker.models.loader import (
     ModelSource,
     load_model,
@@ -59,6 +60,9 @@ from meshserve.services.worker.models.loader import (
     resolve_dtype,
     resolve_model,
 )
+from meshserve.services.worker.parallel.broadcast import StepSync
+from meshserve.services.worker.parallel.config import ParallelConfig, ShardPlan
+from meshserve.services.worker.parallel.ranks import RankGroup
 from meshserve.shared.block_hash import extra_keys_for
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
 from meshserve.shared.kv_events import KVEvent
@@ -89,21 +93,33 @@ def _gpu_memory_and_name(device: torch.device) -> tuple[int, str]:
     return props.total_memory, props.name
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device of `name`; tensor-parallel rank r > 0 takes the r-th CUDA device after it."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"--device {name} asked for, but no CUDA device is available")
+    if rank and device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
     return device
 
 
 class LLMEngine:
     """Runs requests given as token ids; emits per-step deltas for every sequence."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, parallel: ParallelConfig | None = None,
+                 sync: StepSync | None = None) -> None:
+        """`parallel` and `sync` are given by a follower rank of a tensor-parallel worker
+        (parallel/follower.py); rank 0 (every other caller) starts the followers itself."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.parallel = parallel or ParallelConfig(world_size=config.tensor_parallel_size)
+        self.device = resolve_device(config.device, self.parallel.rank)
+        self.ranks: RankGroup | None = None
+        if self.parallel.enabled and sync is None:
+            self.ranks = RankGroup.start(config, self.device)
+            sync = self.ranks.sync
+        self.runner_sync = sync
         torch.manual_seed(config.seed)
         self.source: ModelSource = resolve_model(config.model, config.load_format)
         self.model_config: ModelConfig = load_model_config(self.source)
@@ -111,8 +127,9 @@ class LLMEngine:
                                  config.max_model_len or self.model_config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         started = time.monotonic()
+        shard = ShardPlan(self.model_config, self.parallel) if self.parallel.enabled else None
         model = load_model(self.source, self.model_config, self.dtype, self.device,
-                           config.load_format)
+                           config.load_format, shard=shard)
         log.info("loaded %s (%s) in %.1fs", self.source.name, self.dtype,
                  time.monotonic() - started)
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
@@ -127,7 +144,8 @@ class LLMEngine:
             policy=config.scheduling_policy,
             max_model_len=self.max_model_len,
         ), self.kv)
-        self.runner = ModelRunner(model, self.model_config, self.kv, self.dtype, self.device)
+        self.runner = ModelRunner(model, self.model_config, self.kv, self.dtype, self.device,
+                                  sync)
         self.graph_report = None
         self.piecewise_report = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -151,16 +169,24 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     # ----- sizing -------------------------------------------------------------
-    def _num_kv_blocks(self, model: torch.nn.Module, batched_tokens: int) -> int:
+    def _num_kv_blocks(self, model: CausalLM, batched_tokens: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size,
+        num_blocks = self._kv_blocks_that_fit(model, batched_tokens)
+        if self.parallel.enabled:  # every rank holds every block: the tightest rank decides
+            assert self.runner_sync is not None
+            num_blocks = self.runner_sync.min_over_ranks(num_blocks)
+        return num_blocks
+
+    def _kv_blocks_that_fit(self, model: CausalLM, batched_tokens: int) -> int:
+        # The model's own config: a tensor-parallel rank holds only its share of KV heads.
+        per_block = kv_cache_bytes_per_block(model.config, self.config.block_size,
                                              self.dtype)
         if self.device.type == "cuda":
             # What is left of this worker's share once weights (already loaded), the peak
             # activations of the largest step and the decode graphs are accounted for.
             activations = profile_activation_bytes(
-                model, self.model_config, batched_tokens,
+                model, model.config, batched_tokens,
                 min(self.max_num_seqs, batched_tokens), self.config.block_size,
                 self.dtype, self.device)
             free, total = torch.cuda.mem_get_info(self.device)
@@ -198,6 +224,10 @@ class LLMEngine:
         """Save computed blocks to, and load prompt blocks from, the KV tier behind
         `transport` from now on."""
         assert self.kv_tier is None, "a KV tier is already attached"
+        if self.parallel.enabled:
+            raise InvalidRequestError("the KV tier does not yet work with tensor parallelism "
+                                      "(each rank holds part of every block)",
+                                      param="tensor_parallel_size")
         if not self.config.enable_prefix_caching:
             raise InvalidRequestError("the KV tier needs prefix caching (blocks are found by "
                                       "hash)", param="enable_prefix_caching")
@@ -305,6 +335,12 @@ class LLMEngine:
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (nothing to do without)."""
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
 
     # ----- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

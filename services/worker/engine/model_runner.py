@@ -25,6 +25,7 @@ from meshserve.services.worker.engine.sampler import (
 from meshserve.services.worker.engine.scheduler import SchedulerOutput
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
+from meshserve.services.worker.parallel.broadcast import StepPlan, StepSync
 from meshserve.shared.errors import InternalError
 from meshserve.shared.logprobs import TokenLogprobs
 
@@ -55,6 +56,8 @@ class StepInputs:
     # where that step's sampled tokens hold it.
     pending_rows: list[int] = field(default_factory=list)
     pending_sources: list[int] = field(default_factory=list)
+    # The host lists, kept for the other tensor-parallel ranks (None without them).
+    plan: StepPlan | None = None
 
 
 @dataclass
@@ -146,13 +149,18 @@ class ModelRunner:
     """Owns the model, its KV cache tensors and the sampler."""
 
     def __init__(self, model: CausalLM, config: ModelConfig, kv: KVCacheManager,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, sync: StepSync | None = None,
+                 ) -> None:
+        """`sync`: hands each step to the other tensor-parallel ranks (None: no others)."""
         self.model = model
         self.config = config
         self.kv = kv
         self.device = device
+        self.sync = sync
         self.block_size = kv.block_size
-        shape = (kv.num_blocks, kv.block_size, config.num_key_value_heads, config.head_dim)
+        # The model's own KV heads: a tensor-parallel rank holds only its share.
+        shape = (kv.num_blocks, kv.block_size, model.config.num_key_value_heads,
+                 config.head_dim)
         # Per layer: (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device),
@@ -213,6 +221,8 @@ class ModelRunner:
             sources = self._tensor(inputs.pending_sources, torch.long)
             inputs.input_ids[self._tensor(inputs.pending_rows, torch.long)] = (
                 previous.sample.token_ids[sources])
+        if self.sync is not None and inputs.plan is not None:
+            self.sync.send(inputs.plan, inputs.input_ids)
         hidden = self._forward(inputs)
         prompt_scores = self._score_prompts(hidden, inputs)
         launched = LaunchedStep(out, inputs.sample_requests, None, prompt_scores)
@@ -273,6 +283,9 @@ class ModelRunner:
             if s.completes_prompt:
                 sample_rows.append(row0 + n - 1)
                 sample_requests.append(r)
+        plan = None if self.sync is None else StepPlan(
+            ids, positions, slots, query_lens, seq_lens, tables, sample_rows,
+            [rows for _, rows in prompt_rows], pending_rows)
         return StepInputs(
             input_ids=self._tensor(ids, torch.long),
             positions=self._tensor(positions, torch.long),
@@ -282,7 +295,26 @@ class ModelRunner:
             prompt_rows=prompt_rows,
             pending_rows=pending_rows,
             pending_sources=pending_sources,
+            plan=plan,
         )
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A tensor-parallel rank other than 0: run the step rank 0 planned, with the same
+        forward pass and the same logits (in `launch`'s order), for their collectives."""
+        assert self.sync is not None, "only a tensor-parallel rank follows"
+        ids = self._tensor(plan.ids, torch.long)
+        if plan.pending_rows:
+            self.sync.receive_ids(ids)
+        inputs = StepInputs(
+            input_ids=ids, positions=self._tensor(plan.positions, torch.long),
+            meta=self._metadata(plan.slots, plan.query_lens, plan.seq_lens, plan.tables),
+            sample_rows=plan.sample_rows, sample_requests=[], prompt_rows=[])
+        hidden = self._forward(inputs)
+        for rows in plan.prompt_rows:
+            self.model.compute_logits(hidden[self._tensor(rows, torch.long)])
+        if plan.sample_rows:
+            self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.long)])
 
     def _metadata(self, slots: list[int], query_lens: list[int], seq_lens: list[int],
                   tables: list[list[int]]) -> AttentionMetadata:

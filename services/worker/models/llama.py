@@ -168,6 +168,9 @@ class CausalLM(nn.Module):
         # module between devices can never untie it).
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, bias=False))
+        # Tensor parallelism puts a gather of the ranks' vocabulary slices here
+        # (services/worker/parallel/layers.py).
+        self.logits_gather: nn.Module = nn.Identity()
 
     def forward(
         self,
@@ -182,7 +185,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] hidden states of the rows to sample -> [N, V] float32 logits."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return self.logits_gather(linear(hidden, weight)).float()
 
     def reset_buffers(self) -> None:
         """Recompute non-weight buffers (the RoPE table) after `to_empty` materialised them."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from meshserve.shared.model_source import (  # noqa: F401 (re-exported)
     ModelSource,
     resolve_model,
 )
+
+if TYPE_CHECKING:
+    from meshserve.services.worker.parallel.config import ShardPlan
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
@@ -39,26 +43,37 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
                device: torch.device, load_format: str,
-               model_class: type[CausalLM] | None = None) -> CausalLM:
+               model_class: type[CausalLM] | None = None,
+               shard: ShardPlan | None = None) -> CausalLM:
     """Build the model on `device` in `dtype` and fill its weights from the source.
 
-    `model_class` replaces the architecture's own class (a pooling worker's embedder)."""
-    model = _materialize(config, dtype, device, model_class)
+    `model_class` replaces the architecture's own class (a pooling worker's embedder).
+    `shard`: build this tensor-parallel rank's part of the model and load only its slices
+    (dummy weights are drawn per slice, on the device)."""
+    model = _materialize(config, dtype, device, model_class, shard)
     if load_format == "dummy" or source.format == "dummy":
         _fill_dummy(model, device)
     elif source.format == "gguf":
-        _load_gguf(model, source.gguf_file or source.path, config, dtype)
+        _load_gguf(model, source.gguf_file or source.path, config, dtype, shard)
     else:
-        _load_hf(model, source.path)
+        _load_hf(model, source.path, shard)
     model.requires_grad_(False)
     return model.eval()
 
 
 def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 model_class: type[CausalLM] | None = None) -> CausalLM:
+                 model_class: type[CausalLM] | None = None,
+                 shard: ShardPlan | None = None) -> CausalLM:
     """Allocate without initialising: build on the meta device, then give it real storage."""
     with torch.device("meta"):
-        model = (model_class or get_model_class(config.architecture))(config)
+        cls = model_class or get_model_class(config.architecture)
+        if shard is None:
+            model = cls(config)
+        else:
+            from meshserve.services.worker.parallel.layers import shard_modules
+
+            model = cls(shard.local_config())
+            shard_modules(model, shard)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers()
     return model
@@ -72,10 +87,10 @@ def _fill_dummy(model: CausalLM, device: torch.device) -> None:
             param.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=generator)
 
 
-def _load_hf(model: CausalLM, folder: Path) -> None:
+def _load_hf(model: CausalLM, folder: Path, shard: ShardPlan | None = None) -> None:
     files = checkpoint_files(folder)
     try:
-        model.load_weights(_iter_checkpoint(files))
+        model.load_weights(_iter_checkpoint(files, shard))
     except ModelLoadError as exc:
         if str(folder) in exc.message:
             raise
@@ -108,8 +123,12 @@ def _index_shards(index: Path) -> list[Path]:
     return shards
 
 
-def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) from each file; a corrupt file is named in the error."""
+def _iter_checkpoint(files: list[Path], shard: ShardPlan | None = None,
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) from each file; a corrupt file is named in the error.
+
+    With `shard`, only this rank's slice of each tensor (read from safetensors as a slice:
+    the rest of the tensor is never read)."""
     from safetensors import safe_open
 
     for path in files:
@@ -117,10 +136,12 @@ def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             if path.suffix == ".safetensors":
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                        yield name, f.get_tensor(name)
+                        yield name, (f.get_tensor(name) if shard is None
+                                     else shard.take(name, f.get_slice(name)))
             else:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                yield from state.items()
+                for name, tensor in state.items():
+                    yield name, tensor if shard is None else shard.take(name, tensor)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors and torch raise many kinds
@@ -129,7 +150,7 @@ def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _load_gguf(model: CausalLM, gguf_file: Path, config: ModelConfig,
-               dtype: torch.dtype) -> None:
+               dtype: torch.dtype, shard: ShardPlan | None = None) -> None:
     """Dequantize the GGUF's tensors with transformers' reader, under Hugging Face names.
 
     The reader maps GGUF names to those of a Hugging Face model (built here on the meta
@@ -144,8 +165,11 @@ def _load_gguf(model: CausalLM, gguf_file: Path, config: ModelConfig,
     except Exception as exc:  # gguf raises many kinds on a bad file
         raise ModelLoadError(f"{gguf_file}: cannot read GGUF tensors: {exc}",
                              param=gguf_file.name) from exc
+    tensors = parsed["tensors"].items()
+    if shard is not None:  # dequantized whole: GGUF files hold small models
+        tensors = ((name, shard.take(name, tensor)) for name, tensor in tensors)
     try:
-        model.load_weights(parsed["tensors"].items())
+        model.load_weights(tensors)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{gguf_file}: {exc.message}", param=exc.param) from exc
 

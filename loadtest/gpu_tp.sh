@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# Tensor parallelism on one host with 2 GPUs, in one call of at most 10 minutes (the steps'
+# limits add up to 530 s; they usually take far less):
+#   check     a tiny random model (tests/tiny_models.py, float32) with CUDA graphs and the
+#             overlapped loop: greedy tokens and logprobs at TP=2 against TP=1
+#   lat_tp1   `meshserve bench latency` single stream (128 in / 128 out), Llama-3.1-8B shape
+#   lat_tp2   the same at --tensor-parallel-size 2   (target: TPOT <= 0.6 x lat_tp1's)
+#   tput_tp2  `meshserve bench throughput --dataset sharegpt-like` (1000 prompts) at TP=2
+#   tput_dp   the same prompt list shared round-robin by two TP=1 engines, one per GPU, in two
+#             processes at once (--num-shards 2 --shard-index 0|1): output tokens of both over
+#             the slower one's time
+#   lat70_tp2 lat_tp2 with the Llama-3.1-70B shape: TPOT against its floor, rank 0's weight
+#             bytes / measured copy bandwidth (dummy weights drawn on each GPU, per slice)
+# Results in $OUT: <step>.json and <step>.log per step, steps.log, summary.md, results.json.
+#
+#     bash loadtest/gpu_tp.sh            # from the repository root
+#     DEVICE=cpu MODEL_8B=<tiny model> SKIP="check lat70_tp2" SHAREGPT_PROMPTS=8 \
+#       LAT_LEN=8 bash loadtest/gpu_tp.sh          # a dry run of the commands on a CPU
+#
+# Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
+# folders are linked as the package `meshserve` (as gpu_suite.sh does).
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 1
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_tp_out.XXXXXX")}
+RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_tp.XXXXXX")
+trap 'rm -rf "$RUN_DIR"' EXIT
+mkdir -p "$OUT"
+: >"$OUT/steps.log"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+PKGROOT=$RUN_DIR/pkgroot
+mkdir -p "$PKGROOT/meshserve"
+for folder in services kernels shared proto; do
+  ln -s "$REPO/$folder" "$PKGROOT/meshserve/$folder"
+done
+export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
+
+DEVICE=${DEVICE:-cuda}
+MODEL_8B=${MODEL_8B:-$REPO/loadtest/models/llama-3.1-8b}
+MODEL_70B=${MODEL_70B:-$REPO/loadtest/models/llama-3.1-70b}
+LAT_LEN=${LAT_LEN:-128}
+LAT_ITERS=${LAT_ITERS:-5}
+SHAREGPT_PROMPTS=${SHAREGPT_PROMPTS:-1000}
+SKIP=${SKIP:-}
+FLAGS_8B=${FLAGS_8B:---load-format dummy --max-model-len 8448}
+# 70B at TP=2: ~70 GB of weights per GPU. A small step budget keeps the piecewise graphs
+# (and their capture time) small; single-stream decode needs no more.
+FLAGS_70B=${FLAGS_70B:---load-format dummy --max-model-len 4096 --max-num-batched-tokens 512 \
+--gpu-memory-utilization 0.95}
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nvidia-smi topo -m
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, \
+'triton', triton.__version__, 'transformers', transformers.__version__, 'nccl', \
+torch.cuda.nccl.version() if torch.cuda.is_available() else None)"
+} >"$OUT/env.txt" 2>&1
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  if [[ " $SKIP " == *" $name "* ]]; then
+    echo "== $name: skipped" | tee -a "$OUT/steps.log"
+    return
+  fi
+  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
+  local began=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
+  tail -6 "$OUT/$name.log"
+}
+
+bench() {  # bench NAME LIMIT_S latency|throughput MODEL FLAGS...
+  local name=$1 limit=$2 kind=$3 model=$4
+  shift 4
+  step "$name" "$limit" python3 -m meshserve.services.cli bench "$kind" --model "$model" \
+    --device "$DEVICE" --no-progress --output-json "$OUT/$name.json" "$@"
+}
+
+# ---- the correctness check (CUDA graphs and NCCL inside them) ------------------------------
+cat >"$RUN_DIR/tp_check.py" <<'PY'
+"""TP=2 against TP=1 on a tiny random model: greedy tokens and logprobs."""
+import json, random, sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+from tiny_models import build_tiny_model
+from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.shared.sampling_params import SamplingParams
+
+folder = build_tiny_model(Path(sys.argv[2]), "llama", seed=3, vocab_size=1027,
+                          hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
+                          max_position_embeddings=1024)
+rng = random.Random(0)
+prompts = [[rng.randrange(3, 1027) for _ in range(n)] for n in (5, 40, 130, 7, 300, 64)]
+params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+
+def run(tp):
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=512,
+                                    max_num_seqs=8, tensor_parallel_size=tp))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    toks, lps = {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            lps.setdefault(o.request_id, []).extend(l.logprob for l in o.new_logprobs or [])
+    graphs = engine.graph_report is not None
+    engine.close()
+    return toks, lps, graphs
+
+one, one_lp, _ = run(1)
+two, two_lp, graphs = run(2)
+same = sum(one[k] == two[k] for k in one)
+diff = max(abs(a - b) for k in one if one[k] == two[k] for a, b in zip(one_lp[k], two_lp[k]))
+result = {"requests": len(one), "identical_tokens": same, "max_logprob_diff": diff,
+          "cuda_graphs": graphs}
+print(json.dumps(result))
+Path(sys.argv[1]).write_text(json.dumps(result, indent=2))
+sys.exit(0 if same == len(one) else 1)
+PY
+step check 75 python3 "$RUN_DIR/tp_check.py" "$OUT/check.json" "$RUN_DIR/tiny"
+
+# ---- single-stream decode: TP=1 and TP=2 ------------------------------------------------------
+# shellcheck disable=SC2086  # FLAGS_* are lists of flags
+LATENCY=(--input-len "$LAT_LEN" --output-len "$LAT_LEN" --batch-size 1 --num-iters "$LAT_ITERS"
+         --num-iters-warmup 2 --max-num-seqs 1)
+# shellcheck disable=SC2086
+bench lat_tp1 60 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B
+# shellcheck disable=SC2086
+bench lat_tp2 75 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B --tensor-parallel-size 2
+
+# ---- ShareGPT-like throughput: one TP=2 engine, and two TP=1 engines side by side ----------
+THROUGHPUT=(--dataset sharegpt-like --num-prompts "$SHAREGPT_PROMPTS" --num-iters-warmup 1)
+# shellcheck disable=SC2086
+bench tput_tp2 90 throughput "$MODEL_8B" "${THROUGHPUT[@]}" $FLAGS_8B --tensor-parallel-size 2
+cat >"$RUN_DIR/pair.sh" <<SH
+#!/usr/bin/env bash
+# Two TP=1 engines at once, one per GPU, each running every other prompt of the same list.
+pids=()
+for i in 0 1; do
+  device=$DEVICE
+  [ "$DEVICE" = cuda ] && device=cuda:\$i
+  python3 -m meshserve.services.cli bench throughput --model "$MODEL_8B" --device "\$device" \
+    --no-progress --output-json "$OUT/tput_dp\$i.json" ${THROUGHPUT[*]} $FLAGS_8B \
+    --num-shards 2 --shard-index \$i &
+  pids+=(\$!)
+done
+rc=0
+for pid in "\${pids[@]}"; do wait "\$pid" || rc=1; done
+exit \$rc
+SH
+step tput_dp 90 bash "$RUN_DIR/pair.sh"
+
+# ---- the 70B shape at TP=2 (last: the most likely to run out of memory on 80 GB cards) ------
+# shellcheck disable=SC2086
+bench lat70_tp2 140 latency "$MODEL_70B" "${LATENCY[@]}" $FLAGS_70B --tensor-parallel-size 2
+
+# ---- summary -------------------------------------------------------------------------------
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+
+def load(name):
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def ms(seconds):
+    return "n/a" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+def times(x):
+    return "n/a" if x is None else f"{x:.2f} x"
+
+
+def tpot(result):
+    return result["tpot_s"]["avg"] if result and result.get("tpot_s") else None
+
+
+r = {n: load(n) for n in ("check", "lat_tp1", "lat_tp2", "lat70_tp2", "tput_tp2", "tput_dp0",
+                          "tput_dp1")}
+rows = ["| figure | value | note |", "|---|---|---|"]
+check = r["check"]
+if check:
+    rows.append(f"| TP=2 vs TP=1, tiny model fp32 | {check['identical_tokens']}/"
+                f"{check['requests']} requests identical | max logprob diff "
+                f"{check['max_logprob_diff']:.2e}; CUDA graphs {check['cuda_graphs']} |")
+lat1, lat2, lat70 = r["lat_tp1"], r["lat_tp2"], r["lat70_tp2"]
+t1, t2, t70 = tpot(lat1), tpot(lat2), tpot(lat70)
+floor = lambda x: x["floor_s_per_token"] if x else None  # noqa: E731
+rows.append(f"| 8B single-stream TPOT, TP=1 | {ms(t1)} | floor {ms(floor(lat1))} |")
+rows.append(f"| 8B single-stream TPOT, TP=2 | {ms(t2)} | "
+            f"{times(t2 / t1 if t1 and t2 else None)} TP=1 (target <= 0.60); per-rank floor "
+            f"{ms(floor(lat2))} |")
+if lat70:
+    rows.append(f"| 70B single-stream TPOT, TP=2 | {ms(t70)} | "
+                f"{times(lat70['tpot_over_floor'])} the per-rank floor {ms(floor(lat70))} "
+                f"({lat70['weight_bytes'] / 1e9:.1f} GB on rank 0 / "
+                f"{lat70['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s copy) |")
+tp2, pair = r["tput_tp2"], [r["tput_dp0"], r["tput_dp1"]]
+if tp2:
+    rows.append(f"| ShareGPT-like, one TP=2 engine | {tp2['output_tokens_per_s']:.0f} output "
+                f"tok/s | {tp2['num_requests']} requests |")
+if all(pair):
+    tokens = sum(p["output_tokens"] for p in pair)
+    slowest = max(p["elapsed_s"] for p in pair)
+    rows.append(f"| ShareGPT-like, two TP=1 engines | {tokens / slowest:.0f} output tok/s | "
+                f"in-process, one per GPU in two processes, the prompt list round-robin "
+                f"(output tokens of both / the slower one's time) |")
+gpu = next((x["environment"].get("gpu_name") for x in r.values() if x and "environment" in x), None)
+table = f"GPU: {gpu}\n\n" + "\n".join(rows) + "\n"
+(out / "summary.md").write_text(table)
+(out / "results.json").write_text(json.dumps(r, indent=2, default=str))
+print(table)
+PY

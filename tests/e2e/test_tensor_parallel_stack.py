@@ -1,0 +1,115 @@
+"""A tensor-parallel worker in the real stack: `meshserve up` (start_stack) with one worker
+at --tensor-parallel-size 2 on CPU (gloo), driven through the gateway by the `openai`
+client. Its tokens are those of the same model run in-process on one rank, the scheduler
+knows it as one worker of two ranks, and `kill -9` of the worker leaves no rank behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from tiny_models import build_tiny_model
+
+from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
+from meshserve.services.launcher import LauncherConfig, Stack, start_stack
+from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.shared.sampling_params import SamplingParams
+
+MODEL = "tiny-tp"
+PROMPTS = [[5, 17, 99, 3, 250, 42, 8], [300, 301, 302] * 9]
+MAX_TOKENS = 8
+GONE_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tp-stack-model"), "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    config = LauncherConfig(model=str(model_dir), served_model_name=MODEL, workers=1, port=0,
+                            tensor_parallel_size=2, num_kv_blocks=128, dtype="float32",
+                            device="cpu", kvstore=False,
+                            run_dir=str(tmp_path_factory.mktemp("run")),
+                            startup_timeout_s=300, stop_grace_s=10)
+    with start_stack(config) as running:
+        yield running
+
+
+def one_rank_tokens(model_dir: Path) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
+                                    num_kv_blocks=128, structured_outputs_backend="none"))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return [tokens[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+def children_of(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and running(int(entry)) and parent_of(int(entry)) == pid:
+            found.append(int(entry))
+    return found
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_two_ranks_serve_the_tokens_of_one(stack: Stack, model_dir: Path) -> None:
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0,
+                           timeout=120)
+    served = []
+    for prompt in PROMPTS:
+        completion = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        choice = completion.choices[0]
+        assert completion.usage is not None and completion.usage.completion_tokens == MAX_TOKENS
+        served.append(list(choice.token_ids))  # type: ignore[attr-defined]
+    assert served == one_rank_tokens(model_dir)
+    with grpc.insecure_channel(stack.scheduler_address) as channel:
+        listed = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
+            scheduler_pb2.ListWorkersRequest(), timeout=5.0)
+    assert [w.info.tensor_parallel_size for w in listed.workers] == [2]
+
+
+def test_killing_the_worker_leaves_no_rank_behind(stack: Stack) -> None:
+    worker = stack.pid("worker-0")
+    assert worker is not None
+    ranks = children_of(worker)
+    assert len(ranks) == 1, f"expected one follower rank of worker pid {worker}, got {ranks}"
+    stack.kill("worker-0", signal.SIGKILL)
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    # Polling /proc: the follower is not our child, so nothing else tells us it ended.
+    while running(ranks[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(ranks[0]), f"rank 1 (pid {ranks[0]}) outlived its killed worker"

@@ -1,0 +1,59 @@
+"""--tensor-parallel-size (-tp) on the worker and on `meshserve up`, and where the launcher
+puts each worker's ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshserve.services.launcher import LauncherConfig, _worker_devices
+from meshserve.services.worker.config import WorkerConfig, short_flags
+from meshserve.shared.errors import ConfigError
+
+
+def test_the_worker_takes_tp_in_vllms_short_spelling() -> None:
+    assert short_flags(["--model", "m", "-tp", "2", "-tp=4", "--port", "9"]) == [
+        "--model", "m", "--tensor-parallel-size", "2", "--tensor-parallel-size", "4",
+        "--port", "9"]
+    config = WorkerConfig.from_args(short_flags(["-tp", "2"]), environ={})
+    assert config.tensor_parallel_size == 2
+    assert config.engine_config().tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="tensor-parallel-size"):
+        WorkerConfig.from_args(["--tensor-parallel-size", "0"], environ={})
+
+
+def test_up_hands_the_size_on_to_its_workers() -> None:
+    config = LauncherConfig.from_args(["--model", "m", "--tensor-parallel-size", "2"],
+                                      environ={})
+    flags = config.engine_flags()
+    assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
+
+
+@pytest.mark.parametrize(("gpus", "workers", "devices", "share"), [
+    (4, 2, ["cuda:0", "cuda:2"], None),  # a group of 2 GPUs each
+    (2, 2, ["cuda:0", "cuda:0"], "0.450"),  # both on the one group, sharing its memory
+    (3, 1, ["cuda:0"], None),  # the odd GPU is left out
+])
+def test_each_worker_gets_a_group_of_consecutive_gpus(
+        monkeypatch: pytest.MonkeyPatch, gpus: int, workers: int, devices: list[str],
+        share: str | None) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    config = LauncherConfig(model="m", workers=workers, tensor_parallel_size=2)
+    placed = _worker_devices(config)
+    assert [flags[flags.index("--device") + 1] for flags in placed] == devices
+    shares = [flags[flags.index("--gpu-memory-utilization") + 1]
+              for flags in placed if "--gpu-memory-utilization" in flags]
+    assert shares == ([] if share is None else [share] * workers)
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="needs 2 GPUs; 1 found"):
+        _worker_devices(LauncherConfig(model="m", tensor_parallel_size=2))
+
+
+def test_a_pooling_worker_is_refused_more_than_one_rank() -> None:
+    with pytest.raises(ConfigError, match="pooling worker runs on one device"):
+        WorkerConfig.from_args(short_flags(["--runner", "pooling", "-tp", "2"]), environ={})
