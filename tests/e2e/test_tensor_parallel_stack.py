@@ -1,7 +1,8 @@
 """A tensor-parallel worker in the real stack: `meshserve up` (start_stack) with one worker
 at --tensor-parallel-size 2 on CPU (gloo), driven through the gateway by the `openai`
 client. Its tokens are those of the same model run in-process on one rank, the scheduler
-knows it as one worker of two ranks, and `kill -9` of the worker leaves no rank behind.
+knows it as one worker of two ranks, a dead rank ends its worker with a message naming it,
+and `kill -9` of the worker leaves no rank behind.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -102,14 +103,32 @@ def test_two_ranks_serve_the_tokens_of_one(stack: Stack, model_dir: Path) -> Non
     assert [w.info.tensor_parallel_size for w in listed.workers] == [2]
 
 
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    # Polling: another process's exit or restart gives this test no other signal.
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {GONE_TIMEOUT_S}s: {what}"
+        time.sleep(0.1)
+
+
+def test_a_dead_rank_ends_its_worker_with_a_message_naming_it(stack: Stack) -> None:
+    worker = stack.pid("worker-0")
+    assert worker is not None
+    (rank,) = children_of(worker)
+    os.kill(rank, signal.SIGKILL)
+    wait_until(lambda: not running(worker), "the worker exits after its rank died")
+    log = next(s for s in stack.services if s.name == "worker-0").log_path.read_text()
+    assert "tensor-parallel rank 1 exited with code -9" in log
+    # The supervisor starts the worker again, with a new rank.
+    wait_until(lambda: stack.pid("worker-0") not in (None, worker)
+               and stack.service_healthy("worker-0"), "the worker is back")
+
+
 def test_killing_the_worker_leaves_no_rank_behind(stack: Stack) -> None:
     worker = stack.pid("worker-0")
     assert worker is not None
     ranks = children_of(worker)
     assert len(ranks) == 1, f"expected one follower rank of worker pid {worker}, got {ranks}"
     stack.kill("worker-0", signal.SIGKILL)
-    deadline = time.monotonic() + GONE_TIMEOUT_S
-    # Polling /proc: the follower is not our child, so nothing else tells us it ended.
-    while running(ranks[0]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not running(ranks[0]), f"rank 1 (pid {ranks[0]}) outlived its killed worker"
+    wait_until(lambda: not running(ranks[0]), f"rank 1 (pid {ranks[0]}) outlived its killed "
+                                              "worker")

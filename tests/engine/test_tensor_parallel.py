@@ -20,6 +20,7 @@ from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import RequestOutput
 from meshserve.services.worker.parallel.ranks import RankGroup
+from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -155,3 +156,14 @@ def test_a_failing_rank_is_reported_with_its_number_and_exit_code(tmp_path: Path
     finally:
         group.stop()
     assert failures == [(1, 1)]
+
+
+def test_a_size_that_does_not_split_the_model_is_refused_before_any_rank_starts(
+        llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_start(*args: object, **kwargs: object) -> RankGroup:
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(RankGroup, "start", no_start)
+    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 3 must divide the "
+                                             "model's 4 attention heads"):
+        make_engine(llama, 3)

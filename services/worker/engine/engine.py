@@ -115,19 +115,20 @@ class LLMEngine:
         self.config = config
         self.parallel = parallel or ParallelConfig(world_size=config.tensor_parallel_size)
         self.device = resolve_device(config.device, self.parallel.rank)
-        self.ranks: RankGroup | None = None
-        if self.parallel.enabled and sync is None:
-            self.ranks = RankGroup.start(config, self.device)
-            sync = self.ranks.sync
-        self.runner_sync = sync
         torch.manual_seed(config.seed)
         self.source: ModelSource = resolve_model(config.model, config.load_format)
         self.model_config: ModelConfig = load_model_config(self.source)
+        # Checked (a size that does not split the model is refused) before any rank starts.
+        shard = ShardPlan(self.model_config, self.parallel) if self.parallel.enabled else None
+        self.ranks: RankGroup | None = None
+        if shard is not None and sync is None:
+            self.ranks = RankGroup.start(config, self.device)
+            sync = self.ranks.sync
+        self.step_sync = sync
         self.max_model_len = min(self.model_config.max_model_len,
                                  config.max_model_len or self.model_config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         started = time.monotonic()
-        shard = ShardPlan(self.model_config, self.parallel) if self.parallel.enabled else None
         model = load_model(self.source, self.model_config, self.dtype, self.device,
                            config.load_format, shard=shard)
         log.info("loaded %s (%s) in %.1fs", self.source.name, self.dtype,
@@ -174,8 +175,8 @@ class LLMEngine:
             return self.config.num_kv_blocks
         num_blocks = self._kv_blocks_that_fit(model, batched_tokens)
         if self.parallel.enabled:  # every rank holds every block: the tightest rank decides
-            assert self.runner_sync is not None
-            num_blocks = self.runner_sync.min_over_ranks(num_blocks)
+            assert self.step_sync is not None
+            num_blocks = self.step_sync.min_over_ranks(num_blocks)
         return num_blocks
 
     def _kv_blocks_that_fit(self, model: CausalLM, batched_tokens: int) -> int:
