@@ -1,0 +1,117 @@
+"""Latency of the all-reduce a tensor-parallel decode step makes after every o_proj and
+down_proj: NCCL's `all_reduce` against PyTorch symmetric memory's one-shot and two-shot
+all-reduces, each captured 64 times in one CUDA graph (as a decode step replays them).
+
+    python3 loadtest/tp_allreduce_probe.py --out probe.json      # on a host with 2+ GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPEATS = 64  # all-reduces in one graph: two per layer of a 32-layer model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _time_graph(fn, iters: int = 20) -> float:
+    """Microseconds per call of `fn`, replayed inside a CUDA graph REPEATS times."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPEATS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (iters * REPEATS)
+
+
+def _run(rank: int, world: int, port: int, out: str) -> None:
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=device)
+    group = dist.group.WORLD
+    results: dict[str, object] = {"world_size": world, "device": torch.cuda.get_device_name()}
+    import torch.distributed._symmetric_memory as symm_mem
+    max_numel = 4096 * 512
+    buf = symm_mem.empty(max_numel, dtype=torch.bfloat16, device=device)
+    handle = symm_mem.rendezvous(buf, group.group_name)
+    results["symm_mem"] = handle is not None
+    for tokens in (1, 8, 32, 128, 512):
+        numel = tokens * 4096
+        x = torch.full((tokens, 4096), float(rank + 1), dtype=torch.bfloat16, device=device)
+        expect = float(sum(range(1, world + 1)))
+        row: dict[str, object] = {"bytes": numel * 2}
+
+        def nccl() -> None:
+            dist.all_reduce(x)
+
+        x.fill_(rank + 1)
+        nccl()
+        torch.cuda.synchronize()
+        row["nccl_ok"] = bool((x == expect).all())
+        row["nccl_us"] = _time_graph(nccl)
+        view = buf[:numel].view(tokens, 4096)
+        for name, op in (("one_shot", "one_shot_all_reduce_out"),
+                         ("two_shot", "two_shot_all_reduce_")):
+            try:
+                if name == "one_shot":
+                    def symm() -> None:
+                        view.copy_(x)
+                        torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum",
+                                                                   group.group_name, x)
+                else:
+                    def symm() -> None:
+                        view.copy_(x)
+                        torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group.group_name)
+                        x.copy_(view)
+                x.fill_(rank + 1)
+                symm()
+                torch.cuda.synchronize()
+                row[f"{name}_ok"] = bool((x == expect).all())
+                row[f"{name}_us"] = _time_graph(symm)
+            except Exception as exc:  # noqa: BLE001 - the probe records what fails
+                row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        results[f"tokens_{tokens}"] = row
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="allreduce_probe.json")
+    parser.add_argument("--world-size", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    mp.spawn(_run, args=(args.world_size, _free_port(), args.out), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()
