@@ -39,6 +39,8 @@ class EngineConfig:
     async_scheduling: str = "auto"  # auto | on | off
     # What compiles structured-output grammars (none: such requests are refused).
     structured_outputs_backend: str = "xgrammar"  # xgrammar | none
+    quantization: str | None = None  # fp8: FP8 decoder weights (docs/quantization.md)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str, param: str) -> None:
@@ -72,6 +74,12 @@ class EngineConfig:
         check(self.structured_outputs_backend in ("xgrammar", "none"),
               "--structured-outputs-backend must be xgrammar or none, got "
               f"{self.structured_outputs_backend!r}", "structured_outputs_backend")
+        check(self.quantization in (None, "fp8"),
+              f"--quantization must be fp8 (or unset), got {self.quantization!r}",
+              "quantization")
+        check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+              f"--kv-cache-dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2, got "
+              f"{self.kv_cache_dtype!r}", "kv_cache_dtype")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")

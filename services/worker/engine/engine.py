@@ -56,11 +56,13 @@ from meshserve.services.worker.models.loader import (
     ModelSource,
     load_model,
     load_model_config,
+    load_quant_config,
     resolve_dtype,
     resolve_model,
 )
 from meshserve.shared.block_hash import extra_keys_for
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
+from meshserve.shared.kv_dtype import kv_cache_dtype_name
 from meshserve.shared.kv_events import KVEvent
 from meshserve.shared.model_source import tokenizer_folder
 from meshserve.shared.sampling_params import SamplingParams
@@ -110,9 +112,13 @@ class LLMEngine:
         self.max_model_len = min(self.model_config.max_model_len,
                                  config.max_model_len or self.model_config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        # The KV cache's element type: the model's, or FP8 (--kv-cache-dtype).
+        self.kv_dtype: torch.dtype = getattr(torch, kv_cache_dtype_name(
+            config.kv_cache_dtype, str(self.dtype).removeprefix("torch.")))
+        self.quant = load_quant_config(self.source, config.quantization)
         started = time.monotonic()
         model = load_model(self.source, self.model_config, self.dtype, self.device,
-                           config.load_format)
+                           config.load_format, quant=self.quant)
         log.info("loaded %s (%s) in %.1fs", self.source.name, self.dtype,
                  time.monotonic() - started)
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
@@ -127,7 +133,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             max_model_len=self.max_model_len,
         ), self.kv)
-        self.runner = ModelRunner(model, self.model_config, self.kv, self.dtype, self.device)
+        self.runner = ModelRunner(model, self.model_config, self.kv, self.kv_dtype, self.device)
         self.graph_report = None
         self.piecewise_report = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -155,14 +161,14 @@ class LLMEngine:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size,
-                                             self.dtype)
+                                             self.kv_dtype)
         if self.device.type == "cuda":
             # What is left of this worker's share once weights (already loaded), the peak
             # activations of the largest step and the decode graphs are accounted for.
             activations = profile_activation_bytes(
                 model, self.model_config, batched_tokens,
                 min(self.max_num_seqs, batched_tokens), self.config.block_size,
-                self.dtype, self.device)
+                self.kv_dtype, self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             graphs = 0
             if not self.config.enforce_eager:
