@@ -122,9 +122,10 @@ def test_fp8_linear_on_cpu_is_the_reference_and_keeps_leading_dims() -> None:
 
 
 @outside_interpreter
-def test_saturation_instead_of_nan() -> None:
+def test_extremes_neither_overflow_nor_divide_by_zero() -> None:
     q, scale = quantize_per_tensor(torch.tensor([[1e6, -1e6, 0.0, 3.0]]))
     assert torch.equal(q.float()[0, :2], torch.tensor([FP8_MAX, -FP8_MAX]))
+    assert torch.equal(dequantize(q, scale, torch.float32)[0, :2], torch.tensor([1e6, -1e6]))
     zero_q, zero_scale = quantize_per_channel(torch.zeros(2, 4))
     assert not torch.isnan(dequantize(zero_q, zero_scale, torch.float32)).any()
 
