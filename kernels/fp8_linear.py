@@ -8,7 +8,7 @@ A weight [N, K] is held as float8_e4m3fn with float32 scales, w ≈ w_fp8 * scal
   128 x 128 checkpoints).
 
 The product, by device:
-- CUDA with FP8 tensor cores (compute capability 8.9 or more), bfloat16 activations, per-row
+- CUDA on Hopper or later (compute capability 9.0), bfloat16 activations, per-row
   scales, more than
   `SKINNY_MAX_ROWS` rows: the activations are quantized per token (dynamic scale: the row's
   absolute maximum over 448) and `torch._scaled_mm` multiplies both FP8 operands with
@@ -130,8 +130,9 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
 
 @functools.cache
 def fp8_supported(device: torch.device) -> bool:
-    """Whether this GPU has FP8 tensor cores (Ada, Hopper and later)."""
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether this GPU runs the FP8 paths: Hopper or later (row-wise scaled `_scaled_mm`
+    is a Hopper feature in the torch releases this project targets)."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:

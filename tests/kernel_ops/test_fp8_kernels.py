@@ -23,7 +23,7 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter as triton_interpreter
 
-from meshserve.kernels import triton_attention, triton_fp8_linear
+from meshserve.kernels import triton_attention, triton_fp8_linear, triton_rotary
 from meshserve.kernels.attention import (
     AttentionMetadata,
     decode_attention_reference,
@@ -41,6 +41,7 @@ from meshserve.kernels.fp8_linear import (
     quantize_per_tensor,
     quantize_per_token,
 )
+from meshserve.kernels.rotary import RotaryEmbedding, apply_rotary
 
 INTERPRETED = isinstance(triton_fp8_linear._skinny_fp8_kernel, triton_interpreter.InterpretedFunction)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -259,6 +260,26 @@ def test_triton_attention_over_an_fp8_cache(q_lens: list[int]) -> None:
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@in_interpreter
+def test_triton_rotary_write_into_fp8_equals_the_reference() -> None:
+    g = torch.Generator().manual_seed(4)
+    query, key = torch.randn(5, 4, 16, generator=g), 3 * torch.randn(5, 2, 16, generator=g)
+    value = torch.randn(5, 2, 16, generator=g)
+    positions, slots = torch.tensor([0, 1, 2, 7, 3]), torch.tensor([3, 4, -1, 9, 15])
+    rotary = RotaryEmbedding(16, 16, 32, 10000.0)
+    rotary.reset_parameters()
+    caches = [torch.zeros(4, 4, 2, 16, dtype=FP8_DTYPE) for _ in range(4)]
+    q, k = triton_rotary.apply_rotary_and_write_kv(query, key, value, positions,
+                                                   rotary.cos_sin_cache, *caches[:2], slots)
+    ref_q, ref_k = apply_rotary(query, key, positions, rotary.cos_sin_cache)
+    write_kv_reference(ref_k, value, *caches[2:], slots)
+    assert torch.allclose(q, ref_q, atol=1e-6) and torch.allclose(k, ref_k, atol=1e-6)
+    # A last-bit difference of the rotation may round to the neighbouring FP8 value (one step:
+    # 2^-3 relative for e4m3).
+    assert torch.allclose(caches[0].float(), caches[2].float(), rtol=2.0**-3, atol=2.0**-9)
+    assert torch.equal(caches[1].float(), caches[3].float())
+
+
 @outside_interpreter
 def test_fp8_kernels_under_the_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -269,7 +290,7 @@ def test_fp8_kernels_under_the_interpreter() -> None:
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) == 9 and "skipped" not in summary, summary
+    assert passed and int(passed[1]) == 10 and "skipped" not in summary, summary
 
 
 _COMPILE_FOR_HOPPER = r"""
@@ -277,7 +298,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from meshserve.kernels import triton_attention as ta, triton_fp8_linear as tf
+from meshserve.kernels import triton_attention as ta, triton_fp8_linear as tf, triton_rotary as tr
 
 def build(kernel, types, consts, **options):
     names = kernel.arg_names
@@ -304,11 +325,15 @@ for decode in (0, 1):
         HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // 4,
         TILE_N=tiles.tile_n, NUM_SPLITS=8 if decode else 1, DECODE_ONLY=bool(decode),
         DOT_PRECISION="tf32"), num_warps=tiles.num_warps, num_stages=tiles.num_stages))
-for kernel in (ta._write_kv_kernel,):
-    out.append(build(kernel, {"key_ptr": "*bf16", "value_ptr": "*bf16",
-        "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "slot_ptr": "*i64"},
-        dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, HEADS_PAD=8, HEAD_PAD=128),
-        num_warps=4))
+out.append(build(ta._write_kv_kernel, {"key_ptr": "*bf16", "value_ptr": "*bf16",
+    "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "slot_ptr": "*i64"},
+    dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, HEADS_PAD=8, HEAD_PAD=128), num_warps=4))
+bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "v_ptr")}
+out.append(build(tr._rotary_kernel, {**bf16, "cache_ptr": "*fp32", "pos_ptr": "*i64",
+    "slot_ptr": "*i64", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"},
+    dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, REST=0, Q_HEADS_PAD=32,
+         KV_HEADS_PAD=8, HALF_PAD=64, REST_PAD=1, HEAD_PAD=128, BLOCK_SIZE=16, WRITE_KV=True),
+    num_warps=8, enable_fp_fusion=False))
 print(json.dumps(out))
 """
 
@@ -321,5 +346,5 @@ def test_fp8_kernels_compile_for_hopper() -> None:
                           capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     launches = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(launches) == 6
+    assert len(launches) == 7
     assert all(launch["shared"] <= 227 * 1024 for launch in launches), launches

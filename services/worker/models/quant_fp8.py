@@ -84,6 +84,10 @@ def quantize_online(model: CausalLM) -> None:
             fp8.weight_scale = scale
             fp8.bias = linear.bias
             setattr(parent, attr, fp8)
+    if torch.cuda.is_available():
+        # Hand the freed bf16 weights back, or the KV cache sizing (which counts this
+        # process's reserved memory) would leave them unused.
+        torch.cuda.empty_cache()
 
 
 def load_fp8_checkpoint(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
