@@ -274,3 +274,21 @@ def test_fp8_weights_and_kv_together(tiny) -> None:
     assert [t for t, _ in both] == [t for t, _ in ref]
     diff = max(abs(a - b) for (_, lps), (_, r) in zip(both, ref) for a, b in zip(lps, r))
     assert diff < FP8_KV_LOGPROB_BOUND, diff
+
+
+def test_a_pooling_worker_embeds_with_fp8_weights(tiny) -> None:
+    from meshserve.services.worker.embedder import Embedder
+
+    folder, prompts = tiny
+
+    def embed(**kw: object) -> tuple[Embedder, torch.Tensor]:
+        embedder = Embedder(EngineConfig(model=str(folder), dtype="float32", device="cpu",
+                                         **kw))  # type: ignore[arg-type]
+        return embedder, embedder.embed(prompts[1:3])
+
+    fp8, fp8_out = embed(quantization="fp8")
+    _, exact = embed()
+    assert isinstance(fp8.model.model.layers[0].mlp.gate_up_proj, Fp8Linear)
+    assert fp8_out.shape == exact.shape and torch.isfinite(fp8_out).all()
+    assert not torch.equal(fp8_out, exact)  # FP8-rounded weights, not the original ones
+    assert torch.allclose(fp8_out, exact, atol=0.5)
