@@ -123,7 +123,9 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
 
     `_scaled_mm` takes A row-major and B column-major: weight [N, K] row-major transposed is
     exactly B [K, N] column-major, so no copy is made."""
-    xq, xs = quantize_per_token(x)
+    from meshserve.kernels import triton_fp8_linear  # GPU only
+
+    xq, xs = triton_fp8_linear.quantize_per_token(x)  # [M, K] float8, [M, 1] float32
     return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1),
                             out_dtype=x.dtype)
 

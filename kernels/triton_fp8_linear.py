@@ -100,3 +100,35 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn
         y2 = acc2 * row_scale[None, :]  # [BLOCK_M, BLOCK_N]
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y2.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp16) -> (float8_e4m3fn [M, K], float32 scale [M, 1]) in one pass:
+    scale = max(|row|) / 448 (at least 1e-12), q = saturate(row / scale).
+
+    The torch reference, `meshserve.kernels.fp8_linear.quantize_per_token`, takes five
+    passes over the activations and a float32 copy of them."""
+    assert x.is_cuda or isinstance(_quantize_rows_kernel, InterpretedFunction), (
+        f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
+    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [M, K] contiguous in K, got {x.shape}"
+    assert x.dtype in (*SUPPORTED_DTYPES, torch.float32), f"x dtype {x.dtype} not supported"
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), BLOCK_K=block,
+                                       num_warps=8 if block >= 4096 else 4)
+    return q, scale
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+    # One program per row: the whole row [BLOCK_K] in registers (K <= 16384 for Llama MLPs).
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+    q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+    tl.store(q_ptr + row * K + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+    tl.store(s_ptr + row, scale)
