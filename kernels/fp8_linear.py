@@ -108,6 +108,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             or not fp8_supported(x.device)):
         return fp8_linear_reference(x, weight, scale, bias, block)
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    if rows.shape[0] == 0:
+        return fp8_linear_reference(x, weight, scale, bias)
     if rows.shape[0] <= SKINNY_MAX_ROWS:
         from meshserve.kernels import triton_fp8_linear  # GPU only
 

@@ -4,7 +4,8 @@ and paged attention over an FP8 cache) run by Triton's interpreter against the r
 
 As in test_triton_kernels.py, the Triton cases run in a child pytest process started with
 TRITON_INTERPRET=1 (tests marked `@in_interpreter`); the interpreter handles float8_e4m3fn
-tensors natively. Compilation of the FP8 kernels for Hopper is checked without a GPU.
+tensors natively. Compilation of the FP8 kernels for Hopper (shared memory, no register spills) is checked
+without a GPU.
 """
 
 from __future__ import annotations
@@ -311,18 +312,29 @@ def test_fp8_kernels_under_the_interpreter() -> None:
 
 
 _COMPILE_FOR_HOPPER = r"""
-import json
+import json, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from meshserve.kernels import triton_attention as ta, triton_fp8_linear as tf, triton_rotary as tr
 
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "cuobjdump")
+
 def build(kernel, types, consts, **options):
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    compiled = triton.compile(ASTSource(kernel, sig, consts, {}),
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts
+             and (n.endswith("_ptr") or n.startswith("stride") and n != "stride_bt")}
+    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
-    return {"kernel": kernel.__name__, "shared": compiled.metadata.shared}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    return {"kernel": kernel.__name__, "shared": compiled.metadata.shared,
+            "spill": int(re.search(r"STACK:(\d+)", usage)[1])}
 
 out = []
 for rows, n, k in ((1, 4096, 14336), (1, 6144, 4096), (8, 28672, 4096)):
@@ -367,3 +379,4 @@ def test_fp8_kernels_compile_for_hopper() -> None:
     launches = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(launches) == 8
     assert all(launch["shared"] <= 227 * 1024 for launch in launches), launches
+    assert all(launch["spill"] == 0 for launch in launches), launches
