@@ -16,6 +16,7 @@ Torch-free, so the launcher can check a model folder without loading it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +42,10 @@ class QuantConfig:
         return self.checkpoint_format is not None
 
     def ignores(self, module_name: str) -> bool:
-        """Whether the module of this Hugging Face name stays in the model's dtype."""
-        return any(module_name == name or module_name.endswith("." + name)
+        """Whether the module of this Hugging Face name stays in the model's dtype: a listed
+        name (or name suffix), or a `re:` pattern (compressed-tensors' spelling)."""
+        return any(re.fullmatch(name[3:], module_name) if name.startswith("re:")
+                   else module_name == name or module_name.endswith("." + name)
                    for name in self.ignored)
 
 

@@ -154,13 +154,15 @@ def test_fp8_weights_stay_fp8_in_memory(tiny) -> None:
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, quantize: Callable, scale_name: str,
-                         quantization_config: dict, extra: Callable | None = None) -> Path:
-    """A copy of `src` with each projection stored as FP8 and its scale, and the config."""
+                         quantization_config: dict, extra: Callable | None = None,
+                         keep: tuple[str, ...] = ()) -> Path:
+    """A copy of `src` with each projection (but those in `keep`) stored as FP8 and its
+    scale, and the config."""
     shutil.copytree(src, dst)
     tensors = load_file(str(src / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if is_projection(name):
+        if is_projection(name) and name.removesuffix(".weight") not in keep:
             q, scale = quantize(tensor)
             out[name] = q
             out[name.removesuffix(".weight") + scale_name] = scale
@@ -198,6 +200,26 @@ def test_fp8_format_checkpoint_block_wise(tiny, tmp_path: Path) -> None:
     engine, got = engine_run(ckpt, prompts[:2])
     assert engine.quant is not None and engine.quant.weight_block == (32, 32)
     assert_matches(got, hf_reference(folder, blockwise), prompts[:2])
+
+
+def test_fp8_checkpoint_of_a_biased_model_with_an_unquantized_layer(tmp_path: Path) -> None:
+    folder = build_tiny_model(tmp_path / "qwen2", "qwen2", seed=2)  # biases on q, k and v
+    kept = "model.layers.1.mlp.down_proj"
+    ckpt = write_fp8_checkpoint(
+        folder, tmp_path / "qwen2-fp8", quantize_per_channel, ".weight_scale",
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": [kept]},
+        keep=(kept,))
+    prompts = [[5, 17, 230, 41, 99], [7, 8, 9]]
+    engine, got = engine_run(ckpt, prompts)
+    layers = engine.runner.model.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert layers[0].self_attn.qkv_proj.bias is not None
+    assert not isinstance(layers[1].mlp.down_proj, Fp8Linear)
+    hf = hf_reference(folder, per_channel)
+    with torch.no_grad():  # the kept layer in its original weights
+        original = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        hf.model.layers[1].mlp.down_proj.weight.copy_(original.model.layers[1].mlp.down_proj.weight)
+    assert_matches(got, hf, prompts)
 
 
 def test_compressed_tensors_checkpoint_per_channel_with_static_input_scales(

@@ -69,6 +69,10 @@ def test_quantization_config_of_each_format() -> None:
     assert ct == QuantConfig(method="fp8", checkpoint_format="compressed-tensors",
                              ignored=("lm_head",))
     assert ct.ignores("model.layers.0.lm_head") is True
+    patterns = QuantConfig(method="fp8", checkpoint_format="compressed-tensors",
+                           ignored=("re:.*mlp\\.down_proj",))
+    assert patterns.ignores("model.layers.3.mlp.down_proj")
+    assert not patterns.ignores("model.layers.3.mlp.up_proj")
 
 
 @pytest.mark.parametrize(("qc", "message"), [

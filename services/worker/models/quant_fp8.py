@@ -125,7 +125,8 @@ def _fill_scales(model: CausalLM, scales: dict[str, torch.Tensor],
                  layout: dict[str, tuple[str, int, int]]) -> None:
     """Copy each checkpoint module's scale into its (possibly fused) Fp8Linear's rows."""
     needed = {name.removesuffix(".weight") for name, (param, _, _) in layout.items()
-              if isinstance(model.get_submodule(param.rsplit(".", 1)[0]), Fp8Linear)}
+              if name.endswith(".weight")
+              and isinstance(model.get_submodule(param.rsplit(".", 1)[0]), Fp8Linear)}
     missing = sorted(needed - scales.keys())
     if missing:
         raise ModelLoadError(f"FP8 checkpoint: no weight_scale for {missing[0]!r}"
