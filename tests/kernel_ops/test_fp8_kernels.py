@@ -41,6 +41,7 @@ from meshserve.kernels.fp8_linear import (
     quantize_per_channel,
     quantize_per_tensor,
     quantize_per_token,
+    scaled_mm,
 )
 from meshserve.kernels.rotary import RotaryEmbedding, apply_rotary
 
@@ -111,6 +112,20 @@ def test_fp8_linear_reference_against_float64(quantize_input: bool) -> None:
     bound = rel * terms + SUBNORMAL_STEP * (x.double().abs() @ scale.double().expand(96, 40)) * 2
     assert ((y.double() - exact).abs() <= bound + 1e-5).all()
     assert (y.double() - exact).abs().max() > 0  # the rounding is really there
+
+
+@outside_interpreter
+@pytest.mark.parametrize("rows", [1, 20, 64])
+def test_scaled_mm_operands_give_the_per_token_reference(rows: int) -> None:
+    """`scaled_mm` as the GPU calls it (A row-major, B = weight^T column-major, row-wise
+    scales), run by torch's CPU `_scaled_mm`, against the reference that rounds x per token."""
+    w = _weights(48, 64, seed=3)
+    q, scale = quantize_per_channel(w)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = scaled_mm(x, q, scale)
+    ref = fp8_linear_reference(x.float(), q, scale, quantize_input=True)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 4e-3  # bf16 output rounding
 
 
 @outside_interpreter
