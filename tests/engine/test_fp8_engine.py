@@ -9,6 +9,7 @@ within float32 noise. The distance to the unquantized model is recorded as a bou
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from collections.abc import Callable
@@ -314,3 +315,19 @@ def test_a_pooling_worker_embeds_with_fp8_weights(tiny) -> None:
     assert fp8_out.shape == exact.shape and torch.isfinite(fp8_out).all()
     assert not torch.equal(fp8_out, exact)  # FP8-rounded weights, not the original ones
     assert torch.allclose(fp8_out, exact, atol=0.5)
+
+
+def test_gguf_weights_are_dequantized_with_a_warning_and_fp8_requantizes_them(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from meshserve.services.worker.models import loader
+
+    source = loader.resolve_model(None, "auto")  # the default model: SmolLM2-135M, a GGUF file
+    assert source.format == "gguf"
+    config = loader.load_model_config(source)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        model = loader.load_model(source, config, torch.float32, torch.device("cpu"), "auto",
+                                  quant=loader.load_quant_config(source, "fp8"))
+    assert "are dequantized to float32 on load" in caplog.text
+    assert "GiB in memory" in caplog.text
+    assert all(isinstance(layer.mlp.down_proj, Fp8Linear) for layer in model.model.layers)
+    assert weight_bytes(model)["float8_e4m3fn"] > 0
