@@ -331,3 +331,22 @@ def test_gguf_weights_are_dequantized_with_a_warning_and_fp8_requantizes_them(
     assert "GiB in memory" in caplog.text
     assert all(isinstance(layer.mlp.down_proj, Fp8Linear) for layer in model.model.layers)
     assert weight_bytes(model)["float8_e4m3fn"] > 0
+
+
+def test_fp8_layers_keep_the_forward_hooks_of_the_layers_they_replace(tiny) -> None:
+    """Hooks others put on a projection (tensor parallelism's all-reduce) survive the swap."""
+    from meshserve.services.worker.models import loader
+    from meshserve.services.worker.models.quant_fp8 import quantize_online
+
+    folder, _ = tiny
+    source = loader.resolve_model(str(folder), "auto")
+    model = loader.load_model(source, loader.load_model_config(source), torch.float32,
+                              torch.device("cpu"), "auto")
+    seen: list[tuple[int, ...]] = []
+    model.model.layers[0].self_attn.o_proj.register_forward_hook(
+        lambda module, args, out: seen.append(tuple(out.shape)))
+    quantize_online(model)
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, Fp8Linear)
+    o_proj(torch.randn(3, o_proj.in_features))
+    assert seen == [(3, o_proj.out_features)]

@@ -70,7 +70,7 @@ def prepare_checkpoint_layers(model: CausalLM, quant: QuantConfig) -> None:
         with torch.device(linear.weight.device):
             fp8 = Fp8Linear(linear.in_features, linear.out_features, linear.bias,
                             quant.weight_block)
-        setattr(parent, attr, fp8)
+        _replace(parent, attr, linear, fp8)
 
 
 def quantize_online(model: CausalLM) -> None:
@@ -83,11 +83,20 @@ def quantize_online(model: CausalLM) -> None:
             fp8.weight = nn.Parameter(q, requires_grad=False)
             fp8.weight_scale = scale
             fp8.bias = linear.bias
-            setattr(parent, attr, fp8)
+            _replace(parent, attr, linear, fp8)
     if torch.cuda.is_available():
         # Hand the freed bf16 weights back, or the KV cache sizing (which counts this
         # process's reserved memory) would leave them unused.
         torch.cuda.empty_cache()
+
+
+def _replace(parent: nn.Module, attr: str, old: nn.Module, new: nn.Module) -> None:
+    """Put `new` in `old`'s place, keeping the forward hooks others registered on it (the
+    tensor-parallel all-reduce of row-parallel projections is one)."""
+    for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
+                  "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+        getattr(new, hooks).update(getattr(old, hooks))
+    setattr(parent, attr, new)
 
 
 def load_fp8_checkpoint(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
