@@ -10,6 +10,10 @@ and decode are the same operation with different query lengths.
 
 The PyTorch code here is the reference and the CPU path; GPU kernels plug in
 behind `write_kv` and `paged_attention` with the same signatures.
+
+An FP8 cache (float8_e4m3fn or float8_e5m2, `--kv-cache-dtype fp8*`) stores K and V cast
+to FP8 with a per-tensor scale of 1.0, as vLLM does when a checkpoint brings no KV scales:
+writes saturate to the format's range, reads widen to the query's dtype.
 """
 
 from __future__ import annotations
@@ -69,8 +73,27 @@ def write_kv_reference(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid].to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid].to(v_cache.dtype))
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        rows = to_cache_dtype(new[valid], cache.dtype)  # [T', Hkv, D]
+        if cache.dtype in FP8_KV_DTYPES:  # no index_copy_ for FP8 on CPU: copy the bytes
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, rows)
+
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype; into FP8 with saturation (scale 1.0) as the GPU kernels do."""
+    if dtype in FP8_KV_DTYPES:
+        limit = torch.finfo(dtype).max
+        return x.float().clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
+def _widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached K or V read back for attention in the query's dtype (FP8 is widened)."""
+    return x.to(dtype) if x.dtype in FP8_KV_DTYPES else x
 
 
 def paged_attention(
@@ -187,8 +210,10 @@ def paged_attention_reference(
             v = value[start : start + q_len].transpose(0, 1)
             mask = None
         else:
-            k = _gather_context(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)
-            v = _gather_context(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+            k = _widen(_gather_context(k_cache, meta.block_tables[i], seq_len),
+                       query.dtype).transpose(0, 1)
+            v = _widen(_gather_context(v_cache, meta.block_tables[i], seq_len),
+                       query.dtype).transpose(0, 1)
             # Query row j sits at position seq_len - q_len + j and sees keys 0..that position.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             mask = q_pos[:, None] >= torch.arange(seq_len, device=query.device)[None, :]
@@ -214,8 +239,10 @@ def decode_attention_reference(
     tables = meta.block_tables[:num_seqs, :max_blocks].reshape(-1)  # [B * nb]
     # index_select + one contiguous copy is far cheaper on CPU than advanced indexing
     # followed by attention over a strided view.
-    k = k_cache.index_select(0, tables).view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
-    v = v_cache.index_select(0, tables).view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    k = _widen(k_cache.index_select(0, tables),
+               query.dtype).view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    v = _widen(v_cache.index_select(0, tables),
+               query.dtype).view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
     k = k.transpose(1, 2).contiguous()  # [B, Hkv, L, D]
     v = v.transpose(1, 2).contiguous()
     groups = query.shape[1] // num_kv_heads

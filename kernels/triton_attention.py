@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from meshserve.kernels.attention import AttentionMetadata
+from meshserve.kernels.attention import FP8_KV_DTYPES, AttentionMetadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -346,8 +346,10 @@ def _attend_tiles(
         slot = key_pos % BLOCK_SIZE
         k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh  # [TILE_N]
         v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+        # An FP8 cache (scale 1.0) is widened to the query's dtype here, in registers.
         k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
                     mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
+        k = k.to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         visible = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -360,6 +362,7 @@ def _attend_tiles(
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
                     mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
     return acc, row_max, row_sum
@@ -420,8 +423,9 @@ def _check_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         f"query must be [T, Hq, D] and caches [N, bs, Hkv, D], got {tuple(query.shape)}, "
         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     assert query.dtype in SUPPORTED_DTYPES, f"query dtype {query.dtype} is not supported"
-    assert query.dtype == k_cache.dtype == v_cache.dtype, (
-        f"query {query.dtype}, k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must match")
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (query.dtype, *FP8_KV_DTYPES), (
+        f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must be the query's dtype "
+        f"({query.dtype}) or FP8")
     assert query.shape[2] == k_cache.shape[3] <= MAX_HEAD_DIM, (
         f"query head_dim {query.shape[2]} must equal the cache's {k_cache.shape[3]} and be "
         f"at most {MAX_HEAD_DIM}")

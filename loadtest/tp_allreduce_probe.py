@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import socket
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,21 @@ def _time_graph(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / (iters * REPEATS)
 
 
+def _nccl(x: torch.Tensor) -> None:
+    dist.all_reduce(x)
+
+
+def _one_shot(x: torch.Tensor, view: torch.Tensor, group_name: str) -> None:
+    view.copy_(x)  # into the symmetric buffer, then every rank reads every peer's
+    torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", group_name, x)
+
+
+def _two_shot(x: torch.Tensor, view: torch.Tensor, group_name: str) -> None:
+    view.copy_(x)
+    torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group_name)
+    x.copy_(view)
+
+
 def _run(rank: int, world: int, port: int, out: str) -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -60,41 +76,25 @@ def _run(rank: int, world: int, port: int, out: str) -> None:
     buf = symm_mem.empty(max_numel, dtype=torch.bfloat16, device=device)
     handle = symm_mem.rendezvous(buf, group.group_name)
     results["symm_mem"] = handle is not None
+    name = group.group_name
     for tokens in (1, 8, 32, 128, 512):
         numel = tokens * 4096
         x = torch.full((tokens, 4096), float(rank + 1), dtype=torch.bfloat16, device=device)
         expect = float(sum(range(1, world + 1)))
         row: dict[str, object] = {"bytes": numel * 2}
 
-        def nccl() -> None:
-            dist.all_reduce(x)
-
-        x.fill_(rank + 1)
-        nccl()
-        torch.cuda.synchronize()
-        row["nccl_ok"] = bool((x == expect).all())
-        row["nccl_us"] = _time_graph(nccl)
         view = buf[:numel].view(tokens, 4096)
-        for name, op in (("one_shot", "one_shot_all_reduce_out"),
-                         ("two_shot", "two_shot_all_reduce_")):
+        variants = {"nccl": partial(_nccl, x), "one_shot": partial(_one_shot, x, view, name),
+                    "two_shot": partial(_two_shot, x, view, name)}
+        for variant, fn in variants.items():
             try:
-                if name == "one_shot":
-                    def symm() -> None:
-                        view.copy_(x)
-                        torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum",
-                                                                   group.group_name, x)
-                else:
-                    def symm() -> None:
-                        view.copy_(x)
-                        torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group.group_name)
-                        x.copy_(view)
                 x.fill_(rank + 1)
-                symm()
+                fn()
                 torch.cuda.synchronize()
-                row[f"{name}_ok"] = bool((x == expect).all())
-                row[f"{name}_us"] = _time_graph(symm)
+                row[f"{variant}_ok"] = bool((x == expect).all())
+                row[f"{variant}_us"] = _time_graph(fn)
             except Exception as exc:  # noqa: BLE001 - the probe records what fails
-                row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                row[f"{variant}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         results[f"tokens_{tokens}"] = row
     if rank == 0:
         with open(out, "w") as f:

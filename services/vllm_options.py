@@ -54,7 +54,6 @@ _SWITCHES: dict[str, list[str]] = {
 # vLLM options meshserve does not support, and the values that ask for nothing.
 _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "--pipeline-parallel-size": ("1",), "-pp": ("1",),
-    "--quantization": (), "-q": (), "--kv-cache-dtype": ("auto",),
     "--speculative-config": (), "--lora-modules": (), "--max-loras": (),
     "--max-lora-rank": (), "--cpu-offload-gb": ("0",), "--swap-space": (),
     "--limit-mm-per-prompt": (), "--distributed-executor-backend": (),
@@ -62,6 +61,11 @@ _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "--chat-template": (), "--response-role": ("assistant",), "--ssl-keyfile": (),
     "--ssl-certfile": (), "--middleware": (), "--lora-dtype": (), "--revision": (),
     "--tokenizer": (),  # the model's own tokenizer is always used
+}
+# vLLM options meshserve reads under the same name for some of vLLM's values only.
+_PARTLY_SUPPORTED: dict[str, tuple[str, ...]] = {
+    "--quantization": ("fp8",),
+    "--kv-cache-dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
 }
 _UNSUPPORTED_SWITCHES = ("--enable-lora", "--enable-expert-parallel", "--trust-remote-code",
                          "--enable-prompt-tokens-details", "--enable-sleep-mode")
@@ -100,6 +104,14 @@ def translate(argv: Sequence[str]) -> list[str]:
             i += 1
         elif arg in _UNSUPPORTED_SWITCHES:
             raise _refuse(arg)
+        elif arg in _PARTLY_SUPPORTED or arg == "-q":
+            flag = "--quantization" if arg == "-q" else arg
+            if value not in _PARTLY_SUPPORTED[flag]:
+                raise ConfigError(f"{arg} {value}: this value is not supported by meshserve "
+                                  f"(supported: {', '.join(_PARTLY_SUPPORTED[flag])})",
+                                  param=flag.lstrip("-"))
+            out += [flag, value]
+            i += 2
         elif arg in _UNSUPPORTED or arg in _RENAMED:
             if value is None:
                 raise ConfigError(f"{arg} needs a value", param=arg.lstrip("-"))
@@ -117,7 +129,7 @@ def translate(argv: Sequence[str]) -> list[str]:
 
 def _split_equals(argv: Sequence[str]) -> list[str]:
     """`--flag=value` as `--flag value` for the options this module reads."""
-    known = {*_RENAMED, *_UNSUPPORTED, "--config"}
+    known = {*_RENAMED, *_UNSUPPORTED, *_PARTLY_SUPPORTED, "-q", "--config"}
     out: list[str] = []
     for arg in argv:
         flag, eq, value = arg.partition("=")

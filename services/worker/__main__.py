@@ -71,8 +71,11 @@ def build_engine(config: WorkerConfig) -> LLMEngine:
 
 def kv_namespace(model_name: str, engine: LLMEngine) -> str:
     """The KV namespace of this replica: blocks are shareable across replicas of one
-    model and dtype (and block size, which the hash itself already covers)."""
-    return f"{model_name}@{str(engine.dtype).removeprefix('torch.')}"
+    model, dtype and KV cache dtype (and block size, which the hash itself already covers),
+    so an FP8-cache worker never exchanges blocks with a bf16 one."""
+    dtype = str(engine.dtype).removeprefix("torch.")
+    kv_dtype = str(engine.kv_dtype).removeprefix("torch.")
+    return f"{model_name}@{dtype}" + ("" if kv_dtype == dtype else f"+kv={kv_dtype}")
 
 
 # On a GPU, prompt lengths for the warm-up's batch: several prompts in one step take the

@@ -62,6 +62,14 @@ class EngineOptions(Config):
     tensor_parallel_size: int = option(
         1, "devices one model replica is split over (-tp; one process per device, NCCL on "
            "GPUs, gloo on CPUs); on a GPU, ranks use the devices from --device's index on")
+    quantization: Literal["fp8"] | None = option(
+        None, "fp8: the decoder's linear layers in FP8 (e4m3, per-channel scales, activations "
+              "quantized per token), quantized at load; FP8 checkpoints (fp8, "
+              "compressed-tensors) are detected without it. GGUF files are dequantized to "
+              "--dtype on load (a Q4 file takes the dtype's full size) unless this is set")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
+        "auto", "KV cache element type: auto (the model's dtype) or FP8 (fp8 = fp8_e4m3; "
+                "scale 1.0), which holds twice the tokens in the same memory")
     generation_config: str = option(
         "auto", "sampling defaults for fields a request leaves out: auto (the model's "
                 "generation_config.json, as vLLM), vllm (none), or a folder holding one")

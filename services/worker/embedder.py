@@ -30,6 +30,7 @@ from meshserve.services.worker.models.loader import (
     ModelSource,
     load_model,
     load_model_config,
+    load_quant_config,
     resolve_dtype,
     resolve_model,
 )
@@ -55,8 +56,10 @@ class Embedder:
             read_model_files(self.source).config, self.model_config.hidden_size,
             self.source.path if self.source.format == "hf" else None, pooler_override)
         started = time.monotonic()
+        # FP8 weights as for generation; the scratch KV cache stays in the model's dtype.
         self.model = load_model(self.source, self.model_config, self.dtype, self.device,
-                                config.load_format, model_class=DecoderEmbedder)
+                                config.load_format, model_class=DecoderEmbedder,
+                                quant=load_quant_config(self.source, config.quantization))
         log.info("loaded %s as an embedder (%s, pooling %s%s from %s) in %.1fs",
                  self.source.name, self.dtype, self.pooler.pooling_type,
                  ", normalised" if self.pooler.normalize else "", self.pooler.source,

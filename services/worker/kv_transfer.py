@@ -42,7 +42,8 @@ _STOP = object()
 # Blocks copied between looks at the probes and loads waiting (on an H100, 32 blocks of the
 # 8B shape are 64 MiB: a few milliseconds).
 _SAVE_SLICE = 32
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 
 
 @dataclass

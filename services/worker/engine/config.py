@@ -41,6 +41,8 @@ class EngineConfig:
     structured_outputs_backend: str = "xgrammar"  # xgrammar | none
     # Devices (ranks) one model replica is split over (services/worker/parallel/).
     tensor_parallel_size: int = 1
+    quantization: str | None = None  # fp8: FP8 decoder weights (docs/quantization.md)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str, param: str) -> None:
@@ -76,6 +78,12 @@ class EngineConfig:
               f"{self.structured_outputs_backend!r}", "structured_outputs_backend")
         check(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be at least 1",
               "tensor_parallel_size")
+        check(self.quantization in (None, "fp8"),
+              f"--quantization must be fp8 (or unset), got {self.quantization!r}",
+              "quantization")
+        check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+              f"--kv-cache-dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2, got "
+              f"{self.kv_cache_dtype!r}", "kv_cache_dtype")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")

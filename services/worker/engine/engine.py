@@ -57,6 +57,7 @@ from meshserve.services.worker.models.loader import (
     ModelSource,
     load_model,
     load_model_config,
+    load_quant_config,
     resolve_dtype,
     resolve_model,
 )
@@ -65,6 +66,7 @@ from meshserve.services.worker.parallel.config import ParallelConfig, ShardPlan
 from meshserve.services.worker.parallel.ranks import RankGroup
 from meshserve.shared.block_hash import extra_keys_for
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
+from meshserve.shared.kv_dtype import kv_cache_dtype_name
 from meshserve.shared.kv_events import KVEvent
 from meshserve.shared.model_source import tokenizer_folder
 from meshserve.shared.sampling_params import SamplingParams
@@ -120,6 +122,14 @@ class LLMEngine:
         self.model_config: ModelConfig = load_model_config(self.source)
         # Checked (a size that does not split the model is refused) before any rank starts.
         shard = ShardPlan(self.model_config, self.parallel) if self.parallel.enabled else None
+        self.quant = load_quant_config(self.source, config.quantization)
+        if shard is not None and self.quant is not None and self.quant.from_checkpoint \
+                and config.load_format != "dummy":
+            # The checkpoint's scales would need slicing with their weights.
+            raise ModelLoadError(
+                "FP8 checkpoints are not split over tensor-parallel ranks; serve this one "
+                "with --tensor-parallel-size 1, or a bf16 checkpoint with --quantization fp8",
+                param="tensor_parallel_size")
         self.ranks: RankGroup | None = None
         if shard is not None and sync is None:
             self.ranks = RankGroup.start(config, self.device)
@@ -128,9 +138,12 @@ class LLMEngine:
         self.max_model_len = min(self.model_config.max_model_len,
                                  config.max_model_len or self.model_config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        # The KV cache's element type: the model's, or FP8 (--kv-cache-dtype).
+        self.kv_dtype: torch.dtype = getattr(torch, kv_cache_dtype_name(
+            config.kv_cache_dtype, str(self.dtype).removeprefix("torch.")))
         started = time.monotonic()
         model = load_model(self.source, self.model_config, self.dtype, self.device,
-                           config.load_format, shard=shard)
+                           config.load_format, shard=shard, quant=self.quant)
         log.info("loaded %s (%s) in %.1fs", self.source.name, self.dtype,
                  time.monotonic() - started)
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
@@ -145,7 +158,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             max_model_len=self.max_model_len,
         ), self.kv)
-        self.runner = ModelRunner(model, self.model_config, self.kv, self.dtype, self.device,
+        self.runner = ModelRunner(model, self.model_config, self.kv, self.kv_dtype, self.device,
                                   sync)
         self.graph_report = None
         self.piecewise_report = None
@@ -182,14 +195,14 @@ class LLMEngine:
     def _kv_blocks_that_fit(self, model: CausalLM, batched_tokens: int) -> int:
         # The model's own config: a tensor-parallel rank holds only its share of KV heads.
         per_block = kv_cache_bytes_per_block(model.config, self.config.block_size,
-                                             self.dtype)
+                                             self.kv_dtype)
         if self.device.type == "cuda":
             # What is left of this worker's share once weights (already loaded), the peak
             # activations of the largest step and the decode graphs are accounted for.
             activations = profile_activation_bytes(
                 model, model.config, batched_tokens,
                 min(self.max_num_seqs, batched_tokens), self.config.block_size,
-                self.dtype, self.device)
+                self.kv_dtype, self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             graphs = 0
             if not self.config.enforce_eager:

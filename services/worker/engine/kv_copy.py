@@ -36,6 +36,8 @@ def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], packed: torch.Tens
     expected = (len(block_ids), *block_shape(kv_caches))
     assert tuple(packed.shape) == expected, f"packed blocks {tuple(packed.shape)} != {expected}"
     index = torch.tensor(block_ids, dtype=torch.long, device=packed.device)
+    if packed.element_size() == 1:  # FP8 has no index_copy_: move the same bytes as uint8
+        packed = packed.view(torch.uint8)
     for layer, (k_cache, v_cache) in enumerate(kv_caches):
-        k_cache.index_copy_(0, index, packed[:, layer, 0])
-        v_cache.index_copy_(0, index, packed[:, layer, 1])
+        k_cache.view(packed.dtype).index_copy_(0, index, packed[:, layer, 0])
+        v_cache.view(packed.dtype).index_copy_(0, index, packed[:, layer, 1])

@@ -3,10 +3,14 @@
 Sources: a Hugging Face folder (safetensors, sharded or not, or pytorch_model.bin), a GGUF file
 (dequantized on load through transformers' GGUF reader), a hub id when a hub is reachable, the
 default model (see default_model.py), or `dummy` random weights of the right shapes.
+
+With a `QuantConfig` (services/worker/models/quant_fp8.py), the decoder's linear layers hold
+FP8 weights: loaded as such from an FP8 checkpoint, else quantized once the weights are in.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +19,11 @@ import torch
 
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
+from meshserve.services.worker.models.quant_fp8 import (
+    load_fp8_checkpoint,
+    prepare_checkpoint_layers,
+    quantize_online,
+)
 from meshserve.services.worker.models.registry import get_model_class
 from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.model_config import MODEL_TYPE_ARCHITECTURES, read_json, read_model_files
@@ -23,6 +32,9 @@ from meshserve.shared.model_source import (  # noqa: F401 (re-exported)
     ModelSource,
     resolve_model,
 )
+from meshserve.shared.quantization import QuantConfig, quantization_of
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from meshserve.services.worker.parallel.config import ShardPlan
@@ -41,29 +53,45 @@ def load_model_config(source: ModelSource) -> ModelConfig:
                                source=files.where)
 
 
+def load_quant_config(source: ModelSource, requested: str | None) -> QuantConfig | None:
+    """The weight quantization to run: the checkpoint's (config.json) or `--quantization`."""
+    files = read_model_files(source)
+    return quantization_of(files.config, requested, files.where)
+
+
 def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
                device: torch.device, load_format: str,
                model_class: type[CausalLM] | None = None,
-               shard: ShardPlan | None = None) -> CausalLM:
+               shard: ShardPlan | None = None,
+               quant: QuantConfig | None = None) -> CausalLM:
     """Build the model on `device` in `dtype` and fill its weights from the source.
 
     `model_class` replaces the architecture's own class (a pooling worker's embedder).
     `shard`: build this tensor-parallel rank's part of the model and load only its slices
-    (dummy weights are drawn per slice, on the device)."""
-    model = _materialize(config, dtype, device, model_class, shard)
-    if load_format == "dummy" or source.format == "dummy":
+    (dummy weights are drawn per slice, on the device). `quant` gives the decoder's linear
+    layers FP8 weights."""
+    dummy = load_format == "dummy" or source.format == "dummy"
+    fp8_checkpoint = quant is not None and quant.from_checkpoint and not dummy
+    assert not (fp8_checkpoint and shard is not None), \
+        "FP8 checkpoints are refused at tensor parallelism before the model is built"
+    model = _materialize(config, dtype, device, model_class, shard,
+                         quant if fp8_checkpoint else None)
+    if dummy:
         _fill_dummy(model, device)
     elif source.format == "gguf":
         _load_gguf(model, source.gguf_file or source.path, config, dtype, shard)
     else:
-        _load_hf(model, source.path, shard)
+        _load_hf(model, source.path, shard, quant if fp8_checkpoint else None)
+    if quant is not None and not fp8_checkpoint:
+        quantize_online(model)
     model.requires_grad_(False)
     return model.eval()
 
 
 def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  model_class: type[CausalLM] | None = None,
-                 shard: ShardPlan | None = None) -> CausalLM:
+                 shard: ShardPlan | None = None,
+                 fp8_layers: QuantConfig | None = None) -> CausalLM:
     """Allocate without initialising: build on the meta device, then give it real storage."""
     with torch.device("meta"):
         cls = model_class or get_model_class(config.architecture)
@@ -74,7 +102,10 @@ def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device,
 
             model = cls(shard.local_config())
             shard_modules(model, shard)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if fp8_layers is not None:  # after the cast to dtype, which would widen FP8 weights
+        prepare_checkpoint_layers(model, fp8_layers)
+    model = model.to_empty(device=device)
     model.reset_buffers()
     return model
 
@@ -87,10 +118,14 @@ def _fill_dummy(model: CausalLM, device: torch.device) -> None:
             param.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=generator)
 
 
-def _load_hf(model: CausalLM, folder: Path, shard: ShardPlan | None = None) -> None:
+def _load_hf(model: CausalLM, folder: Path, shard: ShardPlan | None = None,
+             quant: QuantConfig | None = None) -> None:
     files = checkpoint_files(folder)
     try:
-        model.load_weights(_iter_checkpoint(files, shard))
+        if quant is None:
+            model.load_weights(_iter_checkpoint(files, shard))
+        else:
+            load_fp8_checkpoint(model, _iter_checkpoint(files), quant)
     except ModelLoadError as exc:
         if str(folder) in exc.message:
             raise
@@ -154,9 +189,17 @@ def _load_gguf(model: CausalLM, gguf_file: Path, config: ModelConfig,
     """Dequantize the GGUF's tensors with transformers' reader, under Hugging Face names.
 
     The reader maps GGUF names to those of a Hugging Face model (built here on the meta
-    device, so it costs no memory) and undoes llama.cpp's q/k row permutation.
+    device, so it costs no memory) and undoes llama.cpp's q/k row permutation. Quantized
+    GGUF types (Q8_0, Q4_K, ...) are not kept: the weights are served in `dtype`, at that
+    dtype's size (logged), unless `--quantization fp8` requantizes the decoder to FP8.
     """
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    dense = sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8
+    log.warning("GGUF weights of %s are dequantized to %s on load: %.2f GiB in memory whatever "
+                "the file's quantization (%.2f GiB on disk); --quantization fp8 halves the "
+                "decoder's share on top of that", gguf_file.name, str(dtype).removeprefix(
+                    "torch."), dense / 2**30, gguf_file.stat().st_size / 2**30)
 
     try:
         parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=True,

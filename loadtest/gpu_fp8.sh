@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# FP8 weights and the FP8 KV cache against bf16 on one GPU, with the Llama-3.1-8B shape
+# (dummy weights; loadtest/models/llama-3.1-8b), in under 6 minutes:
+#
+#     bash loadtest/gpu_fp8.sh          # from the repository root; results in $OUT
+#
+# Steps, each under `timeout` within a total budget (FP8_BUDGET_S, 330 s):
+#   check     loadtest/fp8_bench.py check: the FP8 GPU paths (the Triton skinny FP8 product,
+#             torch._scaled_mm with per-token x per-channel scales, paged attention over an
+#             FP8 cache) against their torch references, and FP8 vs bf16 product times
+#   bf16      loadtest/fp8_bench.py run: single-stream TPOT (128 in / 128 out), ShareGPT-like
+#             offline throughput (NUM_PROMPTS, 1000), KV capacity, logprobs of fixed prompts
+#   fp8       the same with --quantization fp8
+#   fp8_kv8   the same with --quantization fp8 --kv-cache-dtype fp8
+#   report    the table: TPOT and throughput against bf16 (targets <= 0.6x and >= 1.3x),
+#             KV tokens per byte (2x), logprob differences from bf16 on the same dummy weights
+# $OUT gets env.txt, fp8.log (every step's output), check.json, <run>.json, summary.md and
+# summary.json. Knobs: MODEL_DIR, NUM_PROMPTS, ENGINE_FLAGS, FP8_BUDGET_S.
+# Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
+# folders are linked as the package `meshserve` (as gpu_suite.sh does).
+set -uo pipefail
+
+START=$SECONDS
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 1
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_fp8_out.XXXXXX")}
+RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_fp8.XXXXXX")
+trap 'rm -rf "$RUN_DIR"' EXIT
+mkdir -p "$OUT"
+: >"$OUT/fp8.log"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+BUDGET_S=${FP8_BUDGET_S:-330}
+NUM_PROMPTS=${NUM_PROMPTS:-1000}
+MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+ENGINE_FLAGS=${ENGINE_FLAGS:---load-format dummy --max-model-len 4096}
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
+    PATH=/tmp/site/bin:$PATH
+fi
+PKGROOT=$RUN_DIR/pkgroot
+mkdir -p "$PKGROOT/meshserve"
+for folder in services kernels shared proto; do
+  ln -s "$REPO/$folder" "$PKGROOT/meshserve/$folder"
+done
+export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} >"$OUT/env.txt" 2>&1
+
+log() { echo "$*" | tee -a "$OUT/fp8.log"; }
+
+step() {  # step NAME LIMIT_S COMMAND...: under timeout, never past the budget
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET_S - (SECONDS - START)))
+  if ((left < 20)); then
+    log "== $name: skipped (${left}s left)"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  local began=$SECONDS
+  log "== $name (limit ${limit}s): $*"
+  timeout -k 5 "$limit" "$@" >>"$OUT/fp8.log" 2>&1
+  local rc=$?
+  log "== $name: rc=$rc in $((SECONDS - began))s"
+}
+
+run() {  # run LABEL LIMIT_S EXTRA_FLAGS...
+  local label=$1 limit=$2
+  shift 2
+  # shellcheck disable=SC2086  # ENGINE_FLAGS is a list of flags
+  step "$label" "$limit" python3 loadtest/fp8_bench.py run --label "$label" \
+    --out "$OUT/$label.json" --num-prompts "$NUM_PROMPTS" -- --model "$MODEL_DIR" \
+    $ENGINE_FLAGS "$@"
+}
+
+step check 60 python3 loadtest/fp8_bench.py check --out "$OUT/check.json"
+run bf16 100
+run fp8 100 --quantization fp8
+run fp8_kv8 100 --quantization fp8 --kv-cache-dtype fp8
+runs=()
+for label in bf16 fp8 fp8_kv8; do
+  [[ -f "$OUT/$label.json" ]] && runs+=("$OUT/$label.json")
+done
+if ((${#runs[@]} >= 2)) && [[ -f "$OUT/bf16.json" ]]; then
+  python3 loadtest/fp8_bench.py report "${runs[@]}" --out "$OUT/summary.md" | tee -a "$OUT/fp8.log"
+else
+  log "!! too few runs finished for a comparison (see fp8.log)"
+fi
+grep -h '"ok"' "$OUT/check.json" 2>/dev/null | tail -1 | sed 's/^ */check: /'
+log "== gpu_fp8 finished in $((SECONDS - START))s"
