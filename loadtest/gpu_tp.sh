@@ -5,6 +5,7 @@
 #             overlapped loop: greedy tokens and logprobs at TP=2 against TP=1
 #   lat_tp1   `meshserve bench latency` single stream (128 in / 128 out), Llama-3.1-8B shape
 #   lat_tp2   the same at --tensor-parallel-size 2   (target: TPOT <= 0.6 x lat_tp1's)
+#   lat_tp2_nccl  lat_tp2 with --disable-custom-all-reduce (NCCL for every sum over ranks)
 #   tput_tp2  `meshserve bench throughput --dataset sharegpt-like` (1000 prompts) at TP=2
 #   tput_dp   the same prompt list shared round-robin by two TP=1 engines, one per GPU, in two
 #             processes at once (--num-shards 2 --shard-index 0|1): output tokens of both over
@@ -134,6 +135,10 @@ LATENCY=(--input-len "$LAT_LEN" --output-len "$LAT_LEN" --batch-size 1 --num-ite
 bench lat_tp1 60 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B
 # shellcheck disable=SC2086
 bench lat_tp2 75 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B --tensor-parallel-size 2
+# The same with NCCL's all-reduce for every sum (no one-shot all-reduce over symmetric memory)
+# shellcheck disable=SC2086
+bench lat_tp2_nccl 75 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B --tensor-parallel-size 2 \
+  --disable-custom-all-reduce
 
 # ---- ShareGPT-like throughput: one TP=2 engine, and two TP=1 engines side by side ----------
 THROUGHPUT=(--dataset sharegpt-like --num-prompts "$SHAREGPT_PROMPTS" --num-iters-warmup 1)
@@ -144,9 +149,11 @@ cat >"$RUN_DIR/pair.sh" <<SH
 # Two TP=1 engines at once, one per GPU, each running every other prompt of the same list.
 pids=()
 for i in 0 1; do
-  device=$DEVICE
-  [ "$DEVICE" = cuda ] && device=cuda:\$i
-  python3 -m meshserve.services.cli bench throughput --model "$MODEL_8B" --device "\$device" \
+  # Each engine sees its own GPU as cuda:0, as a worker started on that GPU alone would.
+  visible=\${CUDA_VISIBLE_DEVICES:-}
+  [ "$DEVICE" = cuda ] && visible=\$i
+  CUDA_VISIBLE_DEVICES=\$visible python3 -m meshserve.services.cli bench throughput \
+    --model "$MODEL_8B" --device "$DEVICE" \
     --no-progress --output-json "$OUT/tput_dp\$i.json" ${THROUGHPUT[*]} $FLAGS_8B \
     --num-shards 2 --shard-index \$i &
   pids+=(\$!)
@@ -186,8 +193,8 @@ def tpot(result):
     return result["tpot_s"]["avg"] if result and result.get("tpot_s") else None
 
 
-r = {n: load(n) for n in ("check", "lat_tp1", "lat_tp2", "lat70_tp2", "tput_tp2", "tput_dp0",
-                          "tput_dp1")}
+r = {n: load(n) for n in ("check", "lat_tp1", "lat_tp2", "lat_tp2_nccl", "lat70_tp2", "tput_tp2",
+                          "tput_dp0", "tput_dp1")}
 rows = ["| figure | value | note |", "|---|---|---|"]
 check = r["check"]
 if check:
@@ -201,6 +208,10 @@ rows.append(f"| 8B single-stream TPOT, TP=1 | {ms(t1)} | floor {ms(floor(lat1))}
 rows.append(f"| 8B single-stream TPOT, TP=2 | {ms(t2)} | "
             f"{times(t2 / t1 if t1 and t2 else None)} TP=1 (target <= 0.60); per-rank floor "
             f"{ms(floor(lat2))} |")
+t2n = tpot(r["lat_tp2_nccl"])
+if t2n:
+    rows.append(f"| 8B single-stream TPOT, TP=2, NCCL sums only | {ms(t2n)} | "
+                f"{times(t2n / t1 if t1 else None)} TP=1 (--disable-custom-all-reduce) |")
 if lat70:
     rows.append(f"| 70B single-stream TPOT, TP=2 | {ms(t70)} | "
                 f"{times(lat70['tpot_over_floor'])} the per-rank floor {ms(floor(lat70))} "

@@ -62,6 +62,9 @@ class EngineOptions(Config):
     tensor_parallel_size: int = option(
         1, "devices one model replica is split over (-tp; one process per device, NCCL on "
            "GPUs, gloo on CPUs); on a GPU, ranks use the devices from --device's index on")
+    disable_custom_all_reduce: bool = option(
+        False, "sum small tensors over tensor-parallel GPU ranks with NCCL instead of the "
+               "one-shot all-reduce over symmetric memory (NVLink)")
     quantization: Literal["fp8"] | None = option(
         None, "fp8: the decoder's linear layers in FP8 (e4m3, per-channel scales, activations "
               "quantized per token), quantized at load; FP8 checkpoints (fp8, "

@@ -57,3 +57,22 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_a_pooling_worker_is_refused_more_than_one_rank() -> None:
     with pytest.raises(ConfigError, match="pooling worker runs on one device"):
         WorkerConfig.from_args(short_flags(["--runner", "pooling", "-tp", "2"]), environ={})
+
+
+def test_cpu_ranks_and_a_disabled_custom_all_reduce_sum_through_torch_distributed() -> None:
+    import torch
+
+    from meshserve.services.worker.parallel.device_sum import DeviceSum
+
+    x = torch.ones(4, 8, dtype=torch.bfloat16)
+    assert not DeviceSum.create(torch.device("cpu"), torch.bfloat16, True).takes_one_shot(x)
+    assert not DeviceSum.create(torch.device("cuda", 0), torch.bfloat16,
+                                False).takes_one_shot(x)
+
+
+def test_disable_custom_all_reduce_reaches_the_engine_config() -> None:
+    from meshserve.services.worker.config import EngineOptions
+
+    options = EngineOptions.from_args(["--disable-custom-all-reduce"])
+    assert options.engine_config().disable_custom_all_reduce is True
+    assert EngineOptions.from_args([]).engine_config().disable_custom_all_reduce is False

@@ -41,6 +41,8 @@ class EngineConfig:
     structured_outputs_backend: str = "xgrammar"  # xgrammar | none
     # Devices (ranks) one model replica is split over (services/worker/parallel/).
     tensor_parallel_size: int = 1
+    # Small sums over GPU ranks by NCCL instead of the one-shot all-reduce.
+    disable_custom_all_reduce: bool = False
     quantization: str | None = None  # fp8: FP8 decoder weights (docs/quantization.md)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
 

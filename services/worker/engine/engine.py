@@ -115,7 +115,9 @@ class LLMEngine:
         """`parallel` and `sync` are given by a follower rank of a tensor-parallel worker
         (parallel/follower.py); rank 0 (every other caller) starts the followers itself."""
         self.config = config
-        self.parallel = parallel or ParallelConfig(world_size=config.tensor_parallel_size)
+        self.parallel = parallel or ParallelConfig(
+            world_size=config.tensor_parallel_size,
+            custom_all_reduce=not config.disable_custom_all_reduce)
         self.device = resolve_device(config.device, self.parallel.rank)
         torch.manual_seed(config.seed)
         self.source: ModelSource = resolve_model(config.model, config.load_format)

@@ -106,6 +106,10 @@ def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     if fp8_layers is not None:  # after the cast to dtype, which would widen FP8 weights
         prepare_checkpoint_layers(model, fp8_layers)
     model = model.to_empty(device=device)
+    if shard is not None:
+        from meshserve.services.worker.parallel.layers import bind_device_sum
+
+        bind_device_sum(model, shard, device, dtype)
     model.reset_buffers()
     return model
 

@@ -30,6 +30,8 @@ class ParallelConfig:
 
     world_size: int = 1
     rank: int = 0
+    # Small sums over GPU ranks by the one-shot all-reduce (--disable-custom-all-reduce: NCCL).
+    custom_all_reduce: bool = True
 
     def __post_init__(self) -> None:
         assert self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}"

@@ -33,7 +33,8 @@ def _exit_when_rank0_leaves() -> None:
 def run(spec: RankSpec) -> None:
     """Join, build the engine and follow rank 0's steps until told to stop."""
     torch.set_num_threads(spec.num_threads)
-    parallel = ParallelConfig(world_size=spec.world_size, rank=spec.rank)
+    parallel = ParallelConfig(world_size=spec.world_size, rank=spec.rank,
+                              custom_all_reduce=not spec.config.disable_custom_all_reduce)
     device = resolve_device(spec.config.device, spec.rank)
     sync = join_group(parallel, device, spec.port)
     # Grammars are compiled and applied by rank 0 only.
