@@ -40,6 +40,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from meshserve.shared.errors import MeshError
+from meshserve.shared.health_http import HealthProbe, add_health_route
 from meshserve.shared.status import grpc_code_for
 
 # RPC latencies span sub-millisecond unary calls to minutes-long generation streams.
@@ -146,6 +147,8 @@ class Telemetry:
         self.rpc_duration = Histogram(
             "meshserve_rpc_server_duration_seconds", "Time to serve one gRPC call",
             ["method", "code"], registry=self.registry, buckets=_RPC_BUCKETS)
+        # GET /health on the metrics port; the gRPC server attaches its status.
+        self.health = HealthProbe()
         self.rpc_in_flight = Gauge(
             "meshserve_rpc_server_in_flight", "gRPC calls being served", ["method"],
             registry=self.registry)
@@ -194,13 +197,15 @@ class Telemetry:
         """aiohttp handler for GET /metrics."""
         return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def start_metrics_server(self, host: str, port: int) -> web.AppRunner:
-        """Serve /metrics on host:port; `await runner.cleanup()` stops it."""
+    async def start_metrics_server(self, host: str, port: int, *, reuse_port: bool = False
+                                   ) -> web.AppRunner:
+        """Serve /metrics and /health on host:port; `await runner.cleanup()` stops it."""
         app = web.Application()
         app.router.add_get("/metrics", self.handle_metrics)
+        add_health_route(app, self.health)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
         return runner
 
 
