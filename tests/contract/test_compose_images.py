@@ -37,7 +37,8 @@ def test_the_cpu_image_is_built_in_one_stage_and_run_from_a_slim_one() -> None:
     assert "pip install --no-deps ." in build
     # The runtime stage installs nothing: it copies the environment and the model cache.
     assert "pip" not in runtime and "apt-get" not in runtime
-    copies = re.findall(r"^COPY --from=build (\S+)", runtime, flags=re.MULTILINE)
+    copies = re.findall(r"^COPY --from=build (?:--chown=meshserve )?(\S+)", runtime,
+                        flags=re.MULTILINE)
     assert copies == ["/opt/venv", "/opt/meshserve-cache"]
     assert "USER meshserve" in runtime
 
