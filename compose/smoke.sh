@@ -32,11 +32,16 @@ step() { printf '\n== %s\n' "$*"; }
 fail() { echo "SMOKE FAILED: $*" >&2; exit 1; }
 
 secret="${MESHSERVE_API_KEY_SECRET:-$here/secrets/api_key}"
+# The gateway runs as uid 10001 and compose mounts a file secret as it is on the host: the
+# file must be readable by that user. Kept private by its folder (0700) instead.
 if [[ ! -s "$secret" ]]; then
-    mkdir -p "$(dirname "$secret")"
-    (umask 077; head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$secret")
+    mkdir -p "$(dirname "$secret")" && chmod 700 "$(dirname "$secret")"
+    head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$secret"
+    chmod 644 "$secret"
     echo "created an API key in $secret"
 fi
+[[ "$(stat -c %A "$secret")" == *r?? ]] \
+    || fail "$secret must be readable by the gateway's user (uid 10001): chmod 644 it"
 key="$(head -n 1 "$secret")"
 if (( host )); then api_port="${MESHSERVE_GATEWAY_PORT:-8000}"; else api_port="${MESHSERVE_API_PORT:-8000}"; fi
 api="http://127.0.0.1:${api_port}"
