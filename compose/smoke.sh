@@ -104,7 +104,7 @@ echo "models: $models"
 model="$(sed -n 's/.*"id": *"\([^"]*\)".*/\1/p' <<<"$models" | head -n 1)"
 [[ -n "$model" ]] || fail "no model listed"
 
-step "requests (chat, streamed chat, completions), several to reach both workers"
+step "requests: 4 chat completions, a streamed chat completion, a completion"
 t0="$(now)"
 for i in 1 2 3 4; do
     reply="$(curl -sS --fail-with-body -H "Authorization: Bearer $key" \
