@@ -17,10 +17,10 @@ from meshserve.shared.telemetry import Telemetry
 
 
 async def get(port: int, path: str = "/health") -> tuple[int, dict[str, str]]:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"http://127.0.0.1:{port}{path}") as response:
-            body = await response.json() if path == "/health" else {}
-            return response.status, body
+    async with (aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{port}{path}") as response):
+        body = await response.json() if path == "/health" else {}
+        return response.status, body
 
 
 def bound_port(runner: web.AppRunner) -> int:
