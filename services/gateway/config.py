@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshserve.shared.config import ServiceConfig, option
+from meshserve.shared.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,8 +134,8 @@ class GatewayConfig(ServiceConfig):
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except OSError as exc:
-            self.require(False, f"cannot read {path}: {exc.strerror}", "api_key_file")
-            raise  # unreachable: require raised
+            raise ConfigError(f"{type(self).__name__}.api_key_file: cannot read {path}: "
+                              f"{exc.strerror}", param="api_key_file") from None
         key = lines[0].strip() if lines else ""
         self.require(bool(key), f"{path} holds no key (its first line is empty)", "api_key_file")
         return key
