@@ -126,6 +126,8 @@ class Telemetry:
                  registry: CollectorRegistry | None = None) -> None:
         """`span_exporter` adds an exporter of your own (tests use an in-memory one)."""
         self.service_name = service_name
+        # GET /health on the metrics port; the gRPC server attaches its status.
+        self.health = HealthProbe()
         resource = Resource.create({"service.name": service_name,
                                     "service.namespace": "meshserve"})
         # With nowhere to export, spans are not recorded (their context still travels, so
@@ -147,8 +149,6 @@ class Telemetry:
         self.rpc_duration = Histogram(
             "meshserve_rpc_server_duration_seconds", "Time to serve one gRPC call",
             ["method", "code"], registry=self.registry, buckets=_RPC_BUCKETS)
-        # GET /health on the metrics port; the gRPC server attaches its status.
-        self.health = HealthProbe()
         self.rpc_in_flight = Gauge(
             "meshserve_rpc_server_in_flight", "gRPC calls being served", ["method"],
             registry=self.registry)
