@@ -168,7 +168,7 @@ class GrpcServer:
                  keepalive_time_s: float = 30.0, keepalive_timeout_s: float = 10.0,
                  min_ping_interval_s: float | None = None, max_ping_strikes: int = 2,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False, max_connection_age_s: float | None = None) -> None:
         """`service_names` are full proto names ("meshserve.v1.Worker") for health.
 
         Keepalive: the server pings idle connections every `keepalive_time_s` and drops
@@ -181,6 +181,11 @@ class GrpcServer:
         `reuse_port` (SO_REUSEPORT) lets replicas on one host listen on the same port, the
         kernel spreading new connections over them; off, a second process on a taken port
         fails to start instead of silently sharing it.
+
+        `max_connection_age_s` ends each client connection after that long with GOAWAY:
+        calls in flight (long-lived streams included) finish on it, new calls reconnect,
+        and a client naming replicas by DNS resolves the name again, finding replicas
+        added since. Unset: connections live as long as both ends do.
         """
         assert grace_s >= 0, f"grace_s must be >= 0, got {grace_s}"
         if min_ping_interval_s is None:
@@ -211,6 +216,9 @@ class GrpcServer:
             ("grpc.http2.max_ping_strikes", max_ping_strikes),
             ("grpc.so_reuseport", int(reuse_port)),
         ]
+        if max_connection_age_s is not None:
+            assert max_connection_age_s > 0, f"must be > 0, got {max_connection_age_s}"
+            self.options.append(("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)))
         self.server = grpc.aio.server(interceptors=[*chain, *interceptors],
                                       options=self.options)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -229,6 +229,8 @@ def test_the_gateway_reads_the_api_key_from_a_secret(services: dict[str, Any],
 def test_tokenizers_are_found_through_one_dns_name(services: dict[str, Any]) -> None:
     assert services["gateway"]["environment"]["MESHSERVE_TOKENIZER_ADDRESSES"] == \
         "dns:///tokenizer:50051"
+    # Connections age out, so gateways resolve the name again and find added replicas.
+    assert float(services["tokenizer"]["environment"]["MESHSERVE_MAX_CONNECTION_AGE_S"]) > 0
     for name in ("worker", *GPU_WORKERS):
         env = services[name]["environment"]
         assert "MESHSERVE_ADVERTISE_ADDRESS" not in env, "a scaled worker advertises itself"
