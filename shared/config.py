@@ -284,6 +284,8 @@ class ServiceConfig(Config):
     otlp_endpoint: str | None = option(None, "OTLP gRPC endpoint for traces (unset: no export)",
                                        env="OTEL_EXPORTER_OTLP_ENDPOINT")
     drain_grace_s: float = option(30.0, "seconds in-flight calls may take to finish on SIGTERM")
+    reuse_port: bool = option(False, "listen with SO_REUSEPORT, so that replicas on one host "
+                                     "share the port (and the metrics port)")
 
     def validate(self) -> None:
         self.require(0 <= self.port <= 65535, f"must be in [0, 65535], got {self.port}", "port")

@@ -61,6 +61,10 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             return
         self._set_all(status)
 
+    def serving(self) -> bool:
+        """Whether the whole server ("") is SERVING (GET /health on the metrics port)."""
+        return self._status[""] == health_pb2.HealthCheckResponse.SERVING
+
     def close(self) -> None:
         """NOT_SERVING from now on; Watch streams end after sending it."""
         self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -163,7 +167,8 @@ class GrpcServer:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  keepalive_time_s: float = 30.0, keepalive_timeout_s: float = 10.0,
                  min_ping_interval_s: float | None = None, max_ping_strikes: int = 2,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 reuse_port: bool = False, max_connection_age_s: float | None = None) -> None:
         """`service_names` are full proto names ("meshserve.v1.Worker") for health.
 
         Keepalive: the server pings idle connections every `keepalive_time_s` and drops
@@ -172,6 +177,15 @@ class GrpcServer:
         the same keepalive_time_s are always welcome, idle streams included); a client
         pinging more often gets a strike, and past `max_ping_strikes` the connection is
         closed with GOAWAY "too_many_pings".
+
+        `reuse_port` (SO_REUSEPORT) lets replicas on one host listen on the same port, the
+        kernel spreading new connections over them; off, a second process on a taken port
+        fails to start instead of silently sharing it.
+
+        `max_connection_age_s` ends each client connection after that long with GOAWAY:
+        calls in flight (long-lived streams included) finish on it, new calls reconnect,
+        and a client naming replicas by DNS resolves the name again, finding replicas
+        added since. Unset: connections live as long as both ends do.
         """
         assert grace_s >= 0, f"grace_s must be >= 0, got {grace_s}"
         if min_ping_interval_s is None:
@@ -200,12 +214,16 @@ class GrpcServer:
             # data and answers faster ones with "too many pings".
             ("grpc.http2.min_ping_interval_without_data_ms", int(min_ping_interval_s * 1000)),
             ("grpc.http2.max_ping_strikes", max_ping_strikes),
-            # A second process on the same port must fail, not share it silently.
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(reuse_port)),
         ]
+        if max_connection_age_s is not None:
+            assert max_connection_age_s > 0, f"must be > 0, got {max_connection_age_s}"
+            self.options.append(("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)))
         self.server = grpc.aio.server(interceptors=[*chain, *interceptors],
                                       options=self.options)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if telemetry is not None:  # GET /health on the metrics port answers from here
+            telemetry.health.attach(self.health.serving)
 
     @property
     def draining(self) -> bool:

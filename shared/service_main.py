@@ -60,7 +60,8 @@ async def service_telemetry(role: str, config: ServiceConfig) -> AsyncIterator[T
     metrics = None
     try:
         if config.metrics_port is not None:
-            metrics = await telemetry.start_metrics_server(config.host, config.metrics_port)
+            metrics = await telemetry.start_metrics_server(config.host, config.metrics_port,
+                                                           reuse_port=config.reuse_port)
         yield telemetry
     finally:
         if metrics is not None:

@@ -40,6 +40,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from meshserve.shared.errors import MeshError
+from meshserve.shared.health_http import HealthProbe, add_health_route
 from meshserve.shared.status import grpc_code_for
 
 # RPC latencies span sub-millisecond unary calls to minutes-long generation streams.
@@ -125,6 +126,8 @@ class Telemetry:
                  registry: CollectorRegistry | None = None) -> None:
         """`span_exporter` adds an exporter of your own (tests use an in-memory one)."""
         self.service_name = service_name
+        # GET /health on the metrics port; the gRPC server attaches its status.
+        self.health = HealthProbe()
         resource = Resource.create({"service.name": service_name,
                                     "service.namespace": "meshserve"})
         # With nowhere to export, spans are not recorded (their context still travels, so
@@ -198,16 +201,17 @@ class Telemetry:
     async def start_metrics_server(
             self, host: str, port: int,
             routes: Iterable[tuple[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]]
-            = ()) -> web.AppRunner:
-        """Serve GET /metrics (and GET `routes`, path -> handler) on host:port;
+            = (), *, reuse_port: bool = False) -> web.AppRunner:
+        """Serve GET /metrics, /health (and GET `routes`, path -> handler) on host:port;
         `await runner.cleanup()` stops it."""
         app = web.Application()
         app.router.add_get("/metrics", self.handle_metrics)
+        add_health_route(app, self.health)
         for path, handler in routes:
             app.router.add_get(path, handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
         self.metrics_port = runner.addresses[0][1]  # the bound port (port 0: a free one)
         return runner
 

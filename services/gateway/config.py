@@ -12,7 +12,9 @@ Choices, written down:
 - `/health` is 200 when the scheduler and at least one tokenizer replica are SERVING
   and at least one worker is registered; otherwise 503 with what is missing.
 - An `api_key` guards `/v1/*`, `/tokenize` and `/detokenize` (as vLLM guards `/v1`);
-  `/health`, `/version` and `/metrics` stay open for probes and scrapers.
+  `/health`, `/version` and `/metrics` stay open for probes and scrapers. With
+  `api_key_file` (a compose or Kubernetes secret) the key is the file's first line, read
+  once at start, so that it appears in no command line or environment.
 - `reuse_port` (SO_REUSEPORT, off by default) lets several gateway processes listen on
   one host:port, the kernel spreading new connections over them; `meshserve up
   --gateways N` turns it on when N > 1. Off otherwise, so that a second gateway started
@@ -22,8 +24,10 @@ Choices, written down:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from meshserve.shared.config import ServiceConfig, option
+from meshserve.shared.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +51,8 @@ class GatewayConfig(ServiceConfig):
     metrics_targets: tuple[str, ...] = option(
         (), "other services' /metrics that GET /metrics/all merges, as name=url, "
             "comma-separated (the registered workers' come from the scheduler)")
+    api_key_file: Path | None = option(  # noqa: RUF009 (option() is the config pattern)
+        None, "file whose first line is the API key (a secret mount; instead of --api-key)")
     allowed_origins: tuple[str, ...] = option(
         (), "origins a browser may call the API from (CORS), comma-separated; '*': any "
             "(empty: no CORS headers, preflights refused)")
@@ -103,6 +109,10 @@ class GatewayConfig(ServiceConfig):
                      "reuse_port")
         self.require(self.api_key is None or bool(self.api_key), "must not be empty when set",
                      "api_key")
+        if self.api_key_file is not None:
+            self.require(self.api_key is None, "give --api-key or --api-key-file, not both",
+                         "api_key_file")
+            object.__setattr__(self, "api_key", self._read_api_key(self.api_key_file))
         for name in ("max_concurrent_requests", "max_body_bytes", "retry_after_s",
                      "route_output_estimate", "max_generate_attempts"):
             value = getattr(self, name)
@@ -124,6 +134,16 @@ class GatewayConfig(ServiceConfig):
                      "responses_ttl_s"):
             value = getattr(self, name)
             self.require(value > 0, f"must be > 0, got {value}", name)
+
+    def _read_api_key(self, path: Path) -> str:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ConfigError(f"{type(self).__name__}.api_key_file: cannot read {path}: "
+                              f"{exc.strerror}", param="api_key_file") from None
+        key = lines[0].strip() if lines else ""
+        self.require(bool(key), f"{path} holds no key (its first line is empty)", "api_key_file")
+        return key
 
     def _require_parser(self, name: str, module: str, table: str) -> None:
         value = getattr(self, name)

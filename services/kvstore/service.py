@@ -210,7 +210,8 @@ class KVStoreService:
         if metrics_registry is not None:
             metrics_registry.register(StoreCollector(store))
         server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
-                            telemetry=telemetry, grace_s=config.drain_grace_s)
+                            telemetry=telemetry, grace_s=config.drain_grace_s,
+                            reuse_port=config.reuse_port)
         run = StoreRun(arena.token if arena else os.urandom(TOKEN_BYTES), config.lease_s, arena)
         servicer = KVStoreServicer(store, run, config.get_message_bytes)
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server.server)

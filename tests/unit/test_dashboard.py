@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 import threading
 import urllib.parse
@@ -142,19 +143,36 @@ def test_checker_lists_the_empty_queries_and_fails(dashboard, prometheus, tmp_pa
     assert checker.main(["--prometheus", prometheus, "--dashboard", str(path)]) == 0
 
 
+def _default_port(value: str) -> int:
+    """`${VAR:-9101}` (compose's form) -> 9101."""
+    match = re.fullmatch(r"\$\{\w+:-(\d+)\}", str(value))
+    assert match, value
+    return int(match.group(1))
+
+
 def test_prometheus_scrapes_every_role_where_compose_serves_metrics() -> None:
     import yaml
 
     config = yaml.safe_load((REPO / "compose" / "prometheus" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == {"gateway", "tokenizer", "scheduler", "kvstore", "worker"}
-    for job in jobs.values():
-        ports = [c["port"] for c in job.get("dns_sd_configs", [])] + [
-            int(t.rsplit(":", 1)[1]) for c in job.get("static_configs", [])
-            for t in c["targets"]]
-        assert ports and set(ports) == {9100}, job["job_name"]
     compose = yaml.safe_load((REPO / "compose" / "docker-compose.yml").read_text())
-    assert compose["x-service"]["environment"]["MESHSERVE_METRICS_PORT"] == "9100"
+    services = compose["services"]
+    # Where compose serves each service's /metrics (the gateway: on its API port).
+    served = {name: _default_port(services[name]["environment"]["MESHSERVE_METRICS_PORT"])
+              for name in ("tokenizer", "scheduler", "kvstore", "worker", "worker-gpu-0",
+                           "worker-gpu-1")}
+    served["gateway"] = _default_port(services["gateway"]["environment"]["MESHSERVE_PORT"])
+    scraped: dict[str, int] = {}
+    for job in jobs.values():
+        for c in job.get("dns_sd_configs", []):
+            for name in c["names"]:
+                scraped[name] = c["port"]
+        for c in job.get("static_configs", []):
+            for target in c["targets"]:
+                name, port = target.rsplit(":", 1)
+                scraped[name] = int(port)
+    assert scraped == served
     source = yaml.safe_load((REPO / "compose" / "grafana" / "provisioning" / "datasources" /
                              "prometheus.yaml").read_text())["datasources"][0]
     assert (source["uid"], source["url"]) == ("prometheus", "http://prometheus:9090")
