@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.lora_config import LoraModule
 
 GiB = 1 << 30
 
@@ -39,6 +40,12 @@ class EngineConfig:
     async_scheduling: str = "auto"  # auto | on | off
     # What compiles structured-output grammars (none: such requests are refused).
     structured_outputs_backend: str = "xgrammar"  # xgrammar | none
+    # Multi-LoRA serving (vLLM's --enable-lora and friends; docs/lora.md).
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in device memory at once (and in one step)
+    max_lora_rank: int = 16  # largest adapter rank accepted; device slots are this wide
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
+    lora_modules: tuple[LoraModule, ...] = ()  # adapters served from the start
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str, param: str) -> None:
@@ -72,6 +79,14 @@ class EngineConfig:
         check(self.structured_outputs_backend in ("xgrammar", "none"),
               "--structured-outputs-backend must be xgrammar or none, got "
               f"{self.structured_outputs_backend!r}", "structured_outputs_backend")
+        check(self.max_loras > 0, "--max-loras must be positive", "max_loras")
+        check(self.max_lora_rank in (1, 8, 16, 32, 64, 128, 256, 320, 512),
+              "--max-lora-rank must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512, got "
+              f"{self.max_lora_rank}", "max_lora_rank")
+        check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+              "--max-cpu-loras must be at least --max-loras", "max_cpu_loras")
+        check(self.enable_lora or not self.lora_modules,
+              "--lora-modules needs --enable-lora", "lora_modules")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")

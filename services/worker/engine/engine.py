@@ -51,6 +51,7 @@ from meshserve.services.worker.engine.structured_output import (
     accept_tokens,
     new_matcher,
 )
+from meshserve.services.worker.lora.setup import build_lora
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.loader import (
     ModelSource,
@@ -60,7 +61,7 @@ from meshserve.services.worker.models.loader import (
     resolve_model,
 )
 from meshserve.shared.block_hash import extra_keys_for
-from meshserve.shared.errors import InvalidRequestError, ModelLoadError
+from meshserve.shared.errors import InvalidRequestError, ModelLoadError, NotFoundError
 from meshserve.shared.kv_events import KVEvent
 from meshserve.shared.model_source import tokenizer_folder
 from meshserve.shared.sampling_params import SamplingParams
@@ -117,6 +118,11 @@ class LLMEngine:
                  time.monotonic() - started)
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
         self.max_num_seqs = config.seqs_limit(*_gpu_memory_and_name(self.device))
+        self.lora = None if not config.enable_lora else build_lora(
+            model, self.model_config, max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
+            max_tokens=max(batched_tokens, self.max_num_seqs), modules=config.lora_modules,
+            dtype=self.dtype, device=self.device)
         num_blocks = self._num_kv_blocks(model, batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -126,8 +132,10 @@ class LLMEngine:
             long_prefill_token_threshold=config.prefill_chunk_cap(self.device.type == "cuda"),
             policy=config.scheduling_policy,
             max_model_len=self.max_model_len,
+            max_loras=config.max_loras if self.lora is not None else 0,
         ), self.kv)
         self.runner = ModelRunner(model, self.model_config, self.kv, self.dtype, self.device)
+        self.runner.lora = self.lora
         self.graph_report = None
         self.piecewise_report = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -238,6 +246,9 @@ class LLMEngine:
             grammar = self.grammars.compile(params.structured)
         if params.bad_words and bad_words_ids is None:
             bad_words_ids = self.grammars.bad_word_ids(params.bad_words)
+        if lora_id is not None and (self.lora is None or not self.lora.is_served(lora_id)):
+            raise NotFoundError(f"LoRA adapter {lora_id} is not loaded on this worker",
+                                param="model")
         extra_keys = extra_keys_for(lora_id, cache_salt)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         sequences: list[Request] = []
@@ -251,7 +262,8 @@ class LLMEngine:
                 list(prompt_token_ids), params, group_id=request_id, index=index,
                 priority=priority, arrival_time=arrival,
                 eos_token_ids=self.model_config.eos_token_ids, max_tokens=max_tokens,
-                extra_keys=extra_keys, leader=sequences[0] if share and sequences else None)
+                extra_keys=extra_keys, leader=sequences[0] if share and sequences else None,
+                lora_id=lora_id)
             if resumed is not None:
                 seq.output_token_ids.extend(resumed[index])
             seq.store_checked = not store_lookup
