@@ -54,15 +54,14 @@ _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "--tensor-parallel-size": ("1",), "-tp": ("1",),
     "--pipeline-parallel-size": ("1",), "-pp": ("1",),
     "--quantization": (), "-q": (), "--kv-cache-dtype": ("auto",),
-    "--speculative-config": (), "--lora-modules": (), "--max-loras": (),
-    "--max-lora-rank": (), "--cpu-offload-gb": ("0",), "--swap-space": (),
+    "--speculative-config": (), "--cpu-offload-gb": ("0",), "--swap-space": (),
     "--limit-mm-per-prompt": (), "--distributed-executor-backend": (),
     "--hf-overrides": (), "--rope-scaling": (), "--max-seq-len-to-capture": (),
     "--chat-template": (), "--response-role": ("assistant",), "--ssl-keyfile": (),
-    "--ssl-certfile": (), "--middleware": (), "--lora-dtype": (), "--revision": (),
+    "--ssl-certfile": (), "--middleware": (), "--lora-dtype": ("auto",), "--revision": (),
     "--tokenizer": (),  # the model's own tokenizer is always used
 }
-_UNSUPPORTED_SWITCHES = ("--enable-lora", "--enable-expert-parallel", "--trust-remote-code",
+_UNSUPPORTED_SWITCHES = ("--enable-expert-parallel", "--trust-remote-code",
                          "--enable-prompt-tokens-details", "--enable-sleep-mode")
 
 
@@ -94,6 +93,15 @@ def translate(argv: Sequence[str]) -> list[str]:
                 raise ConfigError("--config needs a YAML file", param="config")
             out = config_flags(Path(value)) + out
             i += 2
+        elif arg == "--lora-modules":
+            values = []
+            i += 1
+            while i < len(args) and not args[i].startswith("-"):
+                values.append(args[i])
+                i += 1
+            if not values:
+                raise ConfigError("--lora-modules needs a value", param="lora-modules")
+            out += ["--lora-modules", _lora_modules(values)]
         elif arg in _SWITCHES:
             out += _SWITCHES[arg]
             i += 1
@@ -114,9 +122,28 @@ def translate(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _lora_modules(values: list[str]) -> str:
+    """vLLM's `--lora-modules a=PATH '{"name": ..}' ...` (several values) as meshserve's one
+    value: comma-separated name=path, or a JSON array when any value is JSON."""
+    if not any(v.lstrip().startswith(("{", "[")) for v in values):
+        return ",".join(values)
+    items: list[Any] = []
+    for value in values:
+        if not value.lstrip().startswith(("{", "[")):
+            items.append(value)
+            continue
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"--lora-modules: invalid JSON {value!r}",
+                              param="lora-modules") from None
+        items.extend(parsed if isinstance(parsed, list) else [parsed])
+    return json.dumps(items)
+
+
 def _split_equals(argv: Sequence[str]) -> list[str]:
     """`--flag=value` as `--flag value` for the options this module reads."""
-    known = {*_RENAMED, *_UNSUPPORTED, "--config"}
+    known = {*_RENAMED, *_UNSUPPORTED, "--config", "--lora-modules"}
     out: list[str] = []
     for arg in argv:
         flag, eq, value = arg.partition("=")
@@ -148,6 +175,8 @@ def _flag_tokens(flag: str, value: Any) -> list[str]:
         return [flag]
     if value is False:
         return ["--no-" + flag[2:]]
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        return [flag, json.dumps(value)]  # vLLM's JSON --lora-modules entries
     if isinstance(value, list):
         return [flag, ",".join(str(v) for v in value)]
     if isinstance(value, dict):

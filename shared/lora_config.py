@@ -43,25 +43,40 @@ class LoraModule:
         return lora_id_for(self.name)
 
 
-def parse_lora_module(text: str) -> LoraModule:
-    """One `--lora-modules` value: `name=path` or vLLM's JSON
-    `{"name": .., "path": .., "base_model_name": ..}`."""
-    text = text.strip()
-    if text.startswith("{"):
+def parse_lora_modules(text: str | None) -> tuple[LoraModule, ...]:
+    """The `--lora-modules` value: comma-separated `name=path`, or JSON: one vLLM object
+    `{"name": .., "path": .., "base_model_name": ..}` or an array of such objects and
+    `name=path` strings. Names must be unique."""
+    text = (text or "").strip()
+    if not text:
+        return ()
+    if text[0] in "[{":
         try:
             body = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"--lora-modules: invalid JSON {text!r}: {exc}",
                                       param="lora_modules") from exc
-        if not isinstance(body, dict) or not isinstance(body.get("name"), str) or (
-                not isinstance(body.get("path"), str)):
-            raise InvalidRequestError("--lora-modules JSON needs string 'name' and 'path'",
-                                      param="lora_modules")
-        base = body.get("base_model_name")
-        return LoraModule(body["name"], body["path"], base if isinstance(base, str) else None)
-    name, sep, path = text.partition("=")
+        items = body if isinstance(body, list) else [body]
+        modules = tuple(_module(item) for item in items)
+    else:
+        modules = tuple(_module(part.strip()) for part in text.split(",") if part.strip())
+    names = [m.name for m in modules]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError(f"--lora-modules names the same adapter twice: {names}",
+                                  param="lora_modules")
+    return modules
+
+
+def _module(item: object) -> LoraModule:
+    if isinstance(item, dict):
+        name, path, base = item.get("name"), item.get("path"), item.get("base_model_name")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise InvalidRequestError("--lora-modules JSON needs string 'name' and 'path', got "
+                                      f"{item!r}", param="lora_modules")
+        return LoraModule(name, path, base if isinstance(base, str) else None)
+    name, sep, path = str(item).partition("=")
     if not sep or not name or not path:
-        raise InvalidRequestError(f"--lora-modules takes name=path or JSON, got {text!r}",
+        raise InvalidRequestError(f"--lora-modules takes name=path or JSON, got {item!r}",
                                   param="lora_modules")
     return LoraModule(name, path)
 

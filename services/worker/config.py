@@ -58,6 +58,15 @@ class EngineOptions(Config):
     structured_outputs_backend: Literal["xgrammar", "none"] = option(
         "xgrammar", "what compiles the grammars of structured outputs (response_format, "
                     "structured_outputs, guided_*; none: such requests are refused)")
+    enable_lora: bool = option(False, "serve LoRA adapters (docs/lora.md)")
+    max_loras: int = option(1, "LoRA adapters in device memory at once (and in one step)")
+    max_lora_rank: int = option(16, "largest LoRA rank accepted (1, 8, 16, 32, 64, 128, 256, "
+                                    "320 or 512); device slots are this wide")
+    max_cpu_loras: int | None = option(None, "LoRA adapters kept in host memory (unset: "
+                                             "--max-loras); others are read again when needed")
+    lora_modules: str | None = option(
+        None, "LoRA adapters to serve: comma-separated name=path, or vLLM's JSON "
+              "'{\"name\": .., \"path\": .., \"base_model_name\": ..}' (or an array of them)")
     generation_config: str = option(
         "auto", "sampling defaults for fields a request leaves out: auto (the model's "
                 "generation_config.json, as vLLM), vllm (none), or a folder holding one")

@@ -6,6 +6,7 @@ with the adapter applied is the reference for every row, whatever else shares it
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -56,7 +57,8 @@ def test_mixed_batch_matches_peft_per_adapter(llama: tuple[Path, list[Path]]) ->
     gets its own model's greedy tokens (adapters are swapped in and out of the slots)."""
     base, adapters = llama
     modules = tuple(LoraModule(f"ad{i}", str(p)) for i, p in enumerate(adapters))
-    engine = make_engine(base, enable_lora=True, max_loras=2, lora_modules=modules)
+    spec = ",".join(f"{m.name}={m.path}" for m in modules)
+    engine = make_engine(base, enable_lora=True, max_loras=2, lora_modules=spec)
     hf_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     references = [hf_base] + [peft_model(base, p) for p in adapters]
     ids: list[int | None] = [None] + [m.lora_id for m in modules]
@@ -74,7 +76,7 @@ def test_adapter_cache_is_apart_from_the_base(llama: tuple[Path, list[Path]]) ->
     """The same prompt with and without an adapter: neither reuses the other's KV blocks."""
     base, adapters = llama
     module = LoraModule("ad0", str(adapters[0]))
-    engine = make_engine(base, enable_lora=True, lora_modules=(module,))
+    engine = make_engine(base, enable_lora=True, lora_modules=f"{module.name}={module.path}")
     prompt = _prompts(1, 400, seed=9)[0] * 3  # several full blocks
     first = _run(engine, [(prompt, None)])
     second = _run(engine, [(prompt, module.lora_id)])
@@ -86,7 +88,8 @@ def test_qwen2_adapter_matches_peft(tmp_path: Path) -> None:
     base = build_tiny_model(tmp_path / "base", "qwen2", seed=4)
     adapter = build_adapter(base, tmp_path / "q", seed=21, rank=8)
     module = LoraModule("qwen-ad", str(adapter))
-    engine = make_engine(base, enable_lora=True, lora_modules=(module,))
+    engine = make_engine(base, enable_lora=True,  # vLLM's JSON form of --lora-modules
+                         lora_modules=json.dumps({"name": module.name, "path": module.path}))
     prompts = _prompts(2, 400, seed=2)
     got = _run(engine, [(prompts[0], module.lora_id), (prompts[1], None)])
     hf_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()

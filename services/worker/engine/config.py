@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshserve.shared.errors import InvalidRequestError
-from meshserve.shared.lora_config import LoraModule
+from meshserve.shared.lora_config import parse_lora_modules
 
 GiB = 1 << 30
 
@@ -45,7 +45,8 @@ class EngineConfig:
     max_loras: int = 1  # adapters in device memory at once (and in one step)
     max_lora_rank: int = 16  # largest adapter rank accepted; device slots are this wide
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
-    lora_modules: tuple[LoraModule, ...] = ()  # adapters served from the start
+    # Adapters served from the start: comma-separated name=path, or vLLM's JSON objects.
+    lora_modules: str | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str, param: str) -> None:
@@ -87,6 +88,7 @@ class EngineConfig:
               "--max-cpu-loras must be at least --max-loras", "max_cpu_loras")
         check(self.enable_lora or not self.lora_modules,
               "--lora-modules needs --enable-lora", "lora_modules")
+        parse_lora_modules(self.lora_modules)  # InvalidRequestError naming lora_modules
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")

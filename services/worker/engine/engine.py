@@ -63,6 +63,7 @@ from meshserve.services.worker.models.loader import (
 from meshserve.shared.block_hash import extra_keys_for
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError, NotFoundError
 from meshserve.shared.kv_events import KVEvent
+from meshserve.shared.lora_config import parse_lora_modules
 from meshserve.shared.model_source import tokenizer_folder
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -121,7 +122,7 @@ class LLMEngine:
         self.lora = None if not config.enable_lora else build_lora(
             model, self.model_config, max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
-            max_tokens=max(batched_tokens, self.max_num_seqs), modules=config.lora_modules,
+            max_tokens=max(batched_tokens, self.max_num_seqs), modules=parse_lora_modules(config.lora_modules),
             dtype=self.dtype, device=self.device)
         num_blocks = self._num_kv_blocks(model, batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
