@@ -20,6 +20,7 @@ from typing import Any
 
 from meshserve.shared.errors import ConfigError
 
+
 def _task(value: str) -> list[str]:
     """vLLM's older --task: generate, or embed (a pooling runner converting the causal LM)."""
     if value in ("auto", "generate"):

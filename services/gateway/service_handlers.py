@@ -53,13 +53,19 @@ class ServiceHandlers:
         return asyncio.get_running_loop().time() + self._config.request_timeout_s
 
     async def _model_card(self, name: str) -> dict[str, object]:
+        """vLLM's model card; a LoRA adapter's names the model it adapts as its parent."""
+        adapter = (await self._orch.lora_adapters()).get(name)
         return {"id": name, "object": "model", "created": self._created,
-                "owned_by": "meshserve", "root": name, "parent": None,
+                "owned_by": "meshserve", "root": name,
+                "parent": adapter.base_model if adapter is not None else None,
                 "max_model_len": await self._clients.max_model_len(name)}
 
     async def models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: the served model names, with their context length when known."""
-        data = [await self._model_card(name) for name in await self._orch.model_names()]
+        """GET /v1/models: the served model names, then the LoRA adapters, with their context
+        length when known."""
+        names = await self._orch.model_names()
+        names += [a for a in await self._orch.lora_adapters() if a not in names]
+        data = [await self._model_card(name) for name in names]
         return json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
