@@ -32,3 +32,13 @@ def peft_model(base: Path, adapter: Path) -> torch.nn.Module:
     """transformers + peft with the adapter applied: the reference for the engine."""
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     return PeftModel.from_pretrained(model, adapter).eval()
+
+
+def greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
+    """The model's greedy continuation of `prompt` (exactly `max_new` tokens)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                             min_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
