@@ -6,6 +6,7 @@ slot s has fewer rows, so a step of T rows launches cdiv(T, BLOCK_M) x S program
 grouping, which is what a CUDA graph replays. Rows of one slot share that slot's A and B, so a
 tile is a dense [BLOCK_M, K] x [K, n*R] product (tensor cores for prefill; for decode, where a
 slot has few rows, reading A and B is the cost and split-K spreads that over more programs).
+The grid depends only on T, K and S, so a CUDA graph captured for T tokens replays any mix.
 
 shrink: h [T, n*R] float32 = x [T, K] @ A[s]^T, accumulated over SPLIT_K programs with atomics
         (h starts zeroed).
@@ -40,8 +41,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     h = torch.zeros(num_tokens, nr, dtype=torch.float32, device=x.device)  # [T, n*R]
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
     block_k = 64
-    # Few rows: reading A is the whole cost; spread it over more programs.
-    split_k = max(1, min(16, triton.cdiv(k, block_k * 4))) if num_tokens <= 64 else 1
+    # Each program reduces at most 8 blocks of K: reading A is most of the cost when a slot
+    # has few rows (decode), and only one row tile per slot is busy then, so the split is
+    # what spreads a slot's A over many programs.
+    split_k = max(1, min(16, triton.cdiv(k, block_k * 8)))
     _shrink_kernel[(triton.cdiv(num_tokens, block_m), split_k, num_slots)](
         x, a, h, batch.sorted_rows, batch.slot_start, batch.slot_count,
         k, nr, x.stride(0), a.stride(0), a.stride(1), h.stride(0),

@@ -74,6 +74,7 @@ CASES = [
     ([-1, -1, -1], 2, 64, (48,), 16, torch.float32),  # no adapter at all
     ([i % 4 - 1 for i in range(70)], 3, 80, (40, 40), 32, torch.float32),  # several tiles
     ([0, 1, 0, 1, -1], 2, 128, (64, 32, 32), 16, torch.bfloat16),
+    ([0, 1, -1, 0], 2, 1100, (32,), 16, torch.float32),  # K split over 3 programs (atomics)
 ]
 
 

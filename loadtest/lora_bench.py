@@ -1,0 +1,258 @@
+"""Multi-LoRA serving cost, in process: throughput of a ShareGPT-like load spread over many
+adapters against the base model, and single-stream time per output token with and without
+an adapter.
+
+    python loadtest/lora_bench.py adapters --model M --out /tmp/adapters --count 8 --rank 16
+    python loadtest/lora_bench.py check    --model M --out check.json   # kernels vs reference
+    python loadtest/lora_bench.py run --model M --load-format dummy --out base.json
+    python loadtest/lora_bench.py run --model M --load-format dummy --out lora.json \\
+        --adapters /tmp/adapters --count 8 --rank 16
+    python loadtest/lora_bench.py summary --base base.json --lora lora.json --out-md t.md
+
+`adapters` writes random PEFT adapters (all seven projections of every layer) shaped for
+the model's config.json. `run` builds one engine (with --adapters: --enable-lora, one slot
+per adapter) and measures: `tput_base` every request on the base model; with adapters also
+`tput_lora` the same requests spread round-robin over the adapters; then single-stream
+decode (`tpot_base`, and `tpot_lora` with the first adapter). Each engine runs in its own
+process so that its memory is sized alone. `summary` prints the ratios and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshserve.services.bench import random_prompts, sharegpt_like_lengths, throughput_report
+from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.shared.lora_config import TARGET_MODULES, lora_id_for
+from meshserve.shared.sampling_params import SamplingParams
+
+TARGET_RATIO = 0.8  # adapters' throughput against the base model's (docs/lora.md)
+
+
+def _shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q = config["num_attention_heads"] * head_dim
+    kv = config["num_key_value_heads"] * head_dim
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+def write_adapters(model: Path, out: Path, count: int, rank: int) -> list[str]:
+    """`count` random rank-`rank` PEFT adapters of every projection; their names."""
+    from safetensors.torch import save_file
+
+    config = json.loads((model / "config.json").read_text())
+    shapes = _shapes(config)
+    names = []
+    for i in range(count):
+        folder = out / f"lora{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+            "target_modules": list(TARGET_MODULES), "lora_dropout": 0.0}))
+        generator = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(config["num_hidden_layers"]):
+            for module, (fan_in, fan_out) in shapes.items():
+                part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") \
+                    else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+                tensors[f"{key}.lora_A.weight"] = (torch.randn(
+                    rank, fan_in, generator=generator) / math.sqrt(fan_in)).bfloat16()
+                tensors[f"{key}.lora_B.weight"] = (torch.randn(
+                    fan_out, rank, generator=generator) * 0.01).bfloat16()
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        names.append(folder.name)
+    return names
+
+
+def check_kernels(out: Path) -> None:
+    """The Triton kernels against the grouped reference on the GPU, at 8B-layer shapes."""
+    from meshserve.kernels.lora import LoraBatch, add_lora_reference, group_rows
+    from meshserve.kernels.triton_lora import add_lora
+
+    device = torch.device("cuda")
+    cases = []
+    for tokens, slots, k, slices, rank in [
+            (1, 8, 4096, (4096, 1024, 1024), 16), (64, 8, 4096, (14336, 14336), 16),
+            (256, 8, 14336, (4096,), 16), (2048, 8, 4096, (4096, 1024, 1024), 16),
+            (300, 4, 4096, (4096,), 64)]:
+        g = torch.Generator(device=device).manual_seed(tokens)
+        row_slots = torch.randint(-1, slots, (tokens,), generator=g, device=device).tolist()
+        x = torch.randn(tokens, k, device=device, generator=g).bfloat16()
+        a = (torch.randn(slots, len(slices) * rank, k, device=device, generator=g)
+             / math.sqrt(k)).bfloat16()
+        b = (torch.randn(slots, sum(slices), rank, device=device, generator=g) * 0.1).bfloat16()
+        y = torch.randn(tokens, sum(slices), device=device, generator=g).bfloat16()
+        rows, starts, counts = group_rows(row_slots, slots)
+        batch = LoraBatch(torch.tensor(rows + [0] * (tokens - len(rows)), dtype=torch.int32,
+                                       device=device),
+                          torch.tensor(starts, dtype=torch.int32, device=device),
+                          torch.tensor(counts, dtype=torch.int32, device=device))
+        expected = y.clone()
+        add_lora_reference(expected, x, a, b, slices, batch)
+        add_lora(y, x, a, b, slices, batch)
+        error = (y.float() - expected.float()).norm() / expected.float().norm()
+        cases.append({"tokens": tokens, "slots": slots, "k": k, "slices": list(slices),
+                      "rank": rank, "rel_err": float(error), "ok": bool(error < 1e-2)})
+        print(cases[-1], flush=True)
+    out.write_text(json.dumps({"cases": cases, "ok": all(c["ok"] for c in cases)}, indent=2))
+    assert all(c["ok"] for c in cases), "a LoRA kernel case is off the reference"
+
+
+def _engine(args: argparse.Namespace) -> LLMEngine:
+    lora: dict[str, Any] = {}
+    if args.adapters:
+        modules = [{"name": f"lora{i}", "path": str(Path(args.adapters) / f"lora{i}")}
+                   for i in range(args.count)]
+        lora = {"enable_lora": True, "max_loras": args.count, "max_lora_rank": args.rank,
+                "lora_modules": json.dumps(modules)}
+    return LLMEngine(EngineConfig(model=args.model, load_format=args.load_format,
+                                  dtype=args.dtype, max_model_len=args.max_model_len,
+                                  structured_outputs_backend="none", **lora))
+
+
+def _throughput(engine: LLMEngine, prompts: list[list[int]], outputs: list[int],
+                loras: list[int | None], tag: str) -> dict[str, Any]:
+    started = time.perf_counter()
+    for i, (prompt, out, lora) in enumerate(zip(prompts, outputs, loras, strict=True)):
+        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(
+            temperature=0.0, max_tokens=out, ignore_eos=True), lora_id=lora)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    elapsed = time.perf_counter() - started
+    assert tokens == sum(outputs), f"{tag}: {tokens} tokens, expected {sum(outputs)}"
+    report = throughput_report(len(prompts), sum(map(len, prompts)), tokens, elapsed)
+    print(f"{tag}: {report['output_tokens_per_s']:.0f} output tok/s", flush=True)
+    return report
+
+
+def _tpot(engine: LLMEngine, prompt: list[int], output_len: int, lora: int | None,
+          tag: str) -> dict[str, float]:
+    """Single-stream decode: (e2e - ttft) / (output_len - 1), best of 3."""
+    best = math.inf
+    for run in range(3):
+        first = None
+        engine.add_request(f"{tag}-{run}", prompt, SamplingParams(
+            temperature=0.0, max_tokens=output_len, ignore_eos=True), lora_id=lora)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if first is None and out.new_token_ids:
+                    first = time.perf_counter()
+        assert first is not None
+        best = min(best, (time.perf_counter() - first) / (output_len - 1))
+    print(f"{tag}: {best * 1e3:.2f} ms per output token", flush=True)
+    return {"tpot_ms": best * 1e3}
+
+
+def run(args: argparse.Namespace) -> None:
+    engine = _engine(args)
+    config = engine.model_config
+    lengths = sharegpt_like_lengths(args.num_prompts, 0, engine.max_model_len)
+    prompts = random_prompts([i for i, _ in lengths], config, 0)
+    outputs = [o for _, o in lengths]
+    ids = [lora_id_for(f"lora{i}") for i in range(args.count)] if args.adapters else []
+    # Warm-up: a short batch of every kind (kernels compile, the adapters go to their slots).
+    warm = random_prompts([i for i, _ in lengths[:64]], config, 1)
+    _throughput(engine, warm, [16] * len(warm), [None] * len(warm), "warm-base")
+    if ids:
+        _throughput(engine, warm, [16] * len(warm), [ids[i % len(ids)] for i in
+                                                     range(len(warm))], "warm-lora")
+    report: dict[str, Any] = {"command": vars(args), "environment": {
+        "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
+        else platform.processor(), "torch": torch.__version__,
+        "lora_slot_mib": None if engine.lora is None else round(
+            engine.lora._stack.num_bytes / 2**20, 1)}}
+    report["tput_base"] = _throughput(engine, prompts, outputs, [None] * len(prompts), "base")
+    if ids:
+        spread = [ids[i % len(ids)] for i in range(len(prompts))]
+        report["tput_lora"] = _throughput(engine, prompts, outputs, spread, "lora")
+    single = random_prompts([args.single_input_len], config, 2)[0]
+    report["tpot_base"] = _tpot(engine, single, args.single_output_len, None, "tpot-base")
+    if ids:
+        report["tpot_lora"] = _tpot(engine, single, args.single_output_len, ids[0],
+                                    "tpot-lora")
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+def summary(args: argparse.Namespace) -> None:
+    base = json.loads(Path(args.base).read_text())
+    lora = json.loads(Path(args.lora).read_text())
+    adapters = f"LoRA engine, {lora['command']['count']} adapters (rank {lora['command']['rank']})"
+    rows = [("no-LoRA engine, base requests", base["tput_base"], base["tpot_base"]),
+            ("LoRA engine, base requests", lora["tput_base"], lora["tpot_base"]),
+            (adapters, lora["tput_lora"], lora["tpot_lora"])]
+    reference = base["tput_base"]["output_tokens_per_s"]
+    lines = [f"device: {lora['environment']['device']}", "",
+             "| engine / requests | output tok/s | vs no-LoRA | single-stream TPOT ms |",
+             "|---|---|---|---|"]
+    for name, tput, tpot in rows:
+        rate = tput["output_tokens_per_s"]
+        lines.append(f"| {name} | {rate:.0f} | {rate / reference:.3f} | "
+                     f"{tpot['tpot_ms']:.2f} |")
+    ratio = lora["tput_lora"]["output_tokens_per_s"] / reference
+    verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
+    lines += ["", f"adapters / base throughput: {ratio:.3f} (target >= {TARGET_RATIO}: {verdict})"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out_md).write_text(text)
+    Path(args.out_json).write_text(json.dumps({"base": base, "lora": lora,
+                                               "ratio": ratio}, indent=2))
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    adapters = commands.add_parser("adapters")
+    adapters.add_argument("--model", required=True)
+    adapters.add_argument("--out", required=True)
+    adapters.add_argument("--count", type=int, default=8)
+    adapters.add_argument("--rank", type=int, default=16)
+    check = commands.add_parser("check")
+    check.add_argument("--out", required=True)
+    bench = commands.add_parser("run")
+    bench.add_argument("--model", required=True)
+    bench.add_argument("--load-format", default="auto")
+    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--max-model-len", type=int, default=2048)
+    bench.add_argument("--adapters", default=None, help="folder of `adapters` (unset: no LoRA)")
+    bench.add_argument("--count", type=int, default=8)
+    bench.add_argument("--rank", type=int, default=16)
+    bench.add_argument("--num-prompts", type=int, default=1000)
+    bench.add_argument("--single-input-len", type=int, default=128)
+    bench.add_argument("--single-output-len", type=int, default=128)
+    bench.add_argument("--out", required=True)
+    report = commands.add_parser("summary")
+    report.add_argument("--base", required=True)
+    report.add_argument("--lora", required=True)
+    report.add_argument("--out-md", required=True)
+    report.add_argument("--out-json", required=True)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
+    if args.command == "adapters":
+        print(write_adapters(Path(args.model), Path(args.out), args.count, args.rank))
+    elif args.command == "check":
+        check_kernels(Path(args.out))
+    elif args.command == "run":
+        run(args)
+    else:
+        summary(args)
+
+
+if __name__ == "__main__":
+    main()
