@@ -39,6 +39,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     num_slots, nr, _ = a.shape
     rank = b.shape[2]
     h = torch.zeros(num_tokens, nr, dtype=torch.float32, device=x.device)  # [T, n*R]
+    # float32 models multiply exactly; 16-bit operands take the tensor cores' default.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
     block_k = 64
     # Each program reduces at most 8 blocks of K: reading A is most of the cost when a slot
@@ -49,7 +51,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         x, a, h, batch.sorted_rows, batch.slot_start, batch.slot_count,
         k, nr, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(nr)), BLOCK_K=block_k,
-        SPLIT_K=split_k)
+        SPLIT_K=split_k, DOT_PRECISION=precision,
+        num_warps=8 if block_m >= 64 else 4)  # 4 warps spill a 64 x 64 tile (sm_90)
     offset = 0
     block_r = max(16, triton.next_power_of_2(rank))
     for i, size in enumerate(slices):
@@ -61,7 +64,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                         num_slots)](
             h_i, b_i, y_i, batch.sorted_rows, batch.slot_start, batch.slot_count,
             size, rank, h_i.stride(0), b_i.stride(0), b_i.stride(1), y_i.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r)
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, DOT_PRECISION=precision)
         offset += size
 
 
@@ -80,7 +83,7 @@ def _slot_rows(sorted_ptr, start_ptr, count_ptr, slot, pid_m, BLOCK_M: tl.conste
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, start_ptr, count_ptr,
                    K, NR, stride_xm, stride_as, stride_an, stride_hm,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     slot = tl.program_id(2)
@@ -97,7 +100,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, start_ptr, count_ptr,
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
             a = tl.load(a_base + offs_n[None, :] * stride_an + offs_k[:, None],
                         mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # [BK, BN]
-            acc += tl.dot(x, a, input_precision="ieee")
+            acc += tl.dot(x, a, input_precision=DOT_PRECISION)
         h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         if SPLIT_K == 1:
@@ -109,7 +112,8 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, start_ptr, count_ptr,
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, start_ptr, count_ptr,
                    N, R, stride_hm, stride_bs, stride_bn, stride_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.program_id(2)
@@ -126,7 +130,7 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, start_ptr, count_ptr,
                     + offs_r[:, None], mask=mask_n[None, :] & mask_r[:, None],
                     other=0.0)  # [BR, BN]
         # The shrunk rows are rounded to the weights' dtype first, as a PEFT layer does.
-        delta = tl.dot(h.to(b.dtype), b, input_precision="ieee")  # [BM, BN] float32
+        delta = tl.dot(h.to(b.dtype), b, input_precision=DOT_PRECISION)  # [BM, BN] float32
         y_ptrs = y_ptr + rows64[:, None] * stride_ym + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0)

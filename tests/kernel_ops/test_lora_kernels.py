@@ -7,6 +7,7 @@ with TRITON_INTERPRET=1 (Triton picks its interpreter when first imported).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -104,3 +105,57 @@ def test_lora_kernels_under_the_interpreter() -> None:
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     passed = re.search(r"(\d+) passed", done.stdout.strip().splitlines()[-1])
     assert passed and int(passed[1]) == len(CASES), done.stdout[-2000:]
+
+
+# Compiles both kernels for Hopper (sm_90) as a JIT launch on the 8B shapes would (bf16,
+# pointers and row strides divisible by 16), and reports spill bytes. A child process: the
+# interpreter may be switched on in this one.
+_COMPILE_FOR_HOPPER = r"""
+import json, os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from meshserve.kernels import triton_lora as tl_lora
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+def build(kernel, types, consts, **options):
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and n.endswith("_ptr")}
+    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    return {"kernel": kernel.__name__, "consts": {k: str(v) for k, v in consts.items()},
+            "spill": int(re.search(r"STACK:(\d+)", usage)[1])}
+
+ints = {n: "*i32" for n in ("sorted_ptr", "start_ptr", "count_ptr")}
+out = []
+for block_m, split_k in ((16, 8), (64, 1), (64, 16)):
+    out.append(build(tl_lora._shrink_kernel,
+                     {"x_ptr": "*bf16", "a_ptr": "*bf16", "h_ptr": "*fp32", **ints},
+                     dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, SPLIT_K=split_k,
+                          DOT_PRECISION="tf32"), num_warps=8 if block_m >= 64 else 4))
+for block_m in (16, 64):
+    out.append(build(tl_lora._expand_kernel,
+                     {"h_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", **ints},
+                     dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_R=16, DOT_PRECISION="tf32")))
+print(json.dumps(out))
+"""
+
+
+@outside_interpreter
+def test_lora_kernels_compile_for_hopper_without_spills() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env,
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    launches = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(launches) == 5
+    assert all(launch["spill"] == 0 for launch in launches), launches
