@@ -92,6 +92,11 @@ class Orchestrator:
         """The LoRA adapters served, by name (their requests name them as the model)."""
         return await self._clients.lora_adapters(refresh=refresh)
 
+    async def base_model(self, model: str) -> str:
+        """The model that serves `model`: the base of a LoRA adapter, else itself."""
+        adapter = (await self.lora_adapters()).get(model)
+        return model if adapter is None else adapter.base_model
+
     async def _bind_lora(self, job: GenerationJob) -> GenerationJob:
         """`job` with its adapter's base model and id when it names a LoRA adapter."""
         if job.lora_id is not None:

@@ -91,6 +91,7 @@ class ServiceHandlers:
             prompt = body["prompt"]
             add_special = _typed(body, "add_special_tokens", bool, "a boolean", True)
         strs = _typed(body, "return_token_strs", bool, "a boolean", False)
+        model = await self._orch.base_model(model)  # an adapter tokenizes as its base
         response = await self._orch.tokenize(model, prompt, add_special_tokens=add_special,
                                              deadline=self._deadline(), return_token_strs=strs)
         tokens = list(response.token_ids)
@@ -106,7 +107,8 @@ class ServiceHandlers:
         if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
             raise InvalidRequestError("'tokens' must be an array of token ids", param="tokens")
-        text = await self._orch.detokenize(model, tokens, self._deadline())
+        text = await self._orch.detokenize(await self._orch.base_model(model), tokens,
+                                           self._deadline())
         return json_response({"prompt": text})
 
     async def health(self, request: web.Request) -> web.Response:

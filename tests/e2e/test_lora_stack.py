@@ -87,10 +87,14 @@ def models(client: openai.OpenAI) -> dict[str, str | None]:
     return {m.id: m.model_extra["parent"] for m in client.models.list()}  # type: ignore[index]
 
 
-def test_a_startup_adapter_is_listed_and_runs(client, folders) -> None:
+def test_a_startup_adapter_is_listed_and_runs(stack, client, folders) -> None:
     assert models(client) == {MODEL: None, "boot": MODEL}
     for prompt in PROMPTS[:2]:
         assert greedy_ids(client, "boot", prompt) == reference(folders, "boot", prompt)
+    # An adapter tokenizes as its base model.
+    tokenized = [post(stack, "/tokenize", {"model": m, "prompt": "the quick brown fox"})
+                 for m in ("boot", MODEL)]
+    assert tokenized[0][0] == 200 and tokenized[0] == tokenized[1]
     # The base model next to it is still the base model.
     base = greedy_ids(client, MODEL, PROMPTS[0])
     assert base != greedy_ids(client, "boot", PROMPTS[0])
