@@ -157,6 +157,37 @@ def _tpot(engine: LLMEngine, prompt: list[int], output_len: int, lora: int | Non
     return {"tpot_ms": best * 1e3}
 
 
+def _greedy(engine: LLMEngine, prompts: list[list[int]], loras: list[int | None],
+            tag: str, max_tokens: int = 32) -> list[list[int]]:
+    """Greedy tokens of the prompts run together in one batch."""
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True), lora_id=lora)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return [tokens[f"{tag}-{i}"] for i in range(len(prompts))]
+
+
+def consistency(engine: LLMEngine, ids: list[int]) -> dict[str, float]:
+    """Each adapter's greedy tokens alone (decode graph of one row) against the same
+    requests in one mixed batch with the base model (a bigger graph, other rows' slots):
+    the fraction of equal sequences (bf16 GEMMs of other shapes may flip a rare near-tie),
+    and the fraction that differ from the base model's (LoRA is applied at all)."""
+    prompts = random_prompts([64] * len(ids), engine.model_config, 3)
+    alone = [_greedy(engine, [p], [i], f"alone{n}")[0] for n, (p, i) in
+             enumerate(zip(prompts, ids, strict=True))]
+    mixed = _greedy(engine, prompts + prompts, [*ids, *([None] * len(ids))], "mixed")
+    together, base = mixed[:len(ids)], mixed[len(ids):]
+    result = {"same_alone_and_mixed": sum(a == t for a, t in zip(alone, together,
+                                                                  strict=True)) / len(ids),
+              "differs_from_base": sum(a != b for a, b in zip(alone, base,
+                                                               strict=True)) / len(ids)}
+    print(f"consistency: {result}", flush=True)
+    return result
+
+
 def run(args: argparse.Namespace) -> None:
     engine = _engine(args)
     config = engine.model_config
@@ -179,6 +210,8 @@ def run(args: argparse.Namespace) -> None:
     if ids:
         spread = [ids[i % len(ids)] for i in range(len(prompts))]
         report["tput_lora"] = _throughput(engine, prompts, outputs, spread, "lora")
+    if ids:
+        report["consistency"] = consistency(engine, ids)
     single = random_prompts([args.single_input_len], config, 2)[0]
     report["tpot_base"] = _tpot(engine, single, args.single_output_len, None, "tpot-base")
     if ids:
@@ -204,6 +237,10 @@ def summary(args: argparse.Namespace) -> None:
                      f"{tpot['tpot_ms']:.2f} |")
     ratio = lora["tput_lora"]["output_tokens_per_s"] / reference
     verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
+    checks = lora.get("consistency", {})
+    lines += ["", (f"greedy tokens: adapter alone = in a mixed batch for "
+              f"{checks.get('same_alone_and_mixed', 0):.0%} of adapters; differ from the base "
+              f"model for {checks.get('differs_from_base', 0):.0%}")]
     lines += ["", f"adapters / base throughput: {ratio:.3f} (target >= {TARGET_RATIO}: {verdict})"]
     text = "\n".join(lines) + "\n"
     print(text)
