@@ -101,7 +101,10 @@ class Orchestrator:
         """`job` with its adapter's base model and id when it names a LoRA adapter."""
         if job.lora_id is not None:
             return job
-        adapter = (await self.lora_adapters()).get(job.model)
+        try:
+            adapter = (await self.lora_adapters()).get(job.model)
+        except MeshError:  # the registry is out of reach: routing reports it for the request
+            return job
         if adapter is None:
             return job
         return replace(job, base_model=adapter.base_model, lora_id=adapter.lora_id)
