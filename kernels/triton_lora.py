@@ -10,8 +10,9 @@ The grid depends only on T, K and S, so a CUDA graph captured for T tokens repla
 
 shrink: h [T, n*R] float32 = x [T, K] @ A[s]^T, accumulated over SPLIT_K programs with atomics
         (h starts zeroed).
-expand: y [T, N] += h[:, i*R:(i+1)*R] @ B[s, cols of slice i]^T, one launch per output slice
-        (h rounded to the weights' dtype first, as PEFT's layers compute).
+expand: y [T, N] += h[:, i*R:(i+1)*R] @ B[s, cols of slice i]^T for every output slice i, in
+        one launch when a column tile divides every slice (the model's shapes), else one per
+        slice (h rounded to the weights' dtype first, as PEFT's layers compute).
 """
 
 from __future__ import annotations
@@ -53,19 +54,38 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(nr)), BLOCK_K=block_k,
         SPLIT_K=split_k, DOT_PRECISION=precision,
         num_warps=8 if block_m >= 64 else 4)  # 4 warps spill a 64 x 64 tile (sm_90)
-    offset = 0
     block_r = max(16, triton.next_power_of_2(rank))
-    for i, size in enumerate(slices):
-        h_i = h[:, i * rank:(i + 1) * rank]  # [T, R] view
-        b_i = b[:, offset:offset + size]  # [S, size, R] view
-        y_i = y[:, offset:offset + size]  # [T, size] view
-        block_n = 64 if size >= 64 else max(16, triton.next_power_of_2(size))
-        _expand_kernel[(triton.cdiv(num_tokens, block_m), triton.cdiv(size, block_n),
-                        num_slots)](
+    grid_m = triton.cdiv(num_tokens, block_m)
+    block_n = _common_block(slices)
+    if block_n is not None:  # one launch for every slice: no tile straddles two of them
+        bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [b.shape[1]] * 2
+        _expand_kernel[(grid_m, triton.cdiv(b.shape[1], block_n), num_slots)](
+            h, b, y, batch.sorted_rows, batch.slot_start, batch.slot_count,
+            b.shape[1], rank, bounds[0], bounds[1], h.stride(0), b.stride(0), b.stride(1),
+            y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+            DOT_PRECISION=precision)
+        return
+    offset = 0
+    for i, size in enumerate(slices):  # odd slice sizes: a launch per slice, on views
+        h_i = h[:, i * rank:(i + 1) * rank]  # [T, R]
+        b_i = b[:, offset:offset + size]  # [S, size, R]
+        y_i = y[:, offset:offset + size]  # [T, size]
+        block = 64 if size >= 64 else max(16, triton.next_power_of_2(size))
+        _expand_kernel[(grid_m, triton.cdiv(size, block), num_slots)](
             h_i, b_i, y_i, batch.sorted_rows, batch.slot_start, batch.slot_count,
-            size, rank, h_i.stride(0), b_i.stride(0), b_i.stride(1), y_i.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, DOT_PRECISION=precision)
+            size, rank, size, size, h_i.stride(0), b_i.stride(0), b_i.stride(1),
+            y_i.stride(0), BLOCK_M=block_m, BLOCK_N=block, BLOCK_R=block_r,
+            DOT_PRECISION=precision)
         offset += size
+
+
+def _common_block(slices: Sequence[int]) -> int | None:
+    """The widest column tile (64, 32 or 16) that divides every slice of at most three, so
+    that each tile of a single expand launch lies in one slice; None if there is none."""
+    if len(slices) > 3:
+        return None
+    return next((block for block in (64, 32, 16)
+                 if all(size % block == 0 for size in slices)), None)
 
 
 @triton.jit
@@ -111,20 +131,24 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, start_ptr, count_ptr,
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, start_ptr, count_ptr,
-                   N, R, stride_hm, stride_bs, stride_bn, stride_ym,
+                   N, R, END0, END1, stride_hm, stride_bs, stride_bn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
+    """Columns [0, END0) are slice 0, [END0, END1) slice 1, the rest slice 2: a tile's
+    slice picks its R columns of h (tiles never straddle two slices)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.program_id(2)
     rows, mask_m, any_rows = _slot_rows(sorted_ptr, start_ptr, count_ptr, slot, pid_m, BLOCK_M)
     if any_rows:
+        first = pid_n * BLOCK_N
+        piece = (first >= END0).to(tl.int32) + (first >= END1).to(tl.int32)
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = first + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         rows64 = rows.to(tl.int64)
-        h = tl.load(h_ptr + rows64[:, None] * stride_hm + offs_r[None, :],
+        h = tl.load(h_ptr + rows64[:, None] * stride_hm + piece * R + offs_r[None, :],
                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # [BM, BR] float32
         b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
                     + offs_r[:, None], mask=mask_n[None, :] & mask_r[:, None],

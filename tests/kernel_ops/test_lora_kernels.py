@@ -76,6 +76,8 @@ CASES = [
     ([i % 4 - 1 for i in range(70)], 3, 80, (40, 40), 32, torch.float32),  # several tiles
     ([0, 1, 0, 1, -1], 2, 128, (64, 32, 32), 16, torch.bfloat16),
     ([0, 1, -1, 0], 2, 1100, (32,), 16, torch.float32),  # K split over 3 programs (atomics)
+    ([1, 0, -1, 1, 0, 0], 2, 64, (40, 24, 24), 16, torch.float32),  # a launch per slice
+    ([2, 0, 1, -1, 2], 3, 64, (128, 64, 64), 16, torch.bfloat16),  # one launch, 64 columns
 ]
 
 
