@@ -52,13 +52,17 @@ def _run(engine: LLMEngine, requests: list[tuple[list[int], int | None]]) -> lis
     return [tokens_of(outputs[f"r{i}"]) for i in range(len(requests))]
 
 
-def test_mixed_batch_matches_peft_per_adapter(llama: tuple[Path, list[Path]]) -> None:
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_mixed_batch_matches_peft_per_adapter(llama: tuple[Path, list[Path]],
+                                              async_scheduling: str) -> None:
     """Three adapters and the base model in one batch, with two device slots: every row
-    gets its own model's greedy tokens (adapters are swapped in and out of the slots)."""
+    gets its own model's greedy tokens (adapters are swapped in and out of the slots), also
+    when each step is prepared before the previous one's tokens are read."""
     base, adapters = llama
     modules = tuple(LoraModule(f"ad{i}", str(p)) for i, p in enumerate(adapters))
     spec = ",".join(f"{m.name}={m.path}" for m in modules)
-    engine = make_engine(base, enable_lora=True, max_loras=2, lora_modules=spec)
+    engine = make_engine(base, enable_lora=True, max_loras=2, lora_modules=spec,
+                         async_scheduling=async_scheduling, max_num_batched_tokens=64)
     hf_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     references = [hf_base] + [peft_model(base, p) for p in adapters]
     ids: list[int | None] = [None] + [m.lora_id for m in modules]
