@@ -56,6 +56,8 @@ def test_lora_options_are_supported_in_both_spellings(tmp_path: Path) -> None:
     assert parse_lora_modules(from_file.lora_modules) == (LoraModule("sql", "/a/sql"),)
     with pytest.raises(ConfigError, match="lora_modules"):
         config_of("m", "--lora-modules", "a=/x")  # without --enable-lora
+    with pytest.raises(ConfigError, match="generation workers only"):
+        config_of("m", "--runner", "pooling", "--enable-lora")
 
 
 def test_harmless_values_of_unsupported_options_pass() -> None:
