@@ -113,9 +113,15 @@ def test_runtime_add_and_remove(llama: tuple[Path, list[Path]], tmp_path: Path) 
     assert got[0] == hf_greedy(peft_model(base, adapters[1]), prompt, MAX_NEW)
     with pytest.raises(InvalidRequestError, match="already loaded"):
         engine.lora.add(LoraModule("late", str(adapters[1])))
+    # Removed while a request with it waits: that request still runs with it.
+    engine.add_request("queued", prompt, GREEDY, lora_id=lora_id_for("late"))
     engine.lora.remove("late")
     with pytest.raises(NotFoundError):
         engine.add_request("y", prompt, GREEDY, lora_id=lora_id_for("late"))
+    queued: list[int] = []
+    while engine.has_unfinished_requests():
+        queued += [t for out in engine.step() for t in out.new_token_ids]
+    assert queued == got[0]
     with pytest.raises(NotFoundError, match="adapter_config.json"):
         engine.lora.add(LoraModule("missing", str(tmp_path / "nowhere")))
     assert [m.name for m in engine.lora.served()] == []

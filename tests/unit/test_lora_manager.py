@@ -15,7 +15,7 @@ from meshserve.services.worker.lora.manager import LoraManager
 from meshserve.services.worker.lora.stack import LoraStack
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.loader import load_model_config, resolve_model
-from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.errors import InvalidRequestError, NotFoundError
 from meshserve.shared.lora_config import LoraModule, lora_id_for
 
 PREFIX = "base_model.model.model.layers.0.self_attn.q_proj"
@@ -102,3 +102,23 @@ def test_removed_adapter_serves_its_running_requests_until_evicted(
     assert a not in manager._adapters
     with pytest.raises(InvalidRequestError, match="already loaded"):
         manager.add(LoraModule("b", str(tmp_path / "b")))
+
+
+def test_a_removed_adapter_stays_for_sequences_added_before(
+        tmp_path: Path, model_config: ModelConfig) -> None:
+    manager, stack = manager_with(tmp_path, model_config, ["a", "b", "c"], slots=1,
+                                  max_cpu=1)
+    a = lora_id_for("a")
+    manager.acquire(a, 2)  # two sequences queued with it, never resident yet
+    manager.remove("a")
+    with pytest.raises(NotFoundError):
+        manager.acquire(a)  # no new ones
+    manager.add(LoraModule("d", write_adapter(tmp_path / "d", 4.0, model_config)))
+    # Its weights (dropped past max_cpu_loras) were read back at removal, and stay.
+    assert manager._adapters[a].weights is not None
+    assert manager.slots_for([a]) == {a: 0} and slot_value(stack, 0) == 1.0
+    manager.release(a)
+    manager.release(a)
+    assert a in manager._adapters  # still in its slot
+    manager.slots_for([lora_id_for("b")])
+    assert a not in manager._adapters

@@ -247,9 +247,9 @@ class LLMEngine:
             grammar = self.grammars.compile(params.structured)
         if params.bad_words and bad_words_ids is None:
             bad_words_ids = self.grammars.bad_word_ids(params.bad_words)
-        if lora_id is not None and (self.lora is None or not self.lora.is_served(lora_id)):
-            raise NotFoundError(f"LoRA adapter {lora_id} is not loaded on this worker",
-                                param="model")
+        if lora_id is not None and self.lora is None:
+            raise NotFoundError(f"LoRA adapter {lora_id} is not loaded on this worker "
+                                "(LoRA is off)", param="model")
         extra_keys = extra_keys_for(lora_id, cache_salt)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         sequences: list[Request] = []
@@ -274,6 +274,8 @@ class LLMEngine:
                 seq.grammar = self._matcher(grammar, seq)
             seq.bad_words = bad_words_ids or ()
             sequences.append(seq)
+        if lora_id is not None and self.lora is not None:
+            self.lora.acquire(lora_id, len(sequences))  # NotFoundError if not served
         self._groups[request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)
@@ -304,6 +306,8 @@ class LLMEngine:
         # and the blocks it writes are reused only by steps queued after it.
         seq.drop_pending()
         self.scheduler.finish(seq, status)
+        if seq.lora_id is not None and self.lora is not None:
+            self.lora.release(seq.lora_id)
 
     def sequences(self, request_id: str) -> list[Request]:
         """The unfinished request's sequences (empty once it is done or unknown)."""

@@ -58,6 +58,6 @@ class LoraControl:
         """Stop serving the adapter `name`; returns the id it had."""
         manager = self._require()
         async with self._lock:
-            module = manager.remove(name)
+            module = await asyncio.to_thread(manager.remove, name)
             await self._on_change(lambda info: with_loras(info, manager))
         return module.lora_id

@@ -10,7 +10,8 @@ Served adapters are registered by name. Their weights stay in host memory for th
 needed). A step's adapters are made resident in device slots, evicting the least recently
 used adapter that the step does not use; the engine's scheduler admits at most `num_slots`
 adapters among running requests, so a step always finds slots. A removed adapter stops
-taking new requests; requests already running with it finish with it.
+taking new requests; those already added (`acquire`d, until `release`d) finish with it, its
+weights kept in host memory for them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class _Adapter:
     module: LoraModule
     weights: LoraWeights | None  # None: not in host memory now
     served: bool = True
+    users: int = 0  # sequences added with it and not finished
 
 
 class LoraManager:
@@ -70,7 +72,9 @@ class LoraManager:
                  module.lora_id, weights.config.rank, module.path)
 
     def remove(self, name: str) -> LoraModule:
-        """Stop serving an adapter (NotFoundError if it is not served)."""
+        """Stop serving an adapter (NotFoundError if it is not served). Sequences added
+        with it keep it: its weights are read back into host memory for them if they had
+        been dropped, since its folder may go once it is unloaded."""
         with self._lock:
             adapter = next((a for a in self._adapters.values()
                             if a.served and a.module.name == name), None)
@@ -78,8 +82,14 @@ class LoraManager:
                 raise NotFoundError(f"the LoRA adapter {name!r} is not loaded",
                                     param="lora_name")
             adapter.served = False
-            if adapter.module.lora_id not in self._slots:
-                self._forget(adapter.module.lora_id)
+            reload = adapter.users > 0 and adapter.weights is None
+            self._forget_if_unused(adapter.module.lora_id)
+        if reload:
+            weights = load_lora_weights(adapter.module.path, self._config, self._stack.rank)
+            with self._lock:
+                if adapter.weights is None:
+                    adapter.weights = weights
+                    self._host_lru[adapter.module.lora_id] = None
         log.info("LoRA adapter %s unloaded", name)
         return adapter.module
 
@@ -92,6 +102,23 @@ class LoraManager:
         with self._lock:
             adapter = self._adapters.get(lora_id)
             return adapter is not None and adapter.served
+
+    def acquire(self, lora_id: int, count: int = 1) -> None:
+        """`count` sequences will run with the adapter (NotFoundError if it is not served)."""
+        with self._lock:
+            adapter = self._adapters.get(lora_id)
+            if adapter is None or not adapter.served:
+                raise NotFoundError(f"LoRA adapter {lora_id} is not loaded on this worker",
+                                    param="model")
+            adapter.users += count
+
+    def release(self, lora_id: int) -> None:
+        """One sequence that ran with the adapter finished."""
+        with self._lock:
+            adapter = self._adapters[lora_id]
+            assert adapter.users > 0, f"LoRA id {lora_id} released more often than acquired"
+            adapter.users -= 1
+            self._forget_if_unused(lora_id)
 
     def slots_for(self, lora_ids: Iterable[int]) -> dict[int, int]:
         """Device slots of a step's adapters (at most num_slots), loading them as needed."""
@@ -112,8 +139,7 @@ class LoraManager:
         if not self._free:
             victim = next(i for i in self._slots if i not in keep)
             self._free.append(self._slots.pop(victim))
-            if not self._adapters[victim].served:
-                self._forget(victim)
+            self._forget_if_unused(victim)
         if adapter.weights is None:  # dropped from host memory: read it again
             adapter.weights = load_lora_weights(adapter.module.path, self._config,
                                                 self._stack.rank)
@@ -126,14 +152,19 @@ class LoraManager:
         """Mark the adapter's host weights used; drop the LRU ones over max_cpu_loras."""
         self._host_lru[lora_id] = None
         self._host_lru.move_to_end(lora_id)
-        while len(self._host_lru) > self._max_cpu:
-            oldest = next(iter(self._host_lru))
+        # Only served adapters can be read again: a removed one keeps its weights.
+        droppable = [i for i in self._host_lru if self._adapters[i].served and i != lora_id]
+        while len(self._host_lru) > self._max_cpu and droppable:
+            oldest = droppable.pop(0)
             self._host_lru.pop(oldest)
             self._adapters[oldest].weights = None
 
-    def _forget(self, lora_id: int) -> None:
-        self._adapters.pop(lora_id, None)
-        self._host_lru.pop(lora_id, None)
+    def _forget_if_unused(self, lora_id: int) -> None:
+        """Drop a removed adapter once no sequence uses it and no slot holds it."""
+        adapter = self._adapters[lora_id]
+        if not adapter.served and adapter.users == 0 and lora_id not in self._slots:
+            del self._adapters[lora_id]
+            self._host_lru.pop(lora_id, None)
 
     def prepare_step(self, rows: list[tuple[int | None, int]]) -> None:
         """Group a step's rows for the kernels: (adapter id or None, number of rows) per
