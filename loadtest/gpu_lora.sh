@@ -3,18 +3,21 @@
 #   check    the LoRA Triton kernels against the grouped torch reference at 8B shapes
 #   adapters 8 random PEFT adapters of rank 16 on all seven projections (ADAPTERS, RANK)
 #   base     an engine without LoRA: ShareGPT-like throughput (PROMPTS requests, ~200 in /
-#            ~180 out) and single-stream time per output token
+#            ~180 out; the mean of PASSES passes) and single-stream time per output token
 #   lora     an engine with --enable-lora --max-loras 8: the same requests on the base model,
-#            then spread round-robin over the 8 adapters; single-stream TPOT with and
-#            without an adapter
-#   summary  the table (summary.md) and every figure (lora.json); target: adapters' output
-#            throughput >= 0.8 x the no-LoRA engine's
+#            then spread round-robin over the 8 adapters; the adapters' consistency check
+#            (greedy tokens alone / mixed / vs base, first-position max |logit diff| vs base)
+#            with CUDA graphs; single-stream TPOT with and without an adapter
+#   eager    the consistency check again with --enforce-eager, also with the grouped torch
+#            path in place of the Triton kernels (a graph problem apart from a kernel one)
+#   summary  the table (summary.md) and every figure (lora.json), graph vs eager logits;
+#            target: adapters' output throughput >= 0.8 x the no-LoRA engine's
 #
 #     bash loadtest/gpu_lora.sh          # from the repository root; results in $OUT
 #
 # Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
 # folders are linked as the package `meshserve` (as gpu_suite.sh does). Every step runs under
-# `timeout`; the whole script stays under 6 minutes.
+# `timeout`; the limits add up to 5 minutes (about 4 on an H200).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -38,6 +41,7 @@ MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
 ADAPTERS=${ADAPTERS:-8}
 RANK=${RANK:-16}
 PROMPTS=${PROMPTS:-1000}
+PASSES=${PASSES:-2}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -55,13 +59,15 @@ step() {  # step NAME LIMIT_S COMMAND...
 
 BENCH=(python3 loadtest/lora_bench.py)
 RUN=(run --model "$MODEL_DIR" --load-format dummy --dtype bfloat16 --max-model-len 2048
-     --num-prompts "$PROMPTS")
-step check 45 "${BENCH[@]}" check --out "$OUT/check.json"
-step adapters 45 "${BENCH[@]}" adapters --model "$MODEL_DIR" --out "$RUN_DIR/adapters" \
+     --num-prompts "$PROMPTS" --passes "$PASSES")
+LORA=(--adapters "$RUN_DIR/adapters" --count "$ADAPTERS" --rank "$RANK")
+step check 30 "${BENCH[@]}" check --out "$OUT/check.json"
+step adapters 25 "${BENCH[@]}" adapters --model "$MODEL_DIR" --out "$RUN_DIR/adapters" \
   --count "$ADAPTERS" --rank "$RANK"
-step base 120 "${BENCH[@]}" "${RUN[@]}" --out "$OUT/base.json"
-step lora 150 "${BENCH[@]}" "${RUN[@]}" --adapters "$RUN_DIR/adapters" --count "$ADAPTERS" \
-  --rank "$RANK" --out "$OUT/lora_run.json"
+step base 75 "${BENCH[@]}" "${RUN[@]}" --out "$OUT/base.json"
+step lora 110 "${BENCH[@]}" "${RUN[@]}" "${LORA[@]}" --out "$OUT/lora_run.json"
+step eager 50 "${BENCH[@]}" "${RUN[@]}" "${LORA[@]}" --enforce-eager --consistency-only \
+  --out "$OUT/eager.json"
 step summary 10 "${BENCH[@]}" summary --base "$OUT/base.json" --lora "$OUT/lora_run.json" \
-  --out-md "$OUT/summary.md" --out-json "$OUT/lora.json"
+  --eager "$OUT/eager.json" --out-md "$OUT/summary.md" --out-json "$OUT/lora.json"
 cat "$OUT/summary.md" 2>/dev/null || echo "no summary (see $OUT/steps.log)"

@@ -7,14 +7,30 @@ an adapter.
     python loadtest/lora_bench.py run --model M --load-format dummy --out base.json
     python loadtest/lora_bench.py run --model M --load-format dummy --out lora.json \\
         --adapters /tmp/adapters --count 8 --rank 16
-    python loadtest/lora_bench.py summary --base base.json --lora lora.json --out-md t.md
+    python loadtest/lora_bench.py run --model M --load-format dummy --out eager.json \\
+        --adapters /tmp/adapters --count 8 --rank 16 --enforce-eager --consistency-only
+    python loadtest/lora_bench.py summary --base base.json --lora lora.json --out-md t.md \\
+        --eager eager.json
 
 `adapters` writes random PEFT adapters (all seven projections of every layer) shaped for
-the model's config.json. `run` builds one engine (with --adapters: --enable-lora, one slot
+the model's config.json. Their A and B are unit-gain random maps (A ~ N(0, 1/fan_in),
+B ~ N(0, 1/r), alpha = 2r), so an adapter's product has about twice its input's scale. That
+is what it takes to change a dummy model's tokens: its weights are uniform in +-1e-3, norm
+weights included, so each layer adds only ~0.1% to the residual stream (the embedding) and
+the next token is nearly a function of the last one; adapters that merely double each
+projection's output (B ~ 0.01) move the first position's logits by ~1% of their spread and
+change no greedy token, applied or not. `run` builds one engine (with --adapters: --enable-lora, one slot
 per adapter) and measures: `tput_base` every request on the base model; with adapters also
 `tput_lora` the same requests spread round-robin over the adapters; then single-stream
-decode (`tpot_base`, and `tpot_lora` with the first adapter). Each engine runs in its own
-process so that its memory is sized alone. `summary` prints the ratios and a table.
+decode (`tpot_base`, and `tpot_lora` with the first adapter). Throughput is the mean of
+`--passes` passes over the same requests (each pass's figure is kept too). With adapters,
+`consistency` checks that they are applied: greedy tokens alone vs in a mixed batch vs the
+base model, and the max |logit difference| between each adapter and the base model at the
+first generated position. `--enforce-eager --consistency-only` runs only that check without
+CUDA graphs, and also against the grouped torch path in place of the Triton kernels, so a
+graph problem shows apart from a kernel problem; its first-position logits are saved next to
+`--out` (`.logits.pt`) and `summary --eager` compares them with the graph run's. Each engine
+runs in its own process so that its memory is sized alone. `summary` prints the ratios and a table.
 """
 
 from __future__ import annotations
@@ -70,8 +86,9 @@ def write_adapters(model: Path, out: Path, count: int, rank: int) -> list[str]:
                 key = f"base_model.model.model.layers.{layer}.{part}.{module}"
                 tensors[f"{key}.lora_A.weight"] = (torch.randn(
                     rank, fan_in, generator=generator) / math.sqrt(fan_in)).bfloat16()
+                # Unit gain (see the module's docstring): smaller B leaves dummy tokens as is.
                 tensors[f"{key}.lora_B.weight"] = (torch.randn(
-                    fan_out, rank, generator=generator) * 0.01).bfloat16()
+                    fan_out, rank, generator=generator) / math.sqrt(rank)).bfloat16()
         save_file(tensors, str(folder / "adapter_model.safetensors"))
         names.append(folder.name)
     return names
@@ -120,7 +137,9 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
                 "lora_modules": json.dumps(modules)}
     return LLMEngine(EngineConfig(model=args.model, load_format=args.load_format,
                                   dtype=args.dtype, max_model_len=args.max_model_len,
-                                  structured_outputs_backend="none", **lora))
+                                  structured_outputs_backend="none",
+                                  device=args.device, num_kv_blocks=args.num_kv_blocks,
+                                  enforce_eager=args.enforce_eager, **lora))
 
 
 def _throughput(engine: LLMEngine, prompts: list[list[int]], outputs: list[int],
@@ -170,11 +189,50 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]], loras: list[int | None]
     return [tokens[f"{tag}-{i}"] for i in range(len(prompts))]
 
 
-def consistency(engine: LLMEngine, ids: list[int]) -> dict[str, float]:
-    """Each adapter's greedy tokens alone (decode graph of one row) against the same
-    requests in one mixed batch with the base model (a bigger graph, other rows' slots):
-    the fraction of equal sequences (bf16 GEMMs of other shapes may flip a rare near-tie),
-    and the fraction that differ from the base model's (LoRA is applied at all)."""
+def first_logits(engine: LLMEngine, prompt: list[int], lora: int | None,
+                 tag: str) -> torch.Tensor:
+    """Logits [V] (float32, on the host) of the first generated position of `prompt`."""
+    model = engine.runner.model
+    compute = model.compute_logits
+    seen: list[torch.Tensor] = []
+
+    def record(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute(hidden)  # [rows, V]
+        seen.append(logits.float().cpu())
+        return logits
+
+    model.compute_logits = record  # an instance attribute, dropped again below
+    try:
+        _greedy(engine, [prompt], [lora], tag, max_tokens=1)
+    finally:
+        del model.compute_logits
+    assert len(seen) == 1 and seen[0].shape[0] == 1, f"{tag}: {len(seen)} logits calls"
+    return seen[0][0]
+
+
+def _logit_stats(adapters: torch.Tensor, base: torch.Tensor) -> dict[str, float]:
+    """How far the adapters' first-position logits [n, V] are from the base model's [V],
+    against the scale of the base logits (their spread and the top-2 gap, which a change
+    must exceed to flip a greedy token)."""
+    top = base.topk(2).values
+    return {"max_logit_diff": float((adapters - base).abs().max()),
+            "base_logit_std": float(base.std()),
+            "base_top2_gap": float(top[0] - top[1]),
+            "argmax_differs": float((adapters.argmax(dim=1) != base.argmax()).float().mean())}
+
+
+def consistency(engine: LLMEngine, ids: list[int], *, with_reference: bool = False,
+                ) -> tuple[dict[str, float], torch.Tensor]:
+    """Whether the adapters are applied, and the same way in every batch.
+
+    Each adapter's greedy tokens alone (decode graph of one row) against the same requests in
+    one mixed batch with the base model (a bigger graph, other rows' slots): the fraction of
+    equal sequences (bf16 GEMMs of other shapes may flip a rare near-tie), and the fraction
+    that differ from the base model's. Then the direct signal: first-position logits of each
+    adapter against the base model's (`_logit_stats`). `with_reference` (eager engines only:
+    graphs replay what they captured) also runs the adapters through the grouped torch path
+    and reports the max |logit difference| of the kernels against it. Returns the figures and
+    the first-position logits [1 + n, V] (base first)."""
     prompts = random_prompts([64] * len(ids), engine.model_config, 3)
     alone = [_greedy(engine, [p], [i], f"alone{n}")[0] for n, (p, i) in
              enumerate(zip(prompts, ids, strict=True))]
@@ -184,40 +242,90 @@ def consistency(engine: LLMEngine, ids: list[int]) -> dict[str, float]:
                                                                   strict=True)) / len(ids),
               "differs_from_base": sum(a != b for a, b in zip(alone, base,
                                                                strict=True)) / len(ids)}
+    base_logits = first_logits(engine, prompts[0], None, "logits-base")
+    lora_logits = torch.stack([first_logits(engine, prompts[0], i, f"logits{n}")
+                               for n, i in enumerate(ids)])  # [n, V]
+    result.update(_logit_stats(lora_logits, base_logits))
+    if with_reference:
+        from meshserve.kernels.lora import add_lora_reference
+        from meshserve.services.worker.lora import stack
+
+        kernel = stack.add_lora
+        stack.add_lora = add_lora_reference  # what the hooks call, for these runs only
+        try:
+            reference = torch.stack([first_logits(engine, prompts[0], i, f"reference{n}")
+                                     for n, i in enumerate(ids)])
+        finally:
+            stack.add_lora = kernel
+        result["kernel_vs_reference_max_logit_diff"] = float(
+            (lora_logits - reference).abs().max())
     print(f"consistency: {result}", flush=True)
-    return result
+    return result, torch.cat([base_logits[None], lora_logits])
+
+
+def _passes(engine: LLMEngine, prompts: list[list[int]], outputs: list[int],
+            loras: list[int | None], tag: str, passes: int) -> dict[str, Any]:
+    """The mean report of `passes` runs of the same requests, each run's kept in `passes`."""
+    runs = [_throughput(engine, prompts, outputs, loras, f"{tag}{n}") for n in range(passes)]
+    mean = {key: sum(r[key] for r in runs) / passes for key in runs[0]
+            if isinstance(runs[0][key], (int, float))}
+    return {**runs[0], **mean, "passes": runs}
 
 
 def run(args: argparse.Namespace) -> None:
     engine = _engine(args)
     config = engine.model_config
+    ids = [lora_id_for(f"lora{i}") for i in range(args.count)] if args.adapters else []
+    report: dict[str, Any] = {"command": vars(args), "environment": {
+        "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
+        else platform.processor(), "torch": torch.__version__,
+        "cuda_graphs": engine.graph_report is not None,
+        "lora_slot_mib": None if engine.lora is None else round(
+            engine.lora._stack.num_bytes / 2**20, 1)}}
+    if args.consistency_only:
+        assert ids, "--consistency-only needs --adapters"
+        report["consistency"], logits = consistency(engine, ids,
+                                                    with_reference=args.enforce_eager)
+        torch.save(logits, f"{args.out}.logits.pt")
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        return
     lengths = sharegpt_like_lengths(args.num_prompts, 0, engine.max_model_len)
     prompts = random_prompts([i for i, _ in lengths], config, 0)
     outputs = [o for _, o in lengths]
-    ids = [lora_id_for(f"lora{i}") for i in range(args.count)] if args.adapters else []
     # Warm-up: a short batch of every kind (kernels compile, the adapters go to their slots).
     warm = random_prompts([i for i, _ in lengths[:64]], config, 1)
     _throughput(engine, warm, [16] * len(warm), [None] * len(warm), "warm-base")
     if ids:
         _throughput(engine, warm, [16] * len(warm), [ids[i % len(ids)] for i in
                                                      range(len(warm))], "warm-lora")
-    report: dict[str, Any] = {"command": vars(args), "environment": {
-        "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
-        else platform.processor(), "torch": torch.__version__,
-        "lora_slot_mib": None if engine.lora is None else round(
-            engine.lora._stack.num_bytes / 2**20, 1)}}
-    report["tput_base"] = _throughput(engine, prompts, outputs, [None] * len(prompts), "base")
+    report["tput_base"] = _passes(engine, prompts, outputs, [None] * len(prompts), "base",
+                                  args.passes)
     if ids:
         spread = [ids[i % len(ids)] for i in range(len(prompts))]
-        report["tput_lora"] = _throughput(engine, prompts, outputs, spread, "lora")
-    if ids:
-        report["consistency"] = consistency(engine, ids)
+        report["tput_lora"] = _passes(engine, prompts, outputs, spread, "lora", args.passes)
+        report["consistency"], logits = consistency(engine, ids)
+        torch.save(logits, f"{args.out}.logits.pt")
     single = random_prompts([args.single_input_len], config, 2)[0]
     report["tpot_base"] = _tpot(engine, single, args.single_output_len, None, "tpot-base")
     if ids:
         report["tpot_lora"] = _tpot(engine, single, args.single_output_len, ids[0],
                                     "tpot-lora")
     Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+def _check_lines(name: str, checks: dict[str, float]) -> list[str]:
+    line = (f"{name}: greedy tokens of an adapter alone = in a mixed batch for "
+             f"{checks.get('same_alone_and_mixed', 0):.0%} of adapters, differ from the base "
+             f"model for {checks.get('differs_from_base', 0):.0%}; first position: max "
+             f"|logit diff| adapter vs base {checks.get('max_logit_diff', float('nan')):.3g} "
+             f"(base logits std {checks.get('base_logit_std', float('nan')):.3g}, top-2 gap "
+             f"{checks.get('base_top2_gap', float('nan')):.3g}), argmax differs for "
+             f"{checks.get('argmax_differs', 0):.0%}")
+    lines = [line]
+    if "kernel_vs_reference_max_logit_diff" in checks:
+        lines.append(f"{name}: Triton kernels vs grouped torch path, max |logit diff| "
+                     f"{checks['kernel_vs_reference_max_logit_diff']:.3g}")
+    return lines
 
 
 def summary(args: argparse.Namespace) -> None:
@@ -229,6 +337,7 @@ def summary(args: argparse.Namespace) -> None:
             (adapters, lora["tput_lora"], lora["tpot_lora"])]
     reference = base["tput_base"]["output_tokens_per_s"]
     lines = [f"device: {lora['environment']['device']}", "",
+             f"output tok/s: mean of {lora['command']['passes']} passes", "",
              "| engine / requests | output tok/s | vs no-LoRA | single-stream TPOT ms |",
              "|---|---|---|---|"]
     for name, tput, tpot in rows:
@@ -237,19 +346,28 @@ def summary(args: argparse.Namespace) -> None:
                      f"{tpot['tpot_ms']:.2f} |")
     ratio = lora["tput_lora"]["output_tokens_per_s"] / reference
     verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
-    checks = lora.get("consistency", {})
-    lines += ["", (f"greedy tokens: adapter alone = in a mixed batch for "
-              f"{checks.get('same_alone_and_mixed', 0):.0%} of adapters; differ from the base "
-              f"model for {checks.get('differs_from_base', 0):.0%}")]
+    lines += ["", *_check_lines("CUDA graphs", lora.get("consistency", {}))]
+    result: dict[str, Any] = {"base": base, "lora": lora, "ratio": ratio}
+    if args.eager:
+        eager = json.loads(Path(args.eager).read_text())
+        result["eager"] = eager
+        lines += _check_lines("eager", eager.get("consistency", {}))
+        graphs_logits = Path(f"{args.lora}.logits.pt")
+        eager_logits = Path(f"{args.eager}.logits.pt")
+        if graphs_logits.is_file() and eager_logits.is_file():
+            diff = (torch.load(graphs_logits) - torch.load(eager_logits)).abs()  # [1 + n, V]
+            result["graphs_vs_eager_max_logit_diff"] = {"base": float(diff[0].max()),
+                                                        "adapters": float(diff[1:].max())}
+            lines.append(f"CUDA graphs vs eager, first-position max |logit diff|: base "
+                         f"{float(diff[0].max()):.3g}, adapters {float(diff[1:].max()):.3g}")
     lines += ["", f"adapters / base throughput: {ratio:.3f} (target >= {TARGET_RATIO}: {verdict})"]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out_md).write_text(text)
-    Path(args.out_json).write_text(json.dumps({"base": base, "lora": lora,
-                                               "ratio": ratio}, indent=2))
+    Path(args.out_json).write_text(json.dumps(result, indent=2))
 
 
-def _parse_args() -> argparse.Namespace:
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     adapters = commands.add_parser("adapters")
@@ -270,17 +388,25 @@ def _parse_args() -> argparse.Namespace:
     bench.add_argument("--num-prompts", type=int, default=1000)
     bench.add_argument("--single-input-len", type=int, default=128)
     bench.add_argument("--single-output-len", type=int, default=128)
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--num-kv-blocks", type=int, default=None, help="unset: sized to memory")
+    bench.add_argument("--passes", type=int, default=2, help="throughput passes (mean)")
+    bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    bench.add_argument("--consistency-only", action="store_true",
+                       help="only the adapters' consistency check (needs --adapters)")
     bench.add_argument("--out", required=True)
     report = commands.add_parser("summary")
     report.add_argument("--base", required=True)
     report.add_argument("--lora", required=True)
     report.add_argument("--out-md", required=True)
     report.add_argument("--out-json", required=True)
-    return parser.parse_args()
+    report.add_argument("--eager", default=None, help="a --consistency-only --enforce-eager "
+                        "run's JSON")
+    return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = _parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
     if args.command == "adapters":
         print(write_adapters(Path(args.model), Path(args.out), args.count, args.rank))
     elif args.command == "check":
