@@ -298,19 +298,24 @@ def run(args: argparse.Namespace) -> None:
     if ids:
         _throughput(engine, warm, [16] * len(warm), [ids[i % len(ids)] for i in
                                                      range(len(warm))], "warm-lora")
+    save = Path(args.out).write_text  # after every part: a step cut by its limit keeps some
+    if ids:  # first: the check matters most when a slow run is cut short
+        report["consistency"], logits = consistency(engine, ids)
+        torch.save(logits, f"{args.out}.logits.pt")
+        save(json.dumps(report, indent=2))
     report["tput_base"] = _passes(engine, prompts, outputs, [None] * len(prompts), "base",
                                   args.passes)
+    save(json.dumps(report, indent=2))
     if ids:
         spread = [ids[i % len(ids)] for i in range(len(prompts))]
         report["tput_lora"] = _passes(engine, prompts, outputs, spread, "lora", args.passes)
-        report["consistency"], logits = consistency(engine, ids)
-        torch.save(logits, f"{args.out}.logits.pt")
+        save(json.dumps(report, indent=2))
     single = random_prompts([args.single_input_len], config, 2)[0]
     report["tpot_base"] = _tpot(engine, single, args.single_output_len, None, "tpot-base")
     if ids:
         report["tpot_lora"] = _tpot(engine, single, args.single_output_len, ids[0],
                                     "tpot-lora")
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    save(json.dumps(report, indent=2))
 
 
 def _check_lines(name: str, checks: dict[str, float]) -> list[str]:
@@ -328,27 +333,36 @@ def _check_lines(name: str, checks: dict[str, float]) -> list[str]:
     return lines
 
 
-def summary(args: argparse.Namespace) -> None:
-    base = json.loads(Path(args.base).read_text())
-    lora = json.loads(Path(args.lora).read_text())
+def _table(base: dict[str, Any], lora: dict[str, Any]) -> tuple[list[str], float | None]:
+    """The table's lines and the adapters / base ratio; parts a cut-short run lacks show
+    as "-"."""
     adapters = f"LoRA engine, {lora['command']['count']} adapters (rank {lora['command']['rank']})"
-    rows = [("no-LoRA engine, base requests", base["tput_base"], base["tpot_base"]),
-            ("LoRA engine, base requests", lora["tput_base"], lora["tpot_base"]),
-            (adapters, lora["tput_lora"], lora["tpot_lora"])]
-    reference = base["tput_base"]["output_tokens_per_s"]
-    lines = [f"device: {lora['environment']['device']}", "",
-             f"output tok/s: mean of {lora['command']['passes']} passes", "",
-             "| engine / requests | output tok/s | vs no-LoRA | single-stream TPOT ms |",
+    rows = [("no-LoRA engine, base requests", base, "tput_base", "tpot_base"),
+            ("LoRA engine, base requests", lora, "tput_base", "tpot_base"),
+            (adapters, lora, "tput_lora", "tpot_lora")]
+    reference = base.get("tput_base", {}).get("output_tokens_per_s")
+    lines = ["| engine / requests | output tok/s | vs no-LoRA | single-stream TPOT ms |",
              "|---|---|---|---|"]
-    for name, tput, tpot in rows:
-        rate = tput["output_tokens_per_s"]
-        lines.append(f"| {name} | {rate:.0f} | {rate / reference:.3f} | "
-                     f"{tpot['tpot_ms']:.2f} |")
-    ratio = lora["tput_lora"]["output_tokens_per_s"] / reference
-    verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
+    for name, report, tput, tpot in rows:
+        rate = report.get(tput, {}).get("output_tokens_per_s")
+        ms = report.get(tpot, {}).get("tpot_ms")
+        cells = [name, "-" if rate is None else f"{rate:.0f}",
+                 "-" if rate is None or not reference else f"{rate / reference:.3f}",
+                 "-" if ms is None else f"{ms:.2f}"]
+        lines.append(f"| {' | '.join(cells)} |")
+    rate = lora.get("tput_lora", {}).get("output_tokens_per_s")
+    return lines, None if rate is None or not reference else rate / reference
+
+
+def summary(args: argparse.Namespace) -> None:
+    base = json.loads(Path(args.base).read_text()) if Path(args.base).is_file() else {}
+    lora = json.loads(Path(args.lora).read_text())
+    table, ratio = _table(base, lora)
+    lines = [f"device: {lora['environment']['device']}", "",
+             f"output tok/s: mean of {lora['command']['passes']} passes", "", *table]
     lines += ["", *_check_lines("CUDA graphs", lora.get("consistency", {}))]
     result: dict[str, Any] = {"base": base, "lora": lora, "ratio": ratio}
-    if args.eager:
+    if args.eager and Path(args.eager).is_file():
         eager = json.loads(Path(args.eager).read_text())
         result["eager"] = eager
         lines += _check_lines("eager", eager.get("consistency", {}))
@@ -360,7 +374,9 @@ def summary(args: argparse.Namespace) -> None:
                                                         "adapters": float(diff[1:].max())}
             lines.append(f"CUDA graphs vs eager, first-position max |logit diff|: base "
                          f"{float(diff[0].max()):.3g}, adapters {float(diff[1:].max()):.3g}")
-    lines += ["", f"adapters / base throughput: {ratio:.3f} (target >= {TARGET_RATIO}: {verdict})"]
+    shown = "-" if ratio is None else f"{ratio:.3f}"
+    verdict = "-" if ratio is None else "met" if ratio >= TARGET_RATIO else "NOT met"
+    lines += ["", f"adapters / base throughput: {shown} (target >= {TARGET_RATIO}: {verdict})"]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out_md).write_text(text)

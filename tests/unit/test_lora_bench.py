@@ -117,3 +117,21 @@ def test_gpu_script_steps_on_cpu(model: Path, tmp_path: Path) -> None:
     assert result["graphs_vs_eager_max_logit_diff"] == {"base": 0.0, "adapters": 0.0}
     text = (tmp_path / "summary.md").read_text()
     assert "mean of 2 passes" in text and "eager: greedy tokens" in text
+    row = next(line for line in text.splitlines() if line.startswith("| LoRA engine, 2 "))
+    assert len(row.split("|")) == 6 and "-" not in row.split("|")[2]
+
+
+def test_summary_of_a_run_cut_short(tmp_path: Path) -> None:
+    """A lora step stopped by its limit leaves its consistency figures; the summary shows
+    them, with "-" where throughput or TPOT are missing."""
+    lora = {"command": {"count": 8, "rank": 16, "passes": 2},
+            "environment": {"device": "cpu"},
+            "consistency": {"same_alone_and_mixed": 1.0, "differs_from_base": 0.5}}
+    (tmp_path / "lora.json").write_text(json.dumps(lora))
+    lora_bench.main(["summary", "--base", str(tmp_path / "none.json"), "--lora",
+                     str(tmp_path / "lora.json"), "--out-md", str(tmp_path / "s.md"),
+                     "--out-json", str(tmp_path / "s.json")])
+    text = (tmp_path / "s.md").read_text()
+    assert "| LoRA engine, 8 adapters (rank 16) | - | - | - |" in text
+    assert "differ from the base model for 50%" in text
+    assert json.loads((tmp_path / "s.json").read_text())["ratio"] is None
