@@ -206,7 +206,8 @@ def first_logits(engine: LLMEngine, prompt: list[int], lora: int | None,
         _greedy(engine, [prompt], [lora], tag, max_tokens=1)
     finally:
         del model.compute_logits
-    assert len(seen) == 1 and seen[0].shape[0] == 1, f"{tag}: {len(seen)} logits calls"
+    # The prefill's call; an async engine may also launch a step that nobody reads.
+    assert seen and seen[0].shape[0] == 1, f"{tag}: logits of {len(seen)} calls"
     return seen[0][0]
 
 
