@@ -17,20 +17,23 @@ the model's config.json. Their A and B are unit-gain random maps (A ~ N(0, 1/fan
 B ~ N(0, 1/r), alpha = 2r), so an adapter's product has about twice its input's scale. That
 is what it takes to change a dummy model's tokens: its weights are uniform in +-1e-3, norm
 weights included, so each layer adds only ~0.1% to the residual stream (the embedding) and
-the next token is nearly a function of the last one; adapters that merely double each
-projection's output (B ~ 0.01) move the first position's logits by ~1% of their spread and
-change no greedy token, applied or not. `run` builds one engine (with --adapters: --enable-lora, one slot
-per adapter) and measures: `tput_base` every request on the base model; with adapters also
-`tput_lora` the same requests spread round-robin over the adapters; then single-stream
-decode (`tpot_base`, and `tpot_lora` with the first adapter). Throughput is the mean of
-`--passes` passes over the same requests (each pass's figure is kept too). With adapters,
-`consistency` checks that they are applied: greedy tokens alone vs in a mixed batch vs the
-base model, and the max |logit difference| between each adapter and the base model at the
-first generated position. `--enforce-eager --consistency-only` runs only that check without
-CUDA graphs, and also against the grouped torch path in place of the Triton kernels, so a
-graph problem shows apart from a kernel problem; its first-position logits are saved next to
-`--out` (`.logits.pt`) and `summary --eager` compares them with the graph run's. Each engine
-runs in its own process so that its memory is sized alone. `summary` prints the ratios and a table.
+the next token nearly follows from the last one. Adapters that merely double each
+projection's output (B ~ 0.01) are applied, yet move the first position's logits by ~2% of
+their spread, below the top-2 gap, and change no greedy token.
+
+`run` builds one engine (with --adapters: --enable-lora, one slot per adapter) and
+measures: `tput_base` every request on the base model; with adapters also `tput_lora` the
+same requests spread round-robin over the adapters; then single-stream decode (`tpot_base`,
+and `tpot_lora` with the first adapter). Throughput is the mean of `--passes` passes over
+the same requests (each pass's figure is kept too). With adapters, `consistency` first
+checks that they are applied: greedy tokens alone vs in a mixed batch vs the base model, and
+the max |logit difference| between each adapter and the base model at the first generated
+position. `--enforce-eager --consistency-only` runs only that check, without CUDA graphs and
+also with the grouped torch path in place of the Triton kernels, so that a graph problem
+shows apart from a kernel problem; first-position logits are saved next to `--out`
+(`.logits.pt`) and `summary --eager` compares the graph run's with the eager one's. Each
+engine runs in its own process so that its memory is sized alone. `summary` prints the
+ratios and a table.
 """
 
 from __future__ import annotations
