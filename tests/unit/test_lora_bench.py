@@ -81,8 +81,8 @@ def test_bench_adapters_change_the_dummy_models_tokens(model: Path, tmp_path: Pa
 def test_adapters_that_only_double_a_projection_leave_the_tokens(model: Path,
                                                                  tmp_path: Path) -> None:
     """Why the bench's adapters are of unit gain: with B ~ 0.01 (twice a dummy projection's
-    output) they are applied, the logits move, yet no greedy token changes, as the first
-    GPU runs saw."""
+    output) they are applied and the logits move, yet by less than the top-2 gap, so no
+    greedy token changes and a check on tokens alone cannot tell them from ignored ones."""
     adapters = tmp_path / "adapters"
     lora_bench.write_adapters(model, adapters, COUNT, RANK)
     for i in range(COUNT):
