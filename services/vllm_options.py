@@ -54,12 +54,11 @@ _SWITCHES: dict[str, list[str]] = {
 # vLLM options meshserve does not support, and the values that ask for nothing.
 _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "--pipeline-parallel-size": ("1",), "-pp": ("1",),
-    "--speculative-config": (), "--lora-modules": (), "--max-loras": (),
-    "--max-lora-rank": (), "--cpu-offload-gb": ("0",), "--swap-space": (),
+    "--speculative-config": (), "--cpu-offload-gb": ("0",), "--swap-space": (),
     "--limit-mm-per-prompt": (), "--distributed-executor-backend": (),
     "--hf-overrides": (), "--rope-scaling": (), "--max-seq-len-to-capture": (),
     "--chat-template": (), "--response-role": ("assistant",), "--ssl-keyfile": (),
-    "--ssl-certfile": (), "--middleware": (), "--lora-dtype": (), "--revision": (),
+    "--ssl-certfile": (), "--middleware": (), "--lora-dtype": ("auto",), "--revision": (),
     "--tokenizer": (),  # the model's own tokenizer is always used
 }
 # vLLM options meshserve reads under the same name for some of vLLM's values only.
@@ -67,7 +66,7 @@ _PARTLY_SUPPORTED: dict[str, tuple[str, ...]] = {
     "--quantization": ("fp8",),
     "--kv-cache-dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
 }
-_UNSUPPORTED_SWITCHES = ("--enable-lora", "--enable-expert-parallel", "--trust-remote-code",
+_UNSUPPORTED_SWITCHES = ("--enable-expert-parallel", "--trust-remote-code",
                          "--enable-prompt-tokens-details", "--enable-sleep-mode")
 
 
@@ -99,6 +98,15 @@ def translate(argv: Sequence[str]) -> list[str]:
                 raise ConfigError("--config needs a YAML file", param="config")
             out = config_flags(Path(value)) + out
             i += 2
+        elif arg == "--lora-modules":
+            values = []
+            i += 1
+            while i < len(args) and not args[i].startswith("-"):
+                values.append(args[i])
+                i += 1
+            if not values:
+                raise ConfigError("--lora-modules needs a value", param="lora-modules")
+            out += ["--lora-modules", _lora_modules(values)]
         elif arg in _SWITCHES:
             out += _SWITCHES[arg]
             i += 1
@@ -127,9 +135,28 @@ def translate(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _lora_modules(values: list[str]) -> str:
+    """vLLM's `--lora-modules a=PATH '{"name": ..}' ...` (several values) as meshserve's one
+    value: comma-separated name=path, or a JSON array when any value is JSON."""
+    if not any(v.lstrip().startswith(("{", "[")) for v in values):
+        return ",".join(values)
+    items: list[Any] = []
+    for value in values:
+        if not value.lstrip().startswith(("{", "[")):
+            items.append(value)
+            continue
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"--lora-modules: invalid JSON {value!r}",
+                              param="lora-modules") from None
+        items.extend(parsed if isinstance(parsed, list) else [parsed])
+    return json.dumps(items)
+
+
 def _split_equals(argv: Sequence[str]) -> list[str]:
     """`--flag=value` as `--flag value` for the options this module reads."""
-    known = {*_RENAMED, *_UNSUPPORTED, *_PARTLY_SUPPORTED, "-q", "--config"}
+    known = {*_RENAMED, *_UNSUPPORTED, *_PARTLY_SUPPORTED, "-q", "--config", "--lora-modules"}
     out: list[str] = []
     for arg in argv:
         flag, eq, value = arg.partition("=")
@@ -161,6 +188,8 @@ def _flag_tokens(flag: str, value: Any) -> list[str]:
         return [flag]
     if value is False:
         return ["--no-" + flag[2:]]
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        return [flag, json.dumps(value)]  # vLLM's JSON --lora-modules entries
     if isinstance(value, list):
         return [flag, ",".join(str(v) for v in value)]
     if isinstance(value, dict):

@@ -142,6 +142,8 @@ class WorkerInfo:
     max_model_len: int = 0
     num_total_blocks: int = 0
     lora_ids: tuple[int, ...] = ()
+    lora_names: tuple[str, ...] = ()
+    """Names of the LoRA adapters served, in the order of lora_ids."""
     tensor_parallel_size: int = 1
     kv_namespace: str = ""
     sampling_defaults_json: str = ""  # request fields' defaults (generation config), JSON

@@ -186,7 +186,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., draining: _Optional[bool] = ..., snapshot_unix_ns: _Optional[int] = ..., num_active_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "address", "model_names", "block_size", "max_model_len", "num_total_blocks", "lora_ids", "tensor_parallel_size", "kv_namespace", "sampling_defaults_json", "runner", "embedding_size", "metrics_url")
+    __slots__ = ("worker_id", "epoch", "address", "model_names", "block_size", "max_model_len", "num_total_blocks", "lora_ids", "tensor_parallel_size", "kv_namespace", "sampling_defaults_json", "runner", "embedding_size", "metrics_url", "loras")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,7 @@ class WorkerInfo(_message.Message):
     RUNNER_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     address: str
@@ -215,7 +216,18 @@ class WorkerInfo(_message.Message):
     runner: Runner
     embedding_size: int
     metrics_url: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., model_names: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lora_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_namespace: _Optional[str] = ..., sampling_defaults_json: _Optional[str] = ..., runner: _Optional[_Union[Runner, str]] = ..., embedding_size: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., model_names: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lora_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_namespace: _Optional[str] = ..., sampling_defaults_json: _Optional[str] = ..., runner: _Optional[_Union[Runner, str]] = ..., embedding_size: _Optional[int] = ..., metrics_url: _Optional[str] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "id", "base_model_name")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    id: int
+    base_model_name: str
+    def __init__(self, name: _Optional[str] = ..., id: _Optional[int] = ..., base_model_name: _Optional[str] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("kind", "message", "param")

@@ -7,6 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_id",)
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    def __init__(self, lora_id: _Optional[int] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_id",)
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    def __init__(self, lora_id: _Optional[int] = ...) -> None: ...
+
 class EmbedRequest(_message.Message):
     __slots__ = ("request_id", "inputs", "dimensions", "normalize", "deadline_unix_ns")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,16 @@ class WorkerStub:
                 request_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/meshserve.v1.Worker/LoadLoraAdapter',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/meshserve.v1.Worker/UnloadLoraAdapter',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -128,6 +138,24 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serves one more LoRA adapter (read from a folder on the worker's file system) under
+        a name; requests naming it as their model run with it. The worker re-registers so
+        that the scheduler routes the adapter's requests to it. NOT_FOUND: no adapter at the
+        path; INVALID_ARGUMENT: one the worker cannot run, a name already served, or LoRA off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stops serving a LoRA adapter; requests running with it finish. NOT_FOUND if it is
+        not served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +188,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedRequest.FromString,
                     response_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -325,6 +363,60 @@ class Worker:
             '/meshserve.v1.Worker/Embed',
             meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
             meshserve_dot_proto_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Worker/LoadLoraAdapter',
+            meshserve_dot_proto_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Worker/UnloadLoraAdapter',
+            meshserve_dot_proto_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

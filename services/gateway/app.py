@@ -23,6 +23,7 @@ from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.embeddings import EmbeddingHandlers
 from meshserve.services.gateway.handlers import Handlers
 from meshserve.services.gateway.merged_metrics import MergedMetrics, parse_targets
+from meshserve.services.gateway.lora_admin import LoraAdmin
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.services.gateway.orchestrator import Orchestrator
 from meshserve.services.gateway.response_store import ResponseStore
@@ -46,6 +47,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     store = ResponseStore(config.redis_url, config.responses_ttl_s)
     answers = ResponsesEndpoint(generation, orchestrator, store, drain)
     service = ServiceHandlers(config, orchestrator, clients, drain)
+    lora_admin = LoraAdmin(config, clients)
     embeddings = EmbeddingHandlers(config, orchestrator, clients, admission, drain,
                                    telemetry.tracer)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
@@ -64,6 +66,8 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
         ("GET", RESPONSES_URL + "/{response_id}/input_items", answers.input_items),
         ("GET", "/v1/models", service.models),
         ("GET", "/v1/models/{model:.+}", service.model),  # ids may hold slashes
+        ("POST", "/v1/load_lora_adapter", lora_admin.load),
+        ("POST", "/v1/unload_lora_adapter", lora_admin.unload),
         ("POST", "/tokenize", service.tokenize),
         ("POST", "/detokenize", service.detokenize),
         ("GET", "/health", service.health),

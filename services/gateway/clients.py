@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshserve.proto.v1 import (
+    common_pb2,
     scheduler_pb2,
     scheduler_pb2_grpc,
     tokenizer_pb2_grpc,
@@ -49,6 +50,22 @@ class WorkerEntry:
     max_model_len: int
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # generation config
     metrics_url: str = ""  # its Prometheus /metrics ("": none)
+    address: str = ""
+    loras: tuple[LoraEntry, ...] = ()  # the LoRA adapters it serves
+    generates: bool = True  # a generation worker (not a pooling one)
+
+    def serves(self, model: str) -> bool:
+        """Whether requests for `model` (a model name or a LoRA adapter's) can run here."""
+        return model in self.model_names or any(a.name == model for a in self.loras)
+
+
+@dataclass(frozen=True)
+class LoraEntry:
+    """A LoRA adapter a worker serves: requests name it as their model."""
+
+    name: str
+    lora_id: int
+    base_model: str  # the model it adapts (its parent in /v1/models)
 
 
 @dataclass(frozen=True)
@@ -206,7 +223,11 @@ class MeshClients:
         with mesh_errors():
             response = await self.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest())
         workers = [WorkerEntry(w.info.worker_id, tuple(w.info.model_names), w.info.max_model_len,
-                               _defaults(w.info.sampling_defaults_json), w.info.metrics_url)
+                               _defaults(w.info.sampling_defaults_json), w.info.metrics_url,
+                               w.info.address,
+                               tuple(LoraEntry(a.name, a.id, a.base_model_name)
+                                     for a in w.info.loras),
+                               w.info.runner != common_pb2.RUNNER_POOLING)
                    for w in response.workers]
         self._worker_cache = (time.monotonic(), workers)
         return workers
@@ -218,6 +239,14 @@ class MeshClients:
             names.update(dict.fromkeys(worker.model_names))
         return list(names)
 
+    async def lora_adapters(self, *, refresh: bool = False) -> dict[str, LoraEntry]:
+        """The LoRA adapters the registered workers serve, by name, first seen first."""
+        adapters: dict[str, LoraEntry] = {}
+        for worker in await self.list_workers(refresh=refresh):
+            for adapter in worker.loras:
+                adapters.setdefault(adapter.name, adapter)
+        return adapters
+
     async def sampling_defaults(self, model: str) -> dict[str, Any]:
         """Defaults for the request fields a body leaves out, as `model`'s workers announce
         them (its generation config; empty when none or unknown)."""
@@ -225,7 +254,7 @@ class MeshClients:
             workers = await self.list_workers()
         except MeshError:
             return {}
-        return next((w.sampling_defaults for w in workers if model in w.model_names), {})
+        return next((w.sampling_defaults for w in workers if w.serves(model)), {})
 
     async def max_model_len(self, model: str) -> int | None:
         """Context length of `model` as its workers announce it (None when unknown)."""
@@ -233,7 +262,7 @@ class MeshClients:
             workers = await self.list_workers()
         except MeshError:
             return None  # only an early check; the worker validates the request again
-        lengths = [w.max_model_len for w in workers if model in w.model_names and w.max_model_len]
+        lengths = [w.max_model_len for w in workers if w.serves(model) and w.max_model_len]
         return min(lengths) if lengths else None
 
     # -- health -----------------------------------------------------------------------------

@@ -95,6 +95,10 @@ class GatewayConfig(ServiceConfig):
         False, "let tool_choice 'auto' parse tool calls with --tool-call-parser (as vLLM)")
     reasoning_parser: str | None = option(
         None, "split a reasoning model's thinking into reasoning_content: deepseek_r1 or qwen3")
+    allow_runtime_lora_updating: bool = option(
+        False, "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM, off "
+               "unless asked: they read adapter folders on the workers' file systems)",
+        env="VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
     def validate(self) -> None:
         super().validate()

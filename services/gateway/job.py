@@ -61,6 +61,15 @@ class GenerationJob:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     chat_output: ChatOutputSettings | None = None  # how chat choices are read back
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
+    # A LoRA adapter's request: `model` is the adapter's name (as answers show it), these
+    # the model it adapts (what tokenizers and the scheduler know) and the adapter's id.
+    base_model: str | None = None
+    lora_id: int | None = None
+
+    @property
+    def target_model(self) -> str:
+        """The served model that runs the request (the adapter's base for an adapter)."""
+        return self.base_model or self.model
 
     @classmethod
     def for_completion(cls, parsed: CompletionRequest, body: dict[str, Any], *, model: str,

@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
@@ -39,7 +40,7 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from meshserve.proto.v1 import common_pb2, scheduler_pb2, tokenizer_pb2, worker_pb2
 from meshserve.services.gateway import wire
-from meshserve.services.gateway.clients import MeshClients
+from meshserve.services.gateway.clients import LoraEntry, MeshClients
 from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.gateway.detokenize import open_request
 from meshserve.services.gateway.generation import Generation, Placement
@@ -87,14 +88,38 @@ class Orchestrator:
         """The model's defaults for request fields a body leaves out."""
         return await self._clients.sampling_defaults(model)
 
+    async def lora_adapters(self, *, refresh: bool = False) -> dict[str, LoraEntry]:
+        """The LoRA adapters served, by name (their requests name them as the model)."""
+        return await self._clients.lora_adapters(refresh=refresh)
+
+    async def base_model(self, model: str) -> str:
+        """The model that serves `model`: the base of a LoRA adapter, else itself."""
+        adapter = (await self.lora_adapters()).get(model)
+        return model if adapter is None else adapter.base_model
+
+    async def _bind_lora(self, job: GenerationJob) -> GenerationJob:
+        """`job` with its adapter's base model and id when it names a LoRA adapter."""
+        if job.lora_id is not None:
+            return job
+        try:
+            adapter = (await self.lora_adapters()).get(job.model)
+        except MeshError:  # the registry is out of reach: routing reports it for the request
+            return job
+        if adapter is None:
+            return job
+        return replace(job, base_model=adapter.base_model, lora_id=adapter.lora_id)
+
     async def resolve_model(self, requested: str | None) -> str:
-        """The model a request names (the first served one when it names none)."""
+        """The model a request names (the first served one when it names none), or a LoRA
+        adapter's name."""
         names = await self.model_names()
         if requested is None:
             if not names:
                 raise UnavailableError("no model is being served yet (no worker registered)")
             return names[0]
-        if requested in names:
+        if requested in names or requested in await self.lora_adapters():
+            return requested
+        if requested in await self.lora_adapters(refresh=True):  # loaded since last read
             return requested
         if not self._config.served_model_names and requested in await self._clients.model_names(
                 refresh=True):  # a worker may have registered since the cache was filled
@@ -160,12 +185,13 @@ class Orchestrator:
         truncate = job.options.truncate_prompt_tokens
         if isinstance(prompt, tuple):  # token ids go straight through
             ids = wire.check_token_ids(prompt, "prompt")
-            keep = await self._keep_tokens(job.model, truncate)
+            keep = await self._keep_tokens(job.target_model, truncate)
             if keep is not None:
                 ids = ids[-keep:]
-            text = await self.detokenize(job.model, ids, job.deadline) if job.echo else None
-            return PreparedPrompt(ids, text, await self._clients.max_model_len(job.model))
-        response = await self.tokenize(job.model, prompt, deadline=job.deadline,
+            text = (await self.detokenize(job.target_model, ids, job.deadline) if job.echo
+                    else None)
+            return PreparedPrompt(ids, text, await self._clients.max_model_len(job.target_model))
+        response = await self.tokenize(job.target_model, prompt, deadline=job.deadline,
                                        add_special_tokens=job.add_special_tokens,
                                        truncate_prompt_tokens=truncate, suffix=job.suffix)
         if not response.token_ids:
@@ -173,7 +199,8 @@ class Orchestrator:
                                       param=job.prompt_param)
         text = prompt if isinstance(prompt, str) else response.prompt_text
         if truncate is not None and job.echo:  # echo what was kept, not what was sent
-            text = await self.detokenize(job.model, list(response.token_ids), job.deadline)
+            text = await self.detokenize(job.target_model, list(response.token_ids),
+                                        job.deadline)
         return PreparedPrompt(list(response.token_ids), text, response.max_model_len or None)
 
     async def _prepare(self, job: GenerationJob) -> list[PreparedPrompt]:
@@ -190,6 +217,7 @@ class Orchestrator:
     @asynccontextmanager
     async def generate(self, job: GenerationJob) -> AsyncIterator[Generation]:
         """Run `job`; the block reads the Generation (see the module doc)."""
+        job = await self._bind_lora(job)
         prompts = await self._prepare(job)
         max_tokens = resolve_max_tokens(job, prompts)
         span = self._tracer.start_span("generate", attributes={
@@ -220,7 +248,8 @@ class Orchestrator:
             request_id=job.request_id,
             prompts=[worker_pb2.Prompt(token_ids=p.token_ids) for p in prompts],
             params=wire.sampling_params(job.params, max_tokens),
-            priority=job.options.priority, cache_salt=job.options.cache_salt or ""), "priority")
+            priority=job.options.priority, cache_salt=job.options.cache_salt or "",
+            lora_id=job.lora_id), "priority")
 
     async def _place(self, generation: Generation, request: worker_pb2.GenerateRequest,
                      lost: UnavailableError | None, span: Span) -> None:
@@ -248,7 +277,7 @@ class Orchestrator:
         placement = Placement(route, self._clients.worker_session(route.address), add.handle)
         prompts = [p.token_ids for p in generation.prompts]
         generation.place(placement, lambda handle: open_request(
-            handle, job.params, model=job.model, request_id=job.request_id, prompts=prompts,
+            handle, job.params, model=job.target_model, request_id=job.request_id, prompts=prompts,
             samples_per_prompt=job.params.n, traceparent=carrier.get("traceparent", "")), add)
 
     async def _move(self, generation: Generation, request: worker_pb2.GenerateRequest,
@@ -302,7 +331,8 @@ class Orchestrator:
         if first.max_model_len is not None:
             expected = min(expected, first.max_model_len - len(first.token_ids))
         request = wire.guarded(lambda: scheduler_pb2.RouteRequest(
-            request_id=job.request_id, model=job.model, prompt_token_ids=first.token_ids,
+            request_id=job.request_id, model=job.target_model, prompt_token_ids=first.token_ids,
+            lora_id=job.lora_id,
             num_prompt_tokens=len(first.token_ids), cache_salt=job.options.cache_salt or "",
             priority=job.options.priority, deadline_unix_ns=self._deadline_unix_ns(job),
             expected_output_tokens=expected, num_sequences=job.num_choices,

@@ -53,13 +53,19 @@ class ServiceHandlers:
         return asyncio.get_running_loop().time() + self._config.request_timeout_s
 
     async def _model_card(self, name: str) -> dict[str, object]:
+        """vLLM's model card; a LoRA adapter's names the model it adapts as its parent."""
+        adapter = (await self._orch.lora_adapters()).get(name)
         return {"id": name, "object": "model", "created": self._created,
-                "owned_by": "meshserve", "root": name, "parent": None,
+                "owned_by": "meshserve", "root": name,
+                "parent": adapter.base_model if adapter is not None else None,
                 "max_model_len": await self._clients.max_model_len(name)}
 
     async def models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: the served model names, with their context length when known."""
-        data = [await self._model_card(name) for name in await self._orch.model_names()]
+        """GET /v1/models: the served model names, then the LoRA adapters, with their context
+        length when known."""
+        names = await self._orch.model_names()
+        names += [a for a in await self._orch.lora_adapters() if a not in names]
+        data = [await self._model_card(name) for name in names]
         return json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
@@ -85,6 +91,7 @@ class ServiceHandlers:
             prompt = body["prompt"]
             add_special = _typed(body, "add_special_tokens", bool, "a boolean", True)
         strs = _typed(body, "return_token_strs", bool, "a boolean", False)
+        model = await self._orch.base_model(model)  # an adapter tokenizes as its base
         response = await self._orch.tokenize(model, prompt, add_special_tokens=add_special,
                                              deadline=self._deadline(), return_token_strs=strs)
         tokens = list(response.token_ids)
@@ -100,7 +107,8 @@ class ServiceHandlers:
         if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
             raise InvalidRequestError("'tokens' must be an array of token ids", param="tokens")
-        text = await self._orch.detokenize(model, tokens, self._deadline())
+        text = await self._orch.detokenize(await self._orch.base_model(model), tokens,
+                                           self._deadline())
         return json_response({"prompt": text})
 
     async def health(self, request: web.Request) -> web.Response:

@@ -33,7 +33,7 @@ from meshserve.services.scheduler.reads import (
     PromptHashes,
 )
 from meshserve.shared.block_hash import BlockHash
-from meshserve.shared.errors import InvalidRequestError, UnavailableError
+from meshserve.shared.errors import InvalidRequestError, NotFoundError, UnavailableError
 from meshserve.shared.kv_index import KVSTORE_HOLDER_PREFIX, KVIndex
 from meshserve.shared.worker_registry import (
     LOAD_CHANNEL,
@@ -245,7 +245,8 @@ class Router:
     async def _try_place(self, query: RouteQuery, hashes: PromptHashes) -> RouteDecision | None:
         records, matches = await self._reads.read(query.model, hashes)
         self.inflight.keep_only({r.worker_id for r in records})
-        serving = _runners_of(query, [r for r in records if r.info.serves(query.model)])
+        serving = _with_lora(query, _runners_of(
+            query, [r for r in records if r.info.serves(query.model)]))
         usable = [r for r in serving if r.worker_id not in query.exclude_worker_ids]
         if not usable:
             raise UnavailableError(
@@ -311,6 +312,18 @@ class Router:
             score=self.policy.score(choice), num_prompt_tokens=query.prompt_len,
             num_prompt_blocks=choice.num_prompt_blocks, num_running=choice.num_running,
             num_waiting=choice.num_waiting, num_used_blocks=choice.num_used_blocks)
+
+
+def _with_lora(query: RouteQuery, serving: list[WorkerRecord]) -> list[WorkerRecord]:
+    """The workers of `serving` that have the query's LoRA adapter loaded; NotFoundError
+    when the model is served but no worker has the adapter."""
+    if query.lora_id is None:
+        return serving
+    having = [r for r in serving if query.lora_id in r.info.lora_ids]
+    if serving and not having:
+        raise NotFoundError(f"no live worker of model {query.model!r} has the LoRA adapter "
+                            f"{query.lora_id} loaded", param="model")
+    return having
 
 
 def _runners_of(query: RouteQuery, serving: list[WorkerRecord]) -> list[WorkerRecord]:

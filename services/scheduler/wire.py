@@ -27,11 +27,19 @@ def runner_name(value: int) -> str:
     return _RUNNER_NAMES.get(value, RUNNER_GENERATE)
 
 
+def lora_adapters_pb(info: WorkerInfo) -> list[common_pb2.LoraAdapter]:
+    """The adapters of a worker's info as proto LoraAdapters (parent: its first name)."""
+    base = info.model_names[0] if info.model_names else ""
+    return [common_pb2.LoraAdapter(name=name, id=lora_id, base_model_name=base)
+            for name, lora_id in zip(info.lora_names, info.lora_ids, strict=False)]
+
+
 def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
     return WorkerInfo(
         worker_id=msg.worker_id, address=msg.address, model_names=tuple(msg.model_names),
         block_size=msg.block_size, max_model_len=msg.max_model_len,
-        num_total_blocks=msg.num_total_blocks, lora_ids=tuple(msg.lora_ids),
+        num_total_blocks=msg.num_total_blocks, lora_ids=tuple(a.id for a in msg.loras) or tuple(
+            msg.lora_ids), lora_names=tuple(a.name for a in msg.loras),
         tensor_parallel_size=msg.tensor_parallel_size or 1, kv_namespace=msg.kv_namespace,
         sampling_defaults_json=msg.sampling_defaults_json, epoch=msg.epoch,
         runner=runner_name(msg.runner), embedding_size=msg.embedding_size,
@@ -56,6 +64,7 @@ def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
             model_names=info.model_names, block_size=info.block_size,
             max_model_len=info.max_model_len, num_total_blocks=info.num_total_blocks,
             lora_ids=info.lora_ids, tensor_parallel_size=info.tensor_parallel_size,
+            loras=lora_adapters_pb(info),
             kv_namespace=info.kv_namespace,
             sampling_defaults_json=info.sampling_defaults_json, runner=_RUNNER_ENUMS[info.runner],
             embedding_size=info.embedding_size, metrics_url=info.metrics_url),

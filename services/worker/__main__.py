@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
@@ -31,6 +32,7 @@ from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.kv_publisher import KVEventPublisher
 from meshserve.services.worker.kv_transfer import KVTransfer
 from meshserve.services.worker.kvstore_client import KVStoreClient
+from meshserve.services.worker.lora.control import LoraControl, with_loras
 from meshserve.services.worker.registration import Registration
 from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
 from meshserve.services.worker.step_trace import write_step_trace
@@ -201,9 +203,11 @@ class WorkerProcess:
             kv_namespace=kv_namespace(names[0], engine),
             sampling_defaults_json=_sampling_defaults(config, engine),
             tensor_parallel_size=engine.parallel.world_size)
+        self.info = with_loras(self.info, engine.lora)
         self.servicer = WorkerServicer(self.thread, self.info, tracer=telemetry.tracer,
                                        registry=telemetry.registry,
                                        draining=lambda: self.draining)
+        self.servicer.lora = LoraControl(engine.lora, self._update_info)
         self.server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
                                  telemetry=telemetry, grace_s=config.drain_grace_s,
                                  reuse_port=config.reuse_port)
@@ -217,6 +221,12 @@ class WorkerProcess:
         self.vllm_metrics = vllm_metrics_of(engine, self.thread, names[0],
                                             telemetry.registry)
         self.servicer.on_params = self.vllm_metrics.observe_params
+
+    async def _update_info(self, update: Callable[[WorkerInfo], WorkerInfo]) -> None:
+        """Change the worker's info (its LoRA adapters) and tell the scheduler."""
+        self.info = self.servicer.info = update(self.info)
+        if self.registration is not None:
+            await self.registration.announce()
 
     def _on_fatal(self, error: BaseException) -> None:
         self.failure = error

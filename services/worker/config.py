@@ -73,6 +73,15 @@ class EngineOptions(Config):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
         "auto", "KV cache element type: auto (the model's dtype) or FP8 (fp8 = fp8_e4m3; "
                 "scale 1.0), which holds twice the tokens in the same memory")
+    enable_lora: bool = option(False, "serve LoRA adapters (docs/lora.md)")
+    max_loras: int = option(1, "LoRA adapters in device memory at once (and in one step)")
+    max_lora_rank: int = option(16, "largest LoRA rank accepted (1, 8, 16, 32, 64, 128, 256, "
+                                    "320 or 512); device slots are this wide")
+    max_cpu_loras: int | None = option(None, "LoRA adapters kept in host memory (unset: "
+                                             "--max-loras); others are read again when needed")
+    lora_modules: str | None = option(
+        None, "LoRA adapters to serve: comma-separated name=path, or vLLM's JSON "
+              "'{\"name\": .., \"path\": .., \"base_model_name\": ..}' (or an array of them)")
     generation_config: str = option(
         "auto", "sampling defaults for fields a request leaves out: auto (the model's "
                 "generation_config.json, as vLLM), vllm (none), or a folder holding one")

@@ -117,6 +117,12 @@ class Registration:
             "worker_id": info.worker_id, "epoch": info.epoch, "address": info.address,
             "heartbeat_interval_s": self.interval_s, "ttl_s": self.ttl_s})
 
+    async def announce(self) -> None:
+        """Register again now, so the scheduler sees what the worker's info says now (its
+        LoRA adapters changed). Scheduler errors propagate."""
+        if self.registered.is_set():
+            await self._register()
+
     async def _heartbeat(self) -> None:
         response = await self._scheduler.Heartbeat(
             scheduler_pb2.HeartbeatRequest(load=self._load()), timeout=self._call_timeout_s)

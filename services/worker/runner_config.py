@@ -44,6 +44,10 @@ class RunnerOptions(Config):
                      "use --convert embed or auto with --runner pooling", "convert")
         self.require(self.pooling or not self.pooler_config,
                      "only a pooling worker pools: add --runner pooling", "pooler_config")
+        # The engine options sit beside these in a worker's or launcher's config.
+        self.require(not (self.pooling and getattr(self, "enable_lora", False)),
+                     "LoRA adapters are served by generation workers only (drop --enable-lora "
+                     "or --runner pooling)", "enable_lora")
         try:
             parse_override(self.pooler_config)
         except ConfigError as exc:

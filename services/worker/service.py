@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from meshserve.services.worker.engine_thread import EngineThread
+from meshserve.services.worker.lora.control import LoraControl
 from meshserve.services.worker.request_stream import RequestTimes, StreamUpdate
 from meshserve.services.worker.session import SessionEntry, WorkerSession
 from meshserve.services.worker.wire import generate_response, sampling_params_from_proto
@@ -55,6 +56,8 @@ def worker_info_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:
         model_names=list(info.model_names), block_size=info.block_size,
         max_model_len=info.max_model_len, num_total_blocks=info.num_total_blocks,
         lora_ids=list(info.lora_ids), tensor_parallel_size=info.tensor_parallel_size,
+        loras=[common_pb2.LoraAdapter(name=name, id=lora_id, base_model_name=info.model_names[0])
+               for name, lora_id in zip(info.lora_names, info.lora_ids, strict=True)],
         kv_namespace=info.namespace, sampling_defaults_json=info.sampling_defaults_json,
         runner=(common_pb2.RUNNER_POOLING if info.runner == RUNNER_POOLING
                 else common_pb2.RUNNER_GENERATE),
@@ -104,6 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._sessions: set[WorkerSession] = set()
         # Each accepted request's sampling parameters (the vLLM request-parameter metrics).
         self.on_params: Callable[[SamplingParams], None] = lambda params: None
+        self.lora: LoraControl | None = None  # runtime LoRA loading (set by the worker)
 
     def wake_sessions(self) -> None:
         """Let every session re-check its state (the worker started draining)."""
@@ -220,6 +224,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetInfo(self, request: worker_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.GetInfoResponse:
         return worker_pb2.GetInfoResponse(info=worker_info_pb(self.info))
+
+    async def LoadLoraAdapter(self, request: worker_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> worker_pb2.LoadLoraAdapterResponse:
+        lora_id = await self._lora().load(request.lora_name, request.lora_path)
+        return worker_pb2.LoadLoraAdapterResponse(lora_id=lora_id)
+
+    async def UnloadLoraAdapter(self, request: worker_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> worker_pb2.UnloadLoraAdapterResponse:
+        lora_id = await self._lora().unload(request.lora_name)
+        return worker_pb2.UnloadLoraAdapterResponse(lora_id=lora_id)
+
+    def _lora(self) -> LoraControl:
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters are not enabled on this worker (start it "
+                                      "with --enable-lora)", param="lora_name")
+        return self.lora
 
     async def Embed(self, request: worker_pb2.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.EmbedResponse:

@@ -265,6 +265,13 @@ def test_an_fp8_checkpoint_at_tensor_parallelism_is_refused_before_any_rank_star
     assert refused.value.param == "tensor_parallel_size"
 
 
+def test_lora_on_fp8_weights_is_refused(tiny) -> None:
+    folder, _ = tiny
+    with pytest.raises(ModelLoadError, match="--enable-lora does not work with FP8") as refused:
+        engine_run(folder, [[5]], quantization="fp8", enable_lora=True)
+    assert refused.value.param == "enable_lora"
+
+
 def test_unsupported_quant_methods_are_refused(tiny, tmp_path: Path) -> None:
     folder, _ = tiny
     awq = tmp_path / "awq"

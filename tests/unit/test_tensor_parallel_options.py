@@ -76,3 +76,12 @@ def test_disable_custom_all_reduce_reaches_the_engine_config() -> None:
     options = EngineOptions.from_args(["--disable-custom-all-reduce"])
     assert options.engine_config().disable_custom_all_reduce is True
     assert EngineOptions.from_args([]).engine_config().disable_custom_all_reduce is False
+
+
+def test_lora_with_tensor_parallelism_is_refused_by_name() -> None:
+    from meshserve.services.worker.engine.config import EngineConfig
+    from meshserve.shared.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="--enable-lora") as refused:
+        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
+    assert refused.value.param == "enable_lora"

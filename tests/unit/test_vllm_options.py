@@ -12,6 +12,7 @@ from meshserve.services.up import positional_model
 from meshserve.services.vllm_options import translate
 from meshserve.shared.config import human_int
 from meshserve.shared.errors import ConfigError
+from meshserve.shared.lora_config import LoraModule, parse_lora_modules
 
 
 def config_of(*argv: str) -> LauncherConfig:
@@ -29,13 +30,34 @@ def test_vllm_spellings_give_the_same_config_as_ours() -> None:
 
 
 @pytest.mark.parametrize("argv", [["--pipeline-parallel-size", "2"], ["-pp=4"],
-                                  ["--quantization", "awq"], ["--enable-lora"],
+                                  ["--quantization", "awq"], ["--enable-sleep-mode"],
                                   ["--kv-cache-dtype", "int8"], ["--tokenizer", "x"],
                                   ["--speculative-config", "{}"]])
 def test_unsupported_vllm_options_are_refused_by_name(argv: list[str]) -> None:
     with pytest.raises(ConfigError, match="not supported by meshserve") as refused:
         translate(argv)
     assert argv[0].split("=")[0] in refused.value.message
+
+
+def test_lora_options_are_supported_in_both_spellings(tmp_path: Path) -> None:
+    adapter = '{"name": "sql", "path": "/a/sql", "base_model_name": "m"}'
+    config = config_of("m", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "64",
+                       "--lora-modules", "chat=/a/chat", adapter, "--max-cpu-loras", "8")
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank,
+            config.max_cpu_loras) == (True, 4, 64, 8)
+    modules = parse_lora_modules(config.lora_modules)
+    assert modules == (LoraModule("chat", "/a/chat"), LoraModule("sql", "/a/sql", "m"))
+    assert parse_lora_modules(config_of("m", "--enable-lora", "--lora-modules", "a=/x",
+                                        "b=/y").lora_modules) == (LoraModule("a", "/x"),
+                                                                  LoraModule("b", "/y"))
+    path = tmp_path / "serve.yaml"
+    path.write_text("enable_lora: true\nlora_modules:\n  - {name: sql, path: /a/sql}\n")
+    from_file = config_of("m", "--config", str(path))
+    assert parse_lora_modules(from_file.lora_modules) == (LoraModule("sql", "/a/sql"),)
+    with pytest.raises(ConfigError, match="lora_modules"):
+        config_of("m", "--lora-modules", "a=/x")  # without --enable-lora
+    with pytest.raises(ConfigError, match="generation workers only"):
+        config_of("m", "--runner", "pooling", "--enable-lora")
 
 
 def test_harmless_values_of_unsupported_options_pass() -> None:

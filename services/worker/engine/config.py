@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.lora_config import parse_lora_modules
 
 GiB = 1 << 30
 
@@ -45,6 +46,13 @@ class EngineConfig:
     disable_custom_all_reduce: bool = False
     quantization: str | None = None  # fp8: FP8 decoder weights (docs/quantization.md)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    # Multi-LoRA serving (vLLM's --enable-lora and friends; docs/lora.md).
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in device memory at once (and in one step)
+    max_lora_rank: int = 16  # largest adapter rank accepted; device slots are this wide
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
+    # Adapters served from the start: comma-separated name=path, or vLLM's JSON objects.
+    lora_modules: str | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str, param: str) -> None:
@@ -86,6 +94,18 @@ class EngineConfig:
         check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
               f"--kv-cache-dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2, got "
               f"{self.kv_cache_dtype!r}", "kv_cache_dtype")
+        check(self.max_loras > 0, "--max-loras must be positive", "max_loras")
+        check(self.max_lora_rank in (1, 8, 16, 32, 64, 128, 256, 320, 512),
+              "--max-lora-rank must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512, got "
+              f"{self.max_lora_rank}", "max_lora_rank")
+        check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+              "--max-cpu-loras must be at least --max-loras", "max_cpu_loras")
+        check(self.enable_lora or not self.lora_modules,
+              "--lora-modules needs --enable-lora", "lora_modules")
+        parse_lora_modules(self.lora_modules)  # InvalidRequestError naming lora_modules
+        check(not (self.enable_lora and self.tensor_parallel_size > 1),
+              "--enable-lora does not work with --tensor-parallel-size above 1 yet (adapter "
+              "slots hold unsplit projections)", "enable_lora")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")

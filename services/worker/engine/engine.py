@@ -51,6 +51,7 @@ from meshserve.services.worker.engine.structured_output import (
     accept_tokens,
     new_matcher,
 )
+from meshserve.services.worker.lora.setup import build_lora
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
 from meshserve.services.worker.models.loader import (
@@ -65,9 +66,10 @@ from meshserve.services.worker.parallel.broadcast import StepSync
 from meshserve.services.worker.parallel.config import ParallelConfig, ShardPlan
 from meshserve.services.worker.parallel.ranks import RankGroup
 from meshserve.shared.block_hash import extra_keys_for
-from meshserve.shared.errors import InvalidRequestError, ModelLoadError
+from meshserve.shared.errors import InvalidRequestError, ModelLoadError, NotFoundError
 from meshserve.shared.kv_dtype import kv_cache_dtype_name
 from meshserve.shared.kv_events import KVEvent
+from meshserve.shared.lora_config import parse_lora_modules
 from meshserve.shared.model_source import tokenizer_folder
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -125,6 +127,10 @@ class LLMEngine:
         # Checked (a size that does not split the model is refused) before any rank starts.
         shard = ShardPlan(self.model_config, self.parallel) if self.parallel.enabled else None
         self.quant = load_quant_config(self.source, config.quantization)
+        if self.quant is not None and config.enable_lora:
+            # FP8 layers replace the ones LoRA hooks: adapters would be silently skipped.
+            raise ModelLoadError("--enable-lora does not work with FP8 weights yet (--quantization "
+                                 "fp8 or an FP8 checkpoint)", param="enable_lora")
         if shard is not None and self.quant is not None and self.quant.from_checkpoint \
                 and config.load_format != "dummy":
             # The checkpoint's scales would need slicing with their weights.
@@ -150,6 +156,11 @@ class LLMEngine:
                  time.monotonic() - started)
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
         self.max_num_seqs = config.seqs_limit(*_gpu_memory_and_name(self.device))
+        self.lora = None if not config.enable_lora else build_lora(
+            model, self.model_config, max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
+            max_tokens=max(batched_tokens, self.max_num_seqs), modules=parse_lora_modules(config.lora_modules),
+            dtype=self.dtype, device=self.device)
         num_blocks = self._num_kv_blocks(model, batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -159,9 +170,11 @@ class LLMEngine:
             long_prefill_token_threshold=config.prefill_chunk_cap(self.device.type == "cuda"),
             policy=config.scheduling_policy,
             max_model_len=self.max_model_len,
+            max_loras=config.max_loras if self.lora is not None else 0,
         ), self.kv)
         self.runner = ModelRunner(model, self.model_config, self.kv, self.kv_dtype, self.device,
                                   sync)
+        self.runner.lora = self.lora
         self.graph_report = None
         self.piecewise_report = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -284,6 +297,9 @@ class LLMEngine:
             grammar = self.grammars.compile(params.structured)
         if params.bad_words and bad_words_ids is None:
             bad_words_ids = self.grammars.bad_word_ids(params.bad_words)
+        if lora_id is not None and self.lora is None:
+            raise NotFoundError(f"LoRA adapter {lora_id} is not loaded on this worker "
+                                "(LoRA is off)", param="model")
         extra_keys = extra_keys_for(lora_id, cache_salt)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         sequences: list[Request] = []
@@ -297,7 +313,8 @@ class LLMEngine:
                 list(prompt_token_ids), params, group_id=request_id, index=index,
                 priority=priority, arrival_time=arrival,
                 eos_token_ids=self.model_config.eos_token_ids, max_tokens=max_tokens,
-                extra_keys=extra_keys, leader=sequences[0] if share and sequences else None)
+                extra_keys=extra_keys, leader=sequences[0] if share and sequences else None,
+                lora_id=lora_id)
             if resumed is not None:
                 seq.output_token_ids.extend(resumed[index])
             seq.store_checked = not store_lookup
@@ -307,6 +324,8 @@ class LLMEngine:
                 seq.grammar = self._matcher(grammar, seq)
             seq.bad_words = bad_words_ids or ()
             sequences.append(seq)
+        if lora_id is not None and self.lora is not None:
+            self.lora.acquire(lora_id, len(sequences))  # NotFoundError if not served
         self._groups[request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)
@@ -337,6 +356,8 @@ class LLMEngine:
         # and the blocks it writes are reused only by steps queued after it.
         seq.drop_pending()
         self.scheduler.finish(seq, status)
+        if seq.lora_id is not None and self.lora is not None:
+            self.lora.release(seq.lora_id)
 
     def sequences(self, request_id: str) -> list[Request]:
         """The unfinished request's sequences (empty once it is done or unknown)."""

@@ -23,6 +23,7 @@ from meshserve.services.worker.engine.sampler import (
     logprob_table,
 )
 from meshserve.services.worker.engine.scheduler import SchedulerOutput
+from meshserve.services.worker.lora.manager import LoraManager
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
 from meshserve.services.worker.parallel.broadcast import StepPlan, StepSync
@@ -170,6 +171,7 @@ class ModelRunner:
         self.sampler = Sampler(config.vocab_size, device)
         self.graphs: CudaGraphRunner | None = None
         self.pieces: PiecewiseGraphRunner | None = None
+        self.lora: LoraManager | None = None  # set when multi-LoRA serving is on
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> CaptureReport:
         """Capture decode CUDA graphs for batch buckets up to `max_num_seqs`."""
@@ -216,6 +218,9 @@ class ModelRunner:
         taken from `previous`'s sampled tokens on the device.
         """
         inputs = self.prepare(out, previous)
+        if self.lora is not None:
+            self.lora.prepare_step([(s.request.lora_id, s.num_new_tokens)
+                                    for s in out.scheduled])
         if inputs.pending_rows:
             assert previous is not None and previous.sample is not None
             sources = self._tensor(inputs.pending_sources, torch.long)

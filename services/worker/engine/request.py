@@ -55,6 +55,7 @@ class Request:
         max_tokens: int,
         extra_keys: tuple[object, ...] = (),
         leader: Request | None = None,
+        lora_id: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id
@@ -68,6 +69,7 @@ class Request:
         # Resolved output cap (params.max_tokens, or what the context leaves).
         self.max_tokens = max_tokens
         self.extra_keys = extra_keys
+        self.lora_id = lora_id  # the LoRA adapter the sequence runs with (None: the base)
         # A sibling whose prompt blocks this one waits to share (n > 1).
         self.leader = leader
         self.status = RequestStatus.WAITING

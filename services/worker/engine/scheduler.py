@@ -23,6 +23,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"  # "fcfs" | "priority"
     max_model_len: int = 2048
+    # Distinct LoRA adapters among running requests (the device slots; 0: LoRA is off).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         assert self.policy in ("fcfs", "priority"), f"unknown scheduling policy {self.policy!r}"
@@ -177,6 +179,8 @@ class Scheduler:
                 continue  # preempted while its last token was on the device: wait for it
             if request.leader is not None and not self._leader_done(request.leader):
                 continue  # an n>1 sibling waits to share its leader's prompt blocks
+            if not self._lora_fits(request):
+                continue  # every adapter slot is taken by running requests' adapters
             computed = self.kv.get_computed_blocks(request)
             if self.store_gate is not None and self.store_gate(request, len(computed)):
                 continue
@@ -201,6 +205,13 @@ class Scheduler:
                     self.prefix_cache_hits += num_computed
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the request's adapter is running already or a slot is left for it."""
+        if request.lora_id is None:
+            return True
+        running = {r.lora_id for r in self.running if r.lora_id is not None}
+        return request.lora_id in running or len(running) < self.config.max_loras
 
     def _at_length_limit(self, request: Request) -> bool:
         return (request.num_output_tokens >= request.max_tokens

@@ -11,7 +11,7 @@ and gate/up into `gate_up_proj` (one matmul each); `load_weights` does the fusin
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -34,8 +34,14 @@ class Linear(nn.Linear):
     """nn.Linear whose product goes through `meshserve.kernels.linear` (a Triton kernel for
     decode-sized inputs on a GPU)."""
 
+    # Multi-LoRA serving hooks a callable here that adds each row's adapter product to y.
+    lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora(x, y)  # x [T, K], y [T, N] in place
+        return y
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Multi-LoRA serving on one GPU, in process, with the Llama-3.1-8B shape (dummy bf16 weights):
+#   check    the LoRA Triton kernels against the grouped torch reference at 8B shapes
+#   adapters 8 random PEFT adapters of rank 16 on all seven projections (ADAPTERS, RANK)
+#   base     an engine without LoRA: ShareGPT-like throughput (PROMPTS requests, ~200 in /
+#            ~180 out; the mean of PASSES passes) and single-stream time per output token
+#   lora     an engine with --enable-lora --max-loras 8: the same requests on the base model,
+#            then spread round-robin over the 8 adapters; the adapters' consistency check
+#            (greedy tokens alone / mixed / vs base, first-position max |logit diff| vs base)
+#            with CUDA graphs; single-stream TPOT with and without an adapter
+#   eager    the consistency check again with --enforce-eager, also with the grouped torch
+#            path in place of the Triton kernels (a graph problem apart from a kernel one)
+#   summary  the table (summary.md) and every figure (lora.json), graph vs eager logits;
+#            target: adapters' output throughput >= 0.8 x the no-LoRA engine's
+#
+#     bash loadtest/gpu_lora.sh          # from the repository root; results in $OUT
+#
+# Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
+# folders are linked as the package `meshserve` (as gpu_suite.sh does). Every step runs under
+# `timeout`; the limits add up to 285 s (the steps took about 3 minutes on an H200).
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 1
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_lora_out.XXXXXX")}
+RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_lora.XXXXXX")
+trap 'rm -rf "$RUN_DIR"' EXIT
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+PKGROOT=$RUN_DIR/pkgroot
+mkdir -p "$PKGROOT/meshserve"
+for folder in services kernels shared proto; do
+  ln -s "$REPO/$folder" "$PKGROOT/meshserve/$folder"
+done
+export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
+MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+ADAPTERS=${ADAPTERS:-8}
+RANK=${RANK:-16}
+PROMPTS=${PROMPTS:-800}  # two passes of 800 fit the limits (one of 1000 took ~20 s, H200)
+PASSES=${PASSES:-2}
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} >"$OUT/env.txt" 2>&1
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
+  local began=$SECONDS
+  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
+  tail -6 "$OUT/$name.log"
+}
+
+BENCH=(python3 loadtest/lora_bench.py)
+RUN=(run --model "$MODEL_DIR" --load-format dummy --dtype bfloat16 --max-model-len 2048
+     --num-prompts "$PROMPTS" --passes "$PASSES")
+LORA=(--adapters "$RUN_DIR/adapters" --count "$ADAPTERS" --rank "$RANK")
+step check 20 "${BENCH[@]}" check --out "$OUT/check.json"
+step adapters 20 "${BENCH[@]}" adapters --model "$MODEL_DIR" --out "$RUN_DIR/adapters" \
+  --count "$ADAPTERS" --rank "$RANK"
+step base 70 "${BENCH[@]}" "${RUN[@]}" --out "$OUT/base.json"
+step lora 115 "${BENCH[@]}" "${RUN[@]}" "${LORA[@]}" --out "$OUT/lora_run.json"
+step eager 50 "${BENCH[@]}" "${RUN[@]}" "${LORA[@]}" --enforce-eager --consistency-only \
+  --out "$OUT/eager.json"
+step summary 10 "${BENCH[@]}" summary --base "$OUT/base.json" --lora "$OUT/lora_run.json" \
+  --eager "$OUT/eager.json" --out-md "$OUT/summary.md" --out-json "$OUT/lora.json"
+cat "$OUT/summary.md" 2>/dev/null || echo "no summary (see $OUT/steps.log)"
