@@ -22,8 +22,8 @@ from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.embeddings import EmbeddingHandlers
 from meshserve.services.gateway.handlers import Handlers
-from meshserve.services.gateway.merged_metrics import MergedMetrics, parse_targets
 from meshserve.services.gateway.lora_admin import LoraAdmin
+from meshserve.services.gateway.merged_metrics import MergedMetrics, parse_targets
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.services.gateway.orchestrator import Orchestrator
 from meshserve.services.gateway.response_store import ResponseStore
