@@ -167,7 +167,7 @@ if [[ -n "$trace_file" ]]; then
     done
     [[ -n "$trace_id" ]] || fail "no trace with gateway, tokenizer, scheduler and worker spans"
     spans="$(grep -F "\"trace_id\": \"$trace_id\"" "$trace_file")"
-    services_seen="$(grep -o '"service": *"[a-z]*"' <<<"$spans" | sort -u | tr '\n' ' ')"
+    services_seen="$(sed -n 's/.*"service": "\([a-z]*\)".*/\1/p' <<<"$spans" | sort -u | tr '\n' ' ')"
     echo "trace $trace_id: $(wc -l <<<"$spans") spans"
     sed -n 's/.*"service": "\([^"]*\)", "name": "\([^"]*\)".*/  \1: \2/p' <<<"$spans"
     trace="found in $trace_file, spans from: $services_seen"
