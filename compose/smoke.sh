@@ -6,6 +6,8 @@
 #   compose/smoke.sh                     # bridge networking (the default compose file)
 #   compose/smoke.sh --host              # + docker-compose.host.yml (no bridge networking)
 #   compose/smoke.sh --host --no-tracing # without Jaeger (when its image cannot be had)
+#   compose/smoke.sh --host --trace-file=/tmp/spans.jsonl  # no Jaeger either: the services
+#       # export to MESHSERVE_OTLP_ENDPOINT, where loadtest/otlp_sink.py writes that file
 #   compose/smoke.sh --no-build --keep   # reuse the image; leave the stack running
 #
 # Ports, the model and the image come from the MESHSERVE_* variables the compose file
@@ -15,11 +17,12 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 files=(-f "$here/docker-compose.yml")
-host=0 tracing=1 build=1 keep=0 wait_s="${SMOKE_WAIT_S:-900}"
+host=0 tracing=1 build=1 keep=0 trace_file="" wait_s="${SMOKE_WAIT_S:-900}"
 for arg in "$@"; do
     case "$arg" in
         --host) host=1; files+=(-f "$here/docker-compose.host.yml") ;;
         --no-tracing) tracing=0 ;;
+        --trace-file=?*) trace_file="${arg#--trace-file=}" ;;
         --no-build) build=0 ;;
         --keep) keep=1 ;;
         *) echo "unknown option: $arg (see the header of $0)" >&2; exit 2 ;;
@@ -48,7 +51,12 @@ api="http://127.0.0.1:${api_port}"
 jaeger="http://127.0.0.1:${MESHSERVE_JAEGER_UI_PORT:-16686}"
 services=(redis tokenizer scheduler kvstore worker gateway)
 (( host )) || services+=(gateway-proxy)
-if (( tracing )); then
+if [[ -n "$trace_file" ]]; then
+    (( tracing )) || fail "--trace-file and --no-tracing exclude each other"
+    [[ -n "${MESHSERVE_OTLP_ENDPOINT:-}" ]] \
+        || fail "--trace-file: set MESHSERVE_OTLP_ENDPOINT to the receiver that writes it"
+    [[ -f "$trace_file" ]] || fail "--trace-file: $trace_file does not exist (start the sink)"
+elif (( tracing )); then
     services+=(jaeger); (( host )) || services+=(otel-collector)
 else
     export MESHSERVE_OTLP_ENDPOINT=""  # empty: the services export no spans
@@ -130,8 +138,40 @@ completion="$(curl -sS --fail-with-body -H "Authorization: Bearer $key" \
 echo "completion: $(head -c 300 <<<"$completion")"
 requests_s="$(since "$t0")"
 
+# The first trace id in a span file (loadtest/otlp_sink.py's JSON lines) that has spans
+# from the gateway, a tokenizer, the scheduler and a worker.
+complete_trace() {
+    awk -F'"' '{
+        for (i = 2; i < NF; i += 2) {
+            if ($i == "trace_id") id = $(i + 2); if ($i == "service") svc = $(i + 2)
+        }
+        if (!(id in order)) { order[id] = ++n; ids[n] = id }
+        seen[id, svc] = 1
+    } END {
+        for (k = 1; k <= n; k++) {
+            id = ids[k]
+            if (seen[id, "gateway"] && seen[id, "tokenizer"] && seen[id, "scheduler"] \
+                && seen[id, "worker"]) { print id; exit }
+        }
+    }' "$1"
+}
+
 trace="skipped (--no-tracing)"
-if (( tracing )); then
+if [[ -n "$trace_file" ]]; then
+    step "a request's trace in $trace_file (what the services sent to $MESHSERVE_OTLP_ENDPOINT)"
+    trace_id=""
+    for _ in $(seq 30); do  # spans leave each service in batches: ask again for a minute
+        trace_id="$(complete_trace "$trace_file")"
+        [[ -n "$trace_id" ]] && break
+        sleep 2
+    done
+    [[ -n "$trace_id" ]] || fail "no trace with gateway, tokenizer, scheduler and worker spans"
+    spans="$(grep -F "\"trace_id\": \"$trace_id\"" "$trace_file")"
+    services_seen="$(sed -n 's/.*"service": "\([a-z]*\)".*/\1/p' <<<"$spans" | sort -u | tr '\n' ' ')"
+    echo "trace $trace_id: $(wc -l <<<"$spans") spans"
+    sed -n 's/.*"service": "\([^"]*\)", "name": "\([^"]*\)".*/  \1: \2/p' <<<"$spans"
+    trace="found in $trace_file, spans from: $services_seen"
+elif (( tracing )); then
     step "a request's trace in Jaeger ($jaeger/api/traces?service=gateway)"
     # Spans leave each service in batches (every few seconds): ask again for up to a minute.
     for _ in $(seq 30); do

@@ -42,3 +42,18 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert len(commands) == 2, f"the quick start has exactly two commands, got {commands}"
     assert "meshserve up" in commands[0]
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_package_folder_is_installed() -> None:
+    # A folder missing from [tool.setuptools] packages imports in an editable install but
+    # is absent from a wheel or an image (the compose workers once failed so).
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'^\s+"(meshserve(?:\.\w+)*)",$', text, flags=re.MULTILINE))
+    roots = {"services": "meshserve.services", "kernels": "meshserve.kernels",
+             "shared": "meshserve.shared", "proto": "meshserve.proto"}
+    folders = {
+        ".".join([roots[init.relative_to(ROOT).parts[0]],
+                  *init.relative_to(ROOT).parts[1:-1]])
+        for root in roots for init in (ROOT / root).rglob("__init__.py")}
+    assert folders, "no package folder found"
+    assert folders - listed == set()
