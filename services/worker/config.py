@@ -58,6 +58,11 @@ class EngineOptions(Config):
     structured_outputs_backend: Literal["xgrammar", "none"] = option(
         "xgrammar", "what compiles the grammars of structured outputs (response_format, "
                     "structured_outputs, guided_*; none: such requests are refused)")
+    speculative_config: str | None = option(
+        None, "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (prompt lookup) or "
+              "'{\"model\": \"<draft folder>\", \"num_speculative_tokens\": 3}' (a draft "
+              "model of the same vocabulary); see docs/speculative.md")
     generation_config: str = option(
         "auto", "sampling defaults for fields a request leaves out: auto (the model's "
                 "generation_config.json, as vLLM), vllm (none), or a folder holding one")

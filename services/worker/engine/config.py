@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.errors import ConfigError, InvalidRequestError
+from meshserve.shared.speculative_config import SpeculativeConfig, parse_speculative_config
 
 GiB = 1 << 30
 
@@ -39,6 +40,8 @@ class EngineConfig:
     async_scheduling: str = "auto"  # auto | on | off
     # What compiles structured-output grammars (none: such requests are refused).
     structured_outputs_backend: str = "xgrammar"  # xgrammar | none
+    # vLLM's --speculative-config JSON (shared/speculative_config.py); None: no speculation.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str, param: str) -> None:
@@ -72,9 +75,21 @@ class EngineConfig:
         check(self.structured_outputs_backend in ("xgrammar", "none"),
               "--structured-outputs-backend must be xgrammar or none, got "
               f"{self.structured_outputs_backend!r}", "structured_outputs_backend")
+        if self.speculative_config is not None:
+            try:
+                self.speculative  # noqa: B018 (parsed to validate)
+            except ConfigError as exc:
+                raise InvalidRequestError(exc.message, param="speculative_config") from None
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config (None: no speculation)."""
+        if self.speculative_config is None:
+            return None
+        return parse_speculative_config(self.speculative_config)
 
     def seqs_limit(self, gpu_memory_bytes: int = 0, gpu_name: str = "") -> int:
         """The cap on running sequences. Unset, it is 1024 on a GPU of 70 GiB or more other

@@ -25,6 +25,7 @@ from meshserve.services.worker.engine.sampler import (
 from meshserve.services.worker.engine.scheduler import SchedulerOutput
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
+from meshserve.services.worker.spec.verify import PendingVerify, Verified, Verifier
 from meshserve.shared.errors import InternalError
 from meshserve.shared.logprobs import TokenLogprobs
 
@@ -38,6 +39,8 @@ class StepResult:
     # (sequence, first prompt position scored, logprobs from that position on)
     prompt_logprobs: list[tuple[Request, int, list[TokenLogprobs | None]]] = field(
         default_factory=list)
+    # Speculating sequences' accepted drafts and correction/bonus token (spec/verify.py)
+    verified: list[Verified] = field(default_factory=list)
 
 
 @dataclass
@@ -55,6 +58,9 @@ class StepInputs:
     # where that step's sampled tokens hold it.
     pending_rows: list[int] = field(default_factory=list)
     pending_sources: list[int] = field(default_factory=list)
+    # Speculating sequences and the rows of their [last token + drafts] queries.
+    verify_requests: list[Request] = field(default_factory=list)
+    verify_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -79,6 +85,7 @@ class LaunchedStep:
         self.sample_index = {id(r): i for i, r in enumerate(sample_requests)}
         # [S, V] float32 logits of a step whose sampling is not queued yet.
         self.logits: torch.Tensor | None = None
+        self.verify: PendingVerify | None = None  # speculating sequences' verify pass
 
     @property
     def sample_deferred(self) -> bool:
@@ -95,6 +102,8 @@ class LaunchedStep:
             sampled = self.sample.read()
             result.sampled = list(zip(self.sample_requests, sampled.token_ids,
                                       sampled.logprobs, strict=True))
+        if self.verify is not None:
+            result.verified = self.verify.read()
         return result
 
 
@@ -162,6 +171,7 @@ class ModelRunner:
         self.sampler = Sampler(config.vocab_size, device)
         self.graphs: CudaGraphRunner | None = None
         self.pieces: PiecewiseGraphRunner | None = None
+        self.verifier: Verifier | None = None  # set when the engine speculates
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> CaptureReport:
         """Capture decode CUDA graphs for batch buckets up to `max_num_seqs`."""
@@ -216,6 +226,11 @@ class ModelRunner:
         hidden = self._forward(inputs)
         prompt_scores = self._score_prompts(hidden, inputs)
         launched = LaunchedStep(out, inputs.sample_requests, None, prompt_scores)
+        if inputs.verify_rows:
+            assert self.verifier is not None, "drafts scheduled without a verifier"
+            rows = self._tensor(inputs.verify_rows, torch.long)
+            launched.verify = self.verifier.launch(self.model.compute_logits(hidden[rows]),
+                                                   inputs.verify_requests)
         if inputs.sample_rows:
             rows = self._tensor(inputs.sample_rows, torch.long)
             launched.logits = self.model.compute_logits(hidden[rows])  # [S, V] float32
@@ -248,18 +263,22 @@ class ModelRunner:
         prompt_rows: list[tuple[Request, list[int]]] = []
         pending_rows: list[int] = []
         pending_sources: list[int] = []
+        verify_requests: list[Request] = []
+        verify_rows: list[int] = []
         for s in out.scheduled:
             r, n = s.request, s.num_new_tokens
             start = r.num_computed_tokens
             table = self.kv.block_ids(r.request_id)
             row0 = len(ids)
-            ids.extend(r.token_ids(start, start + n))
+            drafts = r.spec_token_ids  # after the sequence's tokens, verified in this query
+            ids.extend(r.token_ids(start, start + n - len(drafts)))
+            ids.extend(drafts)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
-            known = r.num_known_tokens
+            known = r.num_known_tokens + len(drafts)
             if start + n > known:  # the last token was sampled by the step still running
                 if start + n - known > 1 or previous is None or (
                         id(r) not in previous.sample_index):
@@ -270,7 +289,10 @@ class ModelRunner:
             if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
                 last = min(start + n, r.num_prompt_tokens - 1)
                 prompt_rows.append((r, list(range(row0, row0 + last - start))))
-            if s.completes_prompt:
+            if drafts:
+                verify_requests.append(r)
+                verify_rows.extend(range(row0 + n - 1 - len(drafts), row0 + n))
+            elif s.completes_prompt:
                 sample_rows.append(row0 + n - 1)
                 sample_requests.append(r)
         return StepInputs(
@@ -282,6 +304,8 @@ class ModelRunner:
             prompt_rows=prompt_rows,
             pending_rows=pending_rows,
             pending_sources=pending_sources,
+            verify_requests=verify_requests,
+            verify_rows=verify_rows,
         )
 
     def _metadata(self, slots: list[int], query_lens: list[int], seq_lens: list[int],
