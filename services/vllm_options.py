@@ -54,7 +54,7 @@ _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "--tensor-parallel-size": ("1",), "-tp": ("1",),
     "--pipeline-parallel-size": ("1",), "-pp": ("1",),
     "--quantization": (), "-q": (), "--kv-cache-dtype": ("auto",),
-    "--speculative-config": (), "--lora-modules": (), "--max-loras": (),
+    "--lora-modules": (), "--max-loras": (),
     "--max-lora-rank": (), "--cpu-offload-gb": ("0",), "--swap-space": (),
     "--limit-mm-per-prompt": (), "--distributed-executor-backend": (),
     "--hf-overrides": (), "--rope-scaling": (), "--max-seq-len-to-capture": (),

@@ -33,6 +33,7 @@ from meshserve.services.worker.kv_transfer import KVTransfer
 from meshserve.services.worker.kvstore_client import KVStoreClient
 from meshserve.services.worker.registration import Registration
 from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
+from meshserve.services.worker.spec_metrics import register_spec_metrics
 from meshserve.services.worker.step_trace import write_step_trace
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.generation_config import sampling_defaults
@@ -204,6 +205,7 @@ class WorkerProcess:
         self._scheduler_channel: grpc.aio.Channel | None = None
         self.transfer: KVTransfer | None = None
         _load_gauges(telemetry, self.thread)
+        register_spec_metrics(telemetry.registry, engine.spec, names[0])
 
     def _on_fatal(self, error: BaseException) -> None:
         self.failure = error

@@ -30,8 +30,7 @@ def test_vllm_spellings_give_the_same_config_as_ours() -> None:
 
 @pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp=4"],
                                   ["--quantization", "fp8"], ["--enable-lora"],
-                                  ["--kv-cache-dtype", "fp8"], ["--tokenizer", "x"],
-                                  ["--speculative-config", "{}"]])
+                                  ["--kv-cache-dtype", "fp8"], ["--tokenizer", "x"]])
 def test_unsupported_vllm_options_are_refused_by_name(argv: list[str]) -> None:
     with pytest.raises(ConfigError, match="not supported by meshserve") as refused:
         translate(argv)
