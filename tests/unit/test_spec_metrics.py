@@ -20,12 +20,12 @@ def test_counters_carry_vllm_names_model_name_and_positions() -> None:
     for line in ('vllm:spec_decode_num_drafts_total{model_name="m1"} 2.0',
                  'vllm:spec_decode_num_draft_tokens_total{model_name="m1"} 5.0',
                  'vllm:spec_decode_num_accepted_tokens_total{model_name="m1"} 2.0',
-                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m1",'
-                 'position="0"} 1.0',
-                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m1",'
-                 'position="1"} 1.0',
-                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m1",'
-                 'position="2"} 0.0'):
+                 ('vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m1",'
+                 'position="0"} 1.0'),
+                 ('vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m1",'
+                 'position="1"} 1.0'),
+                 ('vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m1",'
+                 'position="2"} 0.0')):
         assert line in text.splitlines(), line
     assert "# TYPE vllm:spec_decode_num_drafts_total counter" in text
 
