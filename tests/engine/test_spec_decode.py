@@ -211,3 +211,24 @@ def test_constrained_requests_do_not_speculate(setup) -> None:
     seq.grammar = None
     seq.max_tokens = seq.num_output_tokens + 2  # room for one draft and the bonus token
     assert engine.spec.num_drafts_for(seq) == 1
+
+
+def test_penalties_and_min_tokens_see_the_drafts_before_each_position(setup) -> None:
+    folder, _, _, prompts, _ = setup
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, repetition_penalty=1.2,
+                            frequency_penalty=0.3, min_tokens=MAX_NEW - 4)
+    plain = run_all(make_engine(folder), prompts, params)
+    engine = make_engine(folder, speculative_config=spec_of(setup, "draft-same"))
+    spec = run_all(engine, prompts, params)
+    for i in range(len(prompts)):
+        assert tokens_of(spec[f"r{i}"]) == tokens_of(plain[f"r{i}"]), f"prompt {i}"
+        assert spec[f"r{i}"][-1].finish_reason == plain[f"r{i}"][-1].finish_reason
+    assert engine.spec is not None and engine.spec.stats.snapshot()[2] > 0
+
+
+def test_seeded_sampling_repeats_with_drafts(setup) -> None:
+    folder, _, _, prompts, _ = setup
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_NEW, ignore_eos=True)
+    runs = [tokens_of(run_all(make_engine(folder, speculative_config=NGRAM, seed=s),
+                              prompts[:1], params)["r0"]) for s in (1, 2)]
+    assert runs[0] == runs[1], "a seeded request draws the same whatever the engine's seed"

@@ -142,8 +142,11 @@ class Scheduler:
             elif num_new > budget:
                 continue
             del drafts[max(num_new - 1, 0):]
-            if not self._allocate_or_preempt(request, num_new, out):
-                continue
+            if not (drafts and self.kv.allocate_slots(request, num_new)):
+                num_new -= len(drafts)  # no room for drafts: no one is preempted for them
+                drafts.clear()
+                if not self._allocate_or_preempt(request, num_new, out):
+                    continue
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return budget
