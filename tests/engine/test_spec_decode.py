@@ -169,16 +169,31 @@ def joint_first_two(hf: torch.nn.Module, prompt: list[int], top_k: int) -> dict:
     return joint
 
 
+class LikeliestSecond:
+    """Drafts, after the first output token t1, the likeliest t2 given t1 (as a greedy
+    draft model of the target's weights would): accepted with probability p(t2 | t1)."""
+
+    def __init__(self, joint: dict[tuple[int, int], float]) -> None:
+        self.best: dict[int, int] = {}
+        for (t1, t2), p in sorted(joint.items(), key=lambda item: item[1]):
+            self.best[t1] = t2
+
+    def propose_batch(self, requests: list, ks: list[int]) -> list[list[int]]:
+        return [[self.best[r.output_token_ids[0]]][:k] for r, k in zip(requests, ks,
+                                                                       strict=True)]
+
+
 def test_sampling_keeps_the_target_distribution(setup) -> None:
-    """Draft = the target's weights, so each t2 is drafted (the greedy token) and then
-    accepted or corrected; n-gram drafts are one-hot too, which tests/unit/test_spec_rejection.py
-    covers for every acceptance probability."""
+    """Every t2 is drafted (the likeliest token), then accepted or corrected by rejection
+    sampling; tests/unit/test_spec_rejection.py covers other drafts and full q."""
     folder, _, hf, prompts, _ = setup
-    draws, top_k = 1200, 3
+    draws, top_k = 1000, 3
     prompt = prompts[0][:16]
     joint = joint_first_two(hf, prompt, top_k)
-    engine = make_engine(folder, speculative_config=spec_of(setup, "draft-same"), seed=3,
-                         max_num_seqs=400, max_num_batched_tokens=16 * 400, num_kv_blocks=1300)
+    engine = make_engine(folder, speculative_config=NGRAM, seed=3, max_num_seqs=500,
+                         max_num_batched_tokens=16 * 500, num_kv_blocks=1100)
+    assert engine.spec is not None
+    engine.spec.proposer = LikeliestSecond(joint)
     # max_tokens 3 leaves room for one draft after the first token: t2 is an accepted
     # draft or its correction.
     params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
