@@ -16,6 +16,8 @@ from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
 from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.shared.block_hash import hash_blocks
+from meshserve.shared.kv_events import BlockStored
 from meshserve.shared.sampling_params import SamplingParams
 
 MAX_NEW = 32
@@ -141,6 +143,12 @@ def test_prefix_cache_holds_only_accepted_tokens(setup) -> None:
     folder, _, _, prompts, expected = setup
     engine = make_engine(folder, speculative_config=NGRAM)
     run_all(engine, prompts[:1], GREEDY)
+    # KV events announce exactly the full blocks of the real tokens (the last token has no
+    # KV: it was never an input), never a block written with rejected drafts.
+    stored = [h for e in engine.take_kv_events() if isinstance(e, BlockStored)
+              for h in e.block_hashes]
+    real = prompts[0] + expected[0]
+    assert stored == hash_blocks(real[:len(real) - 1], 16)
     # The whole first sequence as a prompt: every full block it wrote must be a hit, and
     # the KV behind them must be that of its real tokens (the continuation matches).
     full = prompts[0] + expected[0]
