@@ -179,7 +179,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                      "ratio": verify / plain})
         print(f"verify cost B={batch}: decode {plain:.2f} ms, verify k={k} {verify:.2f} ms",
               flush=True)
-    results["verify_cost"] = cost
+        results["verify_cost"] = cost
+        _save(args, results)  # what is measured survives a later failure or timeout
     # (b) single stream
     prompt = repetitive_prompt(engine.model_config.vocab_size, args.loop_len, args.repeats)
     modes: dict[str, Any] = {}
@@ -189,6 +190,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     modes["ngram"] = run_mode(engine, ngram, False, prompt, args.max_tokens)
     oracle = SpecDecoder(config, OracleProposer(len(prompt), reference), engine.max_model_len)
     modes["oracle"] = run_mode(engine, oracle, False, prompt, args.max_tokens)
+    results["single_stream_partial"] = {n: _without_tokens(m) for n, m in modes.items()}
+    _save(args, results)
     if not args.skip_draft:
         draft = DraftModelProposer(engine.runner.model, engine.model_config,
                                    args.draft_blocks, engine.kv.block_size, engine.dtype,
@@ -196,6 +199,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         same = SpecDecoder(SpeculativeConfig("draft_model", k, model=args.model), draft,
                            engine.max_model_len)
         modes["draft_same"] = run_mode(engine, same, False, prompt, args.max_tokens)
+    del results["single_stream_partial"]
     base = modes["baseline_async"]["tpot_ms"]
     for name, mode in modes.items():
         mode["identical_to_baseline"] = mode["tokens"] == reference
@@ -218,6 +222,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             print(f"real model run failed: {exc!r}", flush=True)
             results["real_ngram_error"] = repr(exc)
     return results
+
+
+def _save(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+def _without_tokens(mode: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in mode.items() if key != "tokens"}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -348,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     results = bench(args)
     results["all_identical"] = all(m["identical_to_baseline"]
                                    for m in results["single_stream"].values())
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+    _save(args, results)
     table = markdown(results)
     if args.markdown:
         args.markdown.write_text(table)
