@@ -90,12 +90,12 @@ class Verifier:
         draft_ids: list[int | None] = []
         seeds: list[int | None] = []
         for request, draft in zip(requests, drafts, strict=True):
+            generator: torch.Generator | None = request.generator  # type: ignore[assignment]
             for j in range(len(draft) + 1):
-                row = _position_row(request, draft[:j])
-                rows.append(row)
+                rows.append(_position_row(request, draft, j))
                 draft_ids.append(draft[j] if j < len(draft) else None)
-                seeds.append(None if row.generator is None else _draw_seed(
-                    row.generator.initial_seed(), len(row.output_token_ids)))
+                seeds.append(None if generator is None else _draw_seed(
+                    generator.initial_seed(), request.num_output_tokens + j))
         final = self.sampler.process(logits, rows)  # [R, V]
         greedy = [row.params.greedy for row in rows]
         out = self.rejection.sample(final, greedy, draft_ids, seeds=seeds)
@@ -111,13 +111,21 @@ class Verifier:
         return PendingVerify(requests, drafts, out.token_ids, out.accepted, tables)
 
 
-def _position_row(request: Request, drafts_before: list[int]) -> SamplingRow:
-    """The sampling row of the position after `drafts_before` (as if they were output)."""
-    eos = () if request.params.ignore_eos else tuple(request.eos_token_ids)
+def _position_row(request: Request, drafts: list[int], j: int) -> SamplingRow:
+    """The sampling row of the position after the first `j` drafts (as if they were output).
+
+    The output is copied only where a processor reads its tokens (penalties, bad words) or
+    its length decides (min_tokens not reached yet)."""
+    params = request.params
+    output = request.output_token_ids
+    if j and (params.needs_penalties or request.bad_words
+              or len(output) < params.min_tokens):
+        output = output + drafts[:j]
+    eos = () if params.ignore_eos else tuple(request.eos_token_ids)
     return SamplingRow(
-        params=request.params,
+        params=params,
         prompt_token_ids=request.prompt_token_ids,
-        output_token_ids=request.output_token_ids + drafts_before,
+        output_token_ids=output,
         generator=request.generator,  # type: ignore[arg-type]
         stop_ids=eos + tuple(request.params.stop_token_ids),
         bad_words=request.bad_words,
