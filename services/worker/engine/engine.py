@@ -140,8 +140,10 @@ class LLMEngine:
         self.graph_report = None
         self.piecewise_report = None
         if self.device.type == "cuda" and not config.enforce_eager:
+            spec = config.speculative  # verify steps query 2..k+1 tokens per sequence
+            verify_lens = tuple(range(2, spec.num_speculative_tokens + 2)) if spec else ()
             self.graph_report = self.runner.capture_graphs(self.max_num_seqs,
-                                                           self.max_model_len)
+                                                           self.max_model_len, verify_lens)
             self.piecewise_report = self.runner.capture_piecewise_graphs(
                 self._piecewise_tokens(batched_tokens))
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,

@@ -172,15 +172,18 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.pieces: PiecewiseGraphRunner | None = None
         self.verifier: Verifier | None = None  # set when the engine speculates
+        self.last_path = ""  # how the last forward ran: graph, verify_graph, piecewise, eager
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> CaptureReport:
-        """Capture decode CUDA graphs for batch buckets up to `max_num_seqs`."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int,
+                       verify_lens: tuple[int, ...] = ()) -> CaptureReport:
+        """Capture decode CUDA graphs for batch buckets up to `max_num_seqs`, and verify
+        graphs of q tokens per sequence for each q in `verify_lens` (speculation)."""
         assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
         self.graphs = CudaGraphRunner(
             self.model, self.kv_caches, max_num_seqs=max_num_seqs,
             max_blocks_per_seq=self.kv.blocks_needed(max_model_len),
             max_model_len=max_model_len, hidden_size=self.config.hidden_size,
-            device=self.device)
+            device=self.device, verify_lens=verify_lens)
         return self.graphs.capture()
 
     def capture_piecewise_graphs(self, max_tokens: int) -> CaptureReport:
@@ -194,11 +197,15 @@ class ModelRunner:
         """Decode steps replay a whole-step graph; other steps up to the piecewise limit
         replay pieces around eager attention; larger ones run eagerly."""
         meta = inputs.meta
-        if (self.graphs is not None and meta.decode_only
-                and meta.num_seqs <= self.graphs.max_batch):
-            return self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        graphs = self.graphs
+        if graphs is not None and ((meta.decode_only and meta.num_seqs <= graphs.max_batch)
+                                   or (inputs.verify_rows and graphs.verify_key(meta))):
+            self.last_path = "graph" if meta.decode_only else "verify_graph"
+            return graphs.run(inputs.input_ids, inputs.positions, meta)
         if self.pieces is not None and inputs.input_ids.shape[0] <= self.pieces.max_tokens:
+            self.last_path = "piecewise"
             return self.pieces.run(inputs.input_ids, inputs.positions, meta)
+        self.last_path = "eager"
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
