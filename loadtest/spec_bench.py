@@ -85,9 +85,10 @@ class OracleProposer:
         return out
 
 
-def single_stream(engine: LLMEngine, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def single_stream(engine: LLMEngine, prompt: list[int], max_tokens: int,
+                  ignore_eos: bool = True) -> dict[str, Any]:
     """One greedy request to completion: its tokens, TPOT, step count and forward paths."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     engine.add_request("s", prompt, params)
     tokens: list[int] = []
     times: list[float] = []
@@ -185,12 +186,12 @@ def acceptance(spec: SpecDecoder | None, before: tuple[int, int, int, list[int]]
 
 
 def run_mode(engine: LLMEngine, spec: SpecDecoder | None, asynchronous: bool,
-             prompt: list[int], max_tokens: int) -> dict[str, Any]:
+             prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
     engine.spec = spec
     engine.async_scheduling = asynchronous
     single_stream(engine, prompt, 16)  # warm-up of this mode's shapes
     before = spec.stats.snapshot() if spec is not None else (0, 0, 0, [])
-    result = single_stream(engine, prompt, max_tokens)
+    result = single_stream(engine, prompt, max_tokens, ignore_eos)
     result.update(acceptance(spec, before))
     return result
 
@@ -349,12 +350,14 @@ def markdown(results: dict[str, Any]) -> str:
 
 def real_markdown(real: dict[str, Any]) -> str:
     lines = [f"## Real model ({real['model']}, {real['device']}), n-gram k = {real['k']}", "",
-             ("| prompt | prompt tokens | baseline TPOT (ms) | n-gram TPOT (ms) | speedup | "
-              "acceptance | tokens/step | identical text |"), "|---|---|---|---|---|---|---|---|"]
+             ("| prompt | prompt tokens | output tokens | baseline TPOT (ms) | n-gram TPOT (ms) | "
+              "speedup | acceptance | tokens/step | identical text |"),
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in real["prompts"].items():
         ng = r["ngram"]
         rate = ng.get("acceptance_rate")
-        lines.append(f"| {name} | {r['prompt_len']} | {r['baseline']['tpot_ms']:.2f} | "
+        lines.append(f"| {name} | {r['prompt_len']} | {ng['output_tokens']} | "
+                     f"{r['baseline']['tpot_ms']:.2f} | "
                      f"{ng['tpot_ms']:.2f} | {r['speedup']:.2f} | "
                      f"{'-' if rate is None else f'{rate:.2f}'} | {ng['tokens_per_step']:.2f} | "
                      f"{r['identical']} |")

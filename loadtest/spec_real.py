@@ -99,7 +99,9 @@ def real_model_run(model: str, device: str, k: int, max_tokens: int,
         prompt = chat_tokens(tokenizer, text)
         entry: dict[str, Any] = {"prompt_len": len(prompt)}
         for mode, spec_decoder in (("baseline", None), ("ngram", ngram)):
-            result = run_mode(engine, spec_decoder, False, prompt, max_tokens)
+            # The answer ends at the model's end of turn, as a served request would.
+            result = run_mode(engine, spec_decoder, False, prompt, max_tokens, ignore_eos=False)
+            result["output_tokens"] = len(result["tokens"])
             result["text"] = tokenizer.decode(result.pop("tokens"))
             entry[mode] = result
             print(f"real {name} {mode}: TPOT {result['tpot_ms']:.2f} ms, acceptance "
