@@ -6,7 +6,7 @@
 # against a 1-token decode step at batch 1, 8 and 32, with the forward path each took (verify
 # steps replay whole-step CUDA graphs per (batch bucket, k + 1)), (b) single-stream TPOT
 # without speculation and with n-gram drafts on a prompt quoting the whole answer
-# (ngram_quote) and a quote corrupted every 6th token (ngram_partial), oracle drafts, and the
+# (ngram_quote) and a quote corrupted every 8th token (ngram_partial), oracle drafts, and the
 # target's own weights as draft model; every mode's greedy tokens are checked against the
 # baseline's and the chain. With REAL_MODEL (a real model folder or .gguf), also n-gram on
 # real text. Results in $OUT: spec.json, spec.md, and the logs; the summary is printed.

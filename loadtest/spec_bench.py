@@ -382,7 +382,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds of verify_cost")
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--corrupt-every", type=int, default=6,
+    parser.add_argument("--corrupt-every", type=int, default=8,
                         help="ngram_partial: every n-th quoted token is replaced")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-copy-model", dest="copy_model", action="store_false",

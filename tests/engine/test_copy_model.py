@@ -48,7 +48,7 @@ def test_chain_and_quoting_prompt() -> None:
     assert [i for i in range(20) if corrupt[i] != prompt[i]] == [4, 9, 14, 19]
 
 
-@pytest.mark.parametrize("corrupt_every", [0, 6])
+@pytest.mark.parametrize("corrupt_every", [0, 8])
 def test_greedy_follows_the_chain_with_and_without_ngram(folder: Path,
                                                          corrupt_every: int) -> None:
     cm = load_copy_model()
@@ -65,7 +65,9 @@ def test_greedy_follows_the_chain_with_and_without_ngram(folder: Path,
             drafts, drafted, accepted, _ = engine.spec.stats.snapshot()
             rate = accepted / drafted
             if corrupt_every:
-                assert 0.2 < rate < 0.95, rate
+                # Per 8 tokens: a step without drafts after the replaced token, one accepting
+                # 4 of 4, one accepting 1 of 4 (5/8, less at the ends).
+                assert 0.45 < rate < 0.7, rate
             else:
                 assert rate == 1.0 and drafts <= MAX_NEW // K + 1
     assert results["plain"] == results["ngram"]
