@@ -16,7 +16,8 @@
 # Knobs (environment): K (4, num_speculative_tokens), MAX_TOKENS (256), BATCH_SIZES (1,8,32),
 # REAL_MODEL (unset: skipped unless loadtest/models/smollm2 exists), MODEL_DIR, EXTRA_ARGS
 # (more spec_bench.py flags; a CPU check with a tiny model: MODEL_DIR=<tiny folder>
-# EXTRA_ARGS="--device cpu --num-kv-blocks 512 --max-tokens 24 --iters 3").
+# EXTRA_ARGS="--device cpu --num-kv-blocks 512 --max-tokens 24 --iters 3", and
+# OMP_NUM_THREADS=1 on a busy CPU).
 # Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
 # folders are linked as the package `meshserve` (as gpu_suite.sh does).
 set -uo pipefail
