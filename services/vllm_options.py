@@ -54,7 +54,7 @@ _SWITCHES: dict[str, list[str]] = {
 # vLLM options meshserve does not support, and the values that ask for nothing.
 _UNSUPPORTED: dict[str, tuple[str, ...]] = {
     "--pipeline-parallel-size": ("1",), "-pp": ("1",),
-    "--speculative-config": (), "--cpu-offload-gb": ("0",), "--swap-space": (),
+    "--cpu-offload-gb": ("0",), "--swap-space": (),
     "--limit-mm-per-prompt": (), "--distributed-executor-backend": (),
     "--hf-overrides": (), "--rope-scaling": (), "--max-seq-len-to-capture": (),
     "--chat-template": (), "--response-role": ("assistant",), "--ssl-keyfile": (),

@@ -35,6 +35,7 @@ from meshserve.services.worker.kvstore_client import KVStoreClient
 from meshserve.services.worker.lora.control import LoraControl, with_loras
 from meshserve.services.worker.registration import Registration
 from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
+from meshserve.services.worker.spec_metrics import register_spec_metrics
 from meshserve.services.worker.step_trace import write_step_trace
 from meshserve.services.worker.vllm_metrics import metrics_url_of, vllm_metrics_of
 from meshserve.shared.errors import UnavailableError
@@ -221,6 +222,7 @@ class WorkerProcess:
         self.vllm_metrics = vllm_metrics_of(engine, self.thread, names[0],
                                             telemetry.registry)
         self.servicer.on_params = self.vllm_metrics.observe_params
+        register_spec_metrics(telemetry.registry, engine.spec, names[0])
 
     async def _update_info(self, update: Callable[[WorkerInfo], WorkerInfo]) -> None:
         """Change the worker's info (its LoRA adapters) and tell the scheduler."""

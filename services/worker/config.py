@@ -82,6 +82,11 @@ class EngineOptions(Config):
     lora_modules: str | None = option(
         None, "LoRA adapters to serve: comma-separated name=path, or vLLM's JSON "
               "'{\"name\": .., \"path\": .., \"base_model_name\": ..}' (or an array of them)")
+    speculative_config: str | None = option(
+        None, "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (prompt lookup) or "
+              "'{\"model\": \"<draft folder>\", \"num_speculative_tokens\": 3}' (a draft "
+              "model of the same vocabulary); see docs/speculative.md")
     generation_config: str = option(
         "auto", "sampling defaults for fields a request leaves out: auto (the model's "
                 "generation_config.json, as vLLM), vllm (none), or a folder holding one")

@@ -31,8 +31,7 @@ def test_vllm_spellings_give_the_same_config_as_ours() -> None:
 
 @pytest.mark.parametrize("argv", [["--pipeline-parallel-size", "2"], ["-pp=4"],
                                   ["--quantization", "awq"], ["--enable-sleep-mode"],
-                                  ["--kv-cache-dtype", "int8"], ["--tokenizer", "x"],
-                                  ["--speculative-config", "{}"]])
+                                  ["--kv-cache-dtype", "int8"], ["--tokenizer", "x"]])
 def test_unsupported_vllm_options_are_refused_by_name(argv: list[str]) -> None:
     with pytest.raises(ConfigError, match="not supported by meshserve") as refused:
         translate(argv)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.errors import ConfigError, InvalidRequestError
 from meshserve.shared.lora_config import parse_lora_modules
+from meshserve.shared.speculative_config import SpeculativeConfig, parse_speculative_config
 
 GiB = 1 << 30
 
@@ -53,6 +54,8 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
     # Adapters served from the start: comma-separated name=path, or vLLM's JSON objects.
     lora_modules: str | None = None
+    # vLLM's --speculative-config JSON (shared/speculative_config.py); None: no speculation.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str, param: str) -> None:
@@ -106,9 +109,26 @@ class EngineConfig:
         check(not (self.enable_lora and self.tensor_parallel_size > 1),
               "--enable-lora does not work with --tensor-parallel-size above 1 yet (adapter "
               "slots hold unsplit projections)", "enable_lora")
+        if self.speculative_config is not None:
+            try:
+                self.speculative  # noqa: B018 (parsed to validate)
+            except ConfigError as exc:
+                raise InvalidRequestError(exc.message, param="speculative_config") from None
+        check(not (self.speculative_config and self.tensor_parallel_size > 1),
+              "--speculative-config does not work with --tensor-parallel-size above 1 yet",
+              "speculative_config")
+        check(not (self.speculative_config and self.enable_lora),
+              "--speculative-config does not work with --enable-lora yet", "speculative_config")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config (None: no speculation)."""
+        if self.speculative_config is None:
+            return None
+        return parse_speculative_config(self.speculative_config)
 
     def seqs_limit(self, gpu_memory_bytes: int = 0, gpu_name: str = "") -> int:
         """The cap on running sequences. Unset, it is 1024 on a GPU of 70 GiB or more other

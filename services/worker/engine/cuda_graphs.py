@@ -5,6 +5,11 @@ launches them all at once, so small batches stop being bound by the CPU. Graphs
 read their inputs from static buffers: a step copies its inputs in, pads the
 batch to the bucket (padding rows write no KV and attend to one slot of block
 0), replays, and reads the first rows of the static output.
+
+Speculative verify steps, where every sequence queries its last token and the
+same number of drafts (q = 2..k+1 tokens each), replay whole-step graphs too, one
+per (batch bucket, q): a verify step at a small batch is as memory-bound as a
+decode step, so it must not pay eager or piecewise launch costs.
 """
 
 from __future__ import annotations
@@ -31,6 +36,27 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return capped + [min(max_num_seqs, 256)]
 
 
+# Verify steps replay whole-step graphs up to this many sequences; larger batches are long
+# enough on the device for the piecewise graphs.
+VERIFY_GRAPH_MAX_SEQS = 64
+
+
+def verify_graph_key(query_lens: list[int], verify_lens: tuple[int, ...],
+                     buckets: list[int]) -> tuple[int, int] | None:
+    """(batch bucket, query length) of the captured verify graph for a step whose sequences
+    query `query_lens` tokens, or None: the lengths differ, are not a captured q, or the batch
+    is beyond every verify bucket."""
+    q = query_lens[0] if query_lens else 0
+    if q not in verify_lens or any(n != q for n in query_lens):
+        return None
+    return next(((b, q) for b in verify_buckets(buckets) if b >= len(query_lens)), None)
+
+
+def verify_buckets(buckets: list[int]) -> list[int]:
+    """The batch buckets that get verify graphs (up to VERIFY_GRAPH_MAX_SEQS)."""
+    return [b for b in buckets if b <= VERIFY_GRAPH_MAX_SEQS]
+
+
 @dataclass(frozen=True)
 class CaptureReport:
     buckets: list[int]
@@ -39,28 +65,36 @@ class CaptureReport:
 
 
 class CudaGraphRunner:
-    """Captures and replays decode forwards for every bucket up to the largest."""
+    """Captures and replays decode forwards for every bucket up to the largest, and verify
+    forwards of q tokens per sequence (q in `verify_lens`) for the buckets up to
+    VERIFY_GRAPH_MAX_SEQS. Graphs are keyed by (batch bucket, tokens per sequence)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], *, max_num_seqs: int,
                  max_blocks_per_seq: int, max_model_len: int, hidden_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, verify_lens: tuple[int, ...] = ()) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.buckets = batch_buckets(max_num_seqs)
         self.max_model_len = max_model_len
+        self.verify_lens = tuple(q for q in verify_lens if q > 1)
         largest = self.buckets[-1]
-        # Static inputs, sized for the largest bucket.
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
+        # Static inputs: [largest] sequences, [max_tokens] tokens (a verify bucket's B * q).
+        max_tokens = max([largest] + [b * q for b in verify_buckets(self.buckets)
+                                      for q in self.verify_lens])
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
-        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        # Per query length q: [largest + 1] starts 0, q, 2q, ...
+        self.query_start_locs = {q: torch.arange(largest + 1, dtype=torch.int32,
+                                                 device=device) * q
+                                 for q in (1, *self.verify_lens)}
         self.hidden_size = hidden_size
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool: Any = None  # the graphs' shared memory pool handle
 
     @property
@@ -70,57 +104,87 @@ class CudaGraphRunner:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def _meta(self, batch: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch], query_start_loc=self.query_start_loc[:batch + 1],
-            seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
-            max_query_len=1, max_seq_len=self.max_model_len,
-            query_lens_cpu=[1] * batch, seq_lens_cpu=[1] * batch)
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, tokens per sequence) to capture, largest step first."""
+        keys = [(b, 1) for b in self.buckets]
+        keys += [(b, q) for b in verify_buckets(self.buckets) for q in self.verify_lens]
+        return sorted(keys, key=lambda key: (key[0] * key[1], key[1]), reverse=True)
 
-    def _forward(self, batch: int) -> torch.Tensor:
-        return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches,
-                          self._meta(batch))
+    def _meta(self, batch: int, q: int, seq_lens_cpu: list[int] | None = None
+              ) -> AttentionMetadata:
+        """Metadata over the static buffers. A graph's attention reads only the device
+        tensors; the host lists matter to the CPU reference path (uncaptured runs), and for
+        q > 1 say "context before the queries" so that no fresh-prefill path is taken."""
+        tokens = batch * q
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tokens],
+            query_start_loc=self.query_start_locs[q][:batch + 1],
+            seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
+            max_query_len=q, max_seq_len=self.max_model_len,
+            query_lens_cpu=[q] * batch,
+            seq_lens_cpu=seq_lens_cpu or [1 if q == 1 else self.max_model_len] * batch)
+
+    def _forward(self, batch: int, q: int, seq_lens_cpu: list[int] | None = None
+                 ) -> torch.Tensor:
+        tokens = batch * q
+        return self.model(self.input_ids[:tokens], self.positions[:tokens], self.kv_caches,
+                          self._meta(batch, q, seq_lens_cpu))
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
-        """Capture every bucket, largest first so that smaller ones reuse its memory pool."""
+        """Capture every key, largest first so that smaller ones reuse its memory pool."""
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         started = time.perf_counter()
-        for batch in reversed(self.buckets):
-            self._forward(batch)  # warm-up: compiles kernels, settles allocations
+        for batch, q in self.keys():
+            self.seq_lens.fill_(q)  # every query row sees at least its own key
+            self._forward(batch, q)  # warm-up: compiles kernels, settles allocations
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[batch] = self._forward(batch)
+                self.outputs[batch, q] = self._forward(batch, q)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[batch] = graph
+            self.graphs[batch, q] = graph
         torch.cuda.synchronize(self.device)
         report = CaptureReport(list(self.buckets), time.perf_counter() - started,
                                free_before - torch.cuda.mem_get_info(self.device)[0])
-        log.info("captured %d decode CUDA graphs (batch 1..%d) in %.1fs using %.0f MiB",
-                 len(self.buckets), self.max_batch, report.seconds, report.memory_bytes / 2**20)
+        log.info("captured %d decode and verify CUDA graphs (batch 1..%d, verify lengths %s) "
+                 "in %.1fs using %.0f MiB", len(self.graphs), self.max_batch,
+                 list(self.verify_lens), report.seconds, report.memory_bytes / 2**20)
         return report
 
+    def verify_key(self, meta: AttentionMetadata) -> tuple[int, int] | None:
+        """The verify graph for this step, if one was made for its shape."""
+        return verify_graph_key(meta.query_lens_cpu, self.verify_lens, self.buckets)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            ) -> torch.Tensor:  # [B, H]
-        """Replay the graph of the smallest bucket that holds this decode batch."""
-        num_seqs = meta.num_seqs
-        batch = self.bucket_for(num_seqs)
-        assert batch is not None and meta.decode_only, (
-            f"no captured graph for a decode batch of {num_seqs} (largest {self.max_batch})")
+            ) -> torch.Tensor:  # [T, H]
+        """Replay the graph of the smallest bucket that holds this decode batch, or the verify
+        graph of its (bucket, q); uncaptured (CPU tests), the same padded forward runs
+        eagerly."""
+        num_seqs, num_tokens = meta.num_seqs, input_ids.shape[0]
+        bucket = self.bucket_for(num_seqs)
+        key = self.verify_key(meta) if not meta.decode_only else (
+            None if bucket is None else (bucket, 1))
+        assert key is not None, (f"no captured graph for a step of {num_seqs} sequences with "
+                                 f"query lengths {meta.query_lens_cpu[:4]}...")
+        batch, q = key
         width = meta.block_tables.shape[1]
-        self.input_ids[:num_seqs].copy_(input_ids, non_blocking=True)
-        self.positions[:num_seqs].copy_(positions, non_blocking=True)
-        self.slot_mapping[:num_seqs].copy_(meta.slot_mapping, non_blocking=True)
+        self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:num_seqs].copy_(meta.seq_lens, non_blocking=True)
         self.block_tables[:num_seqs, :width].copy_(meta.block_tables, non_blocking=True)
-        if batch > num_seqs:  # padding rows: write nothing, attend to one slot
-            self.slot_mapping[num_seqs:batch].fill_(-1)
-            self.seq_lens[num_seqs:batch].fill_(1)
-        self.graphs[batch].replay()
-        return self.outputs[batch][:num_seqs]
+        if batch > num_seqs:  # padding sequences: write nothing, attend to their q slots
+            self.slot_mapping[num_tokens:batch * q].fill_(-1)
+            self.seq_lens[num_seqs:batch].fill_(q)
+        graph = self.graphs.get(key)
+        if graph is None:
+            pad = [q] * (batch - num_seqs)
+            return self._forward(batch, q, list(meta.seq_lens_cpu) + pad)[:num_tokens]
+        graph.replay()
+        return self.outputs[key][:num_tokens]
 
 
 def token_buckets(max_tokens: int) -> list[int]:

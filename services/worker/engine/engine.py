@@ -65,10 +65,14 @@ from meshserve.services.worker.models.loader import (
 from meshserve.services.worker.parallel.broadcast import StepSync
 from meshserve.services.worker.parallel.config import ParallelConfig, ShardPlan
 from meshserve.services.worker.parallel.ranks import RankGroup
+from meshserve.services.worker.spec.decoder import SpecDecoder
+from meshserve.services.worker.spec.setup import attach_speculation, load_draft
+from meshserve.services.worker.spec.verify import Verified
 from meshserve.shared.block_hash import extra_keys_for
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError, NotFoundError
 from meshserve.shared.kv_dtype import kv_cache_dtype_name
 from meshserve.shared.kv_events import KVEvent
+from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.lora_config import parse_lora_modules
 from meshserve.shared.model_source import tokenizer_folder
 from meshserve.shared.sampling_params import SamplingParams
@@ -154,12 +158,18 @@ class LLMEngine:
                            config.load_format, shard=shard, quant=self.quant)
         log.info("loaded %s (%s) in %.1fs", self.source.name, self.dtype,
                  time.monotonic() - started)
+        # A draft model's weights load before the KV cache is sized, which then holds both
+        # models' caches (the draft's has as many blocks as the target's).
+        self.draft = load_draft(config.speculative, model, self.model_config,
+                                str(self.source.path), config.load_format, self.dtype,
+                                self.device)
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
         self.max_num_seqs = config.seqs_limit(*_gpu_memory_and_name(self.device))
         self.lora = None if not config.enable_lora else build_lora(
             model, self.model_config, max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
-            max_tokens=max(batched_tokens, self.max_num_seqs), modules=parse_lora_modules(config.lora_modules),
+            max_tokens=max(batched_tokens, self.max_num_seqs),
+            modules=parse_lora_modules(config.lora_modules),
             dtype=self.dtype, device=self.device)
         num_blocks = self._num_kv_blocks(model, batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -178,8 +188,10 @@ class LLMEngine:
         self.graph_report = None
         self.piecewise_report = None
         if self.device.type == "cuda" and not config.enforce_eager:
+            spec = config.speculative  # verify steps query 2..k+1 tokens per sequence
+            verify_lens = tuple(range(2, spec.num_speculative_tokens + 2)) if spec else ()
             self.graph_report = self.runner.capture_graphs(self.max_num_seqs,
-                                                           self.max_model_len)
+                                                           self.max_model_len, verify_lens)
             self.piecewise_report = self.runner.capture_piecewise_graphs(
                 self._piecewise_tokens(batched_tokens))
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
@@ -188,6 +200,11 @@ class LLMEngine:
         self._aborted: list[Request] = []
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:
+            # Drafts are proposed from host tokens, so speculating steps run one at a time.
+            self.spec = attach_speculation(self, config.speculative)
+            self.async_scheduling = False
         self._in_flight: LaunchedStep | None = None  # queued, results not read yet
         self.kv_tier: KVTier | None = None
         self.grammars = GrammarCompiler(
@@ -211,6 +228,8 @@ class LLMEngine:
         # The model's own config: a tensor-parallel rank holds only its share of KV heads.
         per_block = kv_cache_bytes_per_block(model.config, self.config.block_size,
                                              self.kv_dtype)
+        if self.draft is not None:
+            per_block += self.draft.kv_bytes_per_block(self.config.block_size, self.dtype)
         if self.device.type == "cuda":
             # What is left of this worker's share once weights (already loaded), the peak
             # activations of the largest step and the decode graphs are accounted for.
@@ -390,6 +409,8 @@ class LLMEngine:
         if previous is not None and self._needs_history(previous):
             outputs.extend(self._apply(previous.result()))
             previous = None
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         launched = None
         if not scheduled.empty:
@@ -450,7 +471,45 @@ class LLMEngine:
                 # This token completes a block whose hash waited for its id.
                 self.kv.cache_computed_blocks(seq)
             outputs.append(self._output(seq, [token], logprobs, count))
+        for verified in result.verified:
+            output = self._apply_verified(verified)
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _apply_verified(self, verified: Verified) -> RequestOutput | None:
+        """A speculating sequence's accepted drafts and correction/bonus token, cut at the
+        first that finishes it; the slots of rejected drafts are given back."""
+        seq = verified.request
+        seq.spec_token_ids = []
+        if seq.is_finished:  # aborted while its step ran
+            return None
+        assert self.spec is not None
+        self.spec.record(verified)
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        status = None
+        for token, entry in zip(verified.token_ids, verified.logprobs, strict=True):
+            seq.output_token_ids.append(token)
+            tokens.append(token)
+            if entry is not None:
+                logprobs.append(entry)
+            status = self._stop_status(seq, token, seq.num_output_tokens)
+            if status is not None:
+                break
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if status is not None:
+            self._finish(seq, status)
+            self._forget_if_done(seq.group_id)
+        else:
+            # KV holds the last token and the accepted drafts; the new last token has none.
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.kv.trim(seq, seq.num_tokens)
+            self.kv.cache_computed_blocks(seq)
+        out = self._output(seq, tokens, None, seq.num_output_tokens)
+        out.new_logprobs = logprobs or None
+        return out
 
     def _stop_status(self, seq: Request, token: int, count: int) -> RequestStatus | None:
         """How the sequence finishes with `token` as its output token number `count`, or

@@ -112,6 +112,18 @@ class KVCacheManager:
         if request.request_id in self._blocks:
             self._cache_new_full_blocks(request, request.num_computed_tokens, 0)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks beyond its first `num_tokens` tokens (rejected
+        drafts' slots); those blocks hold no indexed (full, known) tokens."""
+        held = self._blocks.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if held is None or len(held) <= keep:
+            return
+        assert self._num_cached.get(request.request_id, 0) <= keep, "trimming indexed blocks"
+        extra = held[keep:]
+        del held[keep:]
+        self.pool.free_blocks(reversed(extra))
+
     def free(self, request: Request) -> None:
         """Release every block the request holds (its tail first in eviction order)."""
         blocks = self._blocks.pop(request.request_id, [])

@@ -27,6 +27,7 @@ from meshserve.services.worker.lora.manager import LoraManager
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
 from meshserve.services.worker.parallel.broadcast import StepPlan, StepSync
+from meshserve.services.worker.spec.verify import PendingVerify, Verified, Verifier
 from meshserve.shared.errors import InternalError
 from meshserve.shared.logprobs import TokenLogprobs
 
@@ -40,6 +41,8 @@ class StepResult:
     # (sequence, first prompt position scored, logprobs from that position on)
     prompt_logprobs: list[tuple[Request, int, list[TokenLogprobs | None]]] = field(
         default_factory=list)
+    # Speculating sequences' accepted drafts and correction/bonus token (spec/verify.py)
+    verified: list[Verified] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +62,9 @@ class StepInputs:
     pending_sources: list[int] = field(default_factory=list)
     # The host lists, kept for the other tensor-parallel ranks (None without them).
     plan: StepPlan | None = None
+    # Speculating sequences and the rows of their [last token + drafts] queries.
+    verify_requests: list[Request] = field(default_factory=list)
+    verify_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -83,6 +89,7 @@ class LaunchedStep:
         self.sample_index = {id(r): i for i, r in enumerate(sample_requests)}
         # [S, V] float32 logits of a step whose sampling is not queued yet.
         self.logits: torch.Tensor | None = None
+        self.verify: PendingVerify | None = None  # speculating sequences' verify pass
 
     @property
     def sample_deferred(self) -> bool:
@@ -99,6 +106,8 @@ class LaunchedStep:
             sampled = self.sample.read()
             result.sampled = list(zip(self.sample_requests, sampled.token_ids,
                                       sampled.logprobs, strict=True))
+        if self.verify is not None:
+            result.verified = self.verify.read()
         return result
 
 
@@ -172,15 +181,19 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.pieces: PiecewiseGraphRunner | None = None
         self.lora: LoraManager | None = None  # set when multi-LoRA serving is on
+        self.verifier: Verifier | None = None  # set when the engine speculates
+        self.last_path = ""  # how the last forward ran: graph, verify_graph, piecewise, eager
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> CaptureReport:
-        """Capture decode CUDA graphs for batch buckets up to `max_num_seqs`."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int,
+                       verify_lens: tuple[int, ...] = ()) -> CaptureReport:
+        """Capture decode CUDA graphs for batch buckets up to `max_num_seqs`, and verify
+        graphs of q tokens per sequence for each q in `verify_lens` (speculation)."""
         assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
         self.graphs = CudaGraphRunner(
             self.model, self.kv_caches, max_num_seqs=max_num_seqs,
             max_blocks_per_seq=self.kv.blocks_needed(max_model_len),
             max_model_len=max_model_len, hidden_size=self.config.hidden_size,
-            device=self.device)
+            device=self.device, verify_lens=verify_lens)
         return self.graphs.capture()
 
     def capture_piecewise_graphs(self, max_tokens: int) -> CaptureReport:
@@ -194,11 +207,15 @@ class ModelRunner:
         """Decode steps replay a whole-step graph; other steps up to the piecewise limit
         replay pieces around eager attention; larger ones run eagerly."""
         meta = inputs.meta
-        if (self.graphs is not None and meta.decode_only
-                and meta.num_seqs <= self.graphs.max_batch):
-            return self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        graphs = self.graphs
+        if graphs is not None and ((meta.decode_only and meta.num_seqs <= graphs.max_batch)
+                                   or (inputs.verify_rows and graphs.verify_key(meta))):
+            self.last_path = "graph" if meta.decode_only else "verify_graph"
+            return graphs.run(inputs.input_ids, inputs.positions, meta)
         if self.pieces is not None and inputs.input_ids.shape[0] <= self.pieces.max_tokens:
+            self.last_path = "piecewise"
             return self.pieces.run(inputs.input_ids, inputs.positions, meta)
+        self.last_path = "eager"
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
@@ -231,6 +248,11 @@ class ModelRunner:
         hidden = self._forward(inputs)
         prompt_scores = self._score_prompts(hidden, inputs)
         launched = LaunchedStep(out, inputs.sample_requests, None, prompt_scores)
+        if inputs.verify_rows:
+            assert self.verifier is not None, "drafts scheduled without a verifier"
+            rows = self._tensor(inputs.verify_rows, torch.long)
+            launched.verify = self.verifier.launch(self.model.compute_logits(hidden[rows]),
+                                                   inputs.verify_requests)
         if inputs.sample_rows:
             rows = self._tensor(inputs.sample_rows, torch.long)
             launched.logits = self.model.compute_logits(hidden[rows])  # [S, V] float32
@@ -263,18 +285,22 @@ class ModelRunner:
         prompt_rows: list[tuple[Request, list[int]]] = []
         pending_rows: list[int] = []
         pending_sources: list[int] = []
+        verify_requests: list[Request] = []
+        verify_rows: list[int] = []
         for s in out.scheduled:
             r, n = s.request, s.num_new_tokens
             start = r.num_computed_tokens
             table = self.kv.block_ids(r.request_id)
             row0 = len(ids)
-            ids.extend(r.token_ids(start, start + n))
+            drafts = r.spec_token_ids  # after the sequence's tokens, verified in this query
+            ids.extend(r.token_ids(start, start + n - len(drafts)))
+            ids.extend(drafts)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
-            known = r.num_known_tokens
+            known = r.num_known_tokens + len(drafts)
             if start + n > known:  # the last token was sampled by the step still running
                 if start + n - known > 1 or previous is None or (
                         id(r) not in previous.sample_index):
@@ -285,7 +311,10 @@ class ModelRunner:
             if r.params.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
                 last = min(start + n, r.num_prompt_tokens - 1)
                 prompt_rows.append((r, list(range(row0, row0 + last - start))))
-            if s.completes_prompt:
+            if drafts:
+                verify_requests.append(r)
+                verify_rows.extend(range(row0 + n - 1 - len(drafts), row0 + n))
+            elif s.completes_prompt:
                 sample_rows.append(row0 + n - 1)
                 sample_requests.append(r)
         plan = None if self.sync is None else StepPlan(
@@ -301,6 +330,8 @@ class ModelRunner:
             pending_rows=pending_rows,
             pending_sources=pending_sources,
             plan=plan,
+            verify_requests=verify_requests,
+            verify_rows=verify_rows,
         )
 
     @torch.inference_mode()

@@ -92,6 +92,9 @@ class Request:
         # params.bad_words as token sequences: the last token of each is banned where the
         # output ends with the others.
         self.bad_words: tuple[tuple[int, ...], ...] = ()
+        # Draft tokens this step verifies after the last token (speculative decoding); they
+        # are not output until accepted, so they count in no length above.
+        self.spec_token_ids: list[int] = []
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -141,13 +141,18 @@ class Scheduler:
                 continue
             if self._at_length_limit(request):
                 continue  # its last token is still on the device: it finishes when read
-            num_new = request.num_tokens - request.num_computed_tokens
+            drafts = request.spec_token_ids  # verified after the last token, if room allows
+            num_new = request.num_tokens - request.num_computed_tokens + len(drafts)
             if self.config.enable_chunked_prefill:
                 num_new = self._chunk(num_new, budget)
             elif num_new > budget:
                 continue
-            if not self._allocate_or_preempt(request, num_new, out):
-                continue
+            del drafts[max(num_new - 1, 0):]
+            if not (drafts and self.kv.allocate_slots(request, num_new)):
+                num_new -= len(drafts)  # no room for drafts: no one is preempted for them
+                drafts.clear()
+                if not self._allocate_or_preempt(request, num_new, out):
+                    continue
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return budget
@@ -167,6 +172,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        request.spec_token_ids = []
         out.preempted.append(request)
         out.scheduled = [s for s in out.scheduled if s.request is not request]
         self._enqueue(request)

@@ -1,0 +1,107 @@
+"""Speculation across the engine's steps: which sequences draft, how far, and the counts
+of drafted and accepted tokens (vLLM's spec_decode metrics read them)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from meshserve.services.worker.engine.request import Request, RequestStatus
+from meshserve.services.worker.spec.ngram import NgramProposer
+from meshserve.services.worker.spec.verify import Verified
+from meshserve.shared.speculative_config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] draft tokens to follow requests[i]'s tokens, for each request."""
+        ...
+
+
+@dataclass
+class SpecStats:
+    """Cumulative counts, read by the metrics collector from another thread (ints only,
+    updated under the lock)."""
+
+    num_drafts: int = 0  # sequences that verified at least one draft, summed over steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted_per_pos[j]: drafts accepted at position j (0-based) of their sequence's run
+    accepted_per_pos: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        with self.lock:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += num_accepted
+            if len(self.accepted_per_pos) < num_drafts:
+                self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
+            for j in range(num_accepted):
+                self.accepted_per_pos[j] += 1
+
+    def snapshot(self) -> tuple[int, int, int, list[int]]:
+        with self.lock:
+            return (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                    list(self.accepted_per_pos))
+
+
+class SpecDecoder:
+    """Sets each eligible decoding sequence's drafts before the step is scheduled."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+
+    def num_drafts_for(self, request: Request) -> int:
+        """How many drafts the sequence may verify this step (0: it does not speculate).
+
+        Constrained sequences (structured outputs) never speculate: their grammar would
+        have to take each draft before its row's mask exists. Neither does a sequence
+        still prefilling or with a token on the device. The count stops where the
+        accepted run plus its bonus token would pass max_tokens or the context length.
+        """
+        if (request.status != RequestStatus.RUNNING or request.grammar is not None
+                or request.num_pending or request.is_prefilling
+                or request.num_computed_tokens != request.num_tokens - 1):
+            return 0
+        room_out = request.max_tokens - request.num_output_tokens - 1
+        room_ctx = self.max_model_len - request.num_tokens - 1
+        return max(0, min(self.config.num_speculative_tokens, room_out, room_ctx))
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Draft for every running sequence that may (clearing stale drafts of others)."""
+        chosen: list[Request] = []
+        ks: list[int] = []
+        for request in running:
+            request.spec_token_ids = []
+            k = self.num_drafts_for(request)
+            if k:
+                chosen.append(request)
+                ks.append(k)
+        if not chosen:
+            return
+        for request, k, drafts in zip(chosen, ks, self.proposer.propose_batch(chosen, ks),
+                                      strict=True):
+            request.spec_token_ids = list(drafts[:k])
+
+    def record(self, verified: Verified) -> None:
+        if verified.num_drafts:
+            self.stats.record(verified.num_drafts, verified.num_accepted)
+
+
+class NgramBatchProposer:
+    """The n-gram proposer over each sequence's whole token history."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self._ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                    config.prompt_lookup_max)
+
+    def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        return [self._ngram.propose(r.all_token_ids, k) for r, k in zip(requests, ks,
+                                                                        strict=True)]
