@@ -5,8 +5,9 @@ misses (how many programs an N gives per SM, how much widening a tile needs), so
 eager call for each (N, K, one row or several) times every candidate of
 `triton_fp8_linear.CANDIDATES` on the real operands and keeps the fastest. The engine runs
 every captured shape eagerly before capturing its CUDA graphs (cuda_graphs.py), so the
-measurement happens there; a call made while a stream is capturing never measures (it would
-launch outside the graph) and takes the fallback table `fp8_config_for`.
+measurement happens there. A candidate whose result differs from the fallback's by more
+than 1% (relative norm) is left aside. A call made while a stream is capturing never
+measures (it would launch outside the graph) and takes the fallback table `fp8_config_for`.
 """
 
 from __future__ import annotations
@@ -47,13 +48,31 @@ def config_for(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> Fp
         return chosen
     if not x.is_cuda or torch.cuda.is_current_stream_capturing():
         return fp8_config_for(rows, n, k)
-    times = {c: _time_ms(x, weight, scale, c) for c in candidates(rows)}
+    reference = skinny_fp8_linear(x, weight, scale, fp8_config_for(rows, n, k)).float()
+    times = {c: _time_ms(x, weight, scale, c) if _agrees(x, weight, scale, c, reference)
+             else float("inf") for c in candidates(rows)}
     chosen = min(times, key=times.__getitem__)
     _chosen[key], measured[key] = chosen, times
     log.info("fp8 skinny product N=%d K=%d rows%s: %s (%.1f us; fallback %.1f us)", n, k,
              "=1" if rows == 1 else ">1", chosen, times[chosen] * 1e3,
              times.get(fp8_config_for(rows, n, k), float("nan")) * 1e3)
     return chosen
+
+
+def _agrees(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: Fp8Config,
+            reference: torch.Tensor) -> bool:
+    """Whether `config` gives the fallback's result within 1% (relative norm): a launch
+    shape the GPU's compiler gets wrong is never chosen."""
+    try:
+        got = skinny_fp8_linear(x, weight, scale, config).float()
+    except Exception as error:  # noqa: BLE001 - Triton raises several kinds of errors
+        log.warning("fp8 launch shape %s failed: %s", config, error)
+        return False
+    error = ((got - reference).norm() / reference.norm().clamp(min=1e-30)).item()
+    if not error <= 1e-2:  # also false for NaN
+        log.warning("fp8 launch shape %s left aside: relative difference %.3g", config, error)
+        return False
+    return True
 
 
 def _time_ms(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

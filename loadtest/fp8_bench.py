@@ -135,6 +135,18 @@ def check() -> dict[str, Any]:
         ref = fp8_linear_reference(x.float(), q, scale, quantize_input=x.is_cuda and rows > 16)
         rel = ((got - ref).norm() / ref.norm()).item()
         out["linear"].append({"rows": rows, "rel_err": rel, "ok": rel < 1e-2})
+    if device.type == "cuda":  # every launch shape the tuner may pick, against the reference
+        from meshserve.kernels import fp8_tuning, triton_fp8_linear
+
+        out["candidates"] = []
+        for rows in (1, 5):
+            x = torch.randn(rows, 4096, generator=g, device=device, dtype=torch.bfloat16)
+            ref = fp8_linear_reference(x.float(), q, scale)
+            for c in fp8_tuning.candidates(rows):
+                got = triton_fp8_linear.skinny_fp8_linear(x, q, scale, c).float()
+                rel = ((got - ref).norm() / ref.norm()).item()
+                out["candidates"].append({"rows": rows, "config": str(c), "rel_err": rel})
+        out["candidates_ok"] = all(r["rel_err"] < 1e-2 for r in out["candidates"])
     # An FP8 KV cache read by the paged attention kernel against the widened cache.
     k_cache = torch.randn(8, 16, 8, 128, generator=g, device=device).to(torch.float8_e4m3fn)
     v_cache = torch.randn(8, 16, 8, 128, generator=g, device=device).to(torch.float8_e4m3fn)
