@@ -66,7 +66,7 @@ def measure_one(name: str, x: Any, w: Any) -> dict[str, Any]:
                                 fp8_tuning.measured[(n, k, rows == 1)].items()}
         return row
     xq, xs = triton_fp8_linear.quantize_per_token(x)
-    row["fp8_path"] = "quantize + _scaled_mm"
+    row["fp8_path"] = "quantize + _scaled_mm (fast accum)"
     row["quantize_us"] = median_us(lambda: triton_fp8_linear.quantize_per_token(x))
     for fast in (False, True):
         row[f"scaled_mm{'_fast_accum' if fast else ''}_us"] = median_us(
