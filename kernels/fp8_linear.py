@@ -15,7 +15,8 @@ The product, by device:
   row-wise scales into the activations' dtype.
 - CUDA, per-row scales, a few rows (decode): the Triton kernel of
   `meshserve.kernels.triton_fp8_linear` reads the FP8 weight (half of bf16's bytes) and keeps
-  the activations as they are (weight-only FP8: no activation rounding on this path).
+  the activations as they are (weight-only FP8: no activation rounding on this path), with
+  the launch shape measured per weight shape on first use (`meshserve.kernels.fp8_tuning`).
 - Otherwise (CPU, block-wise scales, other dtypes, older GPUs): dequantize to the activations' dtype and
   F.linear. On CPU this is the reference: the same FP8 weights as on the GPU, activations
   unrounded, so the CPU results equal a model running the dequantized weights.
@@ -111,9 +112,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if rows.shape[0] == 0:
         return fp8_linear_reference(x, weight, scale, bias)
     if rows.shape[0] <= SKINNY_MAX_ROWS:
-        from meshserve.kernels import triton_fp8_linear  # GPU only
+        from meshserve.kernels import fp8_tuning, triton_fp8_linear  # GPU only
 
-        out = triton_fp8_linear.skinny_fp8_linear(rows.contiguous(), weight, scale)
+        rows = rows.contiguous()
+        config = fp8_tuning.config_for(rows, weight, scale)  # measured once per shape
+        out = triton_fp8_linear.skinny_fp8_linear(rows, weight, scale, config)
     else:
         out = scaled_mm(rows, weight, scale)
     out = out.view(*x.shape[:-1], weight.shape[0])
@@ -131,8 +134,12 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
         xq, xs = triton_fp8_linear.quantize_per_token(x)  # [M, K] float8, [M, 1] float32
     else:  # recent torch runs _scaled_mm on CPU too: the tests check the operands' layout
         xq, xs = quantize_per_token(x)
+    # Fast accumulation: Hopper's FP8 tensor-core sums are kept in the MMA's own accumulator
+    # instead of being promoted to float32 every few K steps; the usual choice for FP8
+    # inference kernels (the per-token and per-channel rounding dominates the error), and
+    # loadtest/fp8_kernels_bench.py times both.
     return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1),
-                            out_dtype=x.dtype)
+                            out_dtype=x.dtype, use_fast_accum=True)
 
 
 @functools.cache

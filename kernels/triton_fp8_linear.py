@@ -1,32 +1,92 @@
 """A Triton product for skinny inputs against an FP8 weight with one scale per output row:
 y [M, N] = (x [M, K] @ w_fp8 [N, K]^T) * scale [N], M <= 16, weight-only FP8.
 
-Decode multiplies a handful of rows by every weight, so the step is bound by reading the
-weights: an FP8 weight is half the bytes of a bf16 one. The layout follows
-`meshserve.kernels.triton_linear`: one program owns BLOCK_N output rows of w over the whole
-of K (no split-K), streams them in BLOCK_K chunks, converts each FP8 tile to float32 (M == 1,
-FMA accumulation in a [BLOCK_N, BLOCK_K] tile) or to x's dtype (1 < M <= 16, rows padded to
-16 for tl.dot), and applies the row's scale once, after the sum over K.
+Decode multiplies a handful of rows by every weight, so the step should be bound by reading
+the weights: an FP8 weight is half the bytes of a bf16 one, but each byte then carries twice
+the elements to widen, and widening limits a kernel that turns every FP8 element into float32
+(e4m3 -> f16 -> f32: two conversion instructions per element, and conversions issue at a
+fraction of the FMA rate) or into bf16 (e4m3 -> f16 -> bf16, the same). The "f16" mode
+multiplies on the tensor cores in float16 (rows padded to 16): e4m3 widens to f16 exactly with
+one instruction per two elements (`cvt.rn.f16x2.e4m3x2`), and bf16 activations become f16
+after a multiplication by 2^-8 (exact for |x| >= 2^-6; a bf16 value up to 65504 * 2^8 stays
+finite; smaller values keep an absolute precision of 2^-17, far below bf16's own rounding of
+O(1) activations). The sum is float32; the row's scale (and 2^8) are applied once at the end.
+The first kernel's modes (float32 FMA for one row, tl.dot in x's dtype) remain candidates:
+`meshserve.kernels.fp8_tuning` measures `CANDIDATES` per shape on the GPU and keeps the
+fastest.
 
-`skinny_fp8_linear` checks its inputs; the torch reference is
-`meshserve.kernels.fp8_linear.fp8_linear_reference`.
+One program owns BLOCK_N output rows of w over the whole of K (no split-K) and streams them in
+BLOCK_K chunks (BLOCK_K FP8 bytes per row, loaded 16 bytes per thread).
+
+`skinny_fp8_linear` checks its inputs; `fp8_config_for` picks the launch shape; the torch
+reference is `meshserve.kernels.fp8_linear.fp8_linear_reference`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from meshserve.kernels.triton_linear import SkinnyConfig, config_for
-
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_ROWS = 16
+# bf16 activations are multiplied by 2^-X_SHIFT before becoming f16 (module docstring).
+X_SHIFT = 8
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """Launch shape of `_skinny_fp8_kernel`. `mode`: "f16" tensor-core products in float16
+    (any M), "bf16" tensor-core products in x's dtype (the weight widened through float32),
+    "fma" float32 FMA products (M == 1 only). The last two (the earlier kernel) stay for
+    measurement."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    mode: str = "f16"
+
+
+def fp8_config_for(rows: int, n: int, k: int) -> Fp8Config:
+    """The fallback launch shape for [rows, k] @ fp8 [n, k]^T, rows <= 16: the shapes of the
+    first measured kernel (float32 FMA for one row, 4 rows x 2048 bytes per program; tl.dot in
+    x's dtype for more, 32 or 64 rows x 512 bytes). `meshserve.kernels.fp8_tuning` measures
+    `CANDIDATES` per shape during the engine's warm-up and uses the fastest instead."""
+    del k
+    if rows == 1:
+        return Fp8Config(block_n=4, block_k=2048, num_warps=4, num_stages=3, mode="fma")
+    return Fp8Config(block_n=32 if n <= 4096 else 64, block_k=512, num_warps=4, num_stages=5,
+                     mode="bf16")
+
+
+# f16 tiles widen a [16, BLOCK_K] tile of x (spread over the program's threads) besides w:
+# wider BLOCK_N shares that cost over more weight; narrower BLOCK_N gives N = 4096 more programs.
+CANDIDATES = (
+    Fp8Config(block_n=4, block_k=2048, num_warps=4, num_stages=3, mode="fma"),
+    Fp8Config(block_n=8, block_k=1024, num_warps=8, num_stages=3, mode="fma"),
+    Fp8Config(block_n=32, block_k=512, num_warps=4, num_stages=5, mode="bf16"),
+    Fp8Config(block_n=64, block_k=512, num_warps=4, num_stages=5, mode="bf16"),
+    Fp8Config(block_n=16, block_k=512, num_warps=4, num_stages=4, mode="f16"),
+    Fp8Config(block_n=32, block_k=256, num_warps=4, num_stages=4, mode="f16"),
+    Fp8Config(block_n=64, block_k=256, num_warps=4, num_stages=4, mode="f16"),
+    Fp8Config(block_n=32, block_k=128, num_warps=2, num_stages=4, mode="f16"),
+)
+"""Launch shapes `meshserve.kernels.fp8_tuning` measures (the FMA ones for one row only)."""
+
+
+SMALL_CONFIG = Fp8Config(block_n=16, block_k=32, num_warps=4, num_stages=1)
+"""A launch shape for small test matrices (the interpreter)."""
+SMALL_FMA_CONFIG = Fp8Config(block_n=16, block_k=32, num_warps=4, num_stages=1, mode="fma")
+MODES = {"fma": 0, "bf16": 1, "f16": 2}
+"""The FMA path on small test matrices (one row)."""
 
 
 def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                      config: SkinnyConfig | None = None) -> torch.Tensor:
+                      config: Fp8Config | None = None) -> torch.Tensor:
     """x [M <= 16, K] @ (weight [N, K] float8_e4m3fn * scale [N])^T -> [M, N] in x's dtype."""
     assert x.device == weight.device == scale.device, (
         f"x on {x.device}, weight on {weight.device}, scale on {scale.device}")
@@ -42,27 +102,24 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight must be contiguous in K"
     rows, k = x.shape
     n = weight.shape[0]
-    # FP8 rows are half as wide in bytes: twice the K chunk reads the same bytes per step.
-    base = config or config_for(rows, n, k)
-    if config is None:
-        base = SkinnyConfig(block_n=base.block_n, block_k=base.block_k * 2,
-                            num_warps=base.num_warps, num_stages=base.num_stages)
+    c = config or fp8_config_for(rows, n, k)
+    assert c.mode in MODES and (c.mode != "fma" or rows == 1), f"mode {c.mode} for {rows} rows"
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _skinny_fp8_kernel[(triton.cdiv(n, base.block_n),)](
+    shift = X_SHIFT if x.dtype == torch.bfloat16 and c.mode == "f16" else 0
+    _skinny_fp8_kernel[(triton.cdiv(n, c.block_n),)](
         x, weight, scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=1 if rows == 1 else MAX_ROWS, BLOCK_N=base.block_n, BLOCK_K=base.block_k,
-        EVEN_K=k % base.block_k == 0, num_warps=base.num_warps, num_stages=base.num_stages)
+        2.0**-shift, Y_SCALE=2.0**shift, MODE=MODES[c.mode],
+        BLOCK_M=1 if c.mode == "fma" else MAX_ROWS,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0,
+        num_warps=c.num_warps, num_stages=c.num_stages)
     return out
-
-
-SMALL_CONFIG = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=1)
-"""A launch shape for small test matrices (the interpreter)."""
 
 
 @triton.jit
 def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EVEN_K: tl.constexpr):
+                       x_scale, Y_SCALE: tl.constexpr, MODE: tl.constexpr,
+                       BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -96,8 +153,15 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn
                 w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
             x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            acc2 = tl.dot(x, tl.trans(w.to(x.dtype)), acc2)
-        y2 = acc2 * row_scale[None, :]  # [BLOCK_M, BLOCK_N]
+            if MODE == 2:
+                # bf16 * 2^-8 is exact (8 exponent bits), in float32 before the narrowing;
+                # x_scale is an argument, not a constant, so the compiler cannot move the
+                # product after the conversion (where an |x| > 65504 would overflow).
+                x16 = (x.to(tl.float32) * x_scale).to(tl.float16)
+                acc2 = tl.dot(x16, tl.trans(w.to(tl.float16)), acc2)
+            else:
+                acc2 = tl.dot(x, tl.trans(w.to(x.dtype)), acc2)
+        y2 = acc2 * (row_scale * Y_SCALE)[None, :]  # [BLOCK_M, BLOCK_N]
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y2.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 

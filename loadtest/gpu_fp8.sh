@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # FP8 weights and the FP8 KV cache against bf16 on one GPU, with the Llama-3.1-8B shape
-# (dummy weights; loadtest/models/llama-3.1-8b), in under 6 minutes:
+# (dummy weights; loadtest/models/llama-3.1-8b), in under 4 minutes:
 #
 #     bash loadtest/gpu_fp8.sh          # from the repository root; results in $OUT
 #
-# Steps, each under `timeout` within a total budget (FP8_BUDGET_S, 330 s):
+# Steps, each under `timeout` within a total budget (FP8_BUDGET_S, 240 s):
 #   check     loadtest/fp8_bench.py check: the FP8 GPU paths (the Triton skinny FP8 product,
 #             torch._scaled_mm with per-token x per-channel scales, paged attention over an
 #             FP8 cache) against their torch references, and FP8 vs bf16 product times
+#   kernels   loadtest/fp8_kernels_bench.py: per Llama-8B layer shape (qkv, o, gate_up, down)
+#             and rows 1, 8, 16, 64, 256, the bf16 and FP8 products' times and GB/s, which
+#             FP8 path ran (the measured Triton launch shape, or quantize + _scaled_mm split)
 #   bf16      loadtest/fp8_bench.py run: single-stream TPOT (128 in / 128 out), ShareGPT-like
-#             offline throughput (NUM_PROMPTS, 1000), KV capacity, logprobs of fixed prompts
+#             offline throughput (NUM_PROMPTS, 800), KV capacity, logprobs of fixed prompts
 #   fp8       the same with --quantization fp8
 #   fp8_kv8   the same with --quantization fp8 --kv-cache-dtype fp8
 #   report    the table: TPOT and throughput against bf16 (targets <= 0.6x and >= 1.3x),
 #             KV tokens per byte (2x), logprob differences from bf16 on the same dummy weights
-# $OUT gets env.txt, fp8.log (every step's output), check.json, <run>.json, summary.md and
-# summary.json. Knobs: MODEL_DIR, NUM_PROMPTS, ENGINE_FLAGS, FP8_BUDGET_S.
+# $OUT gets env.txt, fp8.log (every step's output), check.json, kernels.json + kernels.md,
+# <run>.json, summary.md and summary.json. Knobs: MODEL_DIR, NUM_PROMPTS, ENGINE_FLAGS, FP8_BUDGET_S.
 # Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
 # folders are linked as the package `meshserve` (as gpu_suite.sh does).
 set -uo pipefail
@@ -29,8 +32,8 @@ trap 'rm -rf "$RUN_DIR"' EXIT
 mkdir -p "$OUT"
 : >"$OUT/fp8.log"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-BUDGET_S=${FP8_BUDGET_S:-330}
-NUM_PROMPTS=${NUM_PROMPTS:-1000}
+BUDGET_S=${FP8_BUDGET_S:-240}
+NUM_PROMPTS=${NUM_PROMPTS:-800}
 MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
 ENGINE_FLAGS=${ENGINE_FLAGS:---load-format dummy --max-model-len 4096}
 
@@ -78,10 +81,11 @@ run() {  # run LABEL LIMIT_S EXTRA_FLAGS...
     $ENGINE_FLAGS "$@"
 }
 
-step check 60 python3 loadtest/fp8_bench.py check --out "$OUT/check.json"
-run bf16 100
-run fp8 100 --quantization fp8
-run fp8_kv8 100 --quantization fp8 --kv-cache-dtype fp8
+step check 40 python3 loadtest/fp8_bench.py check --out "$OUT/check.json"
+step kernels 45 python3 loadtest/fp8_kernels_bench.py --out "$OUT/kernels.json"
+run bf16 70
+run fp8 70 --quantization fp8
+run fp8_kv8 70 --quantization fp8 --kv-cache-dtype fp8
 runs=()
 for label in bf16 fp8 fp8_kv8; do
   [[ -f "$OUT/$label.json" ]] && runs+=("$OUT/$label.json")
@@ -92,4 +96,5 @@ else
   log "!! too few runs finished for a comparison (see fp8.log)"
 fi
 grep -h '"ok"' "$OUT/check.json" 2>/dev/null | tail -1 | sed 's/^ */check: /'
+[[ -f "$OUT/kernels.md" ]] && cat "$OUT/kernels.md"
 log "== gpu_fp8 finished in $((SECONDS - START))s"

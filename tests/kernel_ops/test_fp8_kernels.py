@@ -10,6 +10,7 @@ without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -231,16 +232,25 @@ def _interpreter_with_gpu_fp8_casts() -> Iterator[None]:
 
 
 @in_interpreter
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 96), (1, 16, 70), (5, 33, 64),
-                                              (16, 48, 100)])
-def test_skinny_fp8_kernel_matches_the_reference(rows: int, n: int, k: int) -> None:
+@pytest.mark.parametrize(("rows", "n", "k", "dtype", "mode"), [
+    (1, 40, 96, torch.float16, "f16"), (1, 16, 70, torch.bfloat16, "f16"),
+    (5, 33, 64, torch.bfloat16, "f16"), (16, 48, 100, torch.float16, "f16"),
+    (1, 40, 96, torch.bfloat16, "fma"), (5, 33, 64, torch.float16, "bf16")])
+def test_skinny_fp8_kernel_matches_the_reference(rows: int, n: int, k: int,
+                                                 dtype: torch.dtype, mode: str) -> None:
     w = _weights(n, k, seed=rows)
     q, scale = quantize_per_channel(w)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).half()
-    got = triton_fp8_linear.skinny_fp8_linear(x, q, scale, triton_fp8_linear.SMALL_CONFIG)
+    # Activations over a wide range (1e-3..30): the f16 mode's 2^-8 shift must keep them.
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+         * torch.logspace(-3, 1.5, k)).to(dtype)
+    config = dataclasses.replace(triton_fp8_linear.SMALL_CONFIG, mode=mode)
+    got = triton_fp8_linear.skinny_fp8_linear(x, q, scale, config)
     ref = fp8_linear_reference(x.float(), q, scale)
-    assert got.dtype == torch.float16
-    assert torch.allclose(got.float(), ref, rtol=2e-3, atol=2e-3), (got.float() - ref).abs().max()
+    assert got.dtype == dtype
+    # The output's own rounding (bf16: 2^-8 relative) bounds the difference.
+    tol = 2e-3 if dtype == torch.float16 else 8e-3
+    assert torch.allclose(got.float(), ref, rtol=tol, atol=tol * ref.abs().max().item()), (
+        (got.float() - ref).abs().max())
 
 
 @in_interpreter
@@ -258,6 +268,19 @@ def test_triton_per_token_quantization_equals_the_reference(rows: int, k: int,
     # x / scale in float32 may differ in its last bit: at most one FP8 step apart.
     assert torch.allclose(q.float(), ref_q.float(), rtol=2.0**-3, atol=2.0**-9)
     assert (q.float().abs().amax(dim=1)[: 3 if rows == 4 else rows] == FP8_MAX).all()
+
+
+@in_interpreter
+def test_tuning_leaves_aside_a_launch_shape_that_disagrees() -> None:
+    from meshserve.kernels import fp8_tuning
+
+    q, scale = quantize_per_channel(_weights(40, 96))
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(3)).half()
+    ref = fp8_linear_reference(x.float(), q, scale)
+    config = triton_fp8_linear.SMALL_CONFIG
+    assert fp8_tuning._agrees(x, q, scale, config, ref)
+    assert not fp8_tuning._agrees(x, q, scale, config, ref * 1.05)
+    assert not fp8_tuning._agrees(x, q, scale, config, ref * float("nan"))
 
 
 @in_interpreter
@@ -323,7 +346,7 @@ def test_fp8_kernels_under_the_interpreter() -> None:
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) == 13 and "skipped" not in summary, summary
+    assert passed and int(passed[1]) == 16 and "skipped" not in summary, summary
 
 
 _COMPILE_FOR_HOPPER = r"""
@@ -352,12 +375,14 @@ def build(kernel, types, consts, **options):
             "spill": int(re.search(r"STACK:(\d+)", usage)[1])}
 
 out = []
-for rows, n, k in ((1, 4096, 14336), (1, 6144, 4096), (8, 28672, 4096)):
-    c = tf.config_for(rows, n, k)
+configs = {tf.fp8_config_for(rows, n, 4096) for rows, n in ((1, 4096), (8, 4096), (8, 28672))}
+for c in sorted(configs | set(tf.CANDIDATES), key=str):  # the fallbacks and every candidate
+    f16 = c.mode == "f16"
     out.append(build(tf._skinny_fp8_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv",
-        "s_ptr": "*fp32", "y_ptr": "*bf16"}, dict(BLOCK_M=1 if rows == 1 else 16,
-        BLOCK_N=c.block_n, BLOCK_K=2 * c.block_k, EVEN_K=True), num_warps=c.num_warps,
-        num_stages=c.num_stages))
+        "s_ptr": "*fp32", "y_ptr": "*bf16", "x_scale": "fp32"}, dict(
+        Y_SCALE=2.0**8 if f16 else 1.0, MODE=tf.MODES[c.mode],
+        BLOCK_M=1 if c.mode == "fma" else 16, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        EVEN_K=True), num_warps=c.num_warps, num_stages=c.num_stages) | {"config": str(c)})
 types = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
          "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
          "query_start_loc_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
@@ -392,6 +417,20 @@ def test_fp8_kernels_compile_for_hopper() -> None:
                           capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     launches = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(launches) == 8
+    assert len(launches) == 5 + len(triton_fp8_linear.CANDIDATES)
     assert all(launch["shared"] <= 227 * 1024 for launch in launches), launches
     assert all(launch["spill"] == 0 for launch in launches), launches
+
+
+@outside_interpreter
+def test_tuning_offers_one_row_tiles_only_for_one_row_and_falls_back_off_the_gpu() -> None:
+    from meshserve.kernels import fp8_tuning
+
+    assert {c.mode for c in fp8_tuning.candidates(1)} == {"fma", "bf16", "f16"}
+    assert {c.mode for c in fp8_tuning.candidates(5)} == {"bf16", "f16"}
+    assert all(c.block_k % 16 == 0 and c.block_n >= 4 for c in triton_fp8_linear.CANDIDATES)
+    q, scale = quantize_per_channel(_weights(48, 64))
+    for rows in (1, 7):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        assert fp8_tuning.config_for(x, q, scale) == triton_fp8_linear.fp8_config_for(rows, 48, 64)
+    assert fp8_tuning.measured == {}  # nothing is timed without a GPU

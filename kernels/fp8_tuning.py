@@ -1,0 +1,86 @@
+"""Launch shapes of the skinny FP8 product chosen by measurement, once per shape.
+
+The fastest tile depends on the GPU and on (N, K) in ways a fixed table measured elsewhere
+misses (how many programs an N gives per SM, how much widening a tile needs), so the first
+eager call for each (N, K, one row or several) times every candidate of
+`triton_fp8_linear.CANDIDATES` on the real operands and keeps the fastest. The engine runs
+every captured shape eagerly before capturing its CUDA graphs (cuda_graphs.py), so the
+measurement happens there. A candidate whose result differs from the fallback's by more
+than 1% (relative norm) is left aside. A call made while a stream is capturing never
+measures (it would launch outside the graph) and takes the fallback table `fp8_config_for`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from triton.testing import do_bench
+
+from meshserve.kernels.triton_fp8_linear import (
+    CANDIDATES,
+    Fp8Config,
+    fp8_config_for,
+    skinny_fp8_linear,
+)
+
+log = logging.getLogger(__name__)
+
+# (N, K, one row) -> the fastest measured launch shape.
+_chosen: dict[tuple[int, int, bool], Fp8Config] = {}
+# (N, K, one row) -> {config: milliseconds}, for reports.
+measured: dict[tuple[int, int, bool], dict[Fp8Config, float]] = {}
+
+
+def candidates(rows: int) -> list[Fp8Config]:
+    """The launch shapes that can run `rows` rows (the FMA tiles take one)."""
+    return [c for c in CANDIDATES if c.mode != "fma" or rows == 1]
+
+
+def config_for(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> Fp8Config:
+    """The launch shape for x [M <= 16, K] @ weight [N, K]^T: measured on the first eager
+    call for its (N, K, M == 1), the fallback table while a CUDA graph is being captured."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    key = (n, k, rows == 1)
+    chosen = _chosen.get(key)
+    if chosen is not None:
+        return chosen
+    if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+        return fp8_config_for(rows, n, k)
+    reference = skinny_fp8_linear(x, weight, scale, fp8_config_for(rows, n, k)).float()
+    times = {c: _time_ms(x, weight, scale, c) if _agrees(x, weight, scale, c, reference)
+             else float("inf") for c in candidates(rows)}
+    chosen = min(times, key=times.__getitem__)
+    _chosen[key], measured[key] = chosen, times
+    log.info("fp8 skinny product N=%d K=%d rows%s: %s (%.1f us; fallback %.1f us)", n, k,
+             "=1" if rows == 1 else ">1", chosen, times[chosen] * 1e3,
+             times.get(fp8_config_for(rows, n, k), float("nan")) * 1e3)
+    return chosen
+
+
+def _agrees(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: Fp8Config,
+            reference: torch.Tensor) -> bool:
+    """Whether `config` gives the fallback's result within 1% (relative norm): a launch
+    shape the GPU's compiler gets wrong is never chosen."""
+    try:
+        got = skinny_fp8_linear(x, weight, scale, config).float()
+    except Exception as error:  # noqa: BLE001 - Triton raises several kinds of errors
+        log.warning("fp8 launch shape %s failed: %s", config, error)
+        return False
+    error = ((got - reference).norm() / reference.norm().clamp(min=1e-30)).item()
+    if not error <= 1e-2:  # also false for NaN
+        log.warning("fp8 launch shape %s left aside: relative difference %.3g", config, error)
+        return False
+    return True
+
+
+def _time_ms(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             config: Fp8Config) -> float:
+    # A shape that does not compile or launch here (shared memory, registers) just loses.
+    try:
+        return float(do_bench(lambda: skinny_fp8_linear(x, weight, scale, config), warmup=5,
+                              rep=20, return_mode="median"))
+    except Exception as error:  # noqa: BLE001 - Triton raises several kinds of errors
+        log.warning("fp8 launch shape %s failed: %s", config, error)
+        return float("inf")

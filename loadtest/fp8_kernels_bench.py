@@ -1,0 +1,111 @@
+"""Per-shape times of the bf16 and FP8 products for the Llama-3.1-8B layers (gpu_fp8.sh).
+
+    python loadtest/fp8_kernels_bench.py --out kernels.json [--rows 1 8 16 64 256]
+
+For every layer shape (fused qkv, o, gate_up, down) and row count: the bf16 product
+(`meshserve.kernels.linear.linear`) and the FP8 one (`fp8_linear`) as the engine runs them,
+each as the median of Triton's `do_bench` (L2 cleared between runs), and the weight bytes per
+second they reach. Up to 16 rows the FP8 product is the skinny Triton kernel: the table names
+the launch shape `fp8_tuning` chose and the JSON keeps every candidate's time. Past 16 rows
+it is per-token quantization + `torch._scaled_mm`: the JSON splits the two and times
+`_scaled_mm` with `use_fast_accum` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# (name, N, K) of the Llama-3.1-8B projections (fused q/k/v and gate/up).
+SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+          ("down", 4096, 14336))
+
+
+def measure(rows_list: list[int]) -> list[dict[str, Any]]:
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for name, n, k in SHAPES:
+        w = torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=g, device="cuda", dtype=torch.bfloat16)
+            out.append(measure_one(name, x, w))
+            print(table_line(out[-1]), flush=True)
+    return out
+
+
+def measure_one(name: str, x: Any, w: Any) -> dict[str, Any]:
+    """One shape and row count: the bf16 and FP8 products, and the parts of the FP8 one."""
+    import torch
+    from triton.testing import do_bench
+
+    from meshserve.kernels import fp8_tuning, triton_fp8_linear
+    from meshserve.kernels.fp8_linear import SKINNY_MAX_ROWS, fp8_linear, quantize_per_channel
+    from meshserve.kernels.linear import linear
+
+    def median_us(fn: Any) -> float:
+        return float(do_bench(fn, warmup=5, rep=25, return_mode="median")) * 1e3
+
+    (rows, k), n = x.shape, w.shape[0]
+    q, scale = quantize_per_channel(w)
+    io = rows * (k + n) * 2  # activations in, outputs out (bf16)
+    row: dict[str, Any] = {"shape": name, "n": n, "k": k, "rows": rows}
+    row["bf16_us"] = median_us(lambda: linear(x, w))
+    row["bf16_gbs"] = (n * k * 2 + io) / row["bf16_us"] / 1e3
+    row["fp8_us"] = median_us(lambda: fp8_linear(x, q, scale))
+    row["fp8_gbs"] = (n * k + io) / row["fp8_us"] / 1e3
+    if rows <= SKINNY_MAX_ROWS:
+        c = fp8_tuning.config_for(x, q, scale)
+        row["fp8_path"] = (f"triton {c.mode} {c.block_n}x{c.block_k} w{c.num_warps} "
+                           f"s{c.num_stages}")
+        row["candidates_us"] = {str(c): ms * 1e3 for c, ms in
+                                fp8_tuning.measured[(n, k, rows == 1)].items()}
+        return row
+    xq, xs = triton_fp8_linear.quantize_per_token(x)
+    row["fp8_path"] = "quantize + _scaled_mm (fast accum)"
+    row["quantize_us"] = median_us(lambda: triton_fp8_linear.quantize_per_token(x))
+    for fast in (False, True):
+        row[f"scaled_mm{'_fast_accum' if fast else ''}_us"] = median_us(
+            lambda fast=fast: torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, -1),
+                                               out_dtype=torch.bfloat16, use_fast_accum=fast))
+    return row
+
+
+HEADER = ("| shape | N | K | rows | bf16 us | bf16 GB/s | fp8 us | fp8 GB/s | fp8/bf16 | "
+          "fp8 path |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table_line(r: dict[str, Any]) -> str:
+    extra = ""
+    if "quantize_us" in r:
+        extra = (f" (quantize {r['quantize_us']:.1f} + mm {r['scaled_mm_us']:.1f}; "
+                 f"fast accum mm {r['scaled_mm_fast_accum_us']:.1f})")
+    return (f"| {r['shape']} | {r['n']} | {r['k']} | {r['rows']} | {r['bf16_us']:.1f} | "
+            f"{r['bf16_gbs']:.0f} | {r['fp8_us']:.1f} | {r['fp8_gbs']:.0f} | "
+            f"{r['fp8_us'] / r['bf16_us']:.2f} | {r['fp8_path']}{extra} |")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fp8_kernels_bench.py")
+    parser.add_argument("--out", type=Path, required=True, help="JSON; a .md table beside it")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64, 256])
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("fp8_kernels_bench: no CUDA device")
+        return 1
+    print(HEADER, flush=True)
+    rows = measure(args.rows)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(
+        HEADER + "\n" + "\n".join(table_line(r) for r in rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
