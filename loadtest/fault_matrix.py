@@ -168,8 +168,12 @@ def _resume_times(ends: list[StreamEnd], killed_at: float, moved: int) -> list[f
     kill, or the one after it, while a moved stream can only be in a step that starts after
     the gateway saw the loss and re-added it there: the moved streams come last (or tie).
     """
+    # A stream whose every chunk came before the kill had finished: it neither moved nor
+    # resumed (the registry read before the kill can be slower than a short stream).
+    unfinished = [end for end in ends if not end.chunk_times or end.chunk_times[-1] > killed_at]
     after = sorted(next((t - killed_at for t in end.chunk_times if t > killed_at),
-                        math.inf) for end in ends)
+                        math.inf) for end in unfinished)
+    moved = min(moved, len(after))
     return [round(t, 4) for t in after[len(after) - moved:]] if moved else []
 
 
