@@ -37,17 +37,9 @@ NUM_PROMPTS=${NUM_PROMPTS:-800}
 MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
 ENGINE_FLAGS=${ENGINE_FLAGS:---load-format dummy --max-model-len 4096}
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
-    PATH=/tmp/site/bin:$PATH
-fi
-PKGROOT=$RUN_DIR/pkgroot
-mkdir -p "$PKGROOT/meshserve"
-for folder in services kernels shared proto; do
-  ln -s "$REPO/$folder" "$PKGROOT/meshserve/$folder"
-done
-export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=loadtest/gpu_env.sh
+. "$REPO/loadtest/gpu_env.sh"
+gpu_env "$RUN_DIR"
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv

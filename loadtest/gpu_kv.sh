@@ -33,17 +33,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 PARTS=${PARTS:-transfer load failover routing}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
-    PATH=/tmp/site/bin:$PATH
-fi
-PKGROOT=$RUN_DIR/pkgroot
-mkdir -p "$PKGROOT/meshserve"
-for folder in services kernels shared proto; do
-  ln -s "$REPO/$folder" "$PKGROOT/meshserve/$folder"
-done
-export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=loadtest/gpu_env.sh
+. "$REPO/loadtest/gpu_env.sh"
+gpu_env "$RUN_DIR"
 
 MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
 MESH_MODEL=$RUN_DIR/mesh-model

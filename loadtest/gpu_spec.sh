@@ -29,16 +29,9 @@ RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_spec.XXXXXX")
 trap 'rm -rf "$RUN_DIR"' EXIT
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-PKGROOT=$RUN_DIR/pkgroot
-mkdir -p "$PKGROOT/meshserve"
-for folder in services kernels shared proto; do
-  ln -s "$REPO/$folder" "$PKGROOT/meshserve/$folder"
-done
-export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=loadtest/gpu_env.sh
+. "$REPO/loadtest/gpu_env.sh"
+gpu_env "$RUN_DIR"
 MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
 REAL_MODEL=${REAL_MODEL:-}
 if [ -z "$REAL_MODEL" ] && [ -e "$REPO/loadtest/models/smollm2" ]; then

@@ -30,16 +30,9 @@ trap 'rm -rf "$RUN_DIR"' EXIT
 mkdir -p "$OUT"
 : >"$OUT/steps.log"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-PKGROOT=$RUN_DIR/pkgroot
-mkdir -p "$PKGROOT/meshserve"
-for folder in services kernels shared proto; do
-  ln -s "$REPO/$folder" "$PKGROOT/meshserve/$folder"
-done
-export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=loadtest/gpu_env.sh
+. "$REPO/loadtest/gpu_env.sh"
+gpu_env "$RUN_DIR"
 
 DEVICE=${DEVICE:-cuda}
 MODEL_8B=${MODEL_8B:-$REPO/loadtest/models/llama-3.1-8b}

@@ -1,0 +1,21 @@
+# Sourced by the loadtest/gpu_*.sh scripts: what they need on the GPU machine, without a pip
+# install of meshserve. `gpu_env RUN_DIR` installs the carried wheels of .whl/ (if any) into
+# /tmp/site and links the repository's folders as the package `meshserve` under
+# RUN_DIR/pkgroot, both put on PYTHONPATH (run from the repository root).
+gpu_env() {
+  local run_dir=$1 folder
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl; then
+      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+    else
+      echo "!! installing the wheels of .whl/ failed" >&2
+    fi
+  fi
+  PKGROOT=$run_dir/pkgroot
+  mkdir -p "$PKGROOT/meshserve"
+  for folder in services kernels shared proto; do
+    ln -sfn "$PWD/$folder" "$PKGROOT/meshserve/$folder"
+  done
+  export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
+}
