@@ -51,6 +51,7 @@ from meshserve.services.worker.engine.structured_output import (
     accept_tokens,
     new_matcher,
 )
+from meshserve.services.worker.lora.manager import LoraManager
 from meshserve.services.worker.lora.setup import build_lora
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
@@ -75,6 +76,7 @@ from meshserve.shared.kv_events import KVEvent
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.lora_config import parse_lora_modules
 from meshserve.shared.model_source import tokenizer_folder
+from meshserve.shared.quantization import QuantConfig
 from meshserve.shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -130,18 +132,7 @@ class LLMEngine:
         self.model_config: ModelConfig = load_model_config(self.source)
         # Checked (a size that does not split the model is refused) before any rank starts.
         shard = ShardPlan(self.model_config, self.parallel) if self.parallel.enabled else None
-        self.quant = load_quant_config(self.source, config.quantization)
-        if self.quant is not None and config.enable_lora:
-            # FP8 layers replace the ones LoRA hooks: adapters would be silently skipped.
-            raise ModelLoadError("--enable-lora does not work with FP8 weights yet (--quantization "
-                                 "fp8 or an FP8 checkpoint)", param="enable_lora")
-        if shard is not None and self.quant is not None and self.quant.from_checkpoint \
-                and config.load_format != "dummy":
-            # The checkpoint's scales would need slicing with their weights.
-            raise ModelLoadError(
-                "FP8 checkpoints are not split over tensor-parallel ranks; serve this one "
-                "with --tensor-parallel-size 1, or a bf16 checkpoint with --quantization fp8",
-                param="tensor_parallel_size")
+        self.quant = self._quantization(split=shard is not None)
         self.ranks: RankGroup | None = None
         if shard is not None and sync is None:
             self.ranks = RankGroup.start(config, self.device)
@@ -165,12 +156,7 @@ class LLMEngine:
                                 self.device)
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
         self.max_num_seqs = config.seqs_limit(*_gpu_memory_and_name(self.device))
-        self.lora = None if not config.enable_lora else build_lora(
-            model, self.model_config, max_loras=config.max_loras,
-            max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
-            max_tokens=max(batched_tokens, self.max_num_seqs),
-            modules=parse_lora_modules(config.lora_modules),
-            dtype=self.dtype, device=self.device)
+        self.lora = self._lora(model, batched_tokens)
         num_blocks = self._num_kv_blocks(model, batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -185,15 +171,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.model_config, self.kv, self.kv_dtype, self.device,
                                   sync)
         self.runner.lora = self.lora
-        self.graph_report = None
-        self.piecewise_report = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            spec = config.speculative  # verify steps query 2..k+1 tokens per sequence
-            verify_lens = tuple(range(2, spec.num_speculative_tokens + 2)) if spec else ()
-            self.graph_report = self.runner.capture_graphs(self.max_num_seqs,
-                                                           self.max_model_len, verify_lens)
-            self.piecewise_report = self.runner.capture_piecewise_graphs(
-                self._piecewise_tokens(batched_tokens))
+        self._capture_graphs(batched_tokens)
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
                                           num_blocks, config.block_size)
         self._groups: dict[str, list[Request]] = {}
@@ -213,6 +191,51 @@ class LLMEngine:
             backend=config.structured_outputs_backend)
         self.grammars.preload()
         log.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
+
+    # ----- construction parts -------------------------------------------------
+    def _quantization(self, split: bool) -> QuantConfig | None:
+        """The weights' quantization (the checkpoint's or --quantization), refused where it
+        cannot run yet; called before any tensor-parallel rank starts."""
+        config = self.config
+        quant = load_quant_config(self.source, config.quantization)
+        if quant is not None and config.enable_lora:
+            # FP8 layers replace the ones LoRA hooks: adapters would be silently skipped.
+            raise ModelLoadError("--enable-lora does not work with FP8 weights yet (--quantization "
+                                 "fp8 or an FP8 checkpoint)", param="enable_lora")
+        if split and quant is not None and quant.from_checkpoint \
+                and config.load_format != "dummy":
+            # The checkpoint's scales would need slicing with their weights.
+            raise ModelLoadError(
+                "FP8 checkpoints are not split over tensor-parallel ranks; serve this one "
+                "with --tensor-parallel-size 1, or a bf16 checkpoint with --quantization fp8",
+                param="tensor_parallel_size")
+        return quant
+
+    def _lora(self, model: CausalLM, batched_tokens: int) -> LoraManager | None:
+        """The adapters' slots and host cache (None without --enable-lora)."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        return build_lora(
+            model, self.model_config, max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
+            max_tokens=max(batched_tokens, self.max_num_seqs),
+            modules=parse_lora_modules(config.lora_modules), dtype=self.dtype,
+            device=self.device)
+
+    def _capture_graphs(self, batched_tokens: int) -> None:
+        """Decode (and verify) CUDA graphs and piecewise prefill graphs, on a GPU unless
+        --enforce-eager."""
+        self.graph_report = None
+        self.piecewise_report = None
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        spec = self.config.speculative  # verify steps query 2..k+1 tokens per sequence
+        verify_lens = tuple(range(2, spec.num_speculative_tokens + 2)) if spec else ()
+        self.graph_report = self.runner.capture_graphs(self.max_num_seqs, self.max_model_len,
+                                                       verify_lens)
+        self.piecewise_report = self.runner.capture_piecewise_graphs(
+            self._piecewise_tokens(batched_tokens))
 
     # ----- sizing -------------------------------------------------------------
     def _num_kv_blocks(self, model: CausalLM, batched_tokens: int) -> int:
