@@ -35,12 +35,9 @@ command line (`meshserve up`, `meshserve serve MODEL`) is services/up.py.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -52,6 +49,12 @@ from typing import Any, Literal, Self
 
 from prometheus_client import start_http_server
 
+from meshserve.services.launcher_children import (
+    RedisChild,
+    ServiceProcess,
+    child_env,
+    terminate,
+)
 from meshserve.services.launcher_probes import (
     grpc_serving,
     http_ok,
@@ -62,7 +65,7 @@ from meshserve.services.launcher_probes import (
 from meshserve.services.supervisor import RestartPolicy, Supervisor
 from meshserve.services.worker.config import EngineOptions
 from meshserve.services.worker.runner_config import RunnerOptions
-from meshserve.shared.config import ENV_PREFIX, Config, option
+from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, UnavailableError
 from meshserve.shared.redis_server import EmbeddedRedis, find_free_port
 
@@ -70,11 +73,7 @@ _LOOPBACK = "127.0.0.1"
 # --gateways 0: one gateway per this many cores, at most this many gateways.
 _CORES_PER_GATEWAY = 8
 _MAX_AUTO_GATEWAYS = 4
-_LOG_TAIL_LINES = 40
 _GATEWAY_LISTENING = "meshserve:gateway_http_listening 1.0"  # a sample of its /metrics
-_CONFIG_CLASSES = {"tokenizer": "TokenizerConfig", "scheduler": "SchedulerConfig",
-                   "kvstore": "KVStoreConfig", "worker": "WorkerConfig",
-                   "gateway": "GatewayConfig"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,94 +150,6 @@ class LauncherConfig(RunnerOptions, EngineOptions):
         for name in ("startup_timeout_s", "stop_grace_s", "restart_window_s"):
             value = getattr(self, name)
             self.require(value > 0, f"must be positive, got {value}", name)
-
-
-@dataclasses.dataclass
-class ServiceProcess:
-    """One child service: how to start it, where it logs, how to tell it is ready."""
-
-    name: str
-    role: str
-    argv: list[str]
-    log_path: Path
-    ready: Callable[[], bool]
-    metrics_url: str  # its own Prometheus endpoint (--metrics-port)
-    process: subprocess.Popen[bytes] | None = None
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def start(self, env: Mapping[str, str]) -> None:
-        self.env = dict(env)
-        with self.log_path.open("ab") as log:  # the child keeps its own descriptor
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", f"meshserve.services.{self.role}", *self.argv],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(env),
-                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops us in order
-                preexec_fn=_die_with_parent)  # noqa: PLW1509 (only prctl, before exec)
-
-    def restart(self) -> None:
-        """Start it again the same way (the supervisor's call, after it died)."""
-        self.start(self.env)
-
-    @property
-    def exit_code(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def log_tail(self) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-_LOG_TAIL_LINES:]) or "(empty log)"
-
-    def failure(self, why: str) -> UnavailableError:
-        return UnavailableError(f"{self.name} {why}; last lines of {self.log_path}:\n"
-                                f"{self.log_tail()}", param=self.name)
-
-
-@dataclasses.dataclass
-class RedisChild:
-    """The embedded Redis, as a child the supervisor can watch and restart."""
-
-    server: EmbeddedRedis
-    name: str = "redis"
-    role: str = "redis"
-
-    @property
-    def exit_code(self) -> int | None:
-        return self.server.exit_code
-
-    def restart(self) -> None:
-        self.server.restart()
-
-    def ready(self) -> bool:
-        return self.server.answers()
-
-    def log_tail(self) -> str:
-        return self.server.log_tail()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher's thread exits (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes  # only in the forked child
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def child_env(role: str, environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment of a child: MESHSERVE_* variables its own config does not know are
-    left out (each service refuses unknown ones; the launcher passes flags instead)."""
-    config_cls: type[Config] = getattr(
-        importlib.import_module(f"meshserve.services.{role}.config"), _CONFIG_CLASSES[role])
-    known = {name for f in dataclasses.fields(config_cls) for name in config_cls.env_names(f)}
-    env = {k: v for k, v in environ.items() if not k.startswith(ENV_PREFIX) or k in known}
-    # The services share the machine: idle OpenMP threads must sleep, not spin, or they take
-    # the cores that the worker's engine and the other services need (on 2 cores, spinning
-    # cost the mesh a third of its throughput).
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # Each child gets --metrics-port of its own; the shared variable is the launcher's base.
-    env.pop(f"{ENV_PREFIX}METRICS_PORT", None)
-    return env
 
 
 def _worker_devices(config: LauncherConfig) -> list[list[str]]:
@@ -568,7 +479,7 @@ class Stack:
         workers = [s for s in self.services if s.role == "worker"]
         rest = [s for s in self.services if s not in gateway and s not in workers]
         for phase in (gateway, workers, rest):
-            _terminate(phase, self.config.stop_grace_s)
+            terminate(phase, self.config.stop_grace_s)
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
@@ -593,19 +504,6 @@ class Stack:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
-
-
-def _terminate(services: list[ServiceProcess], grace_s: float) -> None:
-    running = [s.process for s in services if s.process is not None and s.process.poll() is None]
-    for process in running:
-        process.terminate()
-    deadline = time.monotonic() + grace_s
-    for process in running:
-        try:
-            process.wait(max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def start_stack(config: LauncherConfig, *, environ: Mapping[str, str] | None = None,
