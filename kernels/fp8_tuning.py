@@ -3,7 +3,8 @@
 The fastest tile depends on the GPU and on (N, K) in ways a fixed table measured elsewhere
 misses (how many programs an N gives per SM, how much widening a tile needs), so the first
 eager call for each (N, K, one row or several) times every candidate of
-`triton_fp8_linear.CANDIDATES` on the real operands and keeps the fastest. The engine runs
+`triton_fp8_linear.CANDIDATES` on the real operands, inside a CUDA graph as the engine runs
+them, and keeps the fastest. The engine runs
 every captured shape eagerly before capturing its CUDA graphs (cuda_graphs.py), so the
 measurement happens there. A candidate whose result differs from the fallback's by more
 than 1% (relative norm) is left aside. A call made while a stream is capturing never
@@ -13,9 +14,9 @@ measures (it would launch outside the graph) and takes the fallback table `fp8_c
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
-from triton.testing import do_bench
 
 from meshserve.kernels.triton_fp8_linear import (
     CANDIDATES,
@@ -49,8 +50,10 @@ def config_for(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> Fp
     if not x.is_cuda or torch.cuda.is_current_stream_capturing():
         return fp8_config_for(rows, n, k)
     reference = skinny_fp8_linear(x, weight, scale, fp8_config_for(rows, n, k)).float()
-    times = {c: _time_ms(x, weight, scale, c) if _agrees(x, weight, scale, c, reference)
+    copies = weight_copies(weight)
+    times = {c: _time_ms(x, weight, scale, c, copies) if _agrees(x, weight, scale, c, reference)
              else float("inf") for c in candidates(rows)}
+    del copies
     chosen = min(times, key=times.__getitem__)
     _chosen[key], measured[key] = chosen, times
     log.info("fp8 skinny product N=%d K=%d rows%s: %s (%.1f us; fallback %.1f us)", n, k,
@@ -76,11 +79,48 @@ def _agrees(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: 
 
 
 def _time_ms(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             config: Fp8Config) -> float:
+             config: Fp8Config, copies: list[torch.Tensor] | None = None) -> float:
+    """Milliseconds per product with `config`, as the engine runs it: back to back inside a
+    CUDA graph (no host launch in the figure), cycling over copies of the weight that
+    together exceed twice the L2 cache (each product reads its weight from memory)."""
+    weights = copies if copies is not None else weight_copies(weight)
     # A shape that does not compile or launch here (shared memory, registers) just loses.
     try:
-        return float(do_bench(lambda: skinny_fp8_linear(x, weight, scale, config), warmup=5,
-                              rep=20, return_mode="median"))
+        return graph_time_ms(
+            lambda i: skinny_fp8_linear(x, weights[i % len(weights)], scale, config),
+            max(len(weights), 16 // len(weights) * len(weights)), x.device)
     except Exception as error:  # noqa: BLE001 - Triton raises several kinds of errors
         log.warning("fp8 launch shape %s failed: %s", config, error)
         return float("inf")
+
+
+def graph_time_ms(launch: Callable[[int], object], calls: int, device: torch.device) -> float:
+    """Median milliseconds per call of `launch(0..calls-1)` captured in one CUDA graph and
+    replayed 5 times (each call is made once before the capture: compiles, workspaces)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            launch(i)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            launch(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    per_call = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / calls)
+    return sorted(per_call)[len(per_call) // 2]
+
+
+def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """`weight` and as many copies as make more than twice the GPU's L2 cache (at most 8)."""
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    count = min(8, max(1, -(-2 * l2 // max(weight.numel() * weight.element_size(), 1)) + 1))
+    return [weight, *(weight.clone() for _ in range(count - 1))]

@@ -15,8 +15,15 @@ The first kernel's modes (float32 FMA for one row, tl.dot in x's dtype) remain c
 `meshserve.kernels.fp8_tuning` measures `CANDIDATES` per shape on the GPU and keeps the
 fastest.
 
-One program owns BLOCK_N output rows of w over the whole of K (no split-K) and streams them in
-BLOCK_K chunks (BLOCK_K FP8 bytes per row, loaded 16 bytes per thread).
+One program owns BLOCK_N output rows of w over 1/SPLIT_K of K and streams them in BLOCK_K
+chunks (BLOCK_K FP8 bytes per row, loaded 16 bytes per thread). A weight with few rows (q/k/v
+and o of an 8B model: 4096-6144) gives too few programs to keep every SM's loads in flight, so
+`split_k` > 1 splits K over a second grid axis: each program stores its partial sums in a
+float32 workspace and counts itself done on a per-column-block counter; the program that
+counts last adds the partials, writes y and resets the counter (one kernel, no memset and no
+second reduction launch, so it captures in a CUDA graph as one node). The "f16t" mode is the
+f16 product with the operands swapped (y^T = w @ x^T): the weight is the dot's first operand,
+widened in registers.
 
 `skinny_fp8_linear` checks its inputs; `fp8_config_for` picks the launch shape; the torch
 reference is `meshserve.kernels.fp8_linear.fp8_linear_reference`.
@@ -41,14 +48,15 @@ X_SHIFT = 8
 class Fp8Config:
     """Launch shape of `_skinny_fp8_kernel`. `mode`: "f16" tensor-core products in float16
     (any M), "bf16" tensor-core products in x's dtype (the weight widened through float32),
-    "fma" float32 FMA products (M == 1 only). The last two (the earlier kernel) stay for
-    measurement."""
+    "fma" float32 FMA products (M == 1 only), "f16t" the f16 products with the weight as the
+    first operand. `split_k`: programs per column block, each over 1/split_k of K."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     mode: str = "f16"
+    split_k: int = 1
 
 
 def fp8_config_for(rows: int, n: int, k: int) -> Fp8Config:
@@ -63,17 +71,22 @@ def fp8_config_for(rows: int, n: int, k: int) -> Fp8Config:
                      mode="bf16")
 
 
-# f16 tiles widen a [16, BLOCK_K] tile of x (spread over the program's threads) besides w:
-# wider BLOCK_N shares that cost over more weight; narrower BLOCK_N gives N = 4096 more programs.
+# The shapes that came first or close on an H200 (CUDA-graph times of the Llama-3.1-8B
+# projections at 1, 8 and 16 rows, loadtest/reports/fp8/kernels_graphs.md): FMA tiles for one
+# row of the few-row weights, wide f16 tiles for gate_up, and split K (the swapped operands
+# first) for 2-16 rows. Tiles 16 rows wide and the bf16 mode were slower on every shape.
 CANDIDATES = (
     Fp8Config(block_n=4, block_k=2048, num_warps=4, num_stages=3, mode="fma"),
     Fp8Config(block_n=8, block_k=1024, num_warps=8, num_stages=3, mode="fma"),
     Fp8Config(block_n=32, block_k=512, num_warps=4, num_stages=5, mode="bf16"),
-    Fp8Config(block_n=64, block_k=512, num_warps=4, num_stages=5, mode="bf16"),
-    Fp8Config(block_n=16, block_k=512, num_warps=4, num_stages=4, mode="f16"),
-    Fp8Config(block_n=32, block_k=256, num_warps=4, num_stages=4, mode="f16"),
-    Fp8Config(block_n=64, block_k=256, num_warps=4, num_stages=4, mode="f16"),
     Fp8Config(block_n=32, block_k=128, num_warps=2, num_stages=4, mode="f16"),
+    Fp8Config(block_n=64, block_k=256, num_warps=4, num_stages=4, mode="f16"),
+    Fp8Config(block_n=128, block_k=128, num_warps=4, num_stages=4, mode="f16"),
+    Fp8Config(block_n=32, block_k=256, num_warps=4, num_stages=4, mode="f16", split_k=2),
+    Fp8Config(block_n=32, block_k=256, num_warps=4, num_stages=4, mode="f16t", split_k=2),
+    Fp8Config(block_n=64, block_k=256, num_warps=4, num_stages=4, mode="f16t", split_k=2),
+    Fp8Config(block_n=64, block_k=128, num_warps=4, num_stages=4, mode="f16t", split_k=4),
+    Fp8Config(block_n=128, block_k=128, num_warps=8, num_stages=4, mode="f16t", split_k=4),
 )
 """Launch shapes `meshserve.kernels.fp8_tuning` measures (the FMA ones for one row only)."""
 
@@ -81,7 +94,7 @@ CANDIDATES = (
 SMALL_CONFIG = Fp8Config(block_n=16, block_k=32, num_warps=4, num_stages=1)
 """A launch shape for small test matrices (the interpreter)."""
 SMALL_FMA_CONFIG = Fp8Config(block_n=16, block_k=32, num_warps=4, num_stages=1, mode="fma")
-MODES = {"fma": 0, "bf16": 1, "f16": 2}
+MODES = {"fma": 0, "bf16": 1, "f16": 2, "f16t": 3}
 """The FMA path on small test matrices (one row)."""
 
 
@@ -105,22 +118,77 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     c = config or fp8_config_for(rows, n, k)
     assert c.mode in MODES and (c.mode != "fma" or rows == 1), f"mode {c.mode} for {rows} rows"
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    shift = X_SHIFT if x.dtype == torch.bfloat16 and c.mode == "f16" else 0
-    _skinny_fp8_kernel[(triton.cdiv(n, c.block_n),)](
-        x, weight, scale, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        2.0**-shift, Y_SCALE=2.0**shift, MODE=MODES[c.mode],
+    shift = X_SHIFT if x.dtype == torch.bfloat16 and c.mode in ("f16", "f16t") else 0
+    blocks = triton.cdiv(n, c.block_n)
+    # K per split: whole BLOCK_K chunks, so no chunk straddles two splits.
+    k_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
+    split_k = triton.cdiv(k, k_split)
+    workspace, counters = (_split_buffers(x.device, n, split_k) if split_k > 1
+                           else (out, out))  # unused with one split
+    _skinny_fp8_kernel[(blocks, split_k)](
+        x, weight, scale, out, workspace, counters, rows, n, k, k_split, x.stride(0),
+        weight.stride(0), out.stride(0), 2.0**-shift, Y_SCALE=2.0**shift, MODE=MODES[c.mode],
         BLOCK_M=1 if c.mode == "fma" else MAX_ROWS,
-        BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0, SPLIT_K=split_k,
+        ONE_ROW=rows == 1 and c.mode in ("f16", "f16t"),
         num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 
+# (device, N, splits) -> (float32 partial sums [splits, MAX_ROWS, N], int32 counters, one per
+# column block of the narrowest tile). Kept for the process's life: CUDA graphs hold their
+# addresses. The counters start at zero and every launch leaves them at zero.
+_split_workspaces: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_NARROWEST_BLOCK_N = 4
+
+
+def _split_buffers(device: torch.device, n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, n, splits)
+    buffers = _split_workspaces.get(key)
+    if buffers is None:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), (
+            "a split-K launch shape must run once before a CUDA graph captures it")
+        buffers = (torch.empty(splits, MAX_ROWS, n, dtype=torch.float32, device=device),
+                   torch.zeros(triton.cdiv(n, _NARROWEST_BLOCK_N), dtype=torch.int32,
+                               device=device))
+        _split_workspaces[key] = buffers
+    return buffers
+
+
+def has_split_buffers(device: torch.device, n: int, config: Fp8Config, k: int) -> bool:
+    """Whether `config` can launch for N = n while a CUDA graph is being captured (its
+    workspace, if it splits K, exists already)."""
+    k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    splits = triton.cdiv(k, k_split)
+    return splits == 1 or (device, n, splits) in _split_workspaces
+
+
 @triton.jit
-def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       x_scale, Y_SCALE: tl.constexpr, MODE: tl.constexpr,
-                       BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] as float16 times x_scale, rows past M zero. bf16 * 2^-8 is exact
+    (8 exponent bits), in float32 before the narrowing; x_scale is an argument, not a
+    constant, so the compiler cannot move the product after the conversion (where an
+    |x| > 65504 would overflow). With one row, only that row is loaded and converted (the
+    other 15 are zeros put in place, not conversions)."""
+    if ONE_ROW:
+        row = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        row16 = (row.to(tl.float32) * x_scale).to(tl.float16)  # [BLOCK_K]
+        return tl.where((m == 0)[:, None], row16[None, :], 0.0).to(tl.float16)
+    x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+    return (x.to(tl.float32) * x_scale).to(tl.float16)
+
+
+@triton.jit
+def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT,
+                       stride_xm, stride_wn, stride_ym, x_scale, Y_SCALE: tl.constexpr,
+                       MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       ONE_ROW: tl.constexpr):
     pid = tl.program_id(0)
+    # A whole number of BLOCK_K chunks: the loads stay aligned (vectorised and pipelined).
+    k_lo = tl.multiple_of(tl.program_id(1) * K_SPLIT, BLOCK_K)
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     # Rows of w past N read row N - 1 again (never stored), so the loads need no N mask.
@@ -128,9 +196,11 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn
     w_rows = w_ptr + n_safe.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     row_scale = tl.load(s_ptr + n_safe)  # [BLOCK_N] float32
     kk = tl.arange(0, BLOCK_K)
-    if BLOCK_M == 1:
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    if MODE == 0:  # one row, float32 FMA
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + kk
             if EVEN_K:
                 w = tl.load(w_rows + k[None, :])
@@ -139,31 +209,54 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn
                 w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
                 x = tl.load(x_ptr + k, mask=k < K, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1) * row_scale  # [BLOCK_N]
-        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
-    else:
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < M
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        part = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    elif MODE == 3:  # y^T = w @ x^T on the tensor cores in float16, the weight first
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + kk
             if EVEN_K:
                 w = tl.load(w_rows + k[None, :])
             else:
                 w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                        mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            if MODE == 2:
-                # bf16 * 2^-8 is exact (8 exponent bits), in float32 before the narrowing;
-                # x_scale is an argument, not a constant, so the compiler cannot move the
-                # product after the conversion (where an |x| > 65504 would overflow).
-                x16 = (x.to(tl.float32) * x_scale).to(tl.float16)
-                acc2 = tl.dot(x16, tl.trans(w.to(tl.float16)), acc2)
+            x16 = _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW)
+            acc_t = tl.dot(w.to(tl.float16), tl.trans(x16), acc_t)
+        part = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
+    else:
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + kk
+            if EVEN_K:
+                w = tl.load(w_rows + k[None, :])
             else:
-                acc2 = tl.dot(x, tl.trans(w.to(x.dtype)), acc2)
-        y2 = acc2 * (row_scale * Y_SCALE)[None, :]  # [BLOCK_M, BLOCK_N]
-        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y2.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+            if MODE == 2:
+                x16 = _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW)
+                part = tl.dot(x16, tl.trans(w.to(tl.float16)), part)
+            else:
+                x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                            mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+                part = tl.dot(x, tl.trans(w.to(x.dtype)), part)
+    part = part * (row_scale * Y_SCALE)[None, :]  # [BLOCK_M, BLOCK_N]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], part.to(y_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        # Partial sums to the workspace [SPLIT_K, 16, N]; the last program of this column
+        # block to finish adds them up. The barrier puts every thread's stores before the
+        # counter's release; the acquire puts the other programs' stores before the reads.
+        ws = ws_ptr + m[:, None] * N + n[None, :]
+        tl.store(ws + tl.program_id(1) * 16 * N, part, mask=out_mask)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in range(SPLIT_K):
+                total += tl.load(ws + split * 16 * N, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptr + m[:, None] * stride_ym + n[None, :],
+                     total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

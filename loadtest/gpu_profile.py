@@ -45,14 +45,20 @@ def kernel_table(prof: profile, steps: int, limit: int = 25) -> tuple[str, float
     return "\n".join(lines), total
 
 
+# EngineConfig fields every engine of a run takes (--engine, e.g. {"quantization": "fp8"}).
+ENGINE_OVERRIDES: dict[str, Any] = {}
+
+
 def engine_for(model: str, **overrides: Any) -> LLMEngine:
-    config = {"model": model, "load_format": "dummy", "max_model_len": 2048}
+    config = {"model": model, "load_format": "dummy", "max_model_len": 2048,
+              **ENGINE_OVERRIDES}
     config.update(overrides)
     return LLMEngine(EngineConfig(**config))
 
 
-def single_stream(model: str, report: dict[str, Any], text: list[str]) -> None:
-    for eager in (False, True):
+def single_stream(model: str, report: dict[str, Any], text: list[str],
+                  modes: tuple[bool, ...] = (False, True)) -> None:
+    for eager in modes:
         engine = engine_for(model, max_num_seqs=1, enforce_eager=eager)
         prompt = random_prompts([128], engine.model_config, 0)[0]
         engine.add_request("warm", prompt, SamplingParams(max_tokens=40, ignore_eos=True))
@@ -85,6 +91,7 @@ def single_stream(model: str, report: dict[str, Any], text: list[str]) -> None:
             (time.perf_counter() - started) / steps * 1e3)
         text.append(f"   unprofiled wall {report[f'decode_b1_{name}']['wall_ms_per_step']:.3f}"
                     f" ms/step\n")
+        engine.close()
         del engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -134,6 +141,7 @@ def host_phases(model: str, report: dict[str, Any], text: list[str]) -> None:
     lines = [f"== batch-1 decode host phases (graphs, overlapped): wall {wall:.0f} us/step"]
     lines += [f"   {label:32s} {us:8.0f} us/step" for label, us in phases.items()]
     text.append("\n".join(lines) + "\n")
+    engine.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -161,6 +169,7 @@ def prefill(model: str, report: dict[str, Any], text: list[str], length: int = 8
     report["prefill"] = {"tokens": length, "device_ms": device, "wall_ms_profiled": wall}
     text.append(f"== prefill of {length} tokens, eager: device {device:.3f} ms, wall "
                 f"{wall:.3f} ms (under the profiler)\n{table}\n")
+    engine.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -236,6 +245,7 @@ def sharegpt(model: str, num_prompts: int, flags: dict[str, Any], report: dict[s
                     f"{v['ms_per_step']:6.2f} ms/step, {v['tokens_per_step']:7.1f} tokens, "
                     f"{v['seqs_per_step']:6.1f} seqs per step")
     text.extend(profiled.values())
+    engine.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -246,13 +256,18 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parts", default="single,sharegpt")
+    parser.add_argument("--parts", default="single,sharegpt",
+                        help="of single, graphs (single without the eager run), host, "
+                             "prefill, sharegpt")
+    parser.add_argument("--engine", type=json.loads, default={},
+                        help='EngineConfig fields as JSON, e.g. {"tensor_parallel_size": 2}')
     args = parser.parse_args()
+    ENGINE_OVERRIDES.update(args.engine)
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0)}
     text: list[str] = []
     parts = args.parts.split(",")
-    if "single" in parts:
-        single_stream(args.model, report, text)
+    if "single" in parts or "graphs" in parts:
+        single_stream(args.model, report, text, (False, True) if "single" in parts else (False,))
         print("\n".join(text), flush=True)
     if "host" in parts:
         start = len(text)
