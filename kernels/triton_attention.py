@@ -14,7 +14,7 @@ softmax in float32 (base 2, with the scale folded in). Query row j of a sequence
 position seq_len - q_len + j and sees keys 0..that position.
 
 Split-KV (flash decoding): when a decode step has too few (sequence, KV head) programs to fill
-the GPU and long contexts, a third grid axis cuts each sequence's key tiles into NUM_SPLITS
+the GPU and long contexts, a third grid axis cuts each sequence's key tiles into num_splits
 ranges. Each program writes its unnormalised partial output with its running max and sum, and
 `_reduce_splits_kernel` merges them.
 
@@ -204,21 +204,49 @@ def paged_attention(
     head_pad = max(triton.next_power_of_2(head_dim), 16)
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        part_acc, part_max, part_sum, scale * math.log2(math.e), num_seqs,
+        part_acc, part_max, part_sum, scale * math.log2(math.e), num_seqs, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n, SPLIT=num_splits > 1,
         DECODE_ONLY=meta.decode_only,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_acc, part_max, part_sum, out.stride(0), out.stride(1),
+            out, part_acc, part_max, part_sum, num_splits, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
     return out
+
+
+def compile_every_variant(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
+                          dtype: torch.dtype) -> int:
+    """Launch paged attention once per kernel variant a step can need: decode and mixed
+    steps, without and with split-KV, every width of the split reduction. Steps with a
+    new batch size or context length then find their kernel compiled instead of stopping
+    every sequence of the batch while Triton compiles one. Reads block 0 of the caches
+    (whatever it holds) and writes nothing outside its own scratch. Returns the launches."""
+    device = k_cache.device
+    head_dim = k_cache.shape[3]
+    query = torch.zeros(2, num_q_heads, head_dim, dtype=dtype, device=device)
+    launches = 0
+    for query_len in (1, 2):  # decode-only, mixed
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((query_len,), -1, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor([0, query_len], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([query_len], dtype=torch.int32, device=device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
+            max_query_len=query_len, max_seq_len=query_len, query_lens_cpu=[query_len],
+            seq_lens_cpu=[query_len])
+        widths = [1] if query_len > 1 else [1] + [2**i for i in range(1, MAX_SPLITS.bit_length())
+                                                  if 2**i <= MAX_SPLITS]
+        for num_splits in widths:
+            paged_attention(query[:query_len], k_cache, v_cache, meta, 1.0,
+                            num_splits=num_splits)
+            launches += 1
+    return launches
 
 
 def _split_scratch(query: torch.Tensor,
@@ -252,15 +280,17 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# The batch's sequence count and split count are plain arguments, never specialised on, so a
+# new batch size or context length does not compile a new kernel while serving.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2, num_seqs,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr,
+    TILE_N: tl.constexpr, SPLIT: tl.constexpr, DECODE_ONLY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
@@ -298,8 +328,8 @@ def _paged_attention_kernel(
     num_tiles = tl.cdiv(kv_end, TILE_N)
     tile_lo = 0
     tile_hi = num_tiles
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    if SPLIT:
+        per_split = tl.cdiv(num_tiles, num_splits)
         tile_lo = split * per_split
         tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
     acc, row_max, row_sum = _attend_tiles(
@@ -309,10 +339,10 @@ def _paged_attention_kernel(
         BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION)
 
     mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS > 1:
-        # Unnormalised partials of [T, Hq, NUM_SPLITS, D], merged by _reduce_splits_kernel.
+    if SPLIT:
+        # Unnormalised partials of [T, Hq, num_splits, D], merged by _reduce_splits_kernel.
         part = ((q_start + q_tok).to(tl.int64) * (GROUP * tl.num_programs(1)) + head) \
-            * NUM_SPLITS + split  # [BLOCK_M]
+            * num_splits + split  # [BLOCK_M]
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
         tl.store(part_max_ptr + part, row_max, mask=row_ok)
         tl.store(part_sum_ptr + part, row_sum, mask=row_ok)
@@ -368,19 +398,19 @@ def _attend_tiles(
     return acc, row_max, row_sum
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_splits, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     # One program per (token, query head): rescale each split's partial to the global max.
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     d = tl.arange(0, HEAD_PAD)
-    base = (token * NUM_Q_HEADS + head) * NUM_SPLITS
+    base = (token * NUM_Q_HEADS + head) * num_splits
     split_max = tl.load(part_max_ptr + base + s, mask=s_ok, other=float("-inf"))  # [S]
     split_sum = tl.load(part_sum_ptr + base + s, mask=s_ok, other=0.0)
     acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],

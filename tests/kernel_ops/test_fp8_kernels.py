@@ -404,7 +404,7 @@ for decode in (0, 1):
     tiles = ta.default_tiles(128, torch.bfloat16, decode)
     out.append(build(ta._paged_attention_kernel, types, dict(GROUP=4, HEAD_DIM=128,
         HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // 4,
-        TILE_N=tiles.tile_n, NUM_SPLITS=8 if decode else 1, DECODE_ONLY=bool(decode),
+        TILE_N=tiles.tile_n, SPLIT=bool(decode), DECODE_ONLY=bool(decode),
         DOT_PRECISION="tf32"), num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 out.append(build(tf._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
     "s_ptr": "*fp32"}, dict(BLOCK_K=16384), num_warps=8))

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton.language import standard as tl_standard
 from triton.runtime import interpreter as triton_interpreter
@@ -229,6 +230,31 @@ def test_split_kv_is_chosen_for_a_long_lone_decode() -> None:
     assert splits == 700 // triton_attention.MIN_KEYS_PER_SPLIT == 2
     out, want = run_attention(step)
     assert_attention_close(out, want)
+
+
+@in_interpreter
+def test_every_attention_variant_is_launched_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's start launches each compiled variant once: decode and mixed steps, and
+    every split-reduction width any split count rounds up to (Triton compiles per width)."""
+    k_cache, v_cache = (torch.randn(3, 16, 2, 64, generator=torch.Generator().manual_seed(i))
+                        for i in (1, 2))
+    before = (k_cache.clone(), v_cache.clone())
+    seen: list[tuple[bool, int]] = []
+    launch = triton_attention.paged_attention
+
+    def record(query, k, v, meta, scale, *, num_splits=None, tiles=None):  # type: ignore[no-untyped-def]
+        seen.append((meta.decode_only, num_splits))
+        out = launch(query, k, v, meta, scale, num_splits=num_splits, tiles=tiles)
+        assert torch.isfinite(out).all()
+        return out
+
+    monkeypatch.setattr(triton_attention, "paged_attention", record)
+    launches = triton_attention.compile_every_variant(k_cache, v_cache, 4, torch.float32)
+    assert launches == len(seen)
+    widths = {splits for decode, splits in seen if decode}
+    needed = {triton.next_power_of_2(s) for s in range(1, triton_attention.MAX_SPLITS + 1)}
+    assert needed <= widths and (False, 1) in seen
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
 @outside_interpreter
@@ -604,7 +630,7 @@ def attention(dtype, name, head_dim, decode):
     types["scale_log2"] = "fp32"
     consts = dict(GROUP=4, HEAD_DIM=head_dim, HEAD_PAD=head_dim, BLOCK_SIZE=16,
                   BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // 4, TILE_N=tiles.tile_n,
-                  NUM_SPLITS=8 if decode else 1, DECODE_ONLY=bool(decode),
+                  SPLIT=bool(decode), DECODE_ONLY=bool(decode),
                   DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
     return build(ta._paged_attention_kernel, types, consts, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages)
@@ -614,7 +640,7 @@ out.append(attention(torch.float32, "fp32", 128, 0))
 bf16 = lambda *names: {n: "*bf16" for n in names}
 out.append(build(ta._reduce_splits_kernel, bf16("out_ptr") | {n: "*fp32" for n in (
     "part_acc_ptr", "part_max_ptr", "part_sum_ptr")}, dict(NUM_Q_HEADS=32, HEAD_DIM=128,
-    HEAD_PAD=128, NUM_SPLITS=8, SPLITS_PAD=8), num_warps=4))
+    HEAD_PAD=128, SPLITS_PAD=8), num_warps=4))
 out.append(build(ta._write_kv_kernel, bf16("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")
     | {"slot_ptr": "*i64"}, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, HEADS_PAD=8,
     HEAD_PAD=128), num_warps=4))

@@ -183,6 +183,12 @@ class ModelRunner:
         self.lora: LoraManager | None = None  # set when multi-LoRA serving is on
         self.verifier: Verifier | None = None  # set when the engine speculates
         self.last_path = ""  # how the last forward ran: graph, verify_graph, piecewise, eager
+        if device.type == "cuda":  # attention's kernels compiled now, not while serving
+            from meshserve.kernels import triton_attention
+
+            triton_attention.compile_every_variant(
+                *self.kv_caches[0], model.config.num_attention_heads,
+                model.model.embed_tokens.weight.dtype)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int,
                        verify_lens: tuple[int, ...] = ()) -> CaptureReport:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# FP8 weights against bf16 on a host with 2 GPUs, each configuration on both GPUs at the same
+# time as the other (round 1: bf16 on GPU 0, fp8 on GPU 1; round 2 swapped), so both see the
+# same host and the GPUs' own differences cancel. Each run is `loadtest/fp8_bench.py run`
+# (single-stream TPOT 128 in / 128 out, ShareGPT-like throughput over NUM_PROMPTS, KV capacity,
+# logprobs), the Llama-3.1-8B shape with dummy weights.
+#     bash loadtest/gpu_fp8_pairs.sh      # from the repository root; results in $OUT
+# $OUT: r<round>_<label>.json and .log, summary_r1.md, summary_r2.md, env.txt.
+set -uo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 1
+OUT=${OUT:-$(mktemp -d)}
+RUN_DIR=$(mktemp -d)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# shellcheck source=loadtest/gpu_env.sh
+. "$REPO/loadtest/gpu_env.sh"
+gpu_env "$RUN_DIR"
+MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+NUM_PROMPTS=${NUM_PROMPTS:-800}
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} >"$OUT/env.txt" 2>&1
+run() {  # run ROUND LABEL GPU EXTRA_FLAGS...
+  local round=$1 label=$2 gpu=$3
+  shift 3
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 200 python3 loadtest/fp8_bench.py run --label "$label" \
+    --out "$OUT/r${round}_$label.json" --num-prompts "$NUM_PROMPTS" -- --model "$MODEL_DIR" \
+    --load-format dummy --max-model-len 4096 "$@" >"$OUT/r${round}_$label.log" 2>&1
+  echo "== round $round $label on GPU $gpu: rc=$?"
+}
+for round in 1 2; do
+  bf16_gpu=$((round - 1)) fp8_gpu=$((2 - round))
+  run $round bf16 $bf16_gpu &
+  run $round fp8 $fp8_gpu --quantization fp8 &
+  wait
+  python3 loadtest/fp8_bench.py report "$OUT/r${round}_bf16.json" "$OUT/r${round}_fp8.json" \
+    --out "$OUT/summary_r$round.md"
+done
