@@ -26,14 +26,13 @@ import torch
 
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.engine.kv_tier import KVTier, KVTransport
-from meshserve.services.worker.engine.model_runner import (
-    LaunchedStep,
-    ModelRunner,
-    StepResult,
-    kv_cache_bytes_per_block,
-    profile_activation_bytes,
+from meshserve.services.worker.engine.kv_sizing import (
+    gpu_memory_and_name,
+    kv_blocks_that_fit,
+    piecewise_tokens,
 )
+from meshserve.services.worker.engine.kv_tier import KVTier, KVTransport
+from meshserve.services.worker.engine.model_runner import LaunchedStep, ModelRunner, StepResult
 from meshserve.services.worker.engine.request import (
     PENDING_TOKEN,
     Request,
@@ -81,26 +80,9 @@ from meshserve.shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# What the CUDA context and libraries (cuBLAS workspaces) of this process take beside
-# PyTorch's pool, counted against this worker's share of the device.
-_CUDA_CONTEXT_BYTES = 768 << 20
-# Device memory always left free when sizing the cache next to other processes.
-_FREE_MARGIN = 256 << 20
-# Memory kept free for the decode CUDA graphs' pool (their activations are small).
-_GRAPH_MEMORY_RESERVE = 512 << 20
-# Steps of up to this many tokens replay piecewise CUDA graphs; larger ones are long
-# enough on the device for eager launches to keep up.
-PIECEWISE_MAX_TOKENS = 2048
 # Longest wait for the KV tier when a step has nothing else to run; new requests arriving
 # meanwhile are admitted at the next step, so this bounds their extra wait.
 _TIER_IDLE_WAIT_S = 0.002
-
-
-def _gpu_memory_and_name(device: torch.device) -> tuple[int, str]:
-    if device.type != "cuda":
-        return 0, ""
-    props = torch.cuda.get_device_properties(device)
-    return props.total_memory, props.name
 
 
 def resolve_device(name: str, rank: int = 0) -> torch.device:
@@ -155,7 +137,7 @@ class LLMEngine:
                                 str(self.source.path), config.load_format, self.dtype,
                                 self.device)
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
-        self.max_num_seqs = config.seqs_limit(*_gpu_memory_and_name(self.device))
+        self.max_num_seqs = config.seqs_limit(*gpu_memory_and_name(self.device))
         self.lora = self._lora(model, batched_tokens)
         num_blocks = self._num_kv_blocks(model, batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -235,61 +217,20 @@ class LLMEngine:
         self.graph_report = self.runner.capture_graphs(self.max_num_seqs, self.max_model_len,
                                                        verify_lens)
         self.piecewise_report = self.runner.capture_piecewise_graphs(
-            self._piecewise_tokens(batched_tokens))
+            piecewise_tokens(batched_tokens))
 
     # ----- sizing -------------------------------------------------------------
     def _num_kv_blocks(self, model: CausalLM, batched_tokens: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        num_blocks = self._kv_blocks_that_fit(model, batched_tokens)
+        draft_per_block = (0 if self.draft is None else
+                           self.draft.kv_bytes_per_block(self.config.block_size, self.dtype))
+        num_blocks = kv_blocks_that_fit(model, self.config, self.kv_dtype, self.device,
+                                        self.max_num_seqs, batched_tokens, draft_per_block)
         if self.parallel.enabled:  # every rank holds every block: the tightest rank decides
             assert self.step_sync is not None
             num_blocks = self.step_sync.min_over_ranks(num_blocks)
         return num_blocks
-
-    def _kv_blocks_that_fit(self, model: CausalLM, batched_tokens: int) -> int:
-        # The model's own config: a tensor-parallel rank holds only its share of KV heads.
-        per_block = kv_cache_bytes_per_block(model.config, self.config.block_size,
-                                             self.kv_dtype)
-        if self.draft is not None:
-            per_block += self.draft.kv_bytes_per_block(self.config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            # What is left of this worker's share once weights (already loaded), the peak
-            # activations of the largest step and the decode graphs are accounted for.
-            activations = profile_activation_bytes(
-                model, model.config, batched_tokens,
-                min(self.max_num_seqs, batched_tokens), self.config.block_size,
-                self.kv_dtype, self.device)
-            free, total = torch.cuda.mem_get_info(self.device)
-            graphs = 0
-            if not self.config.enforce_eager:
-                # The piecewise graphs' pool holds the temporaries of their largest step.
-                pieces = self._piecewise_tokens(batched_tokens)
-                graphs = _GRAPH_MEMORY_RESERVE + activations * pieces // batched_tokens
-            # --gpu-memory-utilization is this worker's share of the device, as in vLLM: its
-            # own memory (weights, PyTorch's pool, the CUDA context) counts against it, other
-            # processes' memory does not (two workers at 0.45 share one GPU), but the cache
-            # never takes more than is free now.
-            own = torch.cuda.memory_reserved(self.device) + _CUDA_CONTEXT_BYTES
-            share = int(total * self.config.gpu_memory_utilization) - own
-            budget = min(share, free - _FREE_MARGIN) - activations - graphs
-            log.info("GPU memory: %.1f GiB total, %.1f GiB in use (%.1f GiB by this worker), "
-                     "%.2f GiB activations, %.2f GiB KV cache", total / 2**30,
-                     (total - free) / 2**30, own / 2**30, activations / 2**30,
-                     max(budget, 0) / 2**30)
-        else:
-            budget = self.config.kv_cache_memory
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ModelLoadError(
-                f"no memory left for the KV cache: one block needs {per_block} bytes and the "
-                f"budget is {budget} bytes (raise --kv-cache-memory or "
-                f"--gpu-memory-utilization)")
-        return int(num_blocks)
-
-    @staticmethod
-    def _piecewise_tokens(batched_tokens: int) -> int:
-        return min(PIECEWISE_MAX_TOKENS, batched_tokens)
 
     def attach_kv_tier(self, transport: KVTransport, max_save_backlog_bytes: int) -> KVTier:
         """Save computed blocks to, and load prompt blocks from, the KV tier behind
