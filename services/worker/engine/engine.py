@@ -45,11 +45,13 @@ from meshserve.services.worker.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from meshserve.services.worker.engine.structured_output import (
-    GrammarCompiler,
-    accept_tokens,
-    new_matcher,
+from meshserve.services.worker.engine.step_outputs import (
+    accept_grammar_tokens,
+    delta_output,
+    grammar_status,
+    stop_status,
 )
+from meshserve.services.worker.engine.structured_output import GrammarCompiler, new_matcher
 from meshserve.services.worker.lora.manager import LoraManager
 from meshserve.services.worker.lora.setup import build_lora
 from meshserve.services.worker.models.config import ModelConfig
@@ -365,7 +367,7 @@ class LLMEngine:
     # ----- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return what the last completed step produced."""
-        outputs = [self._output(seq, []) for seq in self._aborted]
+        outputs = [delta_output(seq, []) for seq in self._aborted]
         self._aborted = []
         if self.kv_tier is not None:
             self.kv_tier.poll()
@@ -414,7 +416,7 @@ class LLMEngine:
         for request, start, scored in result.prompt_logprobs:
             request.prompt_logprobs[start : start + len(scored)] = scored
         now = time.monotonic()
-        accepted = self._accept_grammar_tokens(result)
+        accepted = accept_grammar_tokens(result.sampled)
         for seq, token, logprobs in result.sampled:
             if seq.is_finished:  # aborted, or stopped by the step before, while queued
                 continue
@@ -425,16 +427,16 @@ class LLMEngine:
             count = place + 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            status = self._stop_status(seq, token, count)
+            status = stop_status(seq, token, count, self.max_model_len)
             if seq.grammar is not None and status is None:
-                status = self._grammar_status(seq, token, accepted[id(seq)])
+                status = grammar_status(seq, token, accepted[id(seq)])
             if status is not None:
                 self._finish(seq, status)
                 self._forget_if_done(seq.group_id)
             elif (seq.num_prompt_tokens + count) % self.kv.block_size == 0:
                 # This token completes a block whose hash waited for its id.
                 self.kv.cache_computed_blocks(seq)
-            outputs.append(self._output(seq, [token], logprobs, count))
+            outputs.append(delta_output(seq, [token], logprobs, count))
         for verified in result.verified:
             output = self._apply_verified(verified)
             if output is not None:
@@ -458,7 +460,7 @@ class LLMEngine:
             tokens.append(token)
             if entry is not None:
                 logprobs.append(entry)
-            status = self._stop_status(seq, token, seq.num_output_tokens)
+            status = stop_status(seq, token, seq.num_output_tokens, self.max_model_len)
             if status is not None:
                 break
         if seq.first_token_time is None:
@@ -471,74 +473,14 @@ class LLMEngine:
             seq.num_computed_tokens = seq.num_tokens - 1
             self.kv.trim(seq, seq.num_tokens)
             self.kv.cache_computed_blocks(seq)
-        out = self._output(seq, tokens, None, seq.num_output_tokens)
+        out = delta_output(seq, tokens, None, seq.num_output_tokens)
         out.new_logprobs = logprobs or None
         return out
-
-    def _stop_status(self, seq: Request, token: int, count: int) -> RequestStatus | None:
-        """How the sequence finishes with `token` as its output token number `count`, or
-        None if it goes on."""
-        params = seq.params
-        if count >= params.min_tokens:
-            if token in params.stop_token_ids:
-                seq.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token in seq.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if count >= seq.max_tokens or seq.num_prompt_tokens + count >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    @staticmethod
-    def _accept_grammar_tokens(result: StepResult) -> dict[int, bool]:
-        """Feed each constrained sequence's new token to its grammar, in one batch; by
-        sequence identity, whether the grammar took it."""
-        rows = [(seq, token) for seq, token, _ in result.sampled
-                if seq.grammar is not None and not seq.is_finished]
-        if not rows:
-            return {}
-        taken = accept_tokens([seq.grammar for seq, _ in rows], [token for _, token in rows])
-        return {id(seq): ok for (seq, _), ok in zip(rows, taken, strict=True)}
-
-    @staticmethod
-    def _grammar_status(seq: Request, token: int, accepted: bool) -> RequestStatus | None:
-        """FINISHED_STOPPED once the sequence's grammar is complete (or, which the mask
-        prevents, has rejected `token`)."""
-        if not accepted:
-            log.warning("%s: grammar rejected token %d; finishing the sequence",
-                        seq.request_id, token)
-            return RequestStatus.FINISHED_STOPPED
-        matcher: Any = seq.grammar
-        return RequestStatus.FINISHED_STOPPED if matcher.is_terminated() else None
 
     def _forget_if_done(self, group_id: str) -> None:
         group = self._groups.get(group_id)
         if group is not None and all(s.is_finished for s in group):
             del self._groups[group_id]
-
-    def _output(self, seq: Request, tokens: list[int], logprobs: object = None,
-                count: int | None = None) -> RequestOutput:
-        """The delta of `tokens`, which end at output token number `count` (default: the
-        last known one)."""
-        if count is None:
-            count = seq.num_output_tokens - seq.num_pending
-        prompt_logprobs = None
-        if seq.params.prompt_logprobs is not None and count == len(tokens) == 1:
-            prompt_logprobs = seq.prompt_logprobs or [None]
-        return RequestOutput(
-            request_id=seq.group_id,
-            group_id=seq.group_id,
-            index=seq.index,
-            new_token_ids=tokens,
-            new_logprobs=[logprobs] if logprobs is not None else None,  # type: ignore[list-item]
-            prompt_logprobs=prompt_logprobs,
-            finish_reason=seq.status.value if seq.is_finished else None,
-            stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            # Of the prompt only: a resumed sequence may also hit on its earlier output.
-            num_cached_tokens=min(max(seq.num_cached_tokens, 0), seq.num_prompt_tokens),
-            num_output_tokens=count,
-        )
 
 
 def random_request_id() -> str:
