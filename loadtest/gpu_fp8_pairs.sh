@@ -5,6 +5,7 @@
 # (single-stream TPOT 128 in / 128 out, ShareGPT-like throughput over NUM_PROMPTS, KV capacity,
 # logprobs), the Llama-3.1-8B shape with dummy weights.
 #     bash loadtest/gpu_fp8_pairs.sh      # from the repository root; results in $OUT
+#     FP8_FLAGS="--quantization fp8 --kv-cache-dtype fp8" ROUNDS=1 bash loadtest/gpu_fp8_pairs.sh
 # $OUT: r<round>_<label>.json and .log, summary_r1.md, summary_r2.md, env.txt.
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -17,6 +18,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 gpu_env "$RUN_DIR"
 MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
 NUM_PROMPTS=${NUM_PROMPTS:-800}
+ROUNDS=${ROUNDS:-2}
+read -r -a FP8_FLAGS <<<"${FP8_FLAGS:---quantization fp8}"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } >"$OUT/env.txt" 2>&1
@@ -28,10 +31,10 @@ run() {  # run ROUND LABEL GPU EXTRA_FLAGS...
     --load-format dummy --max-model-len 4096 "$@" >"$OUT/r${round}_$label.log" 2>&1
   echo "== round $round $label on GPU $gpu: rc=$?"
 }
-for round in 1 2; do
+for ((round = 1; round <= ROUNDS; round++)); do
   bf16_gpu=$((round - 1)) fp8_gpu=$((2 - round))
   run $round bf16 $bf16_gpu &
-  run $round fp8 $fp8_gpu --quantization fp8 &
+  run $round fp8 $fp8_gpu "${FP8_FLAGS[@]}" &
   wait
   python3 loadtest/fp8_bench.py report "$OUT/r${round}_bf16.json" "$OUT/r${round}_fp8.json" \
     --out "$OUT/summary_r$round.md"
