@@ -280,9 +280,10 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-# The batch's sequence count and split count are plain arguments, never specialised on, so a
-# new batch size or context length does not compile a new kernel while serving.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+# The batch's sequence count, split count and block-table width are plain arguments, never
+# specialised on (Triton would compile apart values of 1 and multiples of 16), so a new batch
+# size or context length does not compile a new kernel while serving.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2, num_seqs,

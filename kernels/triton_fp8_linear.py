@@ -94,8 +94,8 @@ CANDIDATES = (
 SMALL_CONFIG = Fp8Config(block_n=16, block_k=32, num_warps=4, num_stages=1)
 """A launch shape for small test matrices (the interpreter)."""
 SMALL_FMA_CONFIG = Fp8Config(block_n=16, block_k=32, num_warps=4, num_stages=1, mode="fma")
-MODES = {"fma": 0, "bf16": 1, "f16": 2, "f16t": 3}
 """The FMA path on small test matrices (one row)."""
+MODES = {"fma": 0, "bf16": 1, "f16": 2, "f16t": 3}
 
 
 def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -153,14 +153,6 @@ def _split_buffers(device: torch.device, n: int, splits: int) -> tuple[torch.Ten
                                device=device))
         _split_workspaces[key] = buffers
     return buffers
-
-
-def has_split_buffers(device: torch.device, n: int, config: Fp8Config, k: int) -> bool:
-    """Whether `config` can launch for N = n while a CUDA graph is being captured (its
-    workspace, if it splits K, exists already)."""
-    k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    splits = triton.cdiv(k, k_split)
-    return splits == 1 or (device, n, splits) in _split_workspaces
 
 
 @triton.jit
@@ -242,7 +234,7 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_S
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], part.to(y_ptr.dtype.element_ty),
                  mask=out_mask)
     else:
-        # Partial sums to the workspace [SPLIT_K, 16, N]; the last program of this column
+        # Partial sums to the workspace [SPLIT_K, MAX_ROWS = 16, N]; the last program of this column
         # block to finish adds them up. The barrier puts every thread's stores before the
         # counter's release; the acquire puts the other programs' stores before the reads.
         ws = ws_ptr + m[:, None] * N + n[None, :]
