@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import signal
+import os
 import subprocess
 import sys
 import time
@@ -15,6 +15,7 @@ from pathlib import Path
 from meshserve.shared.config import ENV_PREFIX, Config
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.redis_server import EmbeddedRedis
+from meshserve.shared.service_main import PARENT_PID_ENV
 
 _LOG_TAIL_LINES = 40
 _CONFIG_CLASSES = {"tokenizer": "TokenizerConfig", "scheduler": "SchedulerConfig",
@@ -37,12 +38,13 @@ class ServiceProcess:
 
     def start(self, env: Mapping[str, str]) -> None:
         self.env = dict(env)
+        # The child stops when this process's starting thread does (shared/service_main.py).
+        env_of_child = {**env, PARENT_PID_ENV: str(os.getpid())}
         with self.log_path.open("ab") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(
                 [sys.executable, "-m", f"meshserve.services.{self.role}", *self.argv],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(env),
-                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops us in order
-                preexec_fn=_die_with_parent)  # noqa: PLW1509 (only prctl, before exec)
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env_of_child,
+                start_new_session=True)  # Ctrl-C reaches the launcher only; it stops us in order
 
     def restart(self) -> None:
         """Start it again the same way (the supervisor's call, after it died)."""
@@ -84,14 +86,6 @@ class RedisChild:
 
     def log_tail(self) -> str:
         return self.server.log_tail()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher's thread exits (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes  # only in the forked child
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def child_env(role: str, environ: Mapping[str, str]) -> dict[str, str]:

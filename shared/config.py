@@ -40,8 +40,8 @@ ENV_PREFIX = "MESHSERVE_"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 # Variables with the prefix that belong to no one service's config but to every process
-# (the model cache folder): never "unknown".
-PROCESS_WIDE_ENV = frozenset({"MESHSERVE_CACHE"})
+# (the model cache folder; the launcher that started it): never "unknown".
+PROCESS_WIDE_ENV = frozenset({"MESHSERVE_CACHE", "MESHSERVE_PARENT_PID"})
 
 
 def option(default: Any, help: str, *, env: str | None = None) -> Any:

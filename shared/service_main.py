@@ -15,10 +15,13 @@ environment, 130 when interrupted before the service installed its own signal ha
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import os
+import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -32,9 +35,32 @@ T = TypeVar("T")
 _log = logging.getLogger("meshserve.service")
 
 
+# Set by `meshserve up` for its children: the launcher's process id.
+PARENT_PID_ENV = "MESHSERVE_PARENT_PID"
+
+
+def die_with_parent(environ: Mapping[str, str] = os.environ) -> None:
+    """With MESHSERVE_PARENT_PID set (Linux): SIGTERM to this process when the launcher's
+    thread that started it exits, and exit now if the launcher is already gone. Done here,
+    at the start of the child, rather than between fork and exec: Python code run there in a
+    child of a threaded launcher can abort on a lock another thread held at the fork."""
+    parent = environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(parent):  # it exited before the prctl: nobody would stop us
+        print(f"launcher {parent} exited before this service started", file=sys.stderr)
+        raise SystemExit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 def run_service(role: str, config_cls: type[C], serve: Callable[[C], Awaitable[int]],
                 argv: Sequence[str] | None = None) -> int:
     """Parse the config, set up logs, run `serve(config)` in a new event loop."""
+    die_with_parent()
+    os.environ.pop(PARENT_PID_ENV, None)  # for this process only, not for its own children
     try:
         config = config_cls.from_args(argv, prog=f"meshserve {role}")
     except ConfigError as exc:
