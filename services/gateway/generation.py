@@ -40,7 +40,7 @@ from meshserve.services.gateway.job import (
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.services.gateway.worker_session import WorkerSession
 from meshserve.shared.errors import InternalError, MeshError, UnavailableError
-from meshserve.shared.openai_protocol import usage as usage_body
+from meshserve.shared.openai_bodies import usage as usage_body
 
 _UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
 _STOP = common_pb2.FINISH_REASON_STOP

@@ -29,6 +29,7 @@ from meshserve.services.gateway.generation import Generation
 from meshserve.services.gateway.job import GenerationJob
 from meshserve.services.gateway.orchestrator import Orchestrator
 from meshserve.services.gateway.render import Renderer, renderer_for
+from meshserve.shared import openai_bodies as bodies
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.errors import (
     DeadlineExceededError,
@@ -86,7 +87,7 @@ def _depth(value: object) -> int:
 
 
 def json_response(body: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=oai.dumps(body), content_type="application/json")
+    return web.Response(status=status, body=bodies.dumps(body), content_type="application/json")
 
 
 class Handlers:
@@ -233,7 +234,7 @@ class Handlers:
             await self._end_stream(response, job, error)
             return response
         assert response is not None
-        await response.write(oai.SSE_DONE)
+        await response.write(bodies.SSE_DONE)
         await response.write_eof()
         return response
 
@@ -254,8 +255,8 @@ class Handlers:
                      extra={"error_kind": error.kind})
         trace.get_current_span().set_attribute("meshserve.stream_error", error.kind)
         try:
-            await response.write(oai.sse(http_error(error)[1]))
-            await response.write(oai.SSE_DONE)
+            await response.write(bodies.sse(http_error(error)[1]))
+            await response.write(bodies.SSE_DONE)
             await response.write_eof()
         except (ConnectionError, RuntimeError):  # the client is gone as well
             _log.info("client of %s went away before the error event", job.request_id)

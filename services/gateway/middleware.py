@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.shared.errors import AuthenticationError, MeshError
-from meshserve.shared.openai_protocol import dumps
+from meshserve.shared.openai_bodies import dumps
 from meshserve.shared.status import http_error, openai_error_body
 from meshserve.shared.telemetry import extract_context
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from meshserve.services.gateway.chat_output import ChoiceOutput, merge_pieces
 from meshserve.services.gateway.job import ChoiceDelta, GenerationJob, GenerationUpdate
+from meshserve.shared import openai_bodies as bodies
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.logprobs import TokenLogprobs
 
@@ -35,14 +36,14 @@ class _Choice:
 class Renderer:
     """Shapes one request's output; subclasses shape choices per endpoint."""
 
-    def __init__(self, job: GenerationJob, prompts: Sequence[Any], lookup: oai.TokenRenderer,
+    def __init__(self, job: GenerationJob, prompts: Sequence[Any], lookup: bodies.TokenRenderer,
                  response_id: str, created: int | None = None) -> None:
         """`prompts`: the PreparedPrompts (echo); `lookup`: token texts for logprobs."""
         self.job = job
         self.prompts = list(prompts)
         self.lookup = lookup
         self.response_id = response_id
-        self.created = oai.created_timestamp() if created is None else created
+        self.created = bodies.created_timestamp() if created is None else created
         self._choices = [_Choice() for _ in range(job.num_choices)]
         self._ids_sent: set[int] = set()  # choices whose prompt_token_ids were streamed
 
@@ -60,7 +61,7 @@ class Renderer:
             if choice is not None:
                 first = delta.index not in self._ids_sent
                 self._ids_sent.add(delta.index)
-                events.append(oai.sse(self._chunk([self._with_token_ids(
+                events.append(bodies.sse(self._chunk([self._with_token_ids(
                     choice, delta.index, delta.token_ids, first)], usage)))
         return b"".join(events)
 
@@ -82,7 +83,7 @@ class Renderer:
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:
         """The last chunk of `stream_options.include_usage`: no choices, the usage."""
-        return oai.sse(self._chunk([], usage))
+        return bodies.sse(self._chunk([], usage))
 
     # -- aggregated -------------------------------------------------------------------------
 
@@ -129,7 +130,7 @@ class Renderer:
         self._with_token_ids(choice, index, self._choices[index].output_ids, True)
         if self.job.options.return_prompt_logprobs:
             entries = self._choices[index].prompt_logprobs or [None]
-            choice["prompt_logprobs"] = oai.prompt_logprobs_field(entries, self.lookup)
+            choice["prompt_logprobs"] = bodies.prompt_logprobs_field(entries, self.lookup)
         return choice
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None
@@ -144,7 +145,7 @@ class CompletionRenderer(Renderer):
                   offset: int) -> dict[str, Any] | None:
         if not self.job.wants_logprobs:
             return None
-        return oai.completion_logprobs(ids, entries, self.lookup, offset)
+        return bodies.completion_logprobs(ids, entries, self.lookup, offset)
 
     def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         choice = self._choices[delta.index]
@@ -153,19 +154,19 @@ class CompletionRenderer(Renderer):
             return None
         logprobs = self._logprobs(ids, entries, choice.text_length)
         choice.text_length += len(text)
-        return oai.completion_choice(delta.index, text, delta.finish_reason, delta.stop_reason,
+        return bodies.completion_choice(delta.index, text, delta.finish_reason, delta.stop_reason,
                                      logprobs)
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None
                ) -> dict[str, Any]:
-        return oai.completion_chunk(self.response_id, self.created, self.job.model, choices,
+        return bodies.completion_chunk(self.response_id, self.created, self.job.model, choices,
                                     usage)
 
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
-        choices = [self._with_prompt_logprobs(oai.completion_choice(
+        choices = [self._with_prompt_logprobs(bodies.completion_choice(
             i, "".join(c.texts), c.finish_reason, c.stop_reason,
             self._logprobs(c.token_ids, c.logprobs, 0)), i) for i, c in enumerate(self._choices)]
-        return oai.completion_response(self.response_id, self.created, self.job.model, choices,
+        return bodies.completion_response(self.response_id, self.created, self.job.model, choices,
                                        usage)
 
 
@@ -173,7 +174,7 @@ class ChatRenderer(Renderer):
     """`chat.completion` objects and `chat.completion.chunk`s; with a tool choice or a
     reasoning parser, each choice's text is read back into message fields."""
 
-    def __init__(self, job: GenerationJob, prompts: Sequence[Any], lookup: oai.TokenRenderer,
+    def __init__(self, job: GenerationJob, prompts: Sequence[Any], lookup: bodies.TokenRenderer,
                  response_id: str, created: int | None = None) -> None:
         super().__init__(job, prompts, lookup, response_id, created)
         settings = job.chat_output
@@ -183,11 +184,11 @@ class ChatRenderer(Renderer):
     def _logprobs(self, entries: list[TokenLogprobs | None]) -> dict[str, Any] | None:
         if not self.job.wants_logprobs:
             return None
-        return oai.chat_logprobs([e for e in entries if e is not None], self.lookup)
+        return bodies.chat_logprobs([e for e in entries if e is not None], self.lookup)
 
     def start(self) -> bytes:
         """Each choice's first chunk: the assistant role with empty content (as OpenAI)."""
-        return b"".join(oai.sse(self._chunk([oai.chat_delta_choice(i, "", role=True)], None))
+        return b"".join(bodies.sse(self._chunk([bodies.chat_delta_choice(i, "", role=True)], None))
                         for i in range(self.job.num_choices))
 
     def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
@@ -195,14 +196,14 @@ class ChatRenderer(Renderer):
             return self._parsed_stream_choice(delta, self._outputs[delta.index])
         if not _has_news(delta.text, delta.token_ids, delta, self._tokens_are_news):
             return None
-        return oai.chat_delta_choice(
+        return bodies.chat_delta_choice(
             delta.index, delta.text if delta.text or delta.finish_reason is None else None,
             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
             logprobs=self._logprobs(list(delta.logprobs or ())))
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None
                ) -> dict[str, Any]:
-        return oai.chat_chunk(self.response_id, self.created, self.job.model, choices, usage)
+        return bodies.chat_chunk(self.response_id, self.created, self.job.model, choices, usage)
 
     def _parsed_stream_choice(self, delta: ChoiceDelta, output: ChoiceOutput
                               ) -> dict[str, Any] | None:
@@ -230,14 +231,14 @@ class ChatRenderer(Renderer):
     def response(self, usage: dict[str, Any]) -> dict[str, Any]:
         choices = []
         for i, c in enumerate(self._choices):
-            choice = oai.chat_choice(i, "".join(c.texts), c.finish_reason, c.stop_reason,
+            choice = bodies.chat_choice(i, "".join(c.texts), c.finish_reason, c.stop_reason,
                                      self._logprobs(c.logprobs))
             if self._outputs is not None:
                 fields, called = self._outputs[i].message("".join(c.texts))
                 choice["message"].update(fields)
                 choice["finish_reason"] = self._finish_reason(c.finish_reason, called)
             choices.append(self._with_prompt_logprobs(choice, i))
-        return oai.chat_response(self.response_id, self.created, self.job.model, choices, usage)
+        return bodies.chat_response(self.response_id, self.created, self.job.model, choices, usage)
 
 
 def _has_news(text: str, token_ids: list[int], delta: ChoiceDelta, logprobs: bool) -> bool:
@@ -246,10 +247,10 @@ def _has_news(text: str, token_ids: list[int], delta: ChoiceDelta, logprobs: boo
 
 
 def renderer_for(job: GenerationJob, prompts: Sequence[Any],
-                 lookup: oai.TokenRenderer) -> Renderer:
+                 lookup: bodies.TokenRenderer) -> Renderer:
     """The renderer of `job`'s endpoint, with a fresh response id."""
     if job.options.return_tokens_as_token_ids:
         lookup = oai.TokenIdNames()
     if job.chat:
-        return ChatRenderer(job, prompts, lookup, oai.chat_completion_id())
-    return CompletionRenderer(job, prompts, lookup, oai.completion_id())
+        return ChatRenderer(job, prompts, lookup, bodies.chat_completion_id())
+    return CompletionRenderer(job, prompts, lookup, bodies.completion_id())

@@ -27,7 +27,7 @@ from meshserve.services.gateway.render import Renderer, renderer_for
 from meshserve.services.gateway.response_events import ResponseEvents
 from meshserve.services.gateway.response_store import ResponseStore
 from meshserve.shared.errors import InvalidRequestError, MeshError, UnavailableError
-from meshserve.shared.openai_protocol import chat_logprobs, created_timestamp
+from meshserve.shared.openai_bodies import chat_logprobs, created_timestamp
 
 _log = logging.getLogger(__name__)
 _MAX_PAGE = 100  # most input items one page lists, as OpenAI

@@ -17,6 +17,7 @@ from meshserve.services.gateway.drain import Drain
 from meshserve.services.gateway.handlers import json_response, read_json
 from meshserve.services.gateway.job import ChatPrompt
 from meshserve.services.gateway.orchestrator import Orchestrator
+from meshserve.shared import openai_bodies as bodies
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.status import openai_error_body
@@ -117,7 +118,7 @@ class ServiceHandlers:
         if self._drain.draining:
             body = openai_error_body("the gateway is shutting down", "service_unavailable_error",
                                      code="unavailable")
-            return web.Response(status=503, body=oai.dumps(body), content_type="application/json",
+            return web.Response(status=503, body=bodies.dumps(body), content_type="application/json",
                                 headers={"Retry-After": str(self._config.retry_after_s)})
         report = await self._clients.health(self._config.health_timeout_s)
         if report.ok:

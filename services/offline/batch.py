@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from meshserve.services.offline.llm import GenerationItem, GenerationResult, OfflineLLM
 from meshserve.services.tokenizer.loader import Tokenizer
+from meshserve.shared import openai_bodies as bodies
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.errors import InvalidRequestError, MeshError, NotFoundError
 from meshserve.shared.logprobs import TokenLogprobs
@@ -167,7 +168,7 @@ def _prepare(raw: bytes, number: int, tokenizer: Tokenizer, model_name: str) -> 
 
 
 def _usage(results: list[GenerationResult]) -> dict[str, Any]:
-    return oai.usage(sum(r.num_prompt_tokens for r in results),
+    return bodies.usage(sum(r.num_prompt_tokens for r in results),
                      sum(r.num_output_tokens for r in results),
                      sum(r.num_cached_tokens for r in results))
 
@@ -189,20 +190,20 @@ def _completion_body(line: _Line, results: list[GenerationResult],
                     if prompt_lp is None or len(prompt_lp) != len(result.prompt_token_ids):
                         prompt_lp = [None] * len(result.prompt_token_ids)
                     ids, entries = result.prompt_token_ids + ids, list(prompt_lp) + entries
-                logprobs = oai.completion_logprobs(ids, entries, tokenizer)
-            choices.append(oai.completion_choice(k * n + seq.index, prefix + seq.text,
+                logprobs = bodies.completion_logprobs(ids, entries, tokenizer)
+            choices.append(bodies.completion_choice(k * n + seq.index, prefix + seq.text,
                                                  seq.finish_reason, seq.stop_reason, logprobs))
-    return oai.completion_response(oai.completion_id(), oai.created_timestamp(), model_name,
+    return bodies.completion_response(bodies.completion_id(), bodies.created_timestamp(), model_name,
                                    choices, _usage(results))
 
 
 def _chat_body(results: list[GenerationResult], tokenizer: Tokenizer,
                model_name: str) -> dict[str, Any]:
-    choices = [oai.chat_choice(seq.index, seq.text, seq.finish_reason, seq.stop_reason,
+    choices = [bodies.chat_choice(seq.index, seq.text, seq.finish_reason, seq.stop_reason,
                                None if seq.logprobs is None
-                               else oai.chat_logprobs(seq.logprobs, tokenizer))
+                               else bodies.chat_logprobs(seq.logprobs, tokenizer))
                for result in results for seq in result.sequences]
-    return oai.chat_response(oai.chat_completion_id(), oai.created_timestamp(), model_name,
+    return bodies.chat_response(bodies.chat_completion_id(), bodies.created_timestamp(), model_name,
                              choices, _usage(results))
 
 

@@ -12,6 +12,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from meshserve.shared import openai_bodies as bodies
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
@@ -192,7 +193,7 @@ def test_alias_errors_use_the_request_key() -> None:
 # -- responses --------------------------------------------------------------------------------
 
 def test_usage_shape() -> None:
-    assert oai.usage(10, 5, 4) == {"prompt_tokens": 10, "completion_tokens": 5,
+    assert bodies.usage(10, 5, 4) == {"prompt_tokens": 10, "completion_tokens": 5,
                                    "total_tokens": 15,
                                    "prompt_tokens_details": {"cached_tokens": 4}}
 
@@ -201,7 +202,7 @@ def test_completion_logprobs_and_offsets() -> None:
     renderer = FakeRenderer()
     entries = [None, TokenLogprobs(12, -0.5, 1, [(12, -0.5), (3, -1.5)]),
                TokenLogprobs(7, -math.inf, 9, [])]
-    out = oai.completion_logprobs([5, 12, 7], entries, renderer, text_offset=4)
+    out = bodies.completion_logprobs([5, 12, 7], entries, renderer, text_offset=4)
     texts = [renderer.token_text(t) for t in (5, 12, 7)]
     assert out["tokens"] == texts
     assert out["token_logprobs"] == [None, -0.5, -9999.0]
@@ -210,13 +211,13 @@ def test_completion_logprobs_and_offsets() -> None:
 
 
 def test_completion_body_matches_the_openai_client() -> None:
-    logprobs = oai.completion_logprobs([12], [TokenLogprobs(12, -0.1, 1, [(12, -0.1)])],
+    logprobs = bodies.completion_logprobs([12], [TokenLogprobs(12, -0.1, 1, [(12, -0.1)])],
                                        FakeRenderer())
-    body = oai.completion_response(
-        oai.completion_id(), oai.created_timestamp(), "m",
-        [oai.completion_choice(0, "hi", "stop", "END", logprobs),
-         oai.completion_choice(1, "yo", "length")], oai.usage(3, 2, 1))
-    parsed = Completion.model_validate(orjson.loads(oai.dumps(body)))
+    body = bodies.completion_response(
+        bodies.completion_id(), bodies.created_timestamp(), "m",
+        [bodies.completion_choice(0, "hi", "stop", "END", logprobs),
+         bodies.completion_choice(1, "yo", "length")], bodies.usage(3, 2, 1))
+    parsed = Completion.model_validate(orjson.loads(bodies.dumps(body)))
     assert parsed.id.startswith("cmpl-") and parsed.object == "text_completion"
     assert [c.text for c in parsed.choices] == ["hi", "yo"]
     assert parsed.choices[0].logprobs is not None
@@ -227,11 +228,11 @@ def test_completion_body_matches_the_openai_client() -> None:
 
 def test_chat_body_and_logprobs_match_the_openai_client() -> None:
     entries = [TokenLogprobs(7, -0.2, 1, [(7, -0.2), (12, -2.0)])]
-    body = oai.chat_response(
-        oai.chat_completion_id(), oai.created_timestamp(), "m",
-        [oai.chat_choice(0, "hello", "stop", None, oai.chat_logprobs(entries, FakeRenderer()))],
-        oai.usage(3, 1))
-    parsed = ChatCompletion.model_validate(orjson.loads(oai.dumps(body)))
+    body = bodies.chat_response(
+        bodies.chat_completion_id(), bodies.created_timestamp(), "m",
+        [bodies.chat_choice(0, "hello", "stop", None, bodies.chat_logprobs(entries, FakeRenderer()))],
+        bodies.usage(3, 1))
+    parsed = ChatCompletion.model_validate(orjson.loads(bodies.dumps(body)))
     assert parsed.id.startswith("chatcmpl-") and parsed.object == "chat.completion"
     assert parsed.choices[0].message.content == "hello"
     assert parsed.choices[0].message.role == "assistant"
@@ -243,21 +244,21 @@ def test_chat_body_and_logprobs_match_the_openai_client() -> None:
 
 
 def test_stream_chunks_match_the_openai_client() -> None:
-    cid, created = oai.chat_completion_id(), oai.created_timestamp()
+    cid, created = bodies.chat_completion_id(), bodies.created_timestamp()
     chunks = [
-        oai.chat_chunk(cid, created, "m", [oai.chat_delta_choice(0, "", role=True)]),
-        oai.chat_chunk(cid, created, "m", [oai.chat_delta_choice(0, "Hel")]),
-        oai.chat_chunk(cid, created, "m", [oai.chat_delta_choice(0, "lo", finish_reason="stop")]),
-        oai.chat_chunk(cid, created, "m", [], oai.usage(2, 2)),
+        bodies.chat_chunk(cid, created, "m", [bodies.chat_delta_choice(0, "", role=True)]),
+        bodies.chat_chunk(cid, created, "m", [bodies.chat_delta_choice(0, "Hel")]),
+        bodies.chat_chunk(cid, created, "m", [bodies.chat_delta_choice(0, "lo", finish_reason="stop")]),
+        bodies.chat_chunk(cid, created, "m", [], bodies.usage(2, 2)),
     ]
-    parsed = [ChatCompletionChunk.model_validate(orjson.loads(oai.sse(c)[6:-2])) for c in chunks]
+    parsed = [ChatCompletionChunk.model_validate(orjson.loads(bodies.sse(c)[6:-2])) for c in chunks]
     assert parsed[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in parsed[:3]) == "Hello"
     assert parsed[2].choices[0].finish_reason == "stop"
     assert parsed[3].choices == [] and parsed[3].usage is not None
     assert all(c.object == "chat.completion.chunk" and c.id == cid for c in parsed)
-    middle = oai.completion_chunk("cmpl-1", created, "m", [oai.completion_choice(0, "Hel", None)])
+    middle = bodies.completion_chunk("cmpl-1", created, "m", [bodies.completion_choice(0, "Hel", None)])
     assert middle["object"] == "text_completion" and middle["choices"][0]["finish_reason"] is None
-    last = oai.completion_chunk("cmpl-1", created, "m", [oai.completion_choice(0, "lo", "length")])
+    last = bodies.completion_chunk("cmpl-1", created, "m", [bodies.completion_choice(0, "lo", "length")])
     assert Completion.model_validate(last).choices[0].text == "lo"
-    assert oai.sse({"a": 1}) == b'data: {"a":1}\n\n' and oai.SSE_DONE == b"data: [DONE]\n\n"
+    assert bodies.sse({"a": 1}) == b'data: {"a":1}\n\n' and bodies.SSE_DONE == b"data: [DONE]\n\n"
