@@ -29,8 +29,8 @@ import orjson
 import torch
 
 from meshserve.services.launcher import LauncherConfig, start_stack
-from meshserve.services.offline.batch import run_batch
-from meshserve.services.offline.llm import OfflineLLM
+from meshserve.services.offline_llm import OfflineLLM
+from meshserve.services.run_batch import run_batch
 from meshserve.services.tokenizer.loader import load_tokenizer
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine

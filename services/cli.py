@@ -75,8 +75,8 @@ def run_batch_main(argv: Sequence[str]) -> int:
     # Heavy imports only for the command that needs them.
     import torch
 
-    from meshserve.services.offline.batch import run_batch
-    from meshserve.services.offline.llm import OfflineLLM
+    from meshserve.services.offline_llm import OfflineLLM
+    from meshserve.services.run_batch import run_batch
     from meshserve.services.tokenizer.loader import load_tokenizer
     from meshserve.services.worker.engine.engine import LLMEngine
 

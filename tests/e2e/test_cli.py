@@ -19,7 +19,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from meshserve.services.launcher import LauncherConfig, start_stack
-from meshserve.services.offline.llm import GenerationItem, GenerationResult, OfflineLLM
+from meshserve.services.offline_llm import GenerationItem, GenerationResult, OfflineLLM
 from meshserve.services.tokenizer.loader import load_tokenizer
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine

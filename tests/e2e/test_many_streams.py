@@ -23,7 +23,7 @@ from tiny_models import build_tiny_model
 
 from meshserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from meshserve.services.launcher import LauncherConfig, start_stack
-from meshserve.services.offline.llm import GenerationItem, OfflineLLM
+from meshserve.services.offline_llm import GenerationItem, OfflineLLM
 from meshserve.services.tokenizer.loader import load_tokenizer
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.shared.sampling_params import SamplingParams

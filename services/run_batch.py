@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 from tqdm import tqdm
 
-from meshserve.services.offline.llm import GenerationItem, GenerationResult, OfflineLLM
+from meshserve.services.offline_llm import GenerationItem, GenerationResult, OfflineLLM
 from meshserve.services.tokenizer.loader import Tokenizer
 from meshserve.shared import openai_bodies as bodies
 from meshserve.shared import openai_protocol as oai

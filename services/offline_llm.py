@@ -1,5 +1,8 @@
 """In-process generation over an engine: what run-batch and the benchmarks use.
 
+Not a service: like the launcher and the benchmarks, it composes the worker's engine and
+the tokenizer's text side in one process, which no service may do.
+
 `OfflineLLM.generate` adds every item to the engine, steps it until all are
 done, and turns each sequence's token deltas into text through a `TextStream`
 (incremental detokenization and stop strings). A stop string finishes its
