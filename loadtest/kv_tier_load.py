@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.kv_tier import KVTier
 from meshserve.services.worker.kv_transfer import KVTransfer
 from meshserve.services.worker.kvstore_client import KVStoreClient
 from meshserve.shared.sampling_params import SamplingParams
@@ -114,7 +115,7 @@ def copy_rates(device: torch.device, nbytes: int) -> dict[str, float]:
     return rates
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2 on a "
@@ -127,8 +128,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _warm_up(engine: LLMEngine, transfer: KVTransfer) -> None:
+    ttft(engine, "warm", [11] * 64, 2)
+    # One small save and load first: the first load of a process pays one-time costs
+    # (measured once at 0.86 s for 8k tokens on an H100, against 0.06 s after).
+    warm = [13] * (4 * engine.kv.block_size + 1)
+    ttft(engine, "warm-save", warm, 1)
+    drain_saves(transfer)
+    assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+    ttft(engine, "warm-load", warm, 1)
+    assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+
+
+def _trial(engine: LLMEngine, transfer: KVTransfer, tier: KVTier, name: str,
+           prompt: list[int], max_tokens: int) -> dict[str, float]:
+    """Time to first token of `prompt` computed, then loaded back from the tier."""
+    computed_s, computed = ttft(engine, f"c{name}", prompt, max_tokens)
+    drain_saves(transfer)
+    assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+    before = (tier.stats.loaded_blocks, transfer.stats.loaded_bytes,
+              transfer.stats.load_seconds)
+    loaded_s, loaded = ttft(engine, f"l{name}", prompt, max_tokens)
+    blocks = tier.stats.loaded_blocks - before[0]
+    assert loaded == computed, f"trial {name}: loaded KV gave different tokens"
+    assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+    return {
+        "ttft_recompute_ms": computed_s * 1000, "ttft_loaded_ms": loaded_s * 1000,
+        "ratio": loaded_s / computed_s, "loaded_blocks": blocks,
+        "loaded_gb": (transfer.stats.loaded_bytes - before[1]) / 1e9,
+        "load_gb_s": (transfer.stats.loaded_bytes - before[1])
+        / max(transfer.stats.load_seconds - before[2], 1e-9) / 1e9}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     on_gpu = args.device.startswith("cuda")
     prefix_len = args.prefix_len or (8192 if on_gpu else 2048)
     model = args.model or (str(_LLAMA_8B) if on_gpu else None)
@@ -148,34 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"cannot reach the kvstore at {address}")
         tier = engine.attach_kv_tier(transfer, max_save_backlog_bytes=64 << 30)
         vocab = engine.model_config.vocab_size
-        ttft(engine, "warm", [11] * 64, 2)
-        # One small save and load first: the first load of a process pays one-time costs
-        # (measured once at 0.86 s for 8k tokens on an H100, against 0.06 s after).
-        warm = [13] * (4 * engine.kv.block_size + 1)
-        ttft(engine, "warm-save", warm, 1)
-        drain_saves(transfer)
-        assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
-        ttft(engine, "warm-load", warm, 1)
-        assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+        _warm_up(engine, transfer)
         rng = random.Random(0)
         trials = []
         for i in range(args.iters):
             prompt = [rng.randrange(10, vocab - 10) for _ in range(prefix_len)]
-            computed_s, computed = ttft(engine, f"c{i}", prompt, args.max_tokens)
-            drain_saves(transfer)
-            assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
-            before = (tier.stats.loaded_blocks, transfer.stats.loaded_bytes,
-                      transfer.stats.load_seconds)
-            loaded_s, loaded = ttft(engine, f"l{i}", prompt, args.max_tokens)
-            blocks = tier.stats.loaded_blocks - before[0]
-            assert loaded == computed, f"trial {i}: loaded KV gave different tokens"
-            trials.append({
-                "ttft_recompute_ms": computed_s * 1000, "ttft_loaded_ms": loaded_s * 1000,
-                "ratio": loaded_s / computed_s, "loaded_blocks": blocks,
-                "loaded_gb": (transfer.stats.loaded_bytes - before[1]) / 1e9,
-                "load_gb_s": (transfer.stats.loaded_bytes - before[1])
-                / max(transfer.stats.load_seconds - before[2], 1e-9) / 1e9})
-            assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+            trials.append(_trial(engine, transfer, tier, str(i), prompt, args.max_tokens))
             print(json.dumps(trials[-1]), flush=True)
         block_bytes = transfer.stats.loaded_bytes // max(tier.stats.loaded_blocks, 1)
         result = {
