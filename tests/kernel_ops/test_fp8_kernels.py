@@ -11,7 +11,6 @@ without a GPU.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import subprocess
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import triton.language as tl
+from hopper_compile import compile_launches
 from triton.runtime import interpreter as triton_interpreter
 
 from meshserve.kernels import triton_attention, triton_fp8_linear, triton_rotary
@@ -359,29 +359,9 @@ def test_fp8_kernels_under_the_interpreter() -> None:
 
 
 _COMPILE_FOR_HOPPER = r"""
-import json, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
+from hopper_compile import build
 from meshserve.kernels import triton_attention as ta, triton_fp8_linear as tf, triton_rotary as tr
-
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                         "cuobjdump")
-
-def build(kernel, types, consts, **options):
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts
-             and (n.endswith("_ptr") or n.startswith("stride") and n != "stride_bt")}
-    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-    return {"kernel": kernel.__name__, "shared": compiled.metadata.shared,
-            "spill": int(re.search(r"STACK:(\d+)", usage)[1])}
 
 out = []
 configs = {tf.fp8_config_for(rows, n, 4096) for rows, n in ((1, 4096), (8, 4096), (8, 28672))}
@@ -423,12 +403,7 @@ print(json.dumps(out))
 
 @outside_interpreter
 def test_fp8_kernels_compile_for_hopper() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env,
-                          capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    launches = json.loads(done.stdout.strip().splitlines()[-1])
+    launches = compile_launches(_COMPILE_FOR_HOPPER)
     tf = triton_fp8_linear
     configs = {tf.fp8_config_for(rows, n, 4096) for rows, n in ((1, 4096), (8, 4096), (8, 28672))}
     configs |= set(tf.CANDIDATES)  # the fallbacks and every candidate, f16 ones twice

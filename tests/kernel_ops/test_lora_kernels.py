@@ -7,7 +7,6 @@ with TRITON_INTERPRET=1 (Triton picks its interpreter when first imported).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hopper_compile import compile_launches
 from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
     _interpreter_with_gpu_bf16_numerics,
     in_interpreter,
@@ -113,28 +113,12 @@ def test_lora_kernels_under_the_interpreter() -> None:
 # pointers and row strides divisible by 16), and reports spill bytes. A child process: the
 # interpreter may be switched on in this one.
 _COMPILE_FOR_HOPPER = r"""
-import json, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
+from hopper_compile import build as build_any
 from meshserve.kernels import triton_lora as tl_lora
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-def build(kernel, types, consts, **options):
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in consts and n.endswith("_ptr")}
-    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-    return {"kernel": kernel.__name__, "consts": {k: str(v) for k, v in consts.items()},
-            "spill": int(re.search(r"STACK:(\d+)", usage)[1])}
+def build(kernel, types, consts, **options):  # pointers alone aligned, as the LoRA launches are
+    return build_any(kernel, types, consts, lambda name: name.endswith("_ptr"), **options)
 
 ints = {n: "*i32" for n in ("sorted_ptr", "start_ptr", "count_ptr")}
 out = []
@@ -153,11 +137,6 @@ print(json.dumps(out))
 
 @outside_interpreter
 def test_lora_kernels_compile_for_hopper_without_spills() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env,
-                          capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    launches = json.loads(done.stdout.strip().splitlines()[-1])
+    launches = compile_launches(_COMPILE_FOR_HOPPER)
     assert len(launches) == 5
     assert all(launch["spill"] == 0 for launch in launches), launches

@@ -11,7 +11,6 @@ compilation for Hopper is checked here too, speed by `meshserve.kernels.bench_ke
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from hopper_compile import compile_launches
 from triton.language import standard as tl_standard
 from triton.runtime import interpreter as triton_interpreter
 
@@ -598,29 +598,11 @@ def test_bench_rejects_bad_arguments(argv: list[str], tmp_path: Path) -> None:
 # (pointers and strides divisible by 16), and prints shared memory and spill bytes per launch.
 # It runs in a child process because this one has the interpreter switched on.
 _COMPILE_FOR_HOPPER = r"""
-import json, os, re, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
+import torch
+from hopper_compile import build
 from meshserve.kernels import (triton_activation, triton_attention as ta, triton_linear,
                                triton_norm, triton_rotary, triton_sampling)
-
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-def build(kernel, types, consts, **options):
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts
-             and (n.endswith("_ptr") or n.startswith("stride") and n != "stride_bt")}
-    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-    return {"kernel": kernel.__name__, "consts": {k: str(v) for k, v in consts.items()},
-            "shared": compiled.metadata.shared, "spill": int(re.search(r"STACK:(\d+)", usage)[1])}
 
 def attention(dtype, name, head_dim, decode):
     tiles = ta.default_tiles(head_dim, dtype, decode)
@@ -670,12 +652,7 @@ print(json.dumps(out))
 
 @outside_interpreter
 def test_kernels_compile_for_hopper_without_spills() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # today's default, stated to silence its warning
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env,
-                          capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    launches = json.loads(done.stdout.strip().splitlines()[-1])
+    launches = compile_launches(_COMPILE_FOR_HOPPER)
     assert len(launches) == 16
     for launch in launches:
         assert launch["shared"] <= 227 * 1024, launch  # Hopper's limit per block
