@@ -19,3 +19,20 @@ gpu_env() {
   done
   export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
 }
+
+# `gpu_step NAME LIMIT_S COMMAND...`: run COMMAND under `timeout` with its output in
+# $OUT/NAME.log, note its start, exit code and seconds in $OUT/steps.log, show the last
+# $STEP_TAIL lines (default 6) of its log. A NAME listed in $SKIP is noted as skipped.
+gpu_step() {
+  local name=$1 limit=$2
+  shift 2
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then
+    echo "== $name: skipped" | tee -a "$OUT/steps.log"
+    return
+  fi
+  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
+  local began=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
+  tail -"${STEP_TAIL:-6}" "$OUT/$name.log"
+}

@@ -47,30 +47,22 @@ grpc.__version__)"
   free -g; nproc
 } >"$OUT/env.txt" 2>&1
 
-step() {  # step NAME LIMIT_S COMMAND...
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
-  local began=$SECONDS
-  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
-  tail -25 "$OUT/$name.log"
-}
+STEP_TAIL=25  # lines of each step's log shown
 
 if want routing || want failover; then
-  step mesh_model 120 python3 loadtest/make_tokenizer.py --config "$MODEL_DIR/config.json" \
+  gpu_step mesh_model 120 python3 loadtest/make_tokenizer.py --config "$MODEL_DIR/config.json" \
     --out "$MESH_MODEL"
 fi
 if want transfer; then
-  step transfer 120 python3 loadtest/kvstore_transfer.py --capacity-bytes $((8 << 30)) \
+  gpu_step transfer 120 python3 loadtest/kvstore_transfer.py --capacity-bytes $((8 << 30)) \
     --out "$OUT/transfer.json"
 fi
 if want load; then
-  step load 300 python3 loadtest/kv_tier_load.py --device cuda --prefix-len 8192 --iters 3 \
+  gpu_step load 300 python3 loadtest/kv_tier_load.py --device cuda --prefix-len 8192 --iters 3 \
     --capacity-bytes $((8 << 30)) --out "$OUT/load.json"
 fi
 if want failover; then
-  step failover 240 python3 loadtest/fault_matrix.py --model "$MESH_MODEL" --device cuda \
+  gpu_step failover 240 python3 loadtest/fault_matrix.py --model "$MESH_MODEL" --device cuda \
     --load-format dummy --max-model-len 4096 --parts worker --streams 20 --max-tokens 512 \
     ${FAILOVER_ARGS:-} \
     --out "$OUT/failover.json"
@@ -80,7 +72,7 @@ if want routing; then
   # blocks, 147k tokens); 128 tenants of 2048 tokens (262k tokens) are more than one
   # worker's cache holds and less than both do. 512 untimed requests first: the caches of a
   # server that has been up, not a cold start.
-  step "routing${ROUTING_TAG:-}" "${ROUTING_LIMIT_S:-580}" python3 loadtest/kv_routing.py \
+  gpu_step "routing${ROUTING_TAG:-}" "${ROUTING_LIMIT_S:-580}" python3 loadtest/kv_routing.py \
     --model "$MESH_MODEL" --num-prompts "${ROUTING_PROMPTS:-2000}" --concurrency 64 \
     --prefix-tenants 128 --prefix-zipf-s 0.6 --prefix-len 2048 --output-len 64 \
     --warm-requests 512 \

@@ -40,27 +40,18 @@ PASSES=${PASSES:-2}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } >"$OUT/env.txt" 2>&1
 
-step() {  # step NAME LIMIT_S COMMAND...
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
-  local began=$SECONDS
-  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
-  tail -6 "$OUT/$name.log"
-}
 
 BENCH=(python3 loadtest/lora_bench.py)
 RUN=(run --model "$MODEL_DIR" --load-format dummy --dtype bfloat16 --max-model-len 2048
      --num-prompts "$PROMPTS" --passes "$PASSES")
 LORA=(--adapters "$RUN_DIR/adapters" --count "$ADAPTERS" --rank "$RANK")
-step check 20 "${BENCH[@]}" check --out "$OUT/check.json"
-step adapters 20 "${BENCH[@]}" adapters --model "$MODEL_DIR" --out "$RUN_DIR/adapters" \
+gpu_step check 20 "${BENCH[@]}" check --out "$OUT/check.json"
+gpu_step adapters 20 "${BENCH[@]}" adapters --model "$MODEL_DIR" --out "$RUN_DIR/adapters" \
   --count "$ADAPTERS" --rank "$RANK"
-step base 70 "${BENCH[@]}" "${RUN[@]}" --out "$OUT/base.json"
-step lora 115 "${BENCH[@]}" "${RUN[@]}" "${LORA[@]}" --out "$OUT/lora_run.json"
-step eager 50 "${BENCH[@]}" "${RUN[@]}" "${LORA[@]}" --enforce-eager --consistency-only \
+gpu_step base 70 "${BENCH[@]}" "${RUN[@]}" --out "$OUT/base.json"
+gpu_step lora 115 "${BENCH[@]}" "${RUN[@]}" "${LORA[@]}" --out "$OUT/lora_run.json"
+gpu_step eager 50 "${BENCH[@]}" "${RUN[@]}" "${LORA[@]}" --enforce-eager --consistency-only \
   --out "$OUT/eager.json"
-step summary 10 "${BENCH[@]}" summary --base "$OUT/base.json" --lora "$OUT/lora_run.json" \
+gpu_step summary 10 "${BENCH[@]}" summary --base "$OUT/base.json" --lora "$OUT/lora_run.json" \
   --eager "$OUT/eager.json" --out-md "$OUT/summary.md" --out-json "$OUT/lora.json"
 cat "$OUT/summary.md" 2>/dev/null || echo "no summary (see $OUT/steps.log)"

@@ -27,19 +27,11 @@ MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } >"$OUT/env.txt" 2>&1
 
-step() {  # step NAME LIMIT_S COMMAND...
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
-  local began=$SECONDS
-  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
-  tail -8 "$OUT/$name.log"
-}
+STEP_TAIL=8  # lines of each step's log shown
 
-[ -n "${SKIP_CHECK:-}" ] || step check 240 python3 loadtest/gpu_structured_check.py --out "$OUT/check.json"
-step model 120 python3 loadtest/make_tokenizer.py --config "$MODEL_DIR/config.json" \
+[ -n "${SKIP_CHECK:-}" ] || gpu_step check 240 python3 loadtest/gpu_structured_check.py --out "$OUT/check.json"
+gpu_step model 120 python3 loadtest/make_tokenizer.py --config "$MODEL_DIR/config.json" \
   --out "$RUN_DIR/llama8b"
-step bench 420 python3 loadtest/structured_bench.py --model "$RUN_DIR/llama8b" \
+gpu_step bench 420 python3 loadtest/structured_bench.py --model "$RUN_DIR/llama8b" \
   --load-format dummy --requests "${REQUESTS:-256}" --prompt-len 128 \
   --max-tokens "${MAX_TOKENS:-256}" --repeats 3 --out "$OUT/structured_8b.json"

@@ -54,24 +54,11 @@ FLAGS_70B=${FLAGS_70B:---load-format dummy --max-model-len 4096 --max-num-batche
 torch.cuda.nccl.version() if torch.cuda.is_available() else None)"
 } >"$OUT/env.txt" 2>&1
 
-step() {  # step NAME LIMIT_S COMMAND...
-  local name=$1 limit=$2
-  shift 2
-  if [[ " $SKIP " == *" $name "* ]]; then
-    echo "== $name: skipped" | tee -a "$OUT/steps.log"
-    return
-  fi
-  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
-  local began=$SECONDS
-  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
-  tail -6 "$OUT/$name.log"
-}
 
 bench() {  # bench NAME LIMIT_S latency|throughput MODEL FLAGS...
   local name=$1 limit=$2 kind=$3 model=$4
   shift 4
-  step "$name" "$limit" python3 -m meshserve.services.cli bench "$kind" --model "$model" \
+  gpu_step "$name" "$limit" python3 -m meshserve.services.cli bench "$kind" --model "$model" \
     --device "$DEVICE" --no-progress --output-json "$OUT/$name.json" "$@"
 }
 
@@ -118,7 +105,7 @@ print(json.dumps(result))
 Path(sys.argv[1]).write_text(json.dumps(result, indent=2))
 sys.exit(0 if same == len(one) else 1)
 PY
-step check 75 python3 "$RUN_DIR/tp_check.py" "$OUT/check.json" "$RUN_DIR/tiny"
+gpu_step check 75 python3 "$RUN_DIR/tp_check.py" "$OUT/check.json" "$RUN_DIR/tiny"
 
 # ---- single-stream decode: TP=1 and TP=2 ------------------------------------------------------
 # shellcheck disable=SC2086  # FLAGS_* are lists of flags
@@ -155,7 +142,7 @@ rc=0
 for pid in "\${pids[@]}"; do wait "\$pid" || rc=1; done
 exit \$rc
 SH
-step tput_dp 90 bash "$RUN_DIR/pair.sh"
+gpu_step tput_dp 90 bash "$RUN_DIR/pair.sh"
 
 # ---- the 70B shape at TP=2 (last: the most likely to run out of memory on 80 GB cards) ------
 # shellcheck disable=SC2086
