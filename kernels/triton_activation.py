@@ -12,6 +12,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from meshserve.kernels import pdl
+from meshserve.kernels.pdl import pdl_prologue
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_COLS = 1024  # columns of the output per program
 
@@ -32,12 +35,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(BLOCK_COLS, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-        rows, out, rows.stride(0), inter, BLOCK=block, num_warps=4)
+        rows, out, rows.stride(0), inter, BLOCK=block, num_warps=4, **pdl.launch_options(x.device))
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

@@ -33,7 +33,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from meshserve.kernels import pdl
 from meshserve.kernels.attention import FP8_KV_DTYPES, AttentionMetadata
+from meshserve.kernels.pdl import pdl_prologue
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -118,7 +120,7 @@ def write_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_PAD=triton.next_power_of_2(head_dim),
-        num_warps=4)
+        num_warps=4, **pdl.launch_options(key.device))
 
 
 @triton.jit
@@ -128,7 +130,9 @@ def _write_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # One program per token: copy its [Hkv, D] key and value into the slot's cache row.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -212,12 +216,13 @@ def paged_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n, SPLIT=num_splits > 1,
         DECODE_ONLY=meta.decode_only,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(query.device))
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_max, part_sum, num_splits, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            **pdl.launch_options(query.device))
     return out
 
 
@@ -293,7 +298,9 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, DECODE_ONLY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE_ONLY:  # one query token per sequence: program i serves sequence i
@@ -404,7 +411,9 @@ def _reduce_splits_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_splits, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # One program per (token, query head): rescale each split's partial to the global max.
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)

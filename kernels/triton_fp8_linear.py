@@ -38,6 +38,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from meshserve.kernels import pdl
+from meshserve.kernels.pdl import pdl_prologue
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_ROWS = 16
 # bf16 activations are multiplied by 2^-X_SHIFT before becoming f16 (module docstring).
@@ -131,7 +134,7 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         BLOCK_M=1 if c.mode == "fma" else MAX_ROWS,
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0, SPLIT_K=split_k,
         ONE_ROW=rows == 1 and c.mode in ("f16", "f16t"),
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(x.device))
     return out
 
 
@@ -176,7 +179,8 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_S
                        stride_xm, stride_wn, stride_ym, x_scale, Y_SCALE: tl.constexpr,
                        MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       ONE_ROW: tl.constexpr):
+                       ONE_ROW: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     # A whole number of BLOCK_K chunks: the loads stay aligned (vectorised and pipelined).
     k_lo = tl.multiple_of(tl.program_id(1) * K_SPLIT, BLOCK_K)

@@ -20,6 +20,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from meshserve.kernels import pdl
+from meshserve.kernels.pdl import pdl_prologue
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_ROWS = 16
 
@@ -71,14 +74,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=1 if rows == 1 else MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **pdl.launch_options(x.device))
     return out
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr):
+                   EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N

@@ -15,6 +15,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from meshserve.kernels import pdl
+from meshserve.kernels.pdl import pdl_prologue
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 65536  # one row per program must fit in registers
 
@@ -31,7 +34,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     hidden = x.shape[-1]
     _rms_norm_kernel[(rows.shape[0],)](
         rows, weight, out, rows.stride(0), hidden, eps,
-        BLOCK_H=triton.next_power_of_2(hidden), num_warps=_num_warps(hidden))
+        BLOCK_H=triton.next_power_of_2(hidden), num_warps=_num_warps(hidden),
+        **pdl.launch_options(x.device))
     return out
 
 
@@ -67,7 +71,8 @@ def fused_add_rms_norm(
     hidden = x.shape[-1]
     _fused_add_rms_norm_kernel[(rows.shape[0],)](
         rows, res_rows, weight, out, new_residual, rows.stride(0), res_rows.stride(0),
-        hidden, eps, BLOCK_H=triton.next_power_of_2(hidden), num_warps=_num_warps(hidden))
+        hidden, eps, BLOCK_H=triton.next_power_of_2(hidden), num_warps=_num_warps(hidden),
+        **pdl.launch_options(x.device))
     return out, new_residual
 
 
@@ -87,7 +92,9 @@ def _normalise_row(h, w_ptr, out_ptr, row, hidden, eps, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, hidden, eps, BLOCK_H: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, hidden, eps, BLOCK_H: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < hidden, other=0.0)
@@ -96,7 +103,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, hidden, eps, BLOCK_H: tl.c
 
 @triton.jit
 def _fused_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, stride_x, stride_r,
-                               hidden, eps, BLOCK_H: tl.constexpr):
+                               hidden, eps, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden

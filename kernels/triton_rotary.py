@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from meshserve.kernels import pdl
+from meshserve.kernels.pdl import pdl_prologue
 from meshserve.kernels.triton_attention import check_kv_write
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -80,7 +82,8 @@ def _launch(
         HALF_PAD=triton.next_power_of_2(half), REST_PAD=triton.next_power_of_2(max(rest, 1)),
         HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
         WRITE_KV=cache is not None,
-        num_warps=4 if num_q_heads * head_dim < 4096 else 8, enable_fp_fusion=False)
+        num_warps=4 if num_q_heads * head_dim < 4096 else 8, enable_fp_fusion=False,
+        **pdl.launch_options(query.device))
     return q_out, k_out
 
 
@@ -141,7 +144,9 @@ def _rotary_kernel(
     HALF: tl.constexpr, REST: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
     KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, WRITE_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # One program per token: rotate its query and key heads; with WRITE_KV also store the
     # rotated key and the value at the token's cache slot (nothing when the slot is < 0).
     token = tl.program_id(0).to(tl.int64)

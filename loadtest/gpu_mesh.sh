@@ -18,7 +18,8 @@
 #   worker_steps.jsonl.W    every engine step of worker W (--step-trace), all runs
 #   up.log, run/            `meshserve up`'s output and every service's log
 # Knobs: GATEWAYS (1, `meshserve up`'s default; 0: one per 8 cores), PORT (8123), SWEEP ("1 16 64 256 1024"), SHAREGPT_PROMPTS (1000),
-# LATENCY_LEN (128), LATENCY_PROMPTS (8), PYSPY_S (12).
+# LATENCY_LEN (128), LATENCY_PROMPTS (8), PYSPY_S (12; 0: no py-spy, whose sampling slows the
+# services it reads).
 set -uo pipefail
 
 MODEL=$1
@@ -85,7 +86,7 @@ PY
 # 1. Every request at once, the in-process engine's workload (same seed, same prompts).
 BEFORE=$(scrape)
 PYSPY=""
-if command -v py-spy >/dev/null; then
+if ((PYSPY_S > 0)) && command -v py-spy >/dev/null; then
   ( sleep 1  # the warm-up requests first
     for role in gateway scheduler tokenizer; do
       py-spy record -f raw -r 50 -d "$PYSPY_S" --pid "$(pid_of "$role")" \

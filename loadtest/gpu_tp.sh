@@ -10,6 +10,10 @@
 #   tput_dp   the same prompt list shared round-robin by two TP=1 engines, one per GPU, in two
 #             processes at once (--num-shards 2 --shard-index 0|1): output tokens of both over
 #             the slower one's time
+#   mesh_dp   `meshserve up --workers 2` (one TP=1 worker per GPU behind the router), then
+#             `meshserve bench serve`: the ShareGPT-like list at once, and single-stream
+#             LAT_LEN in / LAT_LEN out (loadtest/gpu_mesh.sh; its files in $OUT/mesh_dp/)
+#   mesh_tp2  the same with one worker at --tensor-parallel-size 2 ($OUT/mesh_tp2/)
 #   lat70_tp2 lat_tp2 with the Llama-3.1-70B shape: TPOT against its floor, rank 0's weight
 #             bytes / measured copy bandwidth (dummy weights drawn on each GPU, per slice)
 # Results in $OUT: <step>.json and <step>.log per step, steps.log, summary.md, results.json.
@@ -41,6 +45,7 @@ LAT_LEN=${LAT_LEN:-128}
 LAT_ITERS=${LAT_ITERS:-5}
 SHAREGPT_PROMPTS=${SHAREGPT_PROMPTS:-1000}
 SKIP=${SKIP:-}
+MESH_LIMIT_S=${MESH_LIMIT_S:-240}
 FLAGS_8B=${FLAGS_8B:---load-format dummy --max-model-len 8448}
 # 70B at TP=2: ~70 GB of weights per GPU. A small step budget keeps the piecewise graphs
 # (and their capture time) small; single-stream decode needs no more.
@@ -144,6 +149,21 @@ exit \$rc
 SH
 gpu_step tput_dp 90 bash "$RUN_DIR/pair.sh"
 
+# ---- the same through the mesh: one TP=2 worker, and two TP=1 workers behind the router ----
+# `meshserve up` on the 8B shape with a tokenizer of its vocabulary; `meshserve bench serve`
+# sends the ShareGPT-like list at once, then LAT_LEN in / LAT_LEN out one stream at a time.
+MESH_MODEL=$RUN_DIR/mesh8b
+gpu_step mesh_model 60 python3 loadtest/make_tokenizer.py --config "$MODEL_8B/config.json" \
+  --out "$MESH_MODEL"
+for mesh in mesh_dp mesh_tp2; do
+  placement=(--workers 2)
+  [ "$mesh" = mesh_tp2 ] && placement=(--tensor-parallel-size 2)
+  # shellcheck disable=SC2086
+  gpu_step "$mesh" "$MESH_LIMIT_S" env SWEEP=" " PYSPY_S=0 SHAREGPT_PROMPTS="$SHAREGPT_PROMPTS" \
+    LATENCY_LEN="$LAT_LEN" LATENCY_PROMPTS=4 bash loadtest/gpu_mesh.sh "$MESH_MODEL" \
+    "$OUT/$mesh" --device "$DEVICE" "${placement[@]}" $FLAGS_8B
+done
+
 # ---- the 70B shape at TP=2 (last: the most likely to run out of memory on 80 GB cards) ------
 # shellcheck disable=SC2086
 bench lat70_tp2 140 latency "$MODEL_70B" "${LATENCY[@]}" $FLAGS_70B --tensor-parallel-size 2
@@ -207,6 +227,20 @@ if all(pair):
     rows.append(f"| ShareGPT-like, two TP=1 engines | {tokens / slowest:.0f} output tok/s | "
                 f"in-process, one per GPU in two processes, the prompt list round-robin "
                 f"(output tokens of both / the slower one's time) |")
+for mesh, what in (("mesh_dp", "two TP=1 workers behind the router"),
+                   ("mesh_tp2", "one TP=2 worker")):
+    burst, single = (out / mesh / "mesh_sharegpt.json", out / mesh / "mesh_latency.json")
+    if burst.is_file():
+        b = json.loads(burst.read_text())
+        r[f"{mesh}_sharegpt"] = b
+        rows.append(f"| ShareGPT-like through the mesh, {what} | {b['output_throughput']:.0f} "
+                    f"output tok/s | `meshserve up` + `meshserve bench serve`, "
+                    f"{b['completed']} done, {b['failed']} failed |")
+    if single.is_file():
+        s = json.loads(single.read_text())
+        r[f"{mesh}_latency"] = s
+        rows.append(f"| single-stream TPOT through the mesh, {what} | "
+                    f"{s['mean_tpot_ms']:.2f} ms | {s['completed']} streams |")
 gpu = next((x["environment"].get("gpu_name") for x in r.values() if x and "environment" in x), None)
 table = f"GPU: {gpu}\n\n" + "\n".join(rows) + "\n"
 (out / "summary.md").write_text(table)

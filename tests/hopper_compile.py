@@ -37,6 +37,9 @@ def build(kernel: Any, types: Mapping[str, str], consts: Mapping[str, Any],
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
+    if "PDL" in names and "PDL" not in consts:  # as launched on Hopper: wait and trigger
+        consts = {**consts, "PDL": 2}
+        options = {"launch_pdl": True, **options}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in consts and divisible(n)}
@@ -52,7 +55,8 @@ def build(kernel: Any, types: Mapping[str, str], consts: Mapping[str, Any],
     match = re.search(r"STACK:(\d+)", usage)
     assert match, usage
     return {"kernel": kernel.__name__, "consts": {k: str(v) for k, v in consts.items()},
-            "shared": compiled.metadata.shared, "spill": int(match[1])}
+            "shared": compiled.metadata.shared, "spill": int(match[1]),
+            "pdl": "griddepcontrol.wait" in compiled.asm["ptx"]}
 
 
 def compile_launches(script: str, timeout_s: float = 240) -> list[dict[str, Any]]:

@@ -409,6 +409,8 @@ def test_fp8_kernels_compile_for_hopper() -> None:
     configs |= set(tf.CANDIDATES)  # the fallbacks and every candidate, f16 ones twice
     assert len(launches) == 5 + len(configs) + sum(c.mode in ("f16", "f16t") for c in configs)
     assert all(launch["shared"] <= 227 * 1024 for launch in launches), launches
+    assert {launch["kernel"] for launch in launches if not launch["pdl"]} == {
+        "_quantize_rows_kernel"}
     # A one-row tile may keep a few registers' worth on the stack (L1), never more.
     assert all(launch["spill"] <= (32 if launch.get("one_row") else 0)
                for launch in launches), launches

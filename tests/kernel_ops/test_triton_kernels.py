@@ -654,6 +654,9 @@ print(json.dumps(out))
 def test_kernels_compile_for_hopper_without_spills() -> None:
     launches = compile_launches(_COMPILE_FOR_HOPPER)
     assert len(launches) == 16
+    # Every kernel of a step but the sampler's waits for the kernel before (PDL on Hopper).
+    assert {launch["kernel"] for launch in launches if not launch["pdl"]} == {
+        "_gumbel_argmax_kernel"}
     for launch in launches:
         assert launch["shared"] <= 227 * 1024, launch  # Hopper's limit per block
         if launch["consts"].get("DOT_PRECISION") != "ieee":  # float32 may spill: tests only
