@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshserve.services.worker.embedder import Embedder
+from meshserve.services.worker.engine.device import make_current
 from meshserve.services.worker.engine.pooler import finish
 from meshserve.shared.errors import InternalError
 from meshserve.shared.worker_registry import WorkerLoad
@@ -124,6 +125,7 @@ class EmbedBatcher:
     # -- the model thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        make_current(self.embedder.device)
         pending: deque[tuple[_Call, int]] = deque()  # (call, input index), arrival order
         try:
             while self._take(pending):

@@ -21,7 +21,7 @@ import torch
 
 from meshserve.kernels.attention import AttentionMetadata
 from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import resolve_device
+from meshserve.services.worker.engine.device import resolve_device
 from meshserve.services.worker.engine.pooler import pool
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.embedding import DecoderEmbedder

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from meshserve.services.worker.engine.device import make_current
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import Request, RequestOutput
 from meshserve.services.worker.request_stream import (
@@ -312,6 +313,7 @@ class EngineThread:
 
     # ----- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
+        make_current(self.engine.device)
         try:
             while self._apply_commands(block=not self.engine.has_unfinished_requests()):
                 batch = _StepBatch()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.services.worker.engine.device import make_current
 from meshserve.services.worker.engine.kv_copy import KVCaches, block_shape, scatter_blocks
 from meshserve.services.worker.engine.kv_tier import (
     DropJob,
@@ -156,6 +157,7 @@ class KVTransfer:
 
     # ----- the thread ------------------------------------------------------------------
     def _run(self) -> None:
+        make_current(self.device)
         while True:
             with self._wake:
                 while not self._urgent and not self._saves:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.engine.device import resolve_device
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.kv_sizing import (
     gpu_memory_and_name,
@@ -85,18 +86,6 @@ log = logging.getLogger(__name__)
 # Longest wait for the KV tier when a step has nothing else to run; new requests arriving
 # meanwhile are admitted at the next step, so this bounds their extra wait.
 _TIER_IDLE_WAIT_S = 0.002
-
-
-def resolve_device(name: str, rank: int = 0) -> torch.device:
-    """The device of `name`; tensor-parallel rank r > 0 takes the r-th CUDA device after it."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"--device {name} asked for, but no CUDA device is available")
-    if rank and device.type == "cuda":
-        return torch.device("cuda", (device.index or 0) + rank)
-    return device
 
 
 class LLMEngine:

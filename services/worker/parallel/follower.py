@@ -18,7 +18,8 @@ import threading
 
 import torch
 
-from meshserve.services.worker.engine.engine import LLMEngine, resolve_device
+from meshserve.services.worker.engine.device import resolve_device
+from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.parallel.config import ParallelConfig
 from meshserve.services.worker.parallel.ranks import RankSpec, join_group
 
