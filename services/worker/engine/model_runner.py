@@ -209,7 +209,7 @@ class ModelRunner:
                                            device=self.device)
         return self.pieces.capture()
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Decode steps replay a whole-step graph; other steps up to the piecewise limit
         replay pieces around eager attention; larger ones run eagerly."""
         meta = inputs.meta
@@ -251,7 +251,7 @@ class ModelRunner:
                 previous.sample.token_ids[sources])
         if self.sync is not None and inputs.plan is not None:
             self.sync.send(inputs.plan, inputs.input_ids)
-        hidden = self._forward(inputs)
+        hidden = self.forward(inputs)
         prompt_scores = self._score_prompts(hidden, inputs)
         launched = LaunchedStep(out, inputs.sample_requests, None, prompt_scores)
         if inputs.verify_rows:
@@ -352,7 +352,7 @@ class ModelRunner:
             input_ids=ids, positions=self._tensor(plan.positions, torch.long),
             meta=self._metadata(plan.slots, plan.query_lens, plan.seq_lens, plan.tables),
             sample_rows=plan.sample_rows, sample_requests=[], prompt_rows=[])
-        hidden = self._forward(inputs)
+        hidden = self.forward(inputs)
         for rows in plan.prompt_rows:
             self.model.compute_logits(hidden[self._tensor(rows, torch.long)])
         if plan.sample_rows:

@@ -5,13 +5,16 @@ Each sequence has a shadow sequence in the draft's cache. Before drafting, the s
 KV is kept only as far as the tokens it was computed on still agree with the sequence's
 (rejected drafts are dropped), the rest of the sequence is caught up in the same forward
 pass as the first draft, then each further draft is one decode step of the whole batch.
-The draft runs eagerly (no CUDA graphs).
+On a GPU (unless --enforce-eager) the draft's runner has CUDA graphs of its own, as the
+target's does: whole-step graphs for the one-token draft steps, piecewise graphs for the
+catch-up steps (`capture_graphs`); otherwise the draft runs eagerly.
 """
 
 from __future__ import annotations
 
 import torch
 
+from meshserve.services.worker.engine.cuda_graphs import CaptureReport
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.model_runner import ModelRunner
 from meshserve.services.worker.engine.request import Request, RequestStatus
@@ -78,14 +81,20 @@ class DraftModelProposer:
         shadow.num_computed_tokens = 0
         return False
 
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int,
+                       piecewise_tokens: int) -> tuple[CaptureReport, CaptureReport]:
+        """The draft's decode graphs (batches up to `max_num_seqs`) and piecewise graphs
+        (steps up to `piecewise_tokens`), as the target's runner captures its own."""
+        return (self.runner.capture_graphs(max_num_seqs, max_model_len),
+                self.runner.capture_piecewise_graphs(piecewise_tokens))
+
     @torch.inference_mode()
     def _step(self, shadows: list[Request]) -> list[int]:
         """One forward of the shadows' uncomputed tokens; each one's greedy next token."""
         out = SchedulerOutput([ScheduledRequest(s, s.num_tokens - s.num_computed_tokens)
                                for s in shadows])
         inputs = self.runner.prepare(out)
-        hidden = self.runner.model(inputs.input_ids, inputs.positions, self.runner.kv_caches,
-                                   inputs.meta)  # [T, H]
+        hidden = self.runner.forward(inputs)  # [T, H]: a graph replay where one fits
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.runner.model.compute_logits(hidden[rows])  # [S, V]
         for s in shadows:

@@ -3,10 +3,12 @@ so that its weights and cache come out of the same budget), the proposer and the
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from meshserve.services.worker.engine.kv_sizing import piecewise_tokens
 from meshserve.services.worker.engine.model_runner import kv_cache_bytes_per_block
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
@@ -24,6 +26,8 @@ from meshserve.shared.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from meshserve.services.worker.engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
 
 
 class DraftModel:
@@ -64,8 +68,17 @@ def attach_speculation(engine: LLMEngine, spec: SpeculativeConfig) -> SpecDecode
     else:
         draft = engine.draft
         assert draft is not None, "a draft_model config without its draft loaded"
-        proposer = DraftModelProposer(draft.model, draft.config, engine.kv.num_blocks,
-                                      engine.kv.block_size, engine.dtype, engine.device)
+        drafter = DraftModelProposer(draft.model, draft.config, engine.kv.num_blocks,
+                                     engine.kv.block_size, engine.dtype, engine.device)
+        if engine.graph_report is not None:  # the target runs on CUDA graphs: so does the draft
+            decode, pieces = drafter.capture_graphs(
+                engine.max_num_seqs, engine.max_model_len,
+                piecewise_tokens(engine.scheduler.config.max_num_batched_tokens))
+            log.info("draft model on CUDA graphs: %d decode and %d piecewise buckets, %.1fs, "
+                     "%d MiB", len(decode.buckets), len(pieces.buckets),
+                     decode.seconds + pieces.seconds,
+                     (decode.memory_bytes + pieces.memory_bytes) >> 20)
+        proposer = drafter
     runner = engine.runner
     runner.verifier = Verifier(runner.sampler,
                                RejectionSampler(engine.device, seed=engine.config.seed))
