@@ -20,8 +20,9 @@ drafts, not by bf16 rounding of flat dummy logits (--no-copy-model keeps the raw
   ngram_partial n-gram drafts, the quote corrupted every --corrupt-every tokens: partial
                 acceptance
   oracle        drafts are the known answer (100% acceptance, no lookup): the upper bound
-  draft_same    a draft model that is the target's own weights (own KV cache, eager): every
-                draft accepted, each costing one target forward
+  draft_same    a draft model that is the target's own weights (own KV cache, and CUDA graphs
+                when the target has them): every draft accepted, each costing one target
+                forward
   real          (--real-model) a real model (e.g. SmolLM2-135M-Instruct GGUF) on real text:
                 a code-editing request and a summary quoting the prompt, n-gram drafts
 
@@ -53,7 +54,7 @@ from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.request import Request
 from meshserve.services.worker.spec.decoder import SpecDecoder
-from meshserve.services.worker.spec.draft_model import DraftModelProposer
+from meshserve.services.worker.spec.setup import build_draft_proposer
 from meshserve.shared.errors import MeshError
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.speculative_config import SpeculativeConfig
@@ -216,12 +217,12 @@ def single_stream_modes(engine: LLMEngine, ngram: SpecDecoder, successor: list[i
     results["single_stream_partial"] = {m: _without_tokens(r) for m, r in modes.items()}
     _save(args, results)
     if not args.skip_draft:
-        draft = DraftModelProposer(engine.runner.model, engine.model_config,
-                                   args.draft_blocks, engine.kv.block_size, engine.dtype,
-                                   engine.device)
+        draft = build_draft_proposer(engine, engine.runner.model, engine.model_config,
+                                     args.draft_blocks)
         same = SpecDecoder(SpeculativeConfig("draft_model", k, model=args.model), draft,
                            engine.max_model_len)
         modes["draft_same"] = run_mode(engine, same, False, full, n)
+        modes["draft_same"]["draft_paths"] = dict(draft.paths)
     del results["single_stream_partial"]
     base = modes["baseline_async"]["tpot_ms"]
     for name, mode in modes.items():
@@ -232,7 +233,9 @@ def single_stream_modes(engine: LLMEngine, ngram: SpecDecoder, successor: list[i
         print(f"{name}: TPOT {mode['tpot_ms']:.2f} ms, x{mode['speedup_vs_baseline_async']:.2f}"
               f", acceptance {mode.get('acceptance_rate')}, tokens/step "
               f"{mode['tokens_per_step']:.2f}, identical {mode['identical_to_baseline']}, "
-              f"paths {mode['paths']}", flush=True)
+              f"paths {mode['paths']}"
+              + (f", draft paths {mode['draft_paths']}" if "draft_paths" in mode else ""),
+              flush=True)
         del mode["tokens"]
     return modes
 
@@ -338,7 +341,9 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {m['tpot_ms']:.2f} | {m['speedup_vs_baseline_async']:.2f} | "
                      f"{'-' if rate is None else f'{rate:.2f}'} | {m['tokens_per_step']:.2f} | "
                      f"{m['matching_prefix']}/{n} | {m['follows_chain']}/{n} | "
-                     f"{_paths(m['paths'])} |")
+                     f"{_paths(m['paths'])}"
+                     + (f"; draft: {_paths(m['draft_paths'])}" if "draft_paths" in m else "")
+                     + " |")
     lines += ["", "## Projected speedup by acceptance rate (free drafts, batch-1 verify cost)",
               "", "| acceptance | tokens per verify step | speedup |", "|---|---|---|"]
     lines += [f"| {p['acceptance_rate']:.1f} | {p['tokens_per_step']:.2f} | {p['speedup']:.2f} |"

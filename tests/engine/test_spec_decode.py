@@ -82,6 +82,9 @@ def test_greedy_is_identical_with_and_without_drafts(setup, method: str,
     if method != "draft-other":  # (an unrelated random draft may never be right)
         steps = sum(len(outputs[f"r{i}"]) for i in range(len(prompts)))
         assert accepted > 0 and steps < len(prompts) * MAX_NEW, "drafts must save steps"
+    if method.startswith("draft"):  # a CPU engine has no graphs: every draft step is eager
+        paths = engine.spec.proposer.paths  # type: ignore[attr-defined]
+        assert set(paths) == {"eager"} and paths["eager"] > 0
 
 
 def test_counters_are_consistent(setup) -> None:

@@ -20,9 +20,10 @@ def test_the_requested_mode_comes_from_the_environment(
     assert pdl.requested_mode() == expected
 
 
-def test_the_default_mode_waits_for_the_kernel_before(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_mode_waits_and_lets_the_next_kernel_in(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(pdl.ENV, raising=False)
-    assert pdl.requested_mode() == 1
+    assert pdl.requested_mode() == 2
 
 
 @pytest.mark.parametrize("raw", ["on", "3", "-1", ""])

@@ -12,6 +12,8 @@ catch-up steps (`capture_graphs`); otherwise the draft runs eagerly.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from meshserve.services.worker.engine.cuda_graphs import CaptureReport
@@ -35,6 +37,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, config, self.kv, dtype, device)
         self._shadows: dict[str, Request] = {}  # sequence id -> its shadow in the draft cache
         self._owners: dict[str, Request] = {}
+        self.paths: Counter[str] = Counter()  # forward path of each draft step (runner's)
 
     def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         self._forget_stopped()
@@ -95,6 +98,7 @@ class DraftModelProposer:
                                for s in shadows])
         inputs = self.runner.prepare(out)
         hidden = self.runner.forward(inputs)  # [T, H]: a graph replay where one fits
+        self.paths[self.runner.last_path] += 1
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.runner.model.compute_logits(hidden[rows])  # [S, V]
         for s in shadows:

@@ -68,18 +68,26 @@ def attach_speculation(engine: LLMEngine, spec: SpeculativeConfig) -> SpecDecode
     else:
         draft = engine.draft
         assert draft is not None, "a draft_model config without its draft loaded"
-        drafter = DraftModelProposer(draft.model, draft.config, engine.kv.num_blocks,
-                                     engine.kv.block_size, engine.dtype, engine.device)
-        if engine.graph_report is not None:  # the target runs on CUDA graphs: so does the draft
-            decode, pieces = drafter.capture_graphs(
-                engine.max_num_seqs, engine.max_model_len,
-                piecewise_tokens(engine.scheduler.config.max_num_batched_tokens))
-            log.info("draft model on CUDA graphs: %d decode and %d piecewise buckets, %.1fs, "
-                     "%d MiB", len(decode.buckets), len(pieces.buckets),
-                     decode.seconds + pieces.seconds,
-                     (decode.memory_bytes + pieces.memory_bytes) >> 20)
-        proposer = drafter
+        proposer = build_draft_proposer(engine, draft.model, draft.config,
+                                        engine.kv.num_blocks)
     runner = engine.runner
     runner.verifier = Verifier(runner.sampler,
                                RejectionSampler(engine.device, seed=engine.config.seed))
     return SpecDecoder(spec, proposer, engine.max_model_len)
+
+
+def build_draft_proposer(engine: LLMEngine, model: CausalLM, config: ModelConfig,
+                         num_blocks: int) -> DraftModelProposer:
+    """A draft-model proposer with a KV cache of `num_blocks`, on CUDA graphs of its own
+    when the target's runner has them."""
+    drafter = DraftModelProposer(model, config, num_blocks, engine.kv.block_size, engine.dtype,
+                                 engine.device)
+    if engine.graph_report is not None:
+        decode, pieces = drafter.capture_graphs(
+            engine.max_num_seqs, engine.max_model_len,
+            piecewise_tokens(engine.scheduler.config.max_num_batched_tokens))
+        log.info("draft model on CUDA graphs: %d decode and %d piecewise buckets, %.1fs, "
+                 "%d MiB", len(decode.buckets), len(pieces.buckets),
+                 decode.seconds + pieces.seconds,
+                 (decode.memory_bytes + pieces.memory_bytes) >> 20)
+    return drafter
