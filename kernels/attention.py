@@ -13,7 +13,8 @@ behind `write_kv` and `paged_attention` with the same signatures.
 
 An FP8 cache (float8_e4m3fn or float8_e5m2, `--kv-cache-dtype fp8*`) stores K and V cast
 to FP8 with a per-tensor scale of 1.0, as vLLM does when a checkpoint brings no KV scales:
-writes saturate to the format's range, reads widen to the query's dtype.
+writes saturate to the format's range, reads widen to the query's dtype (the Triton kernel
+multiplies 16-bit queries with the widened values in float16: see triton_attention.py).
 """
 
 from __future__ import annotations

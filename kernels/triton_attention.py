@@ -18,6 +18,13 @@ the GPU and long contexts, a third grid axis cuts each sequence's key tiles into
 ranges. Each program writes its unnormalised partial output with its running max and sum, and
 `_reduce_splits_kernel` merges them.
 
+An FP8 cache (e4m3 or e5m2, scale 1.0) with float16 or bfloat16 queries multiplies in float16
+(F16_DOTS): both FP8 formats widen to float16 exactly in one conversion per two elements,
+where widening to bfloat16 takes three, and the decode loop would otherwise be bound by
+conversions rather than by reading half the bytes. bf16 queries are scaled by 2^-8 on the way
+(folded back into the softmax scale) so that they stay finite; the probabilities are rounded
+to float16 instead of bfloat16 (finer), and every sum is float32.
+
 Nothing here reads a device tensor back to the host: grids and tile choices depend only on
 shapes and on `meta.max_query_len` / `meta.max_seq_len`, which are host ints, so a decode step
 can be captured in a CUDA graph.
@@ -74,6 +81,11 @@ PREFILL_TILES_WIDE = AttentionTiles(block_m=64, tile_n=32, num_warps=8, num_stag
 DECODE_TILES = AttentionTiles(block_m=16, tile_n=128, num_warps=4, num_stages=3)
 DECODE_TILES_WIDE = AttentionTiles(block_m=16, tile_n=32, num_warps=4, num_stages=2)
 FLOAT32_TILES = AttentionTiles(block_m=16, tile_n=16, num_warps=4, num_stages=2)
+
+
+# bf16 queries over an FP8 cache are multiplied by 2^-F16_Q_SHIFT before becoming float16:
+# exact in float32, and finite in float16 for any |q| < 65504 * 2^8.
+F16_Q_SHIFT = 8
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype, decode_only: bool) -> AttentionTiles:
@@ -206,16 +218,20 @@ def paged_attention(
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     part_acc, part_max, part_sum = _split_scratch(query, num_splits)
     head_pad = max(triton.next_power_of_2(head_dim), 16)
+    # An FP8 cache with 16-bit queries: products in float16 (F16_DOTS in the kernel).
+    f16_dots = k_cache.dtype in FP8_KV_DTYPES and query.dtype in (torch.float16, torch.bfloat16)
+    q_shift = F16_Q_SHIFT if f16_dots and query.dtype == torch.bfloat16 else 0
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        part_acc, part_max, part_sum, scale * math.log2(math.e), num_seqs, num_splits,
+        part_acc, part_max, part_sum, scale * math.log2(math.e) * 2.0**q_shift, 2.0**-q_shift,
+        num_seqs, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n, SPLIT=num_splits > 1,
         DECODE_ONLY=meta.decode_only,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", F16_DOTS=f16_dots,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(query.device))
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
@@ -291,13 +307,13 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2, num_seqs,
-    num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
+    query_start_loc_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2, q_scale,
+    num_seqs, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, DECODE_ONLY: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -330,6 +346,11 @@ def _paged_attention_kernel(
     q_off = (q_start + q_tok).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M]
     q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
                 other=0.0)  # [BLOCK_M, HEAD_PAD]
+    if F16_DOTS:
+        # FP8 keys and values then widen to float16 in one instruction per two (to bf16
+        # it takes three); q_scale (2^-8 for bf16 queries, folded back into scale_log2)
+        # keeps any bf16 query finite in float16. The products sum in float32.
+        q = (q.to(tl.float32) * q_scale).to(tl.float16)
 
     # Keys this block can see end at its last row's position (causal) or the sequence.
     kv_end = tl.minimum(seq_len, context_len + (local_block + 1) * BLOCK_Q)
@@ -384,7 +405,7 @@ def _attend_tiles(
         slot = key_pos % BLOCK_SIZE
         k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh  # [TILE_N]
         v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
-        # An FP8 cache (scale 1.0) is widened to the query's dtype here, in registers.
+        # An FP8 cache (scale 1.0) is widened to q's dtype here, in registers.
         k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
                     mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
         k = k.to(q.dtype)
