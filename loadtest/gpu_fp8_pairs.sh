@@ -11,6 +11,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 RUN_DIR=$(mktemp -d)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # shellcheck source=loadtest/gpu_env.sh
