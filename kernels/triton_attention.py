@@ -224,7 +224,7 @@ def paged_attention(
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         part_acc, part_max, part_sum, scale * math.log2(math.e) * 2.0**q_shift, 2.0**-q_shift,
-        num_seqs, num_splits,
+        1.0, num_seqs, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
@@ -308,7 +308,7 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2, q_scale,
-    num_seqs, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
+    v_scale, num_seqs, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -363,9 +363,9 @@ def _paged_attention_kernel(
         tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
     acc, row_max, row_sum = _attend_tiles(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        context_len + q_tok, kv_end, tile_lo, tile_hi, scale_log2, kv_head,
+        context_len + q_tok, kv_end, tile_lo, tile_hi, scale_log2, v_scale, kv_head,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION)
+        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, F16_DOTS)
 
     mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -385,9 +385,10 @@ def _paged_attention_kernel(
 @triton.jit
 def _attend_tiles(
     q, k_cache_ptr, v_cache_ptr, table_ptr, q_pos, kv_end, tile_lo, tile_hi, scale_log2,
-    kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    v_scale, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    F16_DOTS: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, HEAD_PAD] over key tiles [tile_lo, tile_hi) of one
     sequence. Returns the unnormalised output [BLOCK_M, HEAD_PAD], the running max (base 2,
@@ -421,7 +422,16 @@ def _attend_tiles(
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
                     mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
-        v = v.to(q.dtype)
+        if F16_DOTS:
+            # The product of p with v sums over keys, but a cache row holds one key's values:
+            # v reaches the tensor cores transposed. Widened in registers first (then stored
+            # and read back as 16-bit, transposed by ldmatrix), not read from shared memory
+            # as FP8 one byte at a time, which the compiler does when the widening alone
+            # stands between the load and the product; the multiplication by v_scale (a
+            # runtime 1.0) is what keeps it there.
+            v = v.to(tl.float16) * tl.cast(v_scale, tl.float16)
+        else:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
     return acc, row_max, row_sum

@@ -399,7 +399,7 @@ for c in sorted(configs | set(tf.CANDIDATES), key=str):  # the fallbacks and eve
 types = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
          "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
          "query_start_loc_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
-         "part_sum_ptr": "*fp32", "scale_log2": "fp32", "q_scale": "fp32"}
+         "part_sum_ptr": "*fp32", "scale_log2": "fp32", "q_scale": "fp32", "v_scale": "fp32"}
 for decode in (0, 1):
     import torch
     tiles = ta.default_tiles(128, torch.bfloat16, decode)
@@ -433,6 +433,9 @@ def test_fp8_kernels_compile_for_hopper() -> None:
     assert all(launch["shared"] <= 227 * 1024 for launch in launches), launches
     assert {launch["kernel"] for launch in launches if not launch["pdl"]} == {
         "_quantize_rows_kernel"}
+    # FP8 keys and values reach the attention's products as vectors, not byte by byte.
+    attention = [launch for launch in launches if launch["kernel"] == "_paged_attention_kernel"]
+    assert attention and all(launch["byte_shared_loads"] == 0 for launch in attention), attention
     # A one-row tile may keep a few registers' worth on the stack (L1), never more.
     assert all(launch["spill"] <= (32 if launch.get("one_row") else 0)
                for launch in launches), launches

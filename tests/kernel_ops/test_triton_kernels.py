@@ -609,7 +609,7 @@ def attention(dtype, name, head_dim, decode):
     types = {n: "*" + name for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
     types.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")})
     types.update({n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")})
-    types["scale_log2"] = types["q_scale"] = "fp32"
+    types["scale_log2"] = types["q_scale"] = types["v_scale"] = "fp32"
     consts = dict(GROUP=4, HEAD_DIM=head_dim, HEAD_PAD=head_dim, BLOCK_SIZE=16,
                   BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // 4, TILE_N=tiles.tile_n,
                   SPLIT=bool(decode), DECODE_ONLY=bool(decode),
