@@ -45,6 +45,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_ROWS = 16
 # bf16 activations are multiplied by 2^-X_SHIFT before becoming f16 (module docstring).
 X_SHIFT = 8
+# The largest first weight chunk (FP8 bytes) a program reads before the kernel before it ends.
+EARLY_CHUNK: tl.constexpr = tl.constexpr(16384)
 
 
 @dataclass(frozen=True)
@@ -175,12 +177,46 @@ def _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW: tl.constexpr)
 
 
 @triton.jit
+def _w_chunk(w_rows, k, K, EVEN_K: tl.constexpr):
+    """The weight's columns k [BLOCK_K] of the program's rows, zero past K."""
+    if EVEN_K:
+        w = tl.load(w_rows + k[None, :])
+    else:
+        w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale, EVEN_K: tl.constexpr,
+               MODE: tl.constexpr, ONE_ROW: tl.constexpr):
+    """acc plus the products of one K chunk: w [BLOCK_N, BLOCK_K] (FP8) with x's columns k.
+    acc is [BLOCK_N, BLOCK_K] (MODE 0), [BLOCK_N, BLOCK_M] (3) or [BLOCK_M, BLOCK_N]."""
+    # One return at the end: the compiler visits every statement after a taken branch.
+    if MODE == 0:  # one row, float32 FMA
+        if EVEN_K:
+            x = tl.load(x_ptr + k)
+        else:
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        acc = acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+    elif MODE == 3:  # y^T = w @ x^T on the tensor cores in float16, the weight first
+        x16 = _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW)
+        acc = tl.dot(w.to(tl.float16), tl.trans(x16), acc)
+    elif MODE == 2:
+        x16 = _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW)
+        acc = tl.dot(x16, tl.trans(w.to(tl.float16)), acc)
+    else:
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                    mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    return acc
+
+
+@triton.jit
 def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT,
                        stride_xm, stride_wn, stride_ym, x_scale, Y_SCALE: tl.constexpr,
                        MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        ONE_ROW: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
     pid = tl.program_id(0)
     # A whole number of BLOCK_K chunks: the loads stay aligned (vectorised and pipelined).
     k_lo = tl.multiple_of(tl.program_id(1) * K_SPLIT, BLOCK_K)
@@ -190,48 +226,41 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_S
     # Rows of w past N read row N - 1 again (never stored), so the loads need no N mask.
     n_safe = tl.minimum(n, N - 1)
     w_rows = w_ptr + n_safe.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    row_scale = tl.load(s_ptr + n_safe)  # [BLOCK_N] float32
     kk = tl.arange(0, BLOCK_K)
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
-    if MODE == 0:  # one row, float32 FMA
+    # The scales and the first K chunk of the weight are read before waiting for the kernel
+    # before (kernels/pdl.py): no kernel writes them, and the read overlaps that kernel's end.
+    # A chunk past EARLY_CHUNK bytes would stay in registers too long (spills): not read early.
+    row_scale = tl.load(s_ptr + n_safe)  # [BLOCK_N] float32
+    if MODE == 0:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + kk
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :])
-                x = tl.load(x_ptr + k)
-            else:
-                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-                x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        part = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
-    elif MODE == 3:  # y^T = w @ x^T on the tensor cores in float16, the weight first
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + kk
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :])
-            else:
-                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-            x16 = _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW)
-            acc_t = tl.dot(w.to(tl.float16), tl.trans(x16), acc_t)
-        part = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
+    elif MODE == 3:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
-        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + kk
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :])
-            else:
-                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-            if MODE == 2:
-                x16 = _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW)
-                part = tl.dot(x16, tl.trans(w.to(tl.float16)), part)
-            else:
-                x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                            mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-                part = tl.dot(x, tl.trans(w.to(x.dtype)), part)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if BLOCK_N * BLOCK_K <= EARLY_CHUNK:
+        k = k_lo + kk
+        w = tl.load(w_rows + k[None, :], mask=(k < k_hi)[None, :], other=0.0)
+        pdl_prologue(PDL)
+        # (x unmasked only where the chunk is surely inside K: an empty split has k_lo >= K)
+        acc = _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale,
+                         EVEN_K and SPLIT_K == 1, MODE, ONE_ROW)
+        k_next = k_lo + BLOCK_K
+    else:
+        pdl_prologue(PDL)
+        k_next = k_lo
+    for k0 in range(k_next, k_hi, BLOCK_K):
+        k = k0 + kk
+        w = _w_chunk(w_rows, k, K, EVEN_K)
+        acc = _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale, EVEN_K, MODE,
+                         ONE_ROW)
+    if MODE == 0:
+        part = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    elif MODE == 3:
+        part = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        part = acc
     part = part * (row_scale * Y_SCALE)[None, :]  # [BLOCK_M, BLOCK_N]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:

@@ -82,38 +82,60 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     # Rows of w past N read row N - 1 again (never stored), so the loads need no N mask.
     w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     kk = tl.arange(0, BLOCK_K)
+    # The first K chunk of the weight is read before waiting for the kernel before
+    # (kernels/pdl.py): no kernel writes it, and the read overlaps that kernel's end.
+    w = _w_chunk(w_rows, kk, K, EVEN_K)
+    pdl_prologue(PDL)
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
     if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc = _add_row_chunk(tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), w, x_ptr, kk, K,
+                             EVEN_K)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + kk
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :])
-                x = tl.load(x_ptr + k)
-            else:
-                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-                x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc = _add_row_chunk(acc, _w_chunk(w_rows, k, K, EVEN_K), x_ptr, k, K, EVEN_K)
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
         tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
     else:
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < M
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc2 = _add_rows_chunk(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), w, x_ptr, m,
+                               m_ok, kk, K, stride_xm)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + kk
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :])
-            else:
-                w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                        mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            acc2 = tl.dot(x, tl.trans(w), acc2)
+            acc2 = _add_rows_chunk(acc2, _w_chunk(w_rows, k, K, EVEN_K), x_ptr, m, m_ok, k, K,
+                                   stride_xm)
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc2.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w_chunk(w_rows, k, K, EVEN_K: tl.constexpr):
+    """The weight's columns k [BLOCK_K] of the program's rows, zero past K."""
+    if EVEN_K:
+        w = tl.load(w_rows + k[None, :])
+    else:
+        w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _add_row_chunk(acc, w, x_ptr, k, K, EVEN_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] plus w times x's one row at columns k (float32 FMA)."""
+    if EVEN_K:
+        x = tl.load(x_ptr + k)
+    else:
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _add_rows_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm):
+    """acc [BLOCK_M, BLOCK_N] plus x's rows at columns k times w^T (tensor cores)."""
+    x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                mask=m_ok[:, None] & (k < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+    return tl.dot(x, tl.trans(w), acc)
