@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+# The kernel tests and the helpers they import (tests/hopper_compile.py, tests/tiny_models.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernel_ops"))
 import test_triton_kernels as kt
 
