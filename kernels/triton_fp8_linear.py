@@ -40,6 +40,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from meshserve.kernels import pdl
 from meshserve.kernels.pdl import pdl_prologue
+from meshserve.kernels.triton_linear import w_chunk
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_ROWS = 16
@@ -177,16 +178,6 @@ def _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW: tl.constexpr)
 
 
 @triton.jit
-def _w_chunk(w_rows, k, K, EVEN_K: tl.constexpr):
-    """The weight's columns k [BLOCK_K] of the program's rows, zero past K."""
-    if EVEN_K:
-        w = tl.load(w_rows + k[None, :])
-    else:
-        w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-    return w
-
-
-@triton.jit
 def _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale, EVEN_K: tl.constexpr,
                MODE: tl.constexpr, ONE_ROW: tl.constexpr):
     """acc plus the products of one K chunk: w [BLOCK_N, BLOCK_K] (FP8) with x's columns k.
@@ -252,7 +243,7 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_S
         k_next = k_lo
     for k0 in range(k_next, k_hi, BLOCK_K):
         k = k0 + kk
-        w = _w_chunk(w_rows, k, K, EVEN_K)
+        w = w_chunk(w_rows, k, K, EVEN_K)
         acc = _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale, EVEN_K, MODE,
                          ONE_ROW)
     if MODE == 0:

@@ -90,7 +90,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
     kk = tl.arange(0, BLOCK_K)
     # The first K chunk of the weight is read before waiting for the kernel before
     # (kernels/pdl.py): no kernel writes it, and the read overlaps that kernel's end.
-    w = _w_chunk(w_rows, kk, K, EVEN_K)
+    w = w_chunk(w_rows, kk, K, EVEN_K)
     pdl_prologue(PDL)
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
@@ -99,7 +99,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
                              EVEN_K)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + kk
-            acc = _add_row_chunk(acc, _w_chunk(w_rows, k, K, EVEN_K), x_ptr, k, K, EVEN_K)
+            acc = _add_row_chunk(acc, w_chunk(w_rows, k, K, EVEN_K), x_ptr, k, K, EVEN_K)
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
         tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
     else:
@@ -107,15 +107,16 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
                                m_ok, kk, K, stride_xm)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + kk
-            acc2 = _add_rows_chunk(acc2, _w_chunk(w_rows, k, K, EVEN_K), x_ptr, m, m_ok, k, K,
+            acc2 = _add_rows_chunk(acc2, w_chunk(w_rows, k, K, EVEN_K), x_ptr, m, m_ok, k, K,
                                    stride_xm)
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc2.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _w_chunk(w_rows, k, K, EVEN_K: tl.constexpr):
-    """The weight's columns k [BLOCK_K] of the program's rows, zero past K."""
+def w_chunk(w_rows, k, K, EVEN_K: tl.constexpr):
+    """The weight's columns k [BLOCK_K] of the program's rows, zero past K (also read by the
+    FP8 product's kernel)."""
     if EVEN_K:
         w = tl.load(w_rows + k[None, :])
     else:
