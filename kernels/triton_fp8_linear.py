@@ -231,12 +231,13 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_S
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if BLOCK_N * BLOCK_K <= EARLY_CHUNK:
+        # Every split holds at least one chunk (k_lo < K, `skinny_fp8_linear`), and K_SPLIT
+        # is whole chunks: the first chunk lies inside this split, masked only at K.
         k = k_lo + kk
-        w = tl.load(w_rows + k[None, :], mask=(k < k_hi)[None, :], other=0.0)
+        w = w_chunk(w_rows, k, K, EVEN_K)
         pdl_prologue(PDL)
-        # (x unmasked only where the chunk is surely inside K: an empty split has k_lo >= K)
-        acc = _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale,
-                         EVEN_K and SPLIT_K == 1, MODE, ONE_ROW)
+        acc = _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale, EVEN_K, MODE,
+                         ONE_ROW)
         k_next = k_lo + BLOCK_K
     else:
         pdl_prologue(PDL)
