@@ -57,7 +57,8 @@ def build(kernel: Any, types: Mapping[str, str], consts: Mapping[str, Any],
     return {"kernel": kernel.__name__, "consts": {k: str(v) for k, v in consts.items()},
             "shared": compiled.metadata.shared, "spill": int(match[1]),
             "pdl": "griddepcontrol.wait" in compiled.asm["ptx"],
-            "byte_shared_loads": compiled.asm["ptx"].count("ld.shared.b8")}
+            "byte_shared_loads": compiled.asm["ptx"].count("ld.shared.b8"),
+            "byte_global_loads": compiled.asm["ptx"].count("ld.global.b8")}
 
 
 def compile_launches(script: str, timeout_s: float = 240) -> list[dict[str, Any]]:
