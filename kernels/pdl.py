@@ -6,11 +6,13 @@ has finished and its writes are flushed, so the SMs idle between any two kernels
 last programs drain and the next grid is dispatched. A kernel launched with PDL
 (`launch_pdl=True`) may be dispatched while the kernel before it is still running; each of its
 programs first executes `griddepcontrol.wait`, which returns once that kernel has completed
-and its memory is visible. Nothing is read early, so results are the same bit for bit; what
-overlaps is the dispatch and the drain.
+and its memory is visible. Nothing an earlier kernel writes is read before the wait, so
+results are the same bit for bit; what overlaps is the dispatch and the drain.
 
-Each kernel here takes a `PDL` constexpr and calls `pdl_prologue(PDL)` before its first
-load; launch sites splat `launch_options(device)` into the launch. PDL values:
+Each kernel here takes a `PDL` constexpr and calls `pdl_prologue(PDL)` before it reads
+anything an earlier kernel may have written (the skinny products read their first weight
+chunk before it: no step writes weights); launch sites splat `launch_options(device)` into
+the launch. PDL values:
   0  off (CPUs, the interpreter, GPUs before sm_90, a Triton without GDC, MESHSERVE_PDL=0)
   1  wait for the kernel before (MESHSERVE_PDL=1)
   2  wait, then let the next kernel be dispatched at once (`griddepcontrol.launch_dependents`),
