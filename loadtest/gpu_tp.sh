@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Tensor parallelism on one host with 2 GPUs, in one call of at most 10 minutes (the steps'
-# limits add up to 530 s; they usually take far less):
+# Tensor parallelism on one host with 2 GPUs. The steps' limits add up to 1070 s, more than
+# one 10-minute call: run them in parts with SKIP (each part well under its limits; the
+# records in loadtest/reports/tp/README.md name the parts). Steps:
 #   check     a tiny random model (tests/tiny_models.py, float32) with CUDA graphs and the
 #             overlapped loop: greedy tokens and logprobs at TP=2 against TP=1
 #   lat_tp1   `meshserve bench latency` single stream (128 in / 128 out), Llama-3.1-8B shape
@@ -17,6 +18,8 @@
 #   lat70_tp2 lat_tp2 with the Llama-3.1-70B shape: TPOT against its floor, rank 0's weight
 #             bytes / measured copy bandwidth (dummy weights drawn on each GPU, per slice)
 # Results in $OUT: <step>.json and <step>.log per step, steps.log, summary.md, results.json.
+# Knobs: SKIP (step names), DEVICE, MODEL_8B, MODEL_70B, LAT_LEN, LAT_ITERS, SHAREGPT_PROMPTS,
+# FLAGS_8B, FLAGS_70B, MESH_LIMIT_S (240, each mesh step's limit).
 #
 #     bash loadtest/gpu_tp.sh            # from the repository root
 #     DEVICE=cpu MODEL_8B=<tiny model> SKIP="check lat70_tp2" SHAREGPT_PROMPTS=8 \
