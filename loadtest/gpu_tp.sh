@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallelism on one host with 2 GPUs. The steps' limits add up to 1070 s, more than
+# Tensor parallelism on one host with 2 GPUs. The steps' limits add up to 1145 s, more than
 # one 10-minute call: run them in parts with SKIP (each part well under its limits; the
 # records in loadtest/reports/tp/README.md name the parts). Steps:
 #   check     a tiny random model (tests/tiny_models.py, float32) with CUDA graphs and the
