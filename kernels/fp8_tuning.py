@@ -14,10 +14,12 @@ measures (it would launch outside the graph) and takes the fallback table `fp8_c
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
 
+from meshserve.kernels.triton_attention import WIDEN_ENV
 from meshserve.kernels.triton_fp8_linear import (
     CANDIDATES,
     Fp8Config,
@@ -34,8 +36,11 @@ measured: dict[tuple[int, int, bool], dict[Fp8Config, float]] = {}
 
 
 def candidates(rows: int) -> list[Fp8Config]:
-    """The launch shapes that can run `rows` rows (the FMA tiles take one)."""
-    return [c for c in CANDIDATES if c.mode != "fma" or rows == 1]
+    """The launch shapes that can run `rows` rows (the FMA tiles take one); those that
+    widen FP8 by integer instructions only with MESHSERVE_FP8_WIDEN=bits."""
+    cvt_only = os.environ.get(WIDEN_ENV, "cvt") != "bits"
+    return [c for c in CANDIDATES
+            if (c.mode != "fma" or rows == 1) and not (cvt_only and c.widen == "bits")]
 
 
 def config_for(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> Fp8Config:

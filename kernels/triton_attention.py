@@ -19,12 +19,17 @@ ranges. Each program writes its unnormalised partial output with its running max
 `_reduce_splits_kernel` merges them.
 
 An FP8 cache (e4m3 or e5m2, scale 1.0) with float16 or bfloat16 queries multiplies in float16
-(F16_DOTS): both FP8 formats widen to float16 exactly, one conversion per two elements
-(`cvt.rn.f16x2.e4m3x2`), where bfloat16 takes further conversions through float32. bf16
-queries are scaled by 2^-8 on the way (folded back into the softmax scale) so that they stay
-finite; the probabilities are rounded to float16 instead of bfloat16 (finer), and every sum is
-float32. The values are widened in registers before their transposed product (see the loop).
-On an H200 decode attention over an FP8 cache takes 0.75-0.78x the time over bf16: it reads
+(F16_DOTS): both FP8 formats widen to float16 exactly, where bfloat16 takes further
+conversions through float32. bf16 queries are scaled by 2^-8 on the way (folded back into the
+softmax scale) so that they stay finite; the probabilities are rounded to float16 instead of
+bfloat16 (finer), and every sum is float32. The values are widened in registers before their
+transposed product (see the loop). An e4m3 cache widens with Hopper's conversion instruction
+(`cvt.rn.f16x2.e4m3x2`, one per two elements) or, with MESHSERVE_FP8_WIDEN=bits, integer
+instructions (`meshserve.kernels.fp8_widen`: the values times 2^-8, the 2^8 folded into the
+softmax scale for keys and multiplied back in float16 for values, both exact), the same
+results bit for bit; e5m2 is the high byte of a float16 and widens by a byte move. On an H100
+the two widenings took the same time within 3% (the conversions are not what bounds it).
+On an H200 decode attention over an FP8 cache took 0.75-0.78x the time over bf16: it reads
 half the bytes, but at about 2.8 TB/s against the bf16 kernel's 4.3
 (loadtest/reports/fp8/README.md).
 
@@ -36,6 +41,7 @@ can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +49,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from meshserve.kernels import pdl
+from meshserve.kernels import fp8_widen, pdl
 from meshserve.kernels.attention import FP8_KV_DTYPES, AttentionMetadata
+from meshserve.kernels.fp8_widen import e4m3_to_f16_scaled
 from meshserve.kernels.pdl import pdl_prologue
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -89,6 +96,10 @@ FLOAT32_TILES = AttentionTiles(block_m=16, tile_n=16, num_warps=4, num_stages=2)
 # bf16 queries over an FP8 cache are multiplied by 2^-F16_Q_SHIFT before becoming float16:
 # exact in float32, and finite in float16 for any |q| < 65504 * 2^8.
 F16_Q_SHIFT = 8
+# How an e4m3 cache widens to float16 (module docstring): "bits" or "cvt".
+WIDEN_ENV = "MESHSERVE_FP8_WIDEN"
+E4M3_WIDEN = os.environ.get(WIDEN_ENV, "cvt")
+assert E4M3_WIDEN in ("bits", "cvt"), f"{WIDEN_ENV} must be bits or cvt, got {E4M3_WIDEN!r}"
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype, decode_only: bool) -> AttentionTiles:
@@ -224,10 +235,14 @@ def paged_attention(
     # An FP8 cache with 16-bit queries: products in float16 (F16_DOTS in the kernel).
     f16_dots = k_cache.dtype in FP8_KV_DTYPES and query.dtype in (torch.float16, torch.bfloat16)
     q_shift = F16_Q_SHIFT if f16_dots and query.dtype == torch.bfloat16 else 0
+    # e4m3 widened by bits reads as the value times 2^-8: keys' 2^8 joins the softmax
+    # scale, values' is a float16 multiplication (v_scale) in the loop.
+    bits = f16_dots and k_cache.dtype == torch.float8_e4m3fn and E4M3_WIDEN == "bits"
+    k_shift = fp8_widen.SHIFT if bits else 0
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        part_acc, part_max, part_sum, scale * math.log2(math.e) * 2.0**q_shift, 2.0**-q_shift,
-        1.0, num_seqs, num_splits,
+        part_acc, part_max, part_sum, scale * math.log2(math.e) * 2.0**(q_shift + k_shift),
+        2.0**-q_shift, 2.0**k_shift, num_seqs, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
@@ -235,6 +250,7 @@ def paged_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n, SPLIT=num_splits > 1,
         DECODE_ONLY=meta.decode_only,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", F16_DOTS=f16_dots,
+        BITS=bits, ASM=bits and fp8_widen.use_asm(query.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(query.device))
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
@@ -316,8 +332,8 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, DECODE_ONLY: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr,
-    PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, BITS: tl.constexpr,
+    ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     kv_head = tl.program_id(1)
@@ -368,7 +384,7 @@ def _paged_attention_kernel(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
         context_len + q_tok, kv_end, tile_lo, tile_hi, scale_log2, v_scale, kv_head,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, F16_DOTS)
+        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, F16_DOTS, BITS, ASM)
 
     mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -391,7 +407,7 @@ def _attend_tiles(
     v_scale, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    F16_DOTS: tl.constexpr,
+    F16_DOTS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, HEAD_PAD] over key tiles [tile_lo, tile_hi) of one
     sequence. Returns the unnormalised output [BLOCK_M, HEAD_PAD], the running max (base 2,
@@ -412,7 +428,10 @@ def _attend_tiles(
         # An FP8 cache (scale 1.0) is widened to q's dtype here, in registers.
         k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
                     mask=key_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, TILE_N]
-        k = k.to(q.dtype)
+        if BITS:  # e4m3 keys times 2^-8 (the 2^8 is in scale_log2)
+            k = e4m3_to_f16_scaled(k, ASM)
+        else:
+            k = k.to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         visible = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -431,8 +450,11 @@ def _attend_tiles(
             # and read back as 16-bit, transposed by ldmatrix), not read from shared memory
             # as FP8 one byte at a time, which the compiler does when the widening alone
             # stands between the load and the product; the multiplication by v_scale (a
-            # runtime 1.0) is what keeps it there.
-            v = v.to(tl.float16) * tl.cast(v_scale, tl.float16)
+            # runtime 1.0, or 2^8 after widening by bits: exact) is what keeps it there.
+            if BITS:
+                v = e4m3_to_f16_scaled(v, ASM) * tl.cast(v_scale, tl.float16)
+            else:
+                v = v.to(tl.float16) * tl.cast(v_scale, tl.float16)
         else:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

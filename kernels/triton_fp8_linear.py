@@ -13,7 +13,12 @@ finite; smaller values keep an absolute precision of 2^-17, far below bf16's own
 O(1) activations). The sum is float32; the row's scale (and 2^8) are applied once at the end.
 The first kernel's modes (float32 FMA for one row, tl.dot in x's dtype) remain candidates:
 `meshserve.kernels.fp8_tuning` measures `CANDIDATES` per shape on the GPU and keeps the
-fastest.
+fastest. Every launch shape of the fma, f16 and f16t modes exists twice: widening with the
+conversion instruction, and with `widen="bits"`, integer instructions that give the weight
+times 2^-8 exactly (`meshserve.kernels.fp8_widen`; the 2^8 joins the row's scale), for when
+the conversions' narrow pipe, not memory, would bound the kernel. On an H100 the integer
+widening was 3-8% slower on every Llama-3.1-8B shape (loadtest/reports/fp8/README.md), so the
+tuner measures it only with MESHSERVE_FP8_WIDEN=bits.
 
 One program owns BLOCK_N output rows of w over 1/SPLIT_K of K and streams them in BLOCK_K
 chunks (BLOCK_K FP8 bytes per row, loaded 16 bytes per thread). A weight with few rows (q/k/v
@@ -31,14 +36,15 @@ reference is `meshserve.kernels.fp8_linear.fp8_linear_reference`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from meshserve.kernels import pdl
+from meshserve.kernels import fp8_widen, pdl
+from meshserve.kernels.fp8_widen import e4m3_to_f16_scaled
 from meshserve.kernels.pdl import pdl_prologue
 from meshserve.kernels.triton_linear import w_chunk
 
@@ -55,7 +61,9 @@ class Fp8Config:
     """Launch shape of `_skinny_fp8_kernel`. `mode`: "f16" tensor-core products in float16
     (any M), "bf16" tensor-core products in x's dtype (the weight widened through float32),
     "fma" float32 FMA products (M == 1 only), "f16t" the f16 products with the weight as the
-    first operand. `split_k`: programs per column block, each over 1/split_k of K."""
+    first operand. `split_k`: programs per column block, each over 1/split_k of K.
+    `widen`: how FP8 becomes float16/32: "cvt" Hopper's conversion instructions, "bits"
+    integer instructions (`meshserve.kernels.fp8_widen`; not with mode "bf16")."""
 
     block_n: int
     block_k: int
@@ -63,6 +71,7 @@ class Fp8Config:
     num_stages: int
     mode: str = "f16"
     split_k: int = 1
+    widen: str = "cvt"
 
 
 def fp8_config_for(rows: int, n: int, k: int) -> Fp8Config:
@@ -81,9 +90,16 @@ def fp8_config_for(rows: int, n: int, k: int) -> Fp8Config:
 # projections at 1, 8 and 16 rows, loadtest/reports/fp8/kernels_graphs.md): FMA tiles for one
 # row of the few-row weights, wide f16 tiles for gate_up, and split K (the swapped operands
 # first) for 2-16 rows. Tiles 16 rows wide and the bf16 mode were slower on every shape.
-CANDIDATES = (
+# FMA tiles of 8 and 16 rows per program reuse each x value they load for more weight rows;
+# those of 16 KB (4 x 4096, 8 x 2048) read all of a K = 4096 row block, or half of it,
+# before the kernel before them ends (EARLY_CHUNK).
+_SHAPES = (
     Fp8Config(block_n=4, block_k=2048, num_warps=4, num_stages=3, mode="fma"),
+    Fp8Config(block_n=4, block_k=4096, num_warps=8, num_stages=2, mode="fma"),
+    Fp8Config(block_n=8, block_k=2048, num_warps=8, num_stages=3, mode="fma"),
     Fp8Config(block_n=8, block_k=1024, num_warps=8, num_stages=3, mode="fma"),
+    Fp8Config(block_n=8, block_k=1024, num_warps=4, num_stages=3, mode="fma"),
+    Fp8Config(block_n=16, block_k=512, num_warps=4, num_stages=3, mode="fma"),
     Fp8Config(block_n=32, block_k=512, num_warps=4, num_stages=5, mode="bf16"),
     Fp8Config(block_n=32, block_k=128, num_warps=2, num_stages=4, mode="f16"),
     Fp8Config(block_n=64, block_k=256, num_warps=4, num_stages=4, mode="f16"),
@@ -94,6 +110,10 @@ CANDIDATES = (
     Fp8Config(block_n=64, block_k=128, num_warps=4, num_stages=4, mode="f16t", split_k=4),
     Fp8Config(block_n=128, block_k=128, num_warps=8, num_stages=4, mode="f16t", split_k=4),
 )
+# Each shape with both widenings (Hopper's FP8 conversion and the integer one), but "bf16";
+# `fp8_tuning` offers the integer one only when MESHSERVE_FP8_WIDEN=bits asks for it.
+CANDIDATES = tuple(c for shape in _SHAPES for c in (
+    (shape,) if shape.mode == "bf16" else (shape, replace(shape, widen="bits"))))
 """Launch shapes `meshserve.kernels.fp8_tuning` measures (the FMA ones for one row only)."""
 
 
@@ -123,8 +143,11 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     n = weight.shape[0]
     c = config or fp8_config_for(rows, n, k)
     assert c.mode in MODES and (c.mode != "fma" or rows == 1), f"mode {c.mode} for {rows} rows"
+    assert c.widen == "cvt" or (c.widen == "bits" and c.mode != "bf16"), (
+        f"widen {c.widen} with mode {c.mode}")
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     shift = X_SHIFT if x.dtype == torch.bfloat16 and c.mode in ("f16", "f16t") else 0
+    bits = c.widen == "bits"
     blocks = triton.cdiv(n, c.block_n)
     # K per split: whole BLOCK_K chunks, so no chunk straddles two splits.
     k_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
@@ -133,11 +156,12 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
                            else (out, out))  # unused with one split
     _skinny_fp8_kernel[(blocks, split_k)](
         x, weight, scale, out, workspace, counters, rows, n, k, k_split, x.stride(0),
-        weight.stride(0), out.stride(0), 2.0**-shift, Y_SCALE=2.0**shift, MODE=MODES[c.mode],
+        weight.stride(0), out.stride(0), 2.0**-shift,
+        Y_SCALE=2.0**(shift + (fp8_widen.SHIFT if bits else 0)), MODE=MODES[c.mode],
         BLOCK_M=1 if c.mode == "fma" else MAX_ROWS,
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0, SPLIT_K=split_k,
-        ONE_ROW=rows == 1 and c.mode in ("f16", "f16t"),
-        num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(x.device))
+        ONE_ROW=rows == 1 and c.mode in ("f16", "f16t"), BITS=bits,
+        ASM=bits and fp8_widen.use_asm(x.device), num_warps=c.num_warps, num_stages=c.num_stages, **pdl.launch_options(x.device))
     return out
 
 
@@ -178,8 +202,19 @@ def _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW: tl.constexpr)
 
 
 @triton.jit
+def _widen_f16(w, BITS: tl.constexpr, ASM: tl.constexpr):
+    """The FP8 tile w as float16: exactly w (BITS false) or w * 2^-8 (BITS, fp8_widen)."""
+    if BITS:
+        w16 = e4m3_to_f16_scaled(w, ASM)
+    else:
+        w16 = w.to(tl.float16)
+    return w16
+
+
+@triton.jit
 def _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale, EVEN_K: tl.constexpr,
-               MODE: tl.constexpr, ONE_ROW: tl.constexpr):
+               MODE: tl.constexpr, ONE_ROW: tl.constexpr, BITS: tl.constexpr,
+               ASM: tl.constexpr):
     """acc plus the products of one K chunk: w [BLOCK_N, BLOCK_K] (FP8) with x's columns k.
     acc is [BLOCK_N, BLOCK_K] (MODE 0), [BLOCK_N, BLOCK_M] (3) or [BLOCK_M, BLOCK_N]."""
     # One return at the end: the compiler visits every statement after a taken branch.
@@ -188,13 +223,13 @@ def _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale, EVEN_K: tl.cons
             x = tl.load(x_ptr + k)
         else:
             x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        acc = acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = acc + _widen_f16(w, BITS, ASM).to(tl.float32) * x.to(tl.float32)[None, :]
     elif MODE == 3:  # y^T = w @ x^T on the tensor cores in float16, the weight first
         x16 = _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW)
-        acc = tl.dot(w.to(tl.float16), tl.trans(x16), acc)
+        acc = tl.dot(_widen_f16(w, BITS, ASM), tl.trans(x16), acc)
     elif MODE == 2:
         x16 = _x_tile_f16(x_ptr, m, m_ok, k, K, stride_xm, x_scale, ONE_ROW)
-        acc = tl.dot(x16, tl.trans(w.to(tl.float16)), acc)
+        acc = tl.dot(x16, tl.trans(_widen_f16(w, BITS, ASM)), acc)
     else:
         x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
                     mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -207,7 +242,8 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_S
                        stride_xm, stride_wn, stride_ym, x_scale, Y_SCALE: tl.constexpr,
                        MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       ONE_ROW: tl.constexpr, PDL: tl.constexpr):
+                       ONE_ROW: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+                       PDL: tl.constexpr):
     pid = tl.program_id(0)
     # A whole number of BLOCK_K chunks: the loads stay aligned (vectorised and pipelined).
     k_lo = tl.multiple_of(tl.program_id(1) * K_SPLIT, BLOCK_K)
@@ -237,7 +273,7 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_S
         w = w_chunk(w_rows, k, K, EVEN_K)
         pdl_prologue(PDL)
         acc = _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale, EVEN_K, MODE,
-                         ONE_ROW)
+                         ONE_ROW, BITS, ASM)
         k_next = k_lo + BLOCK_K
     else:
         pdl_prologue(PDL)
@@ -246,7 +282,7 @@ def _skinny_fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_S
         k = k0 + kk
         w = w_chunk(w_rows, k, K, EVEN_K)
         acc = _add_chunk(acc, w, x_ptr, m, m_ok, k, K, stride_xm, x_scale, EVEN_K, MODE,
-                         ONE_ROW)
+                         ONE_ROW, BITS, ASM)
     if MODE == 0:
         part = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     elif MODE == 3:

@@ -113,6 +113,8 @@ def score_prompts(engine: Any, count: int, length: int) -> dict[str, list[list[f
 
 def check() -> dict[str, Any]:
     """The FP8 GPU paths against their torch references, and the FP8 products' speed."""
+    import dataclasses
+
     import torch
 
     from meshserve.kernels.attention import AttentionMetadata, paged_attention
@@ -136,17 +138,31 @@ def check() -> dict[str, Any]:
         rel = ((got - ref).norm() / ref.norm()).item()
         out["linear"].append({"rows": rows, "rel_err": rel, "ok": rel < 1e-2})
     if device.type == "cuda":  # every launch shape the tuner may pick, against the reference
-        from meshserve.kernels import fp8_tuning, triton_fp8_linear
+        from meshserve.kernels import triton_fp8_linear
+
+        def every_shape(rows: int) -> list[Any]:  # both widenings, whatever the env says
+            return [c for c in triton_fp8_linear.CANDIDATES if c.mode != "fma" or rows == 1]
 
         out["candidates"] = []
         for rows in (1, 5):
             x = torch.randn(rows, 4096, generator=g, device=device, dtype=torch.bfloat16)
             ref = fp8_linear_reference(x.float(), q, scale)
-            for c in fp8_tuning.candidates(rows):
+            for c in every_shape(rows):
                 got = triton_fp8_linear.skinny_fp8_linear(x, q, scale, c).float()
                 rel = ((got - ref).norm() / ref.norm()).item()
                 out["candidates"].append({"rows": rows, "config": str(c), "rel_err": rel})
         out["candidates_ok"] = all(r["rel_err"] < 1e-2 for r in out["candidates"])
+        # Widening by bits gives the conversion's results bit for bit, launch shape by shape.
+        out["bits_identical"] = []
+        for rows in (1, 5):
+            x = torch.randn(rows, 4096, generator=g, device=device, dtype=torch.bfloat16)
+            for c in every_shape(rows):
+                if c.widen == "bits":
+                    twin = dataclasses.replace(c, widen="cvt")
+                    same = torch.equal(triton_fp8_linear.skinny_fp8_linear(x, q, scale, c),
+                                       triton_fp8_linear.skinny_fp8_linear(x, q, scale, twin))
+                    out["bits_identical"].append({"rows": rows, "config": str(c), "same": same})
+        out["bits_identical_ok"] = all(r["same"] for r in out["bits_identical"])
     # An FP8 KV cache read by the paged attention kernel against the widened cache.
     k_cache = torch.randn(8, 16, 8, 128, generator=g, device=device).to(torch.float8_e4m3fn)
     v_cache = torch.randn(8, 16, 8, 128, generator=g, device=device).to(torch.float8_e4m3fn)
@@ -157,11 +173,19 @@ def check() -> dict[str, Any]:
             [0, 1, 2], **i32), seq_lens=torch.tensor([40, 17], **i32),
         block_tables=torch.tensor([[3, 1, 6], [0, 5, 0]], **i32), max_query_len=1,
         max_seq_len=40, query_lens_cpu=[1, 1], seq_lens_cpu=[40, 17])
+    from meshserve.kernels import triton_attention
+
+    triton_attention.E4M3_WIDEN = "cvt"
+    by_cvt = paged_attention(query, k_cache, v_cache, meta, 128**-0.5).float()
+    triton_attention.E4M3_WIDEN = "bits"
     got = paged_attention(query, k_cache, v_cache, meta, 128**-0.5).float()
+    out["attention_bits_equal_cvt"] = bool(torch.equal(got, by_cvt))
     ref = paged_attention(query.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu(),
                           _on_cpu(meta), 128**-0.5)
     out["attention_fp8_kv_max_abs_err"] = (got.cpu() - ref).abs().max().item()
-    out["ok"] = all(r["ok"] for r in out["linear"]) and out["attention_fp8_kv_max_abs_err"] < 2e-2
+    out["ok"] = (all(r["ok"] for r in out["linear"]) and out["attention_fp8_kv_max_abs_err"] < 2e-2
+                 and out["attention_bits_equal_cvt"] and out.get("bits_identical_ok", True)
+                 and out.get("candidates_ok", True))
     if device.type == "cuda":
         big = torch.randn(14336, 4096, generator=g, device=device, dtype=torch.bfloat16) * 0.02
         big_q, big_s = quantize_per_channel(big)

@@ -68,8 +68,9 @@ def measure_one(name: str, x: Any, w: Any) -> dict[str, Any]:
     row["fp8_gbs"] = (n * k + io) / row["fp8_us"] / 1e3
     if rows <= SKINNY_MAX_ROWS:
         c = fp8_tuning.config_for(x, q, scale)
-        row["fp8_path"] = (f"triton {c.mode} {c.block_n}x{c.block_k} w{c.num_warps} "
-                           f"s{c.num_stages}")
+        row["fp8_path"] = (f"triton {c.mode}{'+bits' if c.widen == 'bits' else ''} "
+                           f"{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+                           f"{f' split{c.split_k}' if c.split_k > 1 else ''}")
         row["candidates_us"] = {str(c): ms * 1e3 for c, ms in
                                 fp8_tuning.measured[(n, k, rows == 1)].items()}
         return row

@@ -7,8 +7,11 @@ shuffled block tables (as a long-running server's cache is), copied to float8_e4
 decode step of paged attention (the Llama-3.1-8B head layout: 32 query heads, 8 KV heads,
 head dim 128) is timed over both caches with every tile shape of TILES (microseconds per call,
 median of `triton.testing.do_bench`). The KV bytes a call reads over its time is the rate to
-compare with the memory's. The FP8 results are checked against attention over the widened
-FP8 values (the same inputs), and the default tiles' bf16 result against the FP8 one.
+compare with the memory's. The FP8 cache is timed twice: "fp8" widens e4m3 with Hopper's
+conversion instruction, "fp8bits" with integer instructions (kernels/fp8_widen.py; the
+engine's default). The FP8 results are checked against attention over the widened FP8
+values (the same inputs), the two widenings against each other (the same bits), and the
+default tiles' bf16 result against the FP8 one.
 """
 
 from __future__ import annotations
@@ -53,7 +56,10 @@ def case(num_seqs: int, context: int, device: torch.device) -> dict[str, Any]:
     import triton.testing
 
     rows = []
-    for cache, (k, v) in (("bf16", (k16, v16)), ("fp8", (k8, v8))):
+    caches = (("bf16", (k16, v16), "bits"), ("fp8", (k8, v8), "cvt"),
+              ("fp8bits", (k8, v8), "bits"))
+    for cache, (k, v), widen in caches:
+        triton_attention.E4M3_WIDEN = widen
         kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * k.element_size()
         for tiles in TILES:
             def run(k=k, v=v, tiles=tiles) -> torch.Tensor:
@@ -65,17 +71,22 @@ def case(num_seqs: int, context: int, device: torch.device) -> dict[str, Any]:
                 continue
             rows.append({"cache": cache, "tiles": vars(tiles), "us": us,
                          "kv_gb_per_s": kv_bytes / us / 1e3})
-    # Correctness: FP8 against the widened FP8 values, bf16 default against FP8 default.
+    # Correctness: FP8 against the widened FP8 values, the two widenings against each other,
+    # bf16 default against FP8 default.
+    triton_attention.E4M3_WIDEN = "cvt"
+    cvt_out = triton_attention.paged_attention(query, k8, v8, meta, scale).float()
+    triton_attention.E4M3_WIDEN = "bits"
     fp8_out = triton_attention.paged_attention(query, k8, v8, meta, scale).float()
     wide = decode_attention_reference(query.float(), k8.float(), v8.float(), meta, scale)
     bf16_out = triton_attention.paged_attention(query, k16, v16, meta, scale).float()
     best = {c: min((r for r in rows if r["cache"] == c and "us" in r), key=lambda r: r["us"])
-            for c in ("bf16", "fp8")}
+            for c, _, _ in caches}
     default = {c: next(r for r in rows if r["cache"] == c and "us" in r
                        and r["tiles"] == vars(triton_attention.DECODE_TILES)) for c in best}
     return {"num_seqs": num_seqs, "context": context, "rows": rows, "best": best,
             "default": default,
             "fp8_vs_widened_max_abs_err": (fp8_out - wide).abs().max().item(),
+            "bits_equal_cvt": bool(torch.equal(fp8_out, cvt_out)),
             "fp8_vs_bf16_max_abs_diff": (fp8_out - bf16_out).abs().max().item()}
 
 
@@ -98,9 +109,12 @@ def main(argv: list[str]) -> int:
         b, f = r["best"], r["default"]
         print(f"{seqs} seqs x {context}: default tiles bf16 {f['bf16']['us']:.0f} us "
               f"({f['bf16']['kv_gb_per_s']:.0f} GB/s), fp8 {f['fp8']['us']:.0f} us "
-              f"({f['fp8']['kv_gb_per_s']:.0f} GB/s); best bf16 {b['bf16']['us']:.0f} us "
-              f"{b['bf16']['tiles']}, best fp8 {b['fp8']['us']:.0f} us {b['fp8']['tiles']}; "
-              f"fp8 err {r['fp8_vs_widened_max_abs_err']:.2e}", flush=True)
+              f"({f['fp8']['kv_gb_per_s']:.0f} GB/s), fp8 by bits {f['fp8bits']['us']:.0f} us "
+              f"({f['fp8bits']['kv_gb_per_s']:.0f} GB/s); best bf16 {b['bf16']['us']:.0f} us "
+              f"{b['bf16']['tiles']}, best fp8 {b['fp8']['us']:.0f} us {b['fp8']['tiles']}, "
+              f"best fp8 by bits {b['fp8bits']['us']:.0f} us {b['fp8bits']['tiles']}; "
+              f"fp8 err {r['fp8_vs_widened_max_abs_err']:.2e}, bits == cvt "
+              f"{r['bits_equal_cvt']}", flush=True)
         args.out.write_text(json.dumps(results, indent=1))
     return 0
 

@@ -58,7 +58,9 @@ def build(kernel: Any, types: Mapping[str, str], consts: Mapping[str, Any],
             "shared": compiled.metadata.shared, "spill": int(match[1]),
             "pdl": "griddepcontrol.wait" in compiled.asm["ptx"],
             "byte_shared_loads": compiled.asm["ptx"].count("ld.shared.b8"),
-            "byte_global_loads": compiled.asm["ptx"].count("ld.global.b8")}
+            "byte_global_loads": compiled.asm["ptx"].count("ld.global.b8"),
+            "fp8_cvt": len(re.findall(r"cvt\.rn\.f16x2\.e(?:4m3|5m2)x2", compiled.asm["ptx"])),
+            "prmt": compiled.asm["ptx"].count("prmt.b32")}
 
 
 def compile_launches(script: str, timeout_s: float = 240) -> list[dict[str, Any]]:

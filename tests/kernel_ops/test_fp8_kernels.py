@@ -21,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton
 import triton.language as tl
 from hopper_compile import compile_launches
 from triton.runtime import interpreter as triton_interpreter
 
-from meshserve.kernels import triton_attention, triton_fp8_linear, triton_rotary
+from meshserve.kernels import fp8_widen, triton_attention, triton_fp8_linear, triton_rotary
 from meshserve.kernels.attention import (
     AttentionMetadata,
     decode_attention_reference,
@@ -262,6 +263,53 @@ def test_skinny_fp8_kernel_matches_the_reference(rows: int, n: int, k: int, dtyp
         (got.float() - ref).abs().max())
 
 
+@triton.jit
+def _widen_kernel(x_ptr, y_ptr):
+    i = tl.arange(0, 256)
+    tl.store(y_ptr + i, fp8_widen.e4m3_to_f16_scaled(tl.load(x_ptr + i), False))
+
+
+@in_interpreter
+def test_widening_e4m3_by_bits_is_the_value_times_2_to_the_minus_8() -> None:
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # every byte
+    got = torch.empty(256, dtype=torch.float16)
+    _widen_kernel[(1,)](every, got)
+    value = every.float()
+    finite = ~value.isnan()  # 0x7f and 0xff
+    assert int(finite.sum()) == 254
+    # Exactly, subnormals (bytes 1..7, 0x81..0x87) and signed zeros included.
+    assert torch.equal(got.float()[finite] * 2.0**fp8_widen.SHIFT, value[finite])
+    assert torch.equal(got[finite].view(torch.int16) < 0, every.view(torch.uint8)[finite] >= 128)
+
+
+def _weights_with_extremes(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel FP8 weights holding +-448, zeros and subnormals besides random values."""
+    q, scale = quantize_per_channel(_weights(n, k, seed=n + k))
+    bytes_ = q.view(torch.uint8)
+    bytes_[:, :8] = torch.tensor([0x7e, 0xfe, 0x00, 0x80, 0x01, 0x87, 0x08, 0xb3],
+                                 dtype=torch.uint8)  # 448, -448, 0, -0, subnormals, 2^-6, ...
+    return q, scale
+
+
+@in_interpreter
+@pytest.mark.parametrize(("rows", "n", "k", "dtype", "mode", "split_k"), [
+    (1, 40, 96, torch.bfloat16, "fma", 1), (1, 40, 96, torch.bfloat16, "f16", 1),
+    (7, 33, 100, torch.float16, "f16t", 1), (3, 40, 96, torch.bfloat16, "f16", 2)])
+def test_skinny_fp8_kernel_widening_by_bits_gives_the_same_bits(
+        rows: int, n: int, k: int, dtype: torch.dtype, mode: str, split_k: int) -> None:
+    q, scale = _weights_with_extremes(n, k)
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+         * torch.logspace(-3, 1.5, k)).to(dtype)
+    config = dataclasses.replace(triton_fp8_linear.SMALL_CONFIG, mode=mode, split_k=split_k)
+    cvt = triton_fp8_linear.skinny_fp8_linear(x, q, scale, config)
+    bits = triton_fp8_linear.skinny_fp8_linear(
+        x, q, scale, dataclasses.replace(config, widen="bits"))
+    assert torch.equal(bits, cvt)
+    ref = fp8_linear_reference(x.float(), q, scale)
+    tol = 2e-3 if dtype == torch.float16 else 8e-3
+    assert torch.allclose(bits.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 @in_interpreter
 @pytest.mark.parametrize(("rows", "k", "dtype"), [(3, 96, torch.float16), (1, 100, torch.float32),
                                                   (4, 64, torch.float16)])
@@ -340,10 +388,16 @@ def test_triton_attention_over_an_fp8_cache_with_16_bit_queries(
     if q_dtype == torch.bfloat16:
         query[1, 2] *= 3e5  # |q| > 65504: overflows float16 unless scaled
     query = query.to(q_dtype)
-    got = triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.25)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_attention, "E4M3_WIDEN", "cvt")
+        cvt = triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.25)
+        patch.setattr(triton_attention, "E4M3_WIDEN", "bits")
+        got = triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.25)
     ref = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(), meta, 0.25)
     assert got.dtype == q_dtype and torch.isfinite(got).all()
     assert torch.allclose(got.float(), ref, atol=2e-2, rtol=1e-2), (got.float() - ref).abs().max()
+    # e4m3 widened by bits (the values times 2^-8, scaled back exactly): the same bits.
+    assert torch.equal(got, cvt)
 
 
 @in_interpreter
@@ -376,7 +430,7 @@ def test_fp8_kernels_under_the_interpreter() -> None:
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) == 24 and "skipped" not in summary, summary
+    assert passed and int(passed[1]) == 29 and "skipped" not in summary, summary
 
 
 _COMPILE_FOR_HOPPER = r"""
@@ -394,20 +448,22 @@ for c in sorted(configs | set(tf.CANDIDATES), key=str):  # the fallbacks and eve
             "x_scale": "fp32"}, dict(
             Y_SCALE=2.0**8 if f16 else 1.0, MODE=tf.MODES[c.mode],
             BLOCK_M=1 if c.mode == "fma" else 16, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-            EVEN_K=True, SPLIT_K=c.split_k, ONE_ROW=one_row), num_warps=c.num_warps,
+            EVEN_K=True, SPLIT_K=c.split_k, ONE_ROW=one_row, BITS=c.widen == "bits",
+            ASM=c.widen == "bits"), num_warps=c.num_warps,
             num_stages=c.num_stages) | {"config": str(c), "one_row": one_row})
 types = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
          "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
          "query_start_loc_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
          "part_sum_ptr": "*fp32", "scale_log2": "fp32", "q_scale": "fp32", "v_scale": "fp32"}
 for decode in (0, 1):
+  for bits in (False, True):
     import torch
     tiles = ta.default_tiles(128, torch.bfloat16, decode)
     out.append(build(ta._paged_attention_kernel, types, dict(GROUP=4, HEAD_DIM=128,
         HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // 4,
         TILE_N=tiles.tile_n, SPLIT=bool(decode), DECODE_ONLY=bool(decode),
-        DOT_PRECISION="tf32", F16_DOTS=True), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages))
+        DOT_PRECISION="tf32", F16_DOTS=True, BITS=bits, ASM=bits), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages) | {"bits": bits})
 out.append(build(tf._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
     "s_ptr": "*fp32"}, dict(BLOCK_K=16384), num_warps=8))
 out.append(build(ta._write_kv_kernel, {"key_ptr": "*bf16", "value_ptr": "*bf16",
@@ -429,7 +485,7 @@ def test_fp8_kernels_compile_for_hopper() -> None:
     tf = triton_fp8_linear
     configs = {tf.fp8_config_for(rows, n, 4096) for rows, n in ((1, 4096), (8, 4096), (8, 28672))}
     configs |= set(tf.CANDIDATES)  # the fallbacks and every candidate, f16 ones twice
-    assert len(launches) == 5 + len(configs) + sum(c.mode in ("f16", "f16t") for c in configs)
+    assert len(launches) == 7 + len(configs) + sum(c.mode in ("f16", "f16t") for c in configs)
     assert all(launch["shared"] <= 227 * 1024 for launch in launches), launches
     assert {launch["kernel"] for launch in launches if not launch["pdl"]} == {
         "_quantize_rows_kernel"}
@@ -438,6 +494,14 @@ def test_fp8_kernels_compile_for_hopper() -> None:
     bytewise = [launch for launch in launches
                 if launch["byte_shared_loads"] or launch["byte_global_loads"]]
     assert not bytewise, bytewise
+    # Widening by bits replaces every FP8 conversion instruction with byte permutes.
+    widened = [launch for launch in launches if launch["kernel"] in (
+        "_skinny_fp8_kernel", "_paged_attention_kernel")]
+    for launch in widened:
+        bits = launch.get("bits", "widen='bits'" in launch.get("config", ""))
+        assert (launch["fp8_cvt"] == 0) == bits, launch
+        assert (launch["prmt"] > 0) or not bits, launch
+    assert sum("widen='bits'" in launch.get("config", "") for launch in widened) >= 12
     # A one-row tile may keep a few registers' worth on the stack (L1), never more.
     assert all(launch["spill"] <= (32 if launch.get("one_row") else 0)
                for launch in launches), launches
@@ -449,6 +513,12 @@ def test_tuning_offers_one_row_tiles_only_for_one_row_and_falls_back_off_the_gpu
 
     assert {c.mode for c in fp8_tuning.candidates(1)} == {"fma", "bf16", "f16", "f16t"}
     assert {c.mode for c in fp8_tuning.candidates(5)} == {"bf16", "f16", "f16t"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(triton_attention.WIDEN_ENV, raising=False)
+        assert {c.widen for c in fp8_tuning.candidates(1)} == {"cvt"}
+        assert len(fp8_tuning.candidates(5)) < len(triton_fp8_linear.CANDIDATES)
+        patch.setenv(triton_attention.WIDEN_ENV, "bits")  # widening by bits offered too
+        assert {c.widen for c in fp8_tuning.candidates(1)} == {"cvt", "bits"}
     assert all(c.block_k % 16 == 0 and c.block_n >= 4 for c in triton_fp8_linear.CANDIDATES)
     q, scale = quantize_per_channel(_weights(48, 64))
     for rows in (1, 7):

@@ -613,7 +613,8 @@ def attention(dtype, name, head_dim, decode):
     consts = dict(GROUP=4, HEAD_DIM=head_dim, HEAD_PAD=head_dim, BLOCK_SIZE=16,
                   BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // 4, TILE_N=tiles.tile_n,
                   SPLIT=bool(decode), DECODE_ONLY=bool(decode),
-                  DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", F16_DOTS=False)
+                  DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", F16_DOTS=False,
+                  BITS=False, ASM=False)
     return build(ta._paged_attention_kernel, types, consts, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages)
 
