@@ -17,7 +17,7 @@ fastest. Every launch shape of the fma, f16 and f16t modes exists twice: widenin
 conversion instruction, and with `widen="bits"`, integer instructions that give the weight
 times 2^-8 exactly (`meshserve.kernels.fp8_widen`; the 2^8 joins the row's scale), for when
 the conversions' narrow pipe, not memory, would bound the kernel. On an H100 the integer
-widening was 3-8% slower on every Llama-3.1-8B shape (loadtest/reports/fp8/README.md), so the
+widening was 4-8% slower on every Llama-3.1-8B shape (loadtest/reports/fp8/README.md), so the
 tuner measures it only with MESHSERVE_FP8_WIDEN=bits.
 
 One program owns BLOCK_N output rows of w over 1/SPLIT_K of K and streams them in BLOCK_K
