@@ -232,23 +232,33 @@ def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     out["kv_bytes_per_token_ratio"] = (base["kv_cache"]["bytes_per_token"]
                                        / other["kv_cache"]["bytes_per_token"])
     out["weight_bytes_ratio"] = other["model"]["weight_bytes"] / base["model"]["weight_bytes"]
+    out.update(logprob_diffs(base["logprobs"], other["logprobs"]))
+    return out
+
+
+def logprob_diffs(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """|logprob differences| of two `score_prompts` results: prompt positions (the token's
+    own and the top-1), and greedy decodes up to where the two runs' tokens part."""
+    out: dict[str, Any] = {}
     for kind in ("token", "top1"):
-        diffs = [abs(a - b) for pa, pb in zip(base["logprobs"][kind], other["logprobs"][kind])
+        diffs = [abs(a - b) for pa, pb in zip(base[kind], other[kind])
                  for a, b in zip(pa, pb, strict=True)]
         out[f"logprob_{kind}_max_abs_diff"] = max(diffs) if diffs else None
         out[f"logprob_{kind}_mean_abs_diff"] = sum(diffs) / len(diffs) if diffs else None
         out["logprob_positions"] = len(diffs)
     # Greedy decodes: positions up to where the two runs' tokens part (same contexts).
     diffs = []
-    for ta, tb, la, lb in zip(base["logprobs"]["decode_tokens"], other["logprobs"]["decode_tokens"],
-                              base["logprobs"]["decode_logprobs"],
-                              other["logprobs"]["decode_logprobs"]):
+    for ta, tb, la, lb in zip(base["decode_tokens"], other["decode_tokens"],
+                              base["decode_logprobs"],
+                              other["decode_logprobs"]):
         for a, b, x, y in zip(ta, tb, la, lb):
             if a != b:
                 break
             diffs.append(abs(x - y))
     out["decode_same_tokens"] = len(diffs)
-    out["decode_tokens"] = sum(len(t) for t in base["logprobs"]["decode_tokens"])
+    out["decode_identical_requests"] = sum(
+        ta == tb for ta, tb in zip(base["decode_tokens"], other["decode_tokens"]))
+    out["decode_tokens"] = sum(len(t) for t in base["decode_tokens"])
     out["decode_logprob_max_abs_diff"] = max(diffs) if diffs else None
     out["decode_logprob_mean_abs_diff"] = sum(diffs) / len(diffs) if diffs else None
     return out
