@@ -74,7 +74,21 @@ def run(args: argparse.Namespace, engine_flags: list[str]) -> dict[str, Any]:
                                    for key, times in fp8_tuning.measured.items()}
     if args.num_prompts > 0:
         result["throughput"] = bench_throughput(engine, throughput)
+    result["allocator"] = allocator_stats(engine.device)
     return result
+
+
+def allocator_stats(device: Any) -> dict[str, int]:
+    """The CUDA caching allocator's counters since start: a retry frees cached blocks and
+    synchronizes the device, which stalls the overlapped loop's host."""
+    import torch
+
+    if getattr(device, "type", "") != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {key: int(stats.get(key, 0)) for key in (
+        "num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+        "num_device_free")}
 
 
 def score_prompts(engine: Any, count: int, length: int) -> dict[str, list[list[float]]]:

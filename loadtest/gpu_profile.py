@@ -175,8 +175,12 @@ def prefill(model: str, report: dict[str, Any], text: list[str], length: int = 8
     torch.cuda.empty_cache()
 
 
+# ProfilerActivity.CPU when --host-windows asks for the host side of the ShareGPT-like windows.
+HOST_ACTIVITY: list[ProfilerActivity] = []
+
+
 def sharegpt(model: str, num_prompts: int, flags: dict[str, Any], report: dict[str, Any],
-             text: list[str]) -> None:
+             text: list[str], windows: tuple[int, ...] = (60, 400)) -> None:
     engine = engine_for(model, **flags)
     lengths = sharegpt_like_lengths(num_prompts, 0, engine.max_model_len)
     prompts = random_prompts([i for i, _ in lengths], engine.model_config, 0)
@@ -209,8 +213,8 @@ def sharegpt(model: str, num_prompts: int, flags: dict[str, Any], report: dict[s
         t0 = time.perf_counter()
         kind_before = None
         window = None
-        if step_count in (60, 400) and profiled.get(str(step_count)) is None:
-            window = profile(activities=[ProfilerActivity.CUDA])
+        if step_count in windows and profiled.get(str(step_count)) is None:
+            window = profile(activities=[ProfilerActivity.CUDA, *HOST_ACTIVITY])
             window.__enter__()
         engine.step()
         if window is not None:
@@ -223,6 +227,10 @@ def sharegpt(model: str, num_prompts: int, flags: dict[str, Any], report: dict[s
                                          f"kind {current.get('kind')}, {current.get('seqs')} "
                                          f"seqs, {current.get('tokens')} tokens): device "
                                          f"{device:.3f} ms/step\n{table}\n")
+            if HOST_ACTIVITY:  # where the host's time went: runtime calls and ops, by self
+                profiled[str(step_count)] += "host, by self time over the 10 steps:\n" + \
+                    window.key_averages().table(sort_by="self_cpu_time_total",
+                                                row_limit=25, max_name_column_width=60) + "\n"
             step_count += 10
             continue
         kind_before = current.get("kind", "none")
@@ -259,10 +267,17 @@ def main() -> None:
     parser.add_argument("--parts", default="single,sharegpt",
                         help="of single, graphs (single without the eager run), host, "
                              "prefill, sharegpt")
+    parser.add_argument("--windows", default="60,400",
+                        help="ShareGPT-like steps at which a 10-step kernel window starts "
+                             "(the first ~25 steps are the mixed prefill steps)")
+    parser.add_argument("--host-windows", action="store_true",
+                        help="the ShareGPT-like windows also record the host (CPU) side")
     parser.add_argument("--engine", type=json.loads, default={},
                         help='EngineConfig fields as JSON, e.g. {"tensor_parallel_size": 2}')
     args = parser.parse_args()
     ENGINE_OVERRIDES.update(args.engine)
+    if args.host_windows:
+        HOST_ACTIVITY.append(ProfilerActivity.CPU)
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0)}
     text: list[str] = []
     parts = args.parts.split(",")
@@ -279,7 +294,8 @@ def main() -> None:
         print("\n".join(text[start:]), flush=True)
     if "sharegpt" in parts:
         start = len(text)
-        sharegpt(args.model, args.num_prompts, {}, report, text)
+        sharegpt(args.model, args.num_prompts, {}, report, text,
+                 tuple(int(w) for w in args.windows.split(",")))
         print("\n".join(text[start:]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.json").write_text(json.dumps(report, indent=2))

@@ -145,6 +145,9 @@ class LLMEngine:
                                   sync)
         self.runner.lora = self.lora
         self._capture_graphs(batched_tokens)
+        spec = config.speculative  # verify steps take k+1 logit rows per sequence
+        self.runner.warm_logits(self.max_num_seqs * (1 + (spec.num_speculative_tokens
+                                                          if spec else 0)))
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
                                           num_blocks, config.block_size)
         self._groups: dict[str, list[Request]] = {}

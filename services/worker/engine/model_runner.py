@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshserve.kernels.attention import AttentionMetadata
+from meshserve.kernels.linear import SKINNY_MAX_ROWS
 from meshserve.services.worker.engine.cuda_graphs import (
     CaptureReport,
     CudaGraphRunner,
@@ -25,7 +26,7 @@ from meshserve.services.worker.engine.sampler import (
 from meshserve.services.worker.engine.scheduler import SchedulerOutput
 from meshserve.services.worker.lora.manager import LoraManager
 from meshserve.services.worker.models.config import ModelConfig
-from meshserve.services.worker.models.llama import CausalLM
+from meshserve.services.worker.models.llama import CausalLM, padded_logit_rows
 from meshserve.services.worker.parallel.broadcast import StepPlan, StepSync
 from meshserve.services.worker.spec.verify import PendingVerify, Verified, Verifier
 from meshserve.shared.errors import InternalError
@@ -183,12 +184,34 @@ class ModelRunner:
         self.lora: LoraManager | None = None  # set when multi-LoRA serving is on
         self.verifier: Verifier | None = None  # set when the engine speculates
         self.last_path = ""  # how the last forward ran: graph, verify_graph, piecewise, eager
+        # cuBLAS's first LM-head product of each row count stalls the host: few counts.
+        model.pad_logit_rows = device.type == "cuda"
         if device.type == "cuda":  # attention's kernels compiled now, not while serving
             from meshserve.kernels import triton_attention
 
             triton_attention.compile_every_variant(
                 *self.kv_caches[0], model.config.num_attention_heads,
                 model.model.embed_tokens.weight.dtype)
+
+    @torch.inference_mode()
+    def warm_logits(self, max_rows: int) -> int:
+        """Run the LM head once at every padded row count up to `max_rows`, where the model
+        pads its logit rows (GPUs; `CausalLM.compute_logits`): the first product of each
+        size holds the host until the device is idle, which mid-serving stops the overlapped
+        loop. Every tensor-parallel rank calls it (the logits gather is collective).
+        Returns the number of sizes run."""
+        if not self.model.pad_logit_rows:
+            return 0
+        sizes = sorted({padded_logit_rows(rows) for rows in range(SKINNY_MAX_ROWS + 1,
+                                                                   max_rows + 1)})
+        hidden_size = self.config.hidden_size
+        dtype = self.model.model.embed_tokens.weight.dtype
+        for rows in sizes:
+            self.model.compute_logits(torch.zeros(rows, hidden_size, dtype=dtype,
+                                                  device=self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return len(sizes)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int,
                        verify_lens: tuple[int, ...] = ()) -> CaptureReport:

@@ -18,13 +18,25 @@ from torch import nn
 
 from meshserve.kernels.activation import silu_and_mul
 from meshserve.kernels.attention import AttentionMetadata, paged_attention
-from meshserve.kernels.linear import linear
+from meshserve.kernels.linear import SKINNY_MAX_ROWS, linear
 from meshserve.kernels.norm import fused_add_rms_norm, rms_norm
 from meshserve.kernels.rotary import RotaryEmbedding
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.shared.errors import ModelLoadError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [N, bs, Hkv, D]
+
+# The LM head's rows (past SKINNY_MAX_ROWS, on a GPU) are padded to a multiple of this
+# (`CausalLM.compute_logits`).
+LOGITS_ROW_BUCKET = 64
+
+
+def padded_logit_rows(rows: int) -> int:
+    """The row count the LM head runs for `rows` rows when padding (`compute_logits`)."""
+    if rows <= SKINNY_MAX_ROWS:
+        return rows
+    return -(-rows // LOGITS_ROW_BUCKET) * LOGITS_ROW_BUCKET
+
 
 # Checkpoint entries that hold no weights of ours (old Llama files saved RoPE buffers).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".rotary_emb.cos_cached", ".rotary_emb.sin_cached")
@@ -177,6 +189,7 @@ class CausalLM(nn.Module):
         # Tensor parallelism puts a gather of the ranks' vocabulary slices here
         # (services/worker/parallel/layers.py).
         self.logits_gather: nn.Module = nn.Identity()
+        self.pad_logit_rows = False  # see compute_logits
 
     def forward(
         self,
@@ -189,9 +202,22 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] hidden states of the rows to sample -> [N, V] float32 logits."""
+        """[N, H] hidden states of the rows to sample -> [N, V] float32 logits.
+
+        With `pad_logit_rows` (the model runner sets it on GPUs), more than SKINNY_MAX_ROWS
+        rows are padded with zero rows to a multiple of LOGITS_ROW_BUCKET, and the extra
+        rows' logits dropped. On an H100, cuBLAS's first LM-head product for each row count
+        held the host until the device had run out of queued work (75-220 ms in the prefill
+        steps of a ShareGPT-like burst); N changes from step to step, so the overlapped loop
+        kept stopping. Padded, there are few sizes, and the engine runs each once at start
+        (`ModelRunner.warm_logits`; loadtest/reports/fp8/README.md).
+        """
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.logits_gather(linear(hidden, weight)).float()
+        rows = hidden.shape[0]
+        padded = padded_logit_rows(rows) if self.pad_logit_rows else rows
+        if padded != rows:
+            hidden = torch.cat([hidden, hidden.new_zeros(padded - rows, hidden.shape[1])])
+        return self.logits_gather(linear(hidden, weight)[:rows]).float()
 
     def reset_buffers(self) -> None:
         """Recompute non-weight buffers (the RoPE table) after `to_empty` materialised them."""

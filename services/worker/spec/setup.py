@@ -90,4 +90,5 @@ def build_draft_proposer(engine: LLMEngine, model: CausalLM, config: ModelConfig
                  "%d MiB", len(decode.buckets), len(pieces.buckets),
                  decode.seconds + pieces.seconds,
                  (decode.memory_bytes + pieces.memory_bytes) >> 20)
+    drafter.runner.warm_logits(engine.max_num_seqs)  # its LM head's row counts, as the target's
     return drafter
