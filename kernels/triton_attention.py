@@ -99,7 +99,8 @@ F16_Q_SHIFT = 8
 # How an e4m3 cache widens to float16 (module docstring): "bits" or "cvt".
 WIDEN_ENV = "MESHSERVE_FP8_WIDEN"
 E4M3_WIDEN = os.environ.get(WIDEN_ENV, "cvt")
-assert E4M3_WIDEN in ("bits", "cvt"), f"{WIDEN_ENV} must be bits or cvt, got {E4M3_WIDEN!r}"
+if E4M3_WIDEN not in ("bits", "cvt"):
+    raise ValueError(f"{WIDEN_ENV} must be bits or cvt, got {E4M3_WIDEN!r}")
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype, decode_only: bool) -> AttentionTiles:
