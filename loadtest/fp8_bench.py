@@ -127,57 +127,83 @@ def score_prompts(engine: Any, count: int, length: int) -> dict[str, list[list[f
 
 def check() -> dict[str, Any]:
     """The FP8 GPU paths against their torch references, and the FP8 products' speed."""
-    import dataclasses
-
     import torch
 
-    from meshserve.kernels.attention import AttentionMetadata, paged_attention
-    from meshserve.kernels.fp8_linear import (
-        fp8_linear,
-        fp8_linear_reference,
-        quantize_per_channel,
-    )
-    from meshserve.kernels.linear import linear
+    from meshserve.kernels.fp8_linear import quantize_per_channel
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(6144, 4096, generator=g, device=device, dtype=torch.bfloat16) * 0.02
     q, scale = quantize_per_channel(w)
-    out: dict[str, Any] = {"device": str(device), "linear": [], "timing_us": {}}
+    out: dict[str, Any] = {"device": str(device), "timing_us": {}}
+    out["linear"] = _check_products(q, scale, g)
+    if device.type == "cuda":
+        out.update(_check_launch_shapes(q, scale, g))
+    out.update(_check_fp8_attention(g, device))
+    out["ok"] = (all(r["ok"] for r in out["linear"]) and out["attention_fp8_kv_max_abs_err"] < 2e-2
+                 and out["attention_bits_equal_cvt"] and out.get("bits_identical_ok", True)
+                 and out.get("candidates_ok", True))
+    if device.type == "cuda":
+        out["timing_us"] = _time_products(g, device)
+    return out
+
+
+def _check_products(q: Any, scale: Any, g: Any) -> list[dict[str, Any]]:
+    """`fp8_linear` at 1..512 rows against the reference (relative error of the norm)."""
+    import torch
+
+    from meshserve.kernels.fp8_linear import fp8_linear, fp8_linear_reference
+
+    rows_checked = []
     for rows in (1, 5, 16, 17, 64, 512):
-        x = torch.randn(rows, 4096, generator=g, device=device, dtype=torch.bfloat16)
+        x = torch.randn(rows, 4096, generator=g, device=q.device, dtype=torch.bfloat16)
         got = fp8_linear(x, q, scale).float()
         # On a GPU more than 16 rows go through _scaled_mm, which quantizes x per token.
         ref = fp8_linear_reference(x.float(), q, scale, quantize_input=x.is_cuda and rows > 16)
         rel = ((got - ref).norm() / ref.norm()).item()
-        out["linear"].append({"rows": rows, "rel_err": rel, "ok": rel < 1e-2})
-    if device.type == "cuda":  # every launch shape the tuner may pick, against the reference
-        from meshserve.kernels import triton_fp8_linear
+        rows_checked.append({"rows": rows, "rel_err": rel, "ok": rel < 1e-2})
+    return rows_checked
 
-        def every_shape(rows: int) -> list[Any]:  # both widenings, whatever the env says
-            return [c for c in triton_fp8_linear.CANDIDATES if c.mode != "fma" or rows == 1]
 
-        out["candidates"] = []
-        for rows in (1, 5):
-            x = torch.randn(rows, 4096, generator=g, device=device, dtype=torch.bfloat16)
-            ref = fp8_linear_reference(x.float(), q, scale)
-            for c in every_shape(rows):
-                got = triton_fp8_linear.skinny_fp8_linear(x, q, scale, c).float()
-                rel = ((got - ref).norm() / ref.norm()).item()
-                out["candidates"].append({"rows": rows, "config": str(c), "rel_err": rel})
-        out["candidates_ok"] = all(r["rel_err"] < 1e-2 for r in out["candidates"])
-        # Widening by bits gives the conversion's results bit for bit, launch shape by shape.
-        out["bits_identical"] = []
-        for rows in (1, 5):
-            x = torch.randn(rows, 4096, generator=g, device=device, dtype=torch.bfloat16)
-            for c in every_shape(rows):
-                if c.widen == "bits":
-                    twin = dataclasses.replace(c, widen="cvt")
-                    same = torch.equal(triton_fp8_linear.skinny_fp8_linear(x, q, scale, c),
-                                       triton_fp8_linear.skinny_fp8_linear(x, q, scale, twin))
-                    out["bits_identical"].append({"rows": rows, "config": str(c), "same": same})
-        out["bits_identical_ok"] = all(r["same"] for r in out["bits_identical"])
-    # An FP8 KV cache read by the paged attention kernel against the widened cache.
+def _check_launch_shapes(q: Any, scale: Any, g: Any) -> dict[str, Any]:
+    """Every launch shape of the skinny kernel (both widenings, whatever the environment
+    says) against the reference, and each widened by bits against its conversion twin."""
+    import dataclasses
+
+    import torch
+
+    from meshserve.kernels import triton_fp8_linear
+    from meshserve.kernels.fp8_linear import fp8_linear_reference
+
+    candidates, identical = [], []
+    for rows in (1, 5):
+        x = torch.randn(rows, 4096, generator=g, device=q.device, dtype=torch.bfloat16)
+        ref = fp8_linear_reference(x.float(), q, scale)
+        for c in triton_fp8_linear.CANDIDATES:
+            if c.mode == "fma" and rows > 1:
+                continue
+            got = triton_fp8_linear.skinny_fp8_linear(x, q, scale, c)
+            rel = ((got.float() - ref).norm() / ref.norm()).item()
+            candidates.append({"rows": rows, "config": str(c), "rel_err": rel})
+            if c.widen == "bits":
+                twin = triton_fp8_linear.skinny_fp8_linear(
+                    x, q, scale, dataclasses.replace(c, widen="cvt"))
+                identical.append({"rows": rows, "config": str(c),
+                                  "same": torch.equal(got, twin)})
+    return {"candidates": candidates,
+            "candidates_ok": all(r["rel_err"] < 1e-2 for r in candidates),
+            "bits_identical": identical,
+            "bits_identical_ok": all(r["same"] for r in identical)}
+
+
+def _check_fp8_attention(g: Any, device: Any) -> dict[str, Any]:
+    """Paged attention over an FP8 cache against float32 attention over its widened values,
+    and the two widenings of e4m3 against each other (the same bits)."""
+    import torch
+
+    from meshserve.kernels import triton_attention
+    from meshserve.kernels.attention import AttentionMetadata, paged_attention
+
     k_cache = torch.randn(8, 16, 8, 128, generator=g, device=device).to(torch.float8_e4m3fn)
     v_cache = torch.randn(8, 16, 8, 128, generator=g, device=device).to(torch.float8_e4m3fn)
     query = torch.randn(2, 32, 128, generator=g, device=device, dtype=torch.bfloat16)
@@ -187,29 +213,36 @@ def check() -> dict[str, Any]:
             [0, 1, 2], **i32), seq_lens=torch.tensor([40, 17], **i32),
         block_tables=torch.tensor([[3, 1, 6], [0, 5, 0]], **i32), max_query_len=1,
         max_seq_len=40, query_lens_cpu=[1, 1], seq_lens_cpu=[40, 17])
-    from meshserve.kernels import triton_attention
-
-    triton_attention.E4M3_WIDEN = "cvt"
-    by_cvt = paged_attention(query, k_cache, v_cache, meta, 128**-0.5).float()
-    triton_attention.E4M3_WIDEN = "bits"
-    got = paged_attention(query, k_cache, v_cache, meta, 128**-0.5).float()
-    out["attention_bits_equal_cvt"] = bool(torch.equal(got, by_cvt))
+    widen = triton_attention.E4M3_WIDEN
+    try:
+        triton_attention.E4M3_WIDEN = "cvt"
+        by_cvt = paged_attention(query, k_cache, v_cache, meta, 128**-0.5).float()
+        triton_attention.E4M3_WIDEN = "bits"
+        got = paged_attention(query, k_cache, v_cache, meta, 128**-0.5).float()
+    finally:
+        triton_attention.E4M3_WIDEN = widen
     ref = paged_attention(query.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu(),
                           _on_cpu(meta), 128**-0.5)
-    out["attention_fp8_kv_max_abs_err"] = (got.cpu() - ref).abs().max().item()
-    out["ok"] = (all(r["ok"] for r in out["linear"]) and out["attention_fp8_kv_max_abs_err"] < 2e-2
-                 and out["attention_bits_equal_cvt"] and out.get("bits_identical_ok", True)
-                 and out.get("candidates_ok", True))
-    if device.type == "cuda":
-        big = torch.randn(14336, 4096, generator=g, device=device, dtype=torch.bfloat16) * 0.02
-        big_q, big_s = quantize_per_channel(big)
-        for rows in (1, 8, 256):
-            x = torch.randn(rows, 4096, generator=g, device=device, dtype=torch.bfloat16)
-            out["timing_us"][f"bf16_{rows}x4096x14336"] = _time_us(
-                lambda x=x: linear(x, big))
-            out["timing_us"][f"fp8_{rows}x4096x14336"] = _time_us(
-                lambda x=x: fp8_linear(x, big_q, big_s))
-    return out
+    return {"attention_bits_equal_cvt": bool(torch.equal(got, by_cvt)),
+            "attention_fp8_kv_max_abs_err": (got.cpu() - ref).abs().max().item()}
+
+
+def _time_products(g: Any, device: Any) -> dict[str, float]:
+    """bf16 and FP8 product times (us per call) at 1, 8 and 256 rows of a 14336 x 4096
+    weight."""
+    import torch
+
+    from meshserve.kernels.fp8_linear import fp8_linear, quantize_per_channel
+    from meshserve.kernels.linear import linear
+
+    big = torch.randn(14336, 4096, generator=g, device=device, dtype=torch.bfloat16) * 0.02
+    big_q, big_s = quantize_per_channel(big)
+    timing = {}
+    for rows in (1, 8, 256):
+        x = torch.randn(rows, 4096, generator=g, device=device, dtype=torch.bfloat16)
+        timing[f"bf16_{rows}x4096x14336"] = _time_us(lambda x=x: linear(x, big))
+        timing[f"fp8_{rows}x4096x14336"] = _time_us(lambda x=x: fp8_linear(x, big_q, big_s))
+    return timing
 
 
 def _on_cpu(meta: Any) -> Any:

@@ -36,3 +36,14 @@ gpu_step() {
   echo "== $name: exit $? in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
   tail -"${STEP_TAIL:-6}" "$OUT/$name.log"
 }
+
+# `fp8_report TITLE RUN...`: loadtest/fp8_bench.py's table of $OUT/RUN.json (those that
+# exist) against the first, appended to $OUT/summary.md under TITLE (needs $RUN_DIR).
+fp8_report() {
+  local title=$1 runs=() name
+  shift
+  for name in "$@"; do [ -f "$OUT/$name.json" ] && runs+=("$OUT/$name.json"); done
+  ((${#runs[@]} > 1)) || return 0
+  python3 loadtest/fp8_bench.py report "${runs[@]}" --out "$RUN_DIR/table.md" >/dev/null &&
+    printf '## %s\n\n%s\n\n' "$title" "$(cat "$RUN_DIR/table.md")" >>"$OUT/summary.md"
+}

@@ -46,7 +46,8 @@ engine() {  # engine NAME LIMIT PROMPTS [ENV=VALUE...] -- ENGINE_FLAGS...
     --load-format dummy --max-model-len "$MAX_MODEL_LEN" "$@"
 }
 gpu_step check 120 python3 loadtest/fp8_bench.py check --out "$OUT/check.json"
-gpu_step kernels 200 env MESHSERVE_FP8_WIDEN=bits python3 loadtest/fp8_kernels_bench.py --rows 1 8 --out "$OUT/kernels.json"
+gpu_step kernels 200 env MESHSERVE_FP8_WIDEN=bits python3 loadtest/fp8_kernels_bench.py --rows 1 8 \
+  --out "$OUT/kernels.json"
 gpu_step attention 150 python3 loadtest/kv8_attention_bench.py --cases 768x640,256x2048 \
   --out "$OUT/attention.json"
 engine lat_bf16 110 0 --
@@ -56,15 +57,7 @@ engine tput_bf16 180 "$NUM_PROMPTS" --
 engine tput_fp8 180 "$NUM_PROMPTS" -- --quantization fp8
 engine tput_fp8kv8 180 "$NUM_PROMPTS" -- --quantization fp8 --kv-cache-dtype fp8
 
-report() {  # report TITLE RUN... : fp8_bench.py's table of RUNs against the first
-  local title=$1 runs=() name
-  shift
-  for name in "$@"; do [ -f "$OUT/$name.json" ] && runs+=("$OUT/$name.json"); done
-  ((${#runs[@]} > 1)) || return
-  python3 loadtest/fp8_bench.py report "${runs[@]}" --out "$RUN_DIR/table.md" >/dev/null &&
-    printf '## %s\n\n%s\n\n' "$title" "$(cat "$RUN_DIR/table.md")" >>"$OUT/summary.md"
-}
 : >"$OUT/summary.md"
-report "single stream" lat_bf16 lat_fp8 lat_fp8_bits
-report "ShareGPT-like" tput_bf16 tput_fp8 tput_fp8kv8
+fp8_report "single stream" lat_bf16 lat_fp8 lat_fp8_bits
+fp8_report "ShareGPT-like" tput_bf16 tput_fp8 tput_fp8kv8
 cat "$OUT/summary.md"

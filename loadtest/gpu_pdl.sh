@@ -49,22 +49,14 @@ pair() {  # pair KIND PDL_MODE PROMPTS: bf16 on GPU 0 and FP8 on GPU 1 at once
 for mode in $MODES; do pair lat "$mode" 0; done
 for mode in $TPUT_MODES; do pair tput "$mode" "$NUM_PROMPTS"; done
 
-report() {  # report TITLE RUN... : fp8_bench.py's table of RUNs against the first
-  local title=$1 runs=() name
-  shift
-  for name in "$@"; do [ -f "$OUT/$name.json" ] && runs+=("$OUT/$name.json"); done
-  ((${#runs[@]} > 1)) || return
-  python3 loadtest/fp8_bench.py report "${runs[@]}" --out "$RUN_DIR/table.md" >/dev/null &&
-    printf '## %s\n\n%s\n\n' "$title" "$(cat "$RUN_DIR/table.md")" >>"$OUT/summary.md"
-}
 : >"$OUT/summary.md"
 for precision in bf16 fp8; do
-  report "$precision: PDL 1 and 2 against PDL 0 (same precision)" \
+  fp8_report "$precision: PDL 1 and 2 against PDL 0 (same precision)" \
     "lat_${precision}_pdl0" "lat_${precision}_pdl1" "lat_${precision}_pdl2"
 done
 for mode in 0 1 2; do
-  report "FP8 against bf16 at PDL $mode, latency runs" "lat_bf16_pdl$mode" "lat_fp8_pdl$mode"
-  report "FP8 against bf16 at PDL $mode, throughput runs" "tput_bf16_pdl$mode" \
+  fp8_report "FP8 against bf16 at PDL $mode, latency runs" "lat_bf16_pdl$mode" "lat_fp8_pdl$mode"
+  fp8_report "FP8 against bf16 at PDL $mode, throughput runs" "tput_bf16_pdl$mode" \
     "tput_fp8_pdl$mode"
 done
 cat "$OUT/summary.md"

@@ -216,7 +216,7 @@ class CausalLM(nn.Module):
         rows = hidden.shape[0]
         padded = padded_logit_rows(rows) if self.pad_logit_rows else rows
         if padded != rows:
-            hidden = torch.cat([hidden, hidden.new_zeros(padded - rows, hidden.shape[1])])
+            hidden = nn.functional.pad(hidden, (0, 0, 0, padded - rows))  # zero rows
         return self.logits_gather(linear(hidden, weight)[:rows]).float()
 
     def reset_buffers(self) -> None:
