@@ -117,6 +117,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         rows = rows.contiguous()
         config = fp8_tuning.config_for(rows, weight, scale)  # measured once per shape
         out = triton_fp8_linear.skinny_fp8_linear(rows, weight, scale, config)
+    elif weight.shape[0] % 16 or weight.shape[1] % 16:  # _scaled_mm needs both aligned
+        return fp8_linear_reference(x, weight, scale, bias)
     else:
         out = scaled_mm(rows, weight, scale)
     out = out.view(*x.shape[:-1], weight.shape[0])

@@ -6,7 +6,9 @@ For every layer shape (fused qkv, o, gate_up, down) and row count: the bf16 prod
 (`meshserve.kernels.linear.linear`) and the FP8 one (`fp8_linear`) as the engine runs them,
 each timed back to back inside a CUDA graph as the engine runs them (no host launch in the
 figure), cycling over copies of the weight that exceed twice the L2 cache, and the weight
-bytes per second they reach. `--shapes tp2` times one rank's slices at tensor parallelism 2. Up to 16 rows the FP8 product is the skinny Triton kernel: the table names
+bytes per second they reach. `--shapes tp2` times one rank's slices at tensor parallelism 2,
+`--shapes lm_head` the 8B LM head (FP8 with --quantize-lm-head). Up to 16 rows the FP8
+product is the skinny Triton kernel: the table names
 the launch shape `fp8_tuning` chose and the JSON keeps every candidate's time. Past 16 rows
 it is per-token quantization + `torch._scaled_mm`: the JSON splits the two and times
 `_scaled_mm` with `use_fast_accum` too.
@@ -24,7 +26,8 @@ from typing import Any
 SHAPES = {"tp1": (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
                   ("down", 4096, 14336)),
           "tp2": (("qkv", 3072, 4096), ("o", 4096, 2048), ("gate_up", 14336, 4096),
-                  ("down", 4096, 7168))}
+                  ("down", 4096, 7168)),
+          "lm_head": (("lm_head", 128256, 4096),)}  # --quantize-lm-head
 
 
 def measure(rows_list: list[int], shapes: str) -> list[dict[str, Any]]:

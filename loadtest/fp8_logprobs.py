@@ -8,8 +8,9 @@ CUDA graphs.
 The dummy-weight benchmarks (fp8_bench.py) give every token the same logprob, so they say
 nothing about FP8's accuracy. Here a Llama-shaped model with unit-scale random weights
 (tests/tiny_models.py; hidden 512, 8 query / 4 KV heads of 64, intermediate 1536) is built
-in a temporary folder and run by four engines: float32, bf16, bf16 + FP8 weights
-(`--quantization fp8`), and bf16 + FP8 weights + FP8 KV cache. Each scores PROMPTS random
+in a temporary folder and run by five engines: float32, bf16, bf16 + FP8 weights
+(`--quantization fp8`), bf16 + FP8 weights + FP8 KV cache, and bf16 + FP8 weights and LM
+head (`--quantize-lm-head`). Each scores PROMPTS random
 prompts of LENGTH tokens (the prompt tokens' logprobs and top-1 logprobs, from prefill) and
 decodes LENGTH greedy tokens from each (logprobs at the positions where both runs still
 agree on every token). The JSON has every pair's figures (fp8_bench.logprob_diffs);
@@ -35,9 +36,10 @@ DIMS = {"hidden_size": 512, "intermediate_size": 1536, "num_attention_heads": 8,
         "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 1024}
 RUNS = {"float32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
         "fp8": {"dtype": "bfloat16", "quantization": "fp8"},
-        "fp8_kv8": {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8"}}
-PAIRS = (("bf16", "fp8"), ("bf16", "fp8_kv8"), ("float32", "bf16"), ("float32", "fp8"),
-         ("float32", "fp8_kv8"))
+        "fp8_kv8": {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8"},
+        "fp8_head": {"dtype": "bfloat16", "quantization": "fp8", "quantize_lm_head": True}}
+PAIRS = (("bf16", "fp8"), ("bf16", "fp8_kv8"), ("bf16", "fp8_head"), ("float32", "bf16"),
+         ("float32", "fp8"), ("float32", "fp8_kv8"), ("float32", "fp8_head"))
 
 
 def score(folder: Path, device: str, prompts: int, length: int, **overrides: Any
@@ -70,14 +72,19 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import torch
     from fp8_bench import logprob_diffs
-    from test_fp8_engine import FP8_KV_LOGPROB_BOUND, FP8_WEIGHTS_LOGPROB_BOUND
+    from test_fp8_engine import (
+        FP8_KV_LOGPROB_BOUND,
+        FP8_LM_HEAD_LOGPROB_BOUND,
+        FP8_WEIGHTS_LOGPROB_BOUND,
+    )
     from tiny_models import build_tiny_model
 
     result: dict[str, Any] = {"device": args.device, "dims": {**DIMS, "layers": args.layers},
                               "torch": torch.__version__, "prompts": args.prompts,
                               "length": args.length,
                               "cpu_bounds": {"fp8_weights": FP8_WEIGHTS_LOGPROB_BOUND,
-                                             "fp8_kv": FP8_KV_LOGPROB_BOUND}}
+                                             "fp8_kv": FP8_KV_LOGPROB_BOUND,
+                                             "fp8_lm_head": FP8_LM_HEAD_LOGPROB_BOUND}}
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,6 +35,7 @@ class QuantConfig:
     weight_block: tuple[int, int] | None = None  # block-wise scales' tile [bn, bk]
     static_input_scales: bool = False  # the checkpoint carries input_scale tensors
     ignored: tuple[str, ...] = ()  # Hugging Face module names left unquantized
+    lm_head: bool = False  # --quantize-lm-head: the LM head in FP8 too (quantized at load)
 
     @property
     def from_checkpoint(self) -> bool:

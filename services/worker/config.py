@@ -70,6 +70,11 @@ class EngineOptions(Config):
               "quantized per token), quantized at load; FP8 checkpoints (fp8, "
               "compressed-tensors) are detected without it. GGUF files are dequantized to "
               "--dtype on load (a Q4 file takes the dtype's full size) unless this is set")
+    quantize_lm_head: bool = option(
+        False, "with FP8 weights (--quantization fp8 or an FP8 checkpoint), the LM head in "
+               "FP8 too (per-row scales over the vocabulary): half its bytes read per token, "
+               "logprobs a little further from the unquantized model's "
+               "(docs/quantization.md); off, it stays in --dtype as vLLM keeps it")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = option(
         "auto", "KV cache element type: auto (the model's dtype) or FP8 (fp8 = fp8_e4m3; "
                 "scale 1.0), which holds twice the tokens in the same memory")

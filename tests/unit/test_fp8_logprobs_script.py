@@ -1,5 +1,5 @@
 """loadtest/fp8_logprobs.py (the GPU record of FP8 logprobs against bf16) on the CPU with a
-one-layer model: it runs its four engines, writes every pair's figures, and the figures
+one-layer model: it runs its five engines, writes every pair's figures, and the figures
 order as rounding says they must (FP8 weights move logprobs more than bf16 does)."""
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ def test_fp8_logprobs_script_on_cpu(tmp_path: Path) -> None:
         timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["pairs"]) == {"bf16 -> fp8", "bf16 -> fp8_kv8", "float32 -> bf16",
-                                    "float32 -> fp8", "float32 -> fp8_kv8"}
+    assert set(result["pairs"]) == {"bf16 -> fp8", "bf16 -> fp8_kv8", "bf16 -> fp8_head",
+                                    "float32 -> bf16", "float32 -> fp8", "float32 -> fp8_kv8",
+                                    "float32 -> fp8_head"}
     for figures in result["pairs"].values():
         assert figures["logprob_positions"] == 2 * 11  # every prompt position after the first
         assert figures["decode_tokens"] == 2 * 12

@@ -46,6 +46,8 @@ class EngineConfig:
     # Small sums over GPU ranks by NCCL instead of the one-shot all-reduce.
     disable_custom_all_reduce: bool = False
     quantization: str | None = None  # fp8: FP8 decoder weights (docs/quantization.md)
+    # With FP8 weights: the LM head in FP8 too (vLLM keeps it in the model's dtype).
+    quantize_lm_head: bool = False
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
     # Multi-LoRA serving (vLLM's --enable-lora and friends; docs/lora.md).
     enable_lora: bool = False

@@ -16,6 +16,7 @@ first, then reads the step before (its grammars take those tokens) and queues it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -174,6 +175,11 @@ class LLMEngine:
         cannot run yet; called before any tensor-parallel rank starts."""
         config = self.config
         quant = load_quant_config(self.source, config.quantization)
+        if config.quantize_lm_head:
+            if quant is None:
+                raise ModelLoadError("--quantize-lm-head needs FP8 weights (--quantization fp8 "
+                                     "or an FP8 checkpoint)", param="quantize_lm_head")
+            quant = dataclasses.replace(quant, lm_head=True)
         if quant is not None and config.enable_lora:
             # FP8 layers replace the ones LoRA hooks: adapters would be silently skipped.
             raise ModelLoadError("--enable-lora does not work with FP8 weights yet (--quantization "

@@ -184,8 +184,9 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         # Tied models read the embedding matrix directly (no shared Parameter, so moving the
         # module between devices can never untie it).
-        self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.lm_head: nn.Module | None = (
+            None if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False))
         # Tensor parallelism puts a gather of the ranks' vocabulary slices here
         # (services/worker/parallel/layers.py).
         self.logits_gather: nn.Module = nn.Identity()
@@ -212,12 +213,15 @@ class CausalLM(nn.Module):
         kept stopping. Padded, there are few sizes, and the engine runs each once at start
         (`ModelRunner.warm_logits`; loadtest/reports/fp8/README.md).
         """
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         rows = hidden.shape[0]
         padded = padded_logit_rows(rows) if self.pad_logit_rows else rows
         if padded != rows:
             hidden = nn.functional.pad(hidden, (0, 0, 0, padded - rows))  # zero rows
-        return self.logits_gather(linear(hidden, weight)[:rows]).float()
+        # The LM head is a module (Linear, or Fp8Linear with --quantize-lm-head) unless the
+        # embeddings are tied and it stays in the model's dtype.
+        logits = (linear(hidden, self.model.embed_tokens.weight) if self.lm_head is None
+                  else self.lm_head(hidden))
+        return self.logits_gather(logits[:rows]).float()
 
     def reset_buffers(self) -> None:
         """Recompute non-weight buffers (the RoPE table) after `to_empty` materialised them."""

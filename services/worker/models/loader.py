@@ -22,6 +22,7 @@ from meshserve.services.worker.models.llama import CausalLM
 from meshserve.services.worker.models.quant_fp8 import (
     load_fp8_checkpoint,
     prepare_checkpoint_layers,
+    quantize_lm_head,
     quantize_online,
 )
 from meshserve.services.worker.models.registry import get_model_class
@@ -69,7 +70,7 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
     `model_class` replaces the architecture's own class (a pooling worker's embedder).
     `shard`: build this tensor-parallel rank's part of the model and load only its slices
     (dummy weights are drawn per slice, on the device). `quant` gives the decoder's linear
-    layers FP8 weights."""
+    layers FP8 weights (and the LM head, with `quant.lm_head`)."""
     dummy = load_format == "dummy" or source.format == "dummy"
     fp8_checkpoint = quant is not None and quant.from_checkpoint and not dummy
     assert not (fp8_checkpoint and shard is not None), \
@@ -84,6 +85,8 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
         _load_hf(model, source.path, shard, quant if fp8_checkpoint else None)
     if quant is not None and not fp8_checkpoint:
         quantize_online(model)
+    if quant is not None and quant.lm_head:
+        quantize_lm_head(model)
     model.requires_grad_(False)
     return model.eval()
 

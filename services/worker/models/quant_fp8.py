@@ -2,7 +2,9 @@
 (`--quantization fp8`) and loading of FP8 checkpoints (vLLM's `fp8` and compressed-tensors).
 
 Only the projections inside the decoder layers (qkv, o, gate_up, down) become FP8; the
-embeddings, norms and the LM head stay in the model's dtype, as in vLLM. At load the module
+embeddings, norms and the LM head stay in the model's dtype, as in vLLM, unless
+`--quantize-lm-head` asks for an FP8 LM head too (`quantize_lm_head`: per-row scales over the
+vocabulary; a tied model keeps its embeddings and gets an FP8 copy). At load the module
 swap happens on the meta device (checkpoint) or after the bf16 weights are in (online), one
 layer at a time, so an online-quantized model peaks at its bf16 size.
 """
@@ -88,6 +90,23 @@ def quantize_online(model: CausalLM) -> None:
         # Hand the freed bf16 weights back, or the KV cache sizing (which counts this
         # process's reserved memory) would leave them unused.
         torch.cuda.empty_cache()
+
+
+def quantize_lm_head(model: CausalLM) -> None:
+    """Give the model an FP8 LM head (per-channel scales: one per vocabulary row) in place
+    of its own, or of the tied embedding matrix it reads (which stays, for the inputs)."""
+    head = model.lm_head
+    weight = model.model.embed_tokens.weight if head is None else head.weight
+    assert isinstance(weight, torch.Tensor)
+    with torch.no_grad():
+        q, scale = quantize_per_channel(weight)
+    with torch.device("meta"):
+        fp8 = Fp8Linear(weight.shape[1], weight.shape[0], None)
+    fp8.weight = nn.Parameter(q, requires_grad=False)
+    fp8.weight_scale = scale
+    model.lm_head = fp8
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the bf16 head's memory, for the KV cache sizing
 
 
 def _replace(parent: nn.Module, attr: str, old: nn.Module, new: nn.Module) -> None:

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The FP8 LM head (--quantize-lm-head) on one GPU, Llama-3.1-8B shape with dummy weights:
+# single-stream TPOT and ShareGPT-like throughput of bf16, FP8 weights, and FP8 weights with
+# the LM head in FP8 too, alternated within one call (machines differ more than the
+# configurations do), the LM head's product at 1 and 8 rows, and FP8 logprobs against bf16
+# on a random model whose logits are not flat (loadtest/fp8_logprobs.py). SKIP="name ..."
+# leaves steps out; a call of at most 10 minutes takes a part of them, e.g.
+#     SKIP="tput_bf16 tput_fp8kv8 tput_fp8kv8_head" bash loadtest/gpu_fp8_head.sh
+#     SKIP="kernels logprobs lat_bf16 lat_fp8 lat_fp8_head lat_bf16_2 lat_fp8_head_2" \
+#         bash loadtest/gpu_fp8_head.sh
+# Steps (limits): kernels (120 s), logprobs (150 s), lat_* (110 s each), tput_* (180 s each).
+# Results in $OUT: <step>.json/.log, steps.log, summary.md (fp8_bench.py's tables).
+set -uo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 1
+OUT=${OUT:-$(mktemp -d)}
+RUN_DIR=$(mktemp -d)
+trap 'rm -rf "$RUN_DIR"' EXIT
+mkdir -p "$OUT"
+: >"$OUT/steps.log"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# shellcheck source=loadtest/gpu_env.sh
+. "$REPO/loadtest/gpu_env.sh"
+gpu_env "$RUN_DIR"
+MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+NUM_PROMPTS=${NUM_PROMPTS:-800}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} >"$OUT/env.txt" 2>&1
+
+engine() {  # engine NAME LIMIT PROMPTS -- ENGINE_FLAGS...
+  local name=$1 limit=$2 prompts=$3
+  shift 4
+  gpu_step "$name" "$limit" python3 loadtest/fp8_bench.py run --label "$name" \
+    --out "$OUT/$name.json" --num-prompts "$prompts" -- --model "$MODEL_DIR" \
+    --load-format dummy --max-model-len "$MAX_MODEL_LEN" "$@"
+}
+HEAD=(--quantization fp8 --quantize-lm-head)
+gpu_step kernels 120 python3 loadtest/fp8_kernels_bench.py --shapes lm_head --rows 1 8 \
+  --out "$OUT/kernels.json"
+gpu_step logprobs 150 python3 loadtest/fp8_logprobs.py --out "$OUT/logprobs.json"
+engine lat_bf16 110 0 --
+engine lat_fp8 110 0 -- --quantization fp8
+engine lat_fp8_head 110 0 -- "${HEAD[@]}"
+engine lat_bf16_2 110 0 --
+engine lat_fp8_head_2 110 0 -- "${HEAD[@]}"
+engine tput_bf16 180 "$NUM_PROMPTS" --
+engine tput_fp8kv8 180 "$NUM_PROMPTS" -- --quantization fp8 --kv-cache-dtype fp8
+engine tput_fp8kv8_head 180 "$NUM_PROMPTS" -- "${HEAD[@]}" --kv-cache-dtype fp8
+
+: >"$OUT/summary.md"
+fp8_report "single stream" lat_bf16 lat_fp8 lat_fp8_head lat_bf16_2 lat_fp8_head_2
+fp8_report "ShareGPT-like" tput_bf16 tput_fp8kv8 tput_fp8kv8_head
+cat "$OUT/summary.md"
