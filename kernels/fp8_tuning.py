@@ -78,7 +78,10 @@ def _agrees(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: 
         return False
     error = ((got - reference).norm() / reference.norm().clamp(min=1e-30)).item()
     if not error <= 1e-2:  # also false for NaN
-        log.warning("fp8 launch shape %s left aside: relative difference %.3g", config, error)
+        log.warning("fp8 launch shape %s left aside: relative difference %.3g (N=%d K=%d, "
+                    "%d rows, max |x| %.3g, |y| %.3g against the fallback's %.3g)", config,
+                    error, weight.shape[0], weight.shape[1], x.shape[0],
+                    x.abs().max().item(), got.norm().item(), reference.norm().item())
         return False
     return True
 
