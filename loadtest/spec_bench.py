@@ -14,11 +14,16 @@ drafts, not by bf16 rounding of flat dummy logits (--no-copy-model keeps the raw
                 (the lowest round median counts); the table says which forward path
                 (whole-step graph, verify graph, piecewise, eager) the timed steps took.
   baseline      single-stream TPOT without speculation (the overlapped loop, the default; and
-                the synchronous loop that speculating steps use)
+                the synchronous loop)
   ngram_quote   n-gram drafts, prompt quoting the whole answer (as an edited file quotes the
                 original): acceptance near 100%
   ngram_partial n-gram drafts, the quote corrupted every --corrupt-every tokens: partial
                 acceptance
+  ngram_fresh   n-gram drafts configured, a prompt that quotes nothing (no match, no draft):
+                against baseline_fresh (the same prompt without speculation) with the
+                overlapped loop, and ngram_fresh_sync with it off (how speculating engines
+                ran before steps without drafts were overlapped)
+  (the speculating modes run with the overlapped loop on, as a GPU engine does by default)
   oracle        drafts are the known answer (100% acceptance, no lookup): the upper bound
   draft_same    a draft model that is the target's own weights (own KV cache, and CUDA graphs
                 when the target has them): every draft accepted, each costing one target
@@ -70,6 +75,10 @@ class FixedProposer:
     def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         return [[self.rng.randrange(self.vocab) for _ in range(k)] for k in ks]
 
+    def may_draft(self, request: Request) -> bool:
+        del request
+        return True
+
 
 class OracleProposer:
     """The next k tokens of a known greedy output (per request id)."""
@@ -84,6 +93,10 @@ class OracleProposer:
             done = request.num_tokens - self.prompt_len
             out.append(self.output[done : done + k])
         return out
+
+    def may_draft(self, request: Request) -> bool:
+        del request
+        return True
 
 
 def single_stream(engine: LLMEngine, prompt: list[int], max_tokens: int,
@@ -209,11 +222,20 @@ def single_stream_modes(engine: LLMEngine, ngram: SpecDecoder, successor: list[i
     modes["baseline_async"] = run_mode(engine, None, True, full, n)
     modes["baseline_sync"] = run_mode(engine, None, False, full, n)
     reference = modes["baseline_async"]["tokens"]
-    modes["ngram_quote"] = run_mode(engine, ngram, False, full, n)
-    modes["ngram_partial"] = run_mode(engine, ngram, False, partial, n)
+    # The n-gram modes run as a GPU engine does by default: the overlapped loop on, steps
+    # that may draft read before the next is scheduled.
+    modes["ngram_quote"] = run_mode(engine, ngram, True, full, n)
+    modes["ngram_partial"] = run_mode(engine, ngram, True, partial, n)
+    # A prompt that quotes nothing (the filler and the chain's first token): no n-gram
+    # matches, so speculation should cost nothing against the overlapped loop without it;
+    # `_sync` is the loop speculating engines ran before (every step read at once).
+    fresh = full[quote_len:]
+    modes["baseline_fresh"] = run_mode(engine, None, True, fresh, n)
+    modes["ngram_fresh"] = run_mode(engine, ngram, True, fresh, n)
+    modes["ngram_fresh_sync"] = run_mode(engine, ngram, False, fresh, n)
     config = SpeculativeConfig("ngram", k)
     oracle = SpecDecoder(config, OracleProposer(len(full), reference), engine.max_model_len)
-    modes["oracle"] = run_mode(engine, oracle, False, full, n)
+    modes["oracle"] = run_mode(engine, oracle, True, full, n)
     results["single_stream_partial"] = {m: _without_tokens(r) for m, r in modes.items()}
     _save(args, results)
     if not args.skip_draft:
@@ -221,7 +243,7 @@ def single_stream_modes(engine: LLMEngine, ngram: SpecDecoder, successor: list[i
                                      args.draft_blocks)
         same = SpecDecoder(SpeculativeConfig("draft_model", k, model=args.model), draft,
                            engine.max_model_len)
-        modes["draft_same"] = run_mode(engine, same, False, full, n)
+        modes["draft_same"] = run_mode(engine, same, True, full, n)
         modes["draft_same"]["draft_paths"] = dict(draft.paths)
     del results["single_stream_partial"]
     base = modes["baseline_async"]["tpot_ms"]

@@ -55,13 +55,19 @@ ENGINES = {
     "default": {},
     "chunked": {"max_num_batched_tokens": 24},  # prompts in chunks beside verify queries
     "tiny-cache-preempts": {"num_kv_blocks": 9, "max_num_batched_tokens": 64},
+    # The overlapped loop (a GPU's default): steps without drafts queue behind the last.
+    "overlapped": {"async_scheduling": "on"},
+    "overlapped-chunked": {"async_scheduling": "on", "max_num_batched_tokens": 24},
+    "overlapped-preempts": {"async_scheduling": "on", "num_kv_blocks": 9,
+                            "max_num_batched_tokens": 64},
 }
 
 
 @pytest.mark.parametrize(("method", "engine_setup"), [
     ("ngram", "default"), ("ngram", "chunked"), ("ngram", "tiny-cache-preempts"),
+    ("ngram", "overlapped"), ("ngram", "overlapped-chunked"), ("ngram", "overlapped-preempts"),
     ("draft-other", "default"), ("draft-same", "chunked"),
-    ("draft-same", "tiny-cache-preempts")])
+    ("draft-same", "tiny-cache-preempts"), ("draft-other", "overlapped")])
 def test_greedy_is_identical_with_and_without_drafts(setup, method: str,
                                                      engine_setup: str) -> None:
     folder, _, _, prompts, expected = setup
@@ -85,6 +91,36 @@ def test_greedy_is_identical_with_and_without_drafts(setup, method: str,
     if method.startswith("draft"):  # a CPU engine has no graphs: every draft step is eager
         paths = engine.spec.proposer.paths  # type: ignore[attr-defined]
         assert set(paths) == {"eager"} and paths["eager"] > 0
+
+
+def test_overlapped_loop_keeps_steps_without_drafts_in_flight(setup) -> None:
+    """With the overlapped loop on, a step is left in flight (the next one queued behind
+    it) when none of its sequences could draft once read; a sequence whose tokens repeat
+    still verifies drafts, in steps that are read before the next is scheduled."""
+    folder, _, hf, prompts, _ = setup
+    rng = random.Random(11)
+    fresh = rng.sample(range(3, 400), 12)  # no repeated token in it
+    for prompt, max_new in ((fresh, 6), (prompts[0], MAX_NEW)):
+        engine = make_engine(folder, speculative_config=NGRAM, async_scheduling="on")
+        assert engine.async_scheduling and engine.spec is not None
+        engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=max_new,
+                                                       ignore_eos=True))
+        tokens: list[int] = []
+        overlapped = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+            overlapped += engine._in_flight is not None
+        assert tokens == hf_greedy(hf, prompt, max_new)
+        drafts, _, accepted, _ = engine.spec.stats.snapshot()
+        if prompt is fresh:
+            # Until a token repeats, no n-gram matches: the loop overlaps as without drafts.
+            first_repeat = next((i for i in range(len(tokens))
+                                 if (prompt + tokens)[len(prompt) + i] in prompt + tokens[:i]),
+                                len(tokens))
+            assert overlapped >= min(first_repeat, max_new - 1) - 1 > 0, (overlapped, tokens)
+        else:
+            assert drafts > 0 and accepted > 0  # the loop in the prompt is drafted from
 
 
 def test_counters_are_consistent(setup) -> None:

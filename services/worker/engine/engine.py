@@ -157,9 +157,9 @@ class LLMEngine:
             config.async_scheduling == "auto" and self.device.type == "cuda")
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:
-            # Drafts are proposed from host tokens, so speculating steps run one at a time.
+            # Drafts are proposed from host tokens: a step that speculates runs after the
+            # one before it is read, and is read before the next is scheduled (`step`).
             self.spec = attach_speculation(self, config.speculative)
-            self.async_scheduling = False
         self._in_flight: LaunchedStep | None = None  # queued, results not read yet
         self.kv_tier: KVTier | None = None
         self.grammars = GrammarCompiler(
@@ -370,7 +370,8 @@ class LLMEngine:
         if self.kv_tier is not None:
             self.kv_tier.poll()
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and self._needs_history(previous):
+        if previous is not None and (self._needs_history(previous) or (
+                self.spec is not None and self.spec.waits_for(previous.sample_requests))):
             outputs.extend(self._apply(previous.result()))
             previous = None
         if self.spec is not None:
@@ -393,7 +394,9 @@ class LLMEngine:
         if previous is not None:
             outputs.extend(self._apply(previous.result()))
         if launched is not None:
-            if self.async_scheduling:
+            # A verify step changes its sequences' lengths by what it accepts: the next
+            # step is scheduled from its results.
+            if self.async_scheduling and launched.verify is None:
                 self._in_flight = launched
             else:
                 outputs.extend(self._apply(launched.result()))

@@ -19,6 +19,11 @@ class Proposer(Protocol):
         """Up to ks[i] draft tokens to follow requests[i]'s tokens, for each request."""
         ...
 
+    def may_draft(self, request: Request) -> bool:
+        """Whether `request`, whose last tokens are still on the device, is likely to get
+        drafts once they are read (judged from the tokens on the host)."""
+        ...
+
 
 @dataclass
 class SpecStats:
@@ -74,6 +79,21 @@ class SpecDecoder:
         room_ctx = self.max_model_len - request.num_tokens - 1
         return max(0, min(self.config.num_speculative_tokens, room_out, room_ctx))
 
+    def waits_for(self, requests: Sequence[Request]) -> bool:
+        """Whether the engine should read the step in flight (which sampled `requests`)
+        before scheduling the next one: some of them could speculate then.
+
+        Drafts follow a sequence's last token, so a sequence whose token is still on the
+        device cannot draft. Otherwise the next step is queued behind the one in flight
+        (the overlapped loop) and these sequences decode one token in it."""
+        return any(self._may_speculate(r) and self.proposer.may_draft(r) for r in requests)
+
+    def _may_speculate(self, request: Request) -> bool:
+        """`num_drafts_for`'s conditions that do not depend on the pending tokens."""
+        return (request.status == RequestStatus.RUNNING and request.grammar is None
+                and request.max_tokens - request.num_output_tokens > 1
+                and self.max_model_len - request.num_tokens > 1)
+
     def propose(self, running: Sequence[Request]) -> None:
         """Draft for every running sequence that may (clearing stale drafts of others)."""
         chosen: list[Request] = []
@@ -105,3 +125,8 @@ class NgramBatchProposer:
     def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         return [self._ngram.propose(r.all_token_ids, k) for r, k in zip(requests, ks,
                                                                         strict=True)]
+
+    def may_draft(self, request: Request) -> bool:
+        """Whether the tokens on the host already end in an n-gram seen before: repetitive
+        text stays repetitive from one token to the next far more often than not."""
+        return bool(self._ngram.propose(request.token_ids(0, request.num_known_tokens), 1))

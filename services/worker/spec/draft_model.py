@@ -54,6 +54,11 @@ class DraftModelProposer:
                 shadows[i].prompt_token_ids.append(token)
         return drafts
 
+    def may_draft(self, request: Request) -> bool:
+        """Always: the draft model proposes for every sequence that may speculate."""
+        del request
+        return True
+
     def _forget_stopped(self) -> None:
         for rid, owner in list(self._owners.items()):
             if owner.status != RequestStatus.RUNNING:
