@@ -123,6 +123,32 @@ def test_overlapped_loop_keeps_steps_without_drafts_in_flight(setup) -> None:
             assert drafts > 0 and accepted > 0  # the loop in the prompt is drafted from
 
 
+def test_a_sequence_that_drafted_lately_is_waited_for(setup) -> None:
+    """After a rejected draft the sequence ends in a token the text did not hold (no
+    n-gram match), yet the next token usually matches again: for RECENT_DRAFT_STEPS steps
+    the engine reads its step before scheduling, as it does when the known tokens match."""
+    from meshserve.services.worker.engine.request import NEVER_DRAFTED, RequestStatus
+    from meshserve.services.worker.spec.decoder import RECENT_DRAFT_STEPS
+
+    folder, _, _, _, _ = setup
+    engine = make_engine(folder, speculative_config=NGRAM, async_scheduling="on")
+    assert engine.spec is not None
+    rng = random.Random(12)
+    engine.add_request("r", rng.sample(range(3, 400), 10), GREEDY)  # no repeated token
+    seq = engine.sequences("r")[0]
+    seq.status = RequestStatus.RUNNING
+    assert seq.steps_since_drafts == NEVER_DRAFTED
+    assert not engine.spec.waits_for([seq])
+    for since in range(RECENT_DRAFT_STEPS + 2):
+        seq.steps_since_drafts = since
+        assert engine.spec.waits_for([seq]) == (since <= RECENT_DRAFT_STEPS), since
+    seq.steps_since_drafts = NEVER_DRAFTED
+    seq.prompt_token_ids.append(seq.prompt_token_ids[3])  # now the last token repeats
+    assert engine.spec.waits_for([seq])
+    seq.grammar = object()  # a constrained sequence never drafts: never waited for
+    assert not engine.spec.waits_for([seq])
+
+
 def test_counters_are_consistent(setup) -> None:
     folder, _, _, prompts, _ = setup
     engine = make_engine(folder, speculative_config=NGRAM)

@@ -27,6 +27,8 @@ class RequestStatus(enum.Enum):
 
 # Stands in the output for a token sampled by a step still running on the device.
 PENDING_TOKEN = -1
+# `Request.steps_since_drafts` of a sequence that never had drafts.
+NEVER_DRAFTED = 1 << 30
 
 
 class Request:
@@ -95,6 +97,8 @@ class Request:
         # Draft tokens this step verifies after the last token (speculative decoding); they
         # are not output until accepted, so they count in no length above.
         self.spec_token_ids: list[int] = []
+        # Engine steps since the sequence last had drafts (speculation's overlapped loop).
+        self.steps_since_drafts = NEVER_DRAFTED
 
     @property
     def all_token_ids(self) -> list[int]:

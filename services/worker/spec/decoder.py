@@ -8,10 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from meshserve.services.worker.engine.request import Request, RequestStatus
+from meshserve.services.worker.engine.request import NEVER_DRAFTED, Request, RequestStatus
 from meshserve.services.worker.spec.ngram import NgramProposer
 from meshserve.services.worker.spec.verify import Verified
 from meshserve.shared.speculative_config import SpeculativeConfig
+
+# A sequence that had drafts this many steps ago or fewer is waited for (`waits_for`).
+RECENT_DRAFT_STEPS = 2
 
 
 class Proposer(Protocol):
@@ -84,9 +87,14 @@ class SpecDecoder:
         before scheduling the next one: some of them could speculate then.
 
         Drafts follow a sequence's last token, so a sequence whose token is still on the
-        device cannot draft. Otherwise the next step is queued behind the one in flight
-        (the overlapped loop) and these sequences decode one token in it."""
-        return any(self._may_speculate(r) and self.proposer.may_draft(r) for r in requests)
+        device cannot draft. A sequence is waited for when it had drafts in the last
+        RECENT_DRAFT_STEPS steps (a rejected draft leaves a token the text did not hold, and
+        the token after it usually matches again) or its proposer expects drafts from the
+        tokens on the host. Otherwise the next step is queued behind the one in flight (the
+        overlapped loop) and these sequences decode one token in it."""
+        return any(self._may_speculate(r) and (r.steps_since_drafts <= RECENT_DRAFT_STEPS
+                                               or self.proposer.may_draft(r))
+                   for r in requests)
 
     def _may_speculate(self, request: Request) -> bool:
         """`num_drafts_for`'s conditions that do not depend on the pending tokens."""
@@ -100,6 +108,7 @@ class SpecDecoder:
         ks: list[int] = []
         for request in running:
             request.spec_token_ids = []
+            request.steps_since_drafts = min(request.steps_since_drafts + 1, NEVER_DRAFTED)
             k = self.num_drafts_for(request)
             if k:
                 chosen.append(request)
@@ -109,6 +118,8 @@ class SpecDecoder:
         for request, k, drafts in zip(chosen, ks, self.proposer.propose_batch(chosen, ks),
                                       strict=True):
             request.spec_token_ids = list(drafts[:k])
+            if request.spec_token_ids:
+                request.steps_since_drafts = 0
 
     def record(self, verified: Verified) -> None:
         if verified.num_drafts:
