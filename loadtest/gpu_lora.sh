@@ -14,6 +14,7 @@
 #            target: adapters' output throughput >= 0.8 x the no-LoRA engine's
 #
 #     bash loadtest/gpu_lora.sh          # from the repository root; results in $OUT
+#     QUANTIZATION=fp8 bash loadtest/gpu_lora.sh   # the base weights in FP8, adapters in bf16
 #
 # Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
 # folders are linked as the package `meshserve` (as gpu_suite.sh does). Every step runs under
@@ -43,7 +44,7 @@ PASSES=${PASSES:-2}
 
 BENCH=(python3 loadtest/lora_bench.py)
 RUN=(run --model "$MODEL_DIR" --load-format dummy --dtype bfloat16 --max-model-len 2048
-     --num-prompts "$PROMPTS" --passes "$PASSES")
+     --num-prompts "$PROMPTS" --passes "$PASSES" ${QUANTIZATION:+--quantization "$QUANTIZATION"})
 LORA=(--adapters "$RUN_DIR/adapters" --count "$ADAPTERS" --rank "$RANK")
 gpu_step check 20 "${BENCH[@]}" check --out "$OUT/check.json"
 gpu_step adapters 20 "${BENCH[@]}" adapters --model "$MODEL_DIR" --out "$RUN_DIR/adapters" \

@@ -142,7 +142,8 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
                                   dtype=args.dtype, max_model_len=args.max_model_len,
                                   structured_outputs_backend="none",
                                   device=args.device, num_kv_blocks=args.num_kv_blocks,
-                                  enforce_eager=args.enforce_eager, **lora))
+                                  enforce_eager=args.enforce_eager,
+                                  quantization=args.quantization, **lora))
 
 
 def _throughput(engine: LLMEngine, prompts: list[list[int]], outputs: list[int],
@@ -412,6 +413,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bench.add_argument("--num-kv-blocks", type=int, default=None, help="unset: sized to memory")
     bench.add_argument("--passes", type=int, default=2, help="throughput passes (mean)")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    bench.add_argument("--quantization", choices=["fp8"], default=None,
+                       help="the base model's weights in FP8 (the adapters stay in --dtype)")
     bench.add_argument("--consistency-only", action="store_true",
                        help="only the adapters' consistency check (needs --adapters)")
     bench.add_argument("--out", required=True)

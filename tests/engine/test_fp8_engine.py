@@ -265,11 +265,44 @@ def test_an_fp8_checkpoint_at_tensor_parallelism_is_refused_before_any_rank_star
     assert refused.value.param == "tensor_parallel_size"
 
 
-def test_lora_on_fp8_weights_is_refused(tiny) -> None:
-    folder, _ = tiny
-    with pytest.raises(ModelLoadError, match="--enable-lora does not work with FP8") as refused:
-        engine_run(folder, [[5]], quantization="fp8", enable_lora=True)
-    assert refused.value.param == "enable_lora"
+def test_lora_adapters_on_fp8_weights_match_peft_on_the_rounded_weights(
+        tiny, tmp_path: Path) -> None:
+    """--enable-lora with --quantization fp8: the adapters (in the model's dtype) add to
+    the FP8 projections' output. Two adapters and the base model share the steps; each row
+    gets the greedy tokens of transformers + peft on the FP8-rounded base weights."""
+    from lora_adapters import build_adapter
+    from peft import PeftModel
+
+    from meshserve.shared.lora_config import lora_id_for
+
+    folder, prompts = tiny
+    adapters = [build_adapter(folder, tmp_path / "a0", seed=10, rank=8),
+                build_adapter(folder, tmp_path / "a1", seed=11, rank=4,
+                              targets=["q_proj", "v_proj", "down_proj"])]
+    engine = LLMEngine(EngineConfig(
+        model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64,
+        quantization="fp8", enable_lora=True, max_loras=2,
+        lora_modules=",".join(f"a{i}={p}" for i, p in enumerate(adapters))))
+    model = engine.runner.model
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert model.model.layers[0].self_attn.qkv_proj.lora is not None
+    ids = [None, lora_id_for("a0"), lora_id_for("a1")]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    requests = [(prompt, ids[i % 3]) for i, prompt in enumerate(prompts[1:] * 2)]
+    for i, (prompt, lora_id) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params, lora_id=lora_id)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(requests))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    references = [hf_reference(folder, per_channel)] + [
+        PeftModel.from_pretrained(hf_reference(folder, per_channel), p).eval()
+        for p in adapters]
+    for i, (prompt, _) in enumerate(requests):
+        assert tokens[f"r{i}"] == hf_run(references[i % 3], prompt)[0], f"request {i}"
+    # The adapters change the tokens: the comparison is not the base model's.
+    assert [tokens[f"r{i}"] for i in (1, 2)] != [hf_run(references[0], requests[i][0])[0]
+                                                  for i in (1, 2)]
 
 
 def test_unsupported_quant_methods_are_refused(tiny, tmp_path: Path) -> None:

@@ -180,10 +180,6 @@ class LLMEngine:
                 raise ModelLoadError("--quantize-lm-head needs FP8 weights (--quantization fp8 "
                                      "or an FP8 checkpoint)", param="quantize_lm_head")
             quant = dataclasses.replace(quant, lm_head=True)
-        if quant is not None and config.enable_lora:
-            # FP8 layers replace the ones LoRA hooks: adapters would be silently skipped.
-            raise ModelLoadError("--enable-lora does not work with FP8 weights yet (--quantization "
-                                 "fp8 or an FP8 checkpoint)", param="enable_lora")
         if split and quant is not None and quant.from_checkpoint \
                 and config.load_format != "dummy":
             # The checkpoint's scales would need slicing with their weights.

@@ -12,7 +12,7 @@ layer at a time, so an online-quantized model peaks at its bf16 size.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -48,8 +48,15 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(shape, dtype=torch.float32))
         self.bias = bias
 
+    # Multi-LoRA serving hooks a callable here that adds each row's adapter product to y
+    # (as on the model's own Linear: the adapters stay in the model's dtype).
+    lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.block)
+        y = fp8_linear(x, self.weight, self.weight_scale, self.bias, self.block)
+        if self.lora is not None:
+            self.lora(x, y)  # x [T, K], y [T, N] in place
+        return y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, block={self.block}"
