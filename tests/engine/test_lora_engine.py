@@ -133,3 +133,53 @@ def test_rank_above_the_limit_is_refused(llama: tuple[Path, list[Path]]) -> None
     assert engine.lora is not None
     with pytest.raises(InvalidRequestError, match="max-lora-rank"):
         engine.lora.add(LoraModule("big", str(adapters[2])))  # rank 16
+
+
+def test_steps_without_adapter_rows_skip_the_lora_kernels(
+        llama: tuple[Path, list[Path]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step where no row has an adapter runs no LoRA kernel: eagerly the hooks return at
+    once, and the decode graph runner replays its graphs captured without them (here
+    uncaptured, so the padded forward runs eagerly with the same switch). Rows with
+    adapters still get their adapters' tokens."""
+    from meshserve.services.worker.engine.cuda_graphs import CudaGraphRunner
+    from meshserve.services.worker.lora import stack as stack_module
+
+    base, adapters = llama
+    module = LoraModule("ad0", str(adapters[0]))
+    engine = make_engine(base, enable_lora=True, lora_modules=f"{module.name}={module.path}")
+    assert engine.lora is not None
+    runner = CudaGraphRunner(engine.runner.model, engine.runner.kv_caches,
+                             max_num_seqs=engine.max_num_seqs,
+                             max_blocks_per_seq=engine.kv.blocks_needed(engine.max_model_len),
+                             max_model_len=engine.max_model_len, hidden_size=64,
+                             device=engine.device, lora=engine.lora.stack)
+    decode_keys = runner.keys()  # (bucket, tokens per sequence)
+    assert {(b, q, flag) for b, q in decode_keys for flag in (True, False)} == set(
+        runner.capture_keys())
+    engine.runner.graphs = runner
+    launched: list[int] = []
+    real_add_lora = stack_module.add_lora
+
+    def counting_add_lora(*args: object) -> None:
+        launched[-1] += 1
+        real_add_lora(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stack_module, "add_lora", counting_add_lora)
+    switch: list[bool] = []
+    run = runner.run
+
+    def spy(ids, positions, meta):  # type: ignore[no-untyped-def]
+        switch.append(runner._lora_active())
+        return run(ids, positions, meta)
+
+    runner.run = spy  # type: ignore[method-assign]
+    prompt = _prompts(1, 400, seed=8)[0]
+    hf_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    for lora_id, reference in ((None, hf_base), (module.lora_id, peft_model(base, adapters[0]))):
+        launched.append(0)
+        switch.clear()
+        assert _run(engine, [(prompt, lora_id)])[0] == hf_greedy(reference, prompt, MAX_NEW)
+        assert switch and set(switch) == {lora_id is not None}  # every decode step
+        layers = engine.model_config.num_hidden_layers
+        # The adapter's run: 4 hooked projections a layer in every step (prefill included).
+        assert launched[-1] == (0 if lora_id is None else 4 * layers * (len(switch) + 1))

@@ -10,6 +10,11 @@ Speculative verify steps, where every sequence queries its last token and the
 same number of drafts (q = 2..k+1 tokens each), replay whole-step graphs too, one
 per (batch bucket, q): a verify step at a small batch is as memory-bound as a
 decode step, so it must not pay eager or piecewise launch costs.
+
+With multi-LoRA serving every key is captured twice: with the adapters' kernels
+(2 x 4 per layer) and without them, for steps where no row has an adapter. The
+kernels cost about 0.75 ms a step at batch 1 on an H100 even when they add nothing
+(loadtest/reports/lora/README.md).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import torch
 
 from meshserve.kernels.attention import AttentionMetadata, paged_attention
+from meshserve.services.worker.lora.stack import LoraStack
 from meshserve.services.worker.models.llama import CausalLM, DecoderLayer
 
 log = logging.getLogger(__name__)
@@ -67,12 +73,15 @@ class CaptureReport:
 class CudaGraphRunner:
     """Captures and replays decode forwards for every bucket up to the largest, and verify
     forwards of q tokens per sequence (q in `verify_lens`) for the buckets up to
-    VERIFY_GRAPH_MAX_SEQS. Graphs are keyed by (batch bucket, tokens per sequence)."""
+    VERIFY_GRAPH_MAX_SEQS. Graphs are keyed by (batch bucket, tokens per sequence, whether
+    the LoRA hooks run); `lora` is the adapters' stack when the model has them."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], *, max_num_seqs: int,
                  max_blocks_per_seq: int, max_model_len: int, hidden_size: int,
-                 device: torch.device, verify_lens: tuple[int, ...] = ()) -> None:
+                 device: torch.device, verify_lens: tuple[int, ...] = (),
+                 lora: LoraStack | None = None) -> None:
         self.model = model
+        self.lora = lora
         self.kv_caches = kv_caches
         self.device = device
         self.buckets = batch_buckets(max_num_seqs)
@@ -93,8 +102,8 @@ class CudaGraphRunner:
                                                  device=device) * q
                                  for q in (1, *self.verify_lens)}
         self.hidden_size = hidden_size
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
         self.pool: Any = None  # the graphs' shared memory pool handle
 
     @property
@@ -109,6 +118,14 @@ class CudaGraphRunner:
         keys = [(b, 1) for b in self.buckets]
         keys += [(b, q) for b in verify_buckets(self.buckets) for q in self.verify_lens]
         return sorted(keys, key=lambda key: (key[0] * key[1], key[1]), reverse=True)
+
+    def capture_keys(self) -> list[tuple[int, int, bool]]:
+        """`keys()`, each with the LoRA hooks on and, with adapters, off as well."""
+        variants = (True, False) if self.lora is not None else (False,)
+        return [(batch, q, with_lora) for batch, q in self.keys() for with_lora in variants]
+
+    def _lora_active(self) -> bool:
+        return self.lora is not None and self.lora.active
 
     def _meta(self, batch: int, q: int, seq_lens_cpu: list[int] | None = None
               ) -> AttentionMetadata:
@@ -136,22 +153,27 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         started = time.perf_counter()
-        for batch, q in self.keys():
+        for batch, q, with_lora in self.capture_keys():
+            if self.lora is not None:
+                self.lora.active = with_lora
             self.seq_lens.fill_(q)  # every query row sees at least its own key
             self._forward(batch, q)  # warm-up: compiles kernels, settles allocations
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[batch, q] = self._forward(batch, q)
+                self.outputs[batch, q, with_lora] = self._forward(batch, q)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[batch, q] = graph
+            self.graphs[batch, q, with_lora] = graph
+        if self.lora is not None:
+            self.lora.active = True
         torch.cuda.synchronize(self.device)
         report = CaptureReport(list(self.buckets), time.perf_counter() - started,
                                free_before - torch.cuda.mem_get_info(self.device)[0])
-        log.info("captured %d decode and verify CUDA graphs (batch 1..%d, verify lengths %s) "
+        log.info("captured %d decode and verify CUDA graphs (batch 1..%d, verify lengths %s%s) "
                  "in %.1fs using %.0f MiB", len(self.graphs), self.max_batch,
-                 list(self.verify_lens), report.seconds, report.memory_bytes / 2**20)
+                 list(self.verify_lens), ", with and without LoRA" if self.lora else "",
+                 report.seconds, report.memory_bytes / 2**20)
         return report
 
     def verify_key(self, meta: AttentionMetadata) -> tuple[int, int] | None:
@@ -179,12 +201,13 @@ class CudaGraphRunner:
         if batch > num_seqs:  # padding sequences: write nothing, attend to their q slots
             self.slot_mapping[num_tokens:batch * q].fill_(-1)
             self.seq_lens[num_seqs:batch].fill_(q)
-        graph = self.graphs.get(key)
+        graph_key = (batch, q, self._lora_active())
+        graph = self.graphs.get(graph_key)
         if graph is None:
             pad = [q] * (batch - num_seqs)
             return self._forward(batch, q, list(meta.seq_lens_cpu) + pad)[:num_tokens]
         graph.replay()
-        return self.outputs[key][:num_tokens]
+        return self.outputs[graph_key][:num_tokens]
 
 
 def token_buckets(max_tokens: int) -> list[int]:

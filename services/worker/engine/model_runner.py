@@ -222,12 +222,15 @@ class ModelRunner:
             self.model, self.kv_caches, max_num_seqs=max_num_seqs,
             max_blocks_per_seq=self.kv.blocks_needed(max_model_len),
             max_model_len=max_model_len, hidden_size=self.config.hidden_size,
-            device=self.device, verify_lens=verify_lens)
+            device=self.device, verify_lens=verify_lens,
+            lora=self.lora.stack if self.lora is not None else None)
         return self.graphs.capture()
 
     def capture_piecewise_graphs(self, max_tokens: int) -> CaptureReport:
         """Capture piecewise graphs (cut at attention) for steps of up to `max_tokens`."""
         assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
+        if self.lora is not None:  # the pieces always hold the adapters' kernels
+            self.lora.stack.active = True
         self.pieces = PiecewiseGraphRunner(self.model, self.kv_caches, max_tokens=max_tokens,
                                            device=self.device)
         return self.pieces.capture()

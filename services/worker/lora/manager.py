@@ -57,6 +57,11 @@ class LoraManager:
     def num_slots(self) -> int:
         return self._stack.num_slots
 
+    @property
+    def stack(self) -> LoraStack:
+        """The device slots and the hooks' switch (CUDA graphs capture both ways)."""
+        return self._stack
+
     def add(self, module: LoraModule) -> None:
         """Serve an adapter. Reads and checks its folder first (NotFoundError,
         InvalidRequestError); InvalidRequestError if the name is already served."""

@@ -29,9 +29,11 @@ class LoraProjection:
         self.b = stack.b[layer][projection]  # [S, N, R]
         self.slices = stack.slices[projection]
         self.batch = stack.batch
+        self.stack = stack
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        add_lora(y, x, self.a, self.b, self.slices, self.batch)
+        if self.stack.active:  # (decided on the host: eager runs and graph captures)
+            add_lora(y, x, self.a, self.b, self.slices, self.batch)
 
 
 class LoraStack:
@@ -50,6 +52,9 @@ class LoraStack:
                            for p, mods in PROJECTIONS.items()})
             self.b.append({p: torch.zeros(num_slots, sum(self.slices[p]), rank, dtype=dtype,
                                           device=device) for p in PROJECTIONS})
+        # Whether the hooks launch their kernels: a step with no adapter row skips them
+        # (`set_step`), and decode CUDA graphs are captured both ways (cuda_graphs.py).
+        self.active = True
         self.batch = LoraBatch(
             sorted_rows=torch.zeros(max_tokens, dtype=torch.int32, device=device),
             slot_start=torch.zeros(num_slots, dtype=torch.int32, device=device),
@@ -88,7 +93,10 @@ class LoraStack:
                     offset += size
 
     def set_step(self, row_slots: list[int]) -> None:
-        """Group this step's rows by slot (-1: no adapter) into the batch buffers."""
+        """Group this step's rows by slot (-1: no adapter) into the batch buffers; the
+        hooks run only if some row has an adapter. (The buffers are written either way:
+        piecewise graphs hold the kernels, which then add nothing.)"""
+        self.active = any(slot >= 0 for slot in row_slots)
         assert len(row_slots) <= self.batch.sorted_rows.shape[0], (
             f"a step of {len(row_slots)} rows, buffers for {self.batch.sorted_rows.shape[0]}")
         rows, starts, counts = group_rows(row_slots, self.num_slots)
