@@ -26,7 +26,8 @@
 # for both, which needs more than one call's 10 minutes), MESH_GATEWAYS ("1 2"),
 # SUITE_BUDGET_S (570), PEAK_TFLOPS (989: H100 SXM dense bf16; 989 also
 # for an H200), MODEL_DIR (a model folder to use instead of the Llama-3.1-8B-shaped config),
-# ENGINE_FLAGS, prompt counts SHAREGPT_PROMPTS (1000), SHORT_PROMPTS (500, 1024 in/128 out),
+# ENGINE_FLAGS, MESH_FLAGS (more `meshserve up` flags for the mesh runs only, e.g.
+# --no-kvstore), prompt counts SHAREGPT_PROMPTS (1000), SHORT_PROMPTS (500, 1024 in/128 out),
 # LONG_PROMPTS (256, 1000/1000), HF_PROMPTS (128, 1024/128), HF_BATCH_SIZES, HF_FLAGS,
 # lengths LATENCY_LEN (128), PREFILL_LEN (8192), SHORT_IN/SHORT_OUT, LONG_IN/LONG_OUT,
 # iterations LATENCY_ITERS (5), PREFILL_ITERS (3), and each step's limit T_<STEP> in seconds.
@@ -282,7 +283,7 @@ if want mesh; then
     # shellcheck disable=SC2086  # ENGINE_FLAGS is a list of flags
     step "mesh_g$g" "${T_MESH:-300}" 150 env GATEWAYS="$g" SHAREGPT_PROMPTS="$SHAREGPT_PROMPTS" \
       LATENCY_LEN="$LATENCY_LEN" bash loadtest/gpu_mesh.sh "$MESH_MODEL" "$RUN_DIR/mesh_g$g" \
-      $ENGINE_FLAGS
+      $ENGINE_FLAGS ${MESH_FLAGS:-}
     step "mesh_report_g$g" 30 5 python3 loadtest/mesh_report.py --run-dir "$RUN_DIR" \
       --mesh-dir "$RUN_DIR/mesh_g$g" --out "$RUN_DIR/mesh_report_g$g.json" \
       --summary "$OUT/mesh_summary_g$g.md"
