@@ -54,7 +54,7 @@ rows = {name: figures(name) for name in ("mesh_bf16", "mesh_fp8")}
 print("| served through the mesh | output tok/s, 1000 requests at once | single-stream TPOT ms (median) |")
 print("|---|---|---|")
 for name, f in rows.items():
-    print(f"| {name} | {f[0] if f else '-'} | {f[1] if f else '-'} |")
+    print(f"| {name} | {f'{f[0]:,.0f}' if f else '-'} | {f'{f[1]:.2f}' if f else '-'} |")
 b, f = rows["mesh_bf16"], rows["mesh_fp8"]
 if b and f and all(v is not None for v in (*b, *f)):
     print(f"\nFP8 (weights, LM head, KV) / bf16: throughput {f[0] / b[0]:.3f}x, "
