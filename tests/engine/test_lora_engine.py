@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.shared.errors import InvalidRequestError, NotFoundError
 from meshserve.shared.lora_config import LoraModule, lora_id_for
+from meshserve.shared.sampling_params import SamplingParams
 
 MAX_NEW = 10
 
@@ -183,3 +184,36 @@ def test_steps_without_adapter_rows_skip_the_lora_kernels(
         layers = engine.model_config.num_hidden_layers
         # The adapter's run: 4 hooked projections a layer in every step (prefill included).
         assert launched[-1] == (0 if lora_id is None else 4 * layers * (len(switch) + 1))
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_ngram_speculation_with_adapters_keeps_each_models_tokens(
+        llama: tuple[Path, list[Path]], async_scheduling: str) -> None:
+    """--speculative-config with --enable-lora: the verify pass runs each row's adapter over
+    its drafts, so greedy tokens stay each model's own (peft's for adapter rows, the base
+    model's for the others) while drafts are accepted."""
+    base, adapters = llama
+    modules = [LoraModule(f"ad{i}", str(p)) for i, p in enumerate(adapters[:2])]
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                        "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    engine = make_engine(base, enable_lora=True, max_loras=2, speculative_config=ngram,
+                         async_scheduling=async_scheduling,
+                         lora_modules=",".join(f"{m.name}={m.path}" for m in modules))
+    hf_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    references = [hf_base] + [peft_model(base, p) for p in adapters[:2]]
+    ids: list[int | None] = [None] + [m.lora_id for m in modules]
+    rng = random.Random(6)
+    loop = [rng.randrange(3, 400) for _ in range(6)]
+    prompts = [loop * 4, loop * 3 + [rng.randrange(3, 400) for _ in range(5)], loop * 5]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params, lora_id=ids[i])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    for i, prompt in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(references[i], prompt, 40), f"request {i}"
+    assert engine.spec is not None
+    _, drafted, accepted, _ = engine.spec.stats.snapshot()
+    assert drafted > 0 and accepted > 0

@@ -119,8 +119,6 @@ class EngineConfig:
         check(not (self.speculative_config and self.tensor_parallel_size > 1),
               "--speculative-config does not work with --tensor-parallel-size above 1 yet",
               "speculative_config")
-        check(not (self.speculative_config and self.enable_lora),
-              "--speculative-config does not work with --enable-lora yet", "speculative_config")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")
