@@ -437,3 +437,28 @@ def test_quantize_lm_head_without_fp8_weights_is_refused(tiny) -> None:
     with pytest.raises(ModelLoadError, match="--quantize-lm-head needs FP8 weights") as refused:
         engine_run(folder, [[5]], quantize_lm_head=True)
     assert refused.value.param == "quantize_lm_head"
+
+
+def test_ngram_speculation_on_fp8_weights_keeps_the_greedy_tokens(tiny) -> None:
+    """Drafts verified by the FP8 model: the tokens are those of the FP8 model alone."""
+    folder, prompts = tiny
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                        "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def run(**overrides: object) -> tuple[LLMEngine, list[int]]:
+        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
+                                        num_kv_blocks=64, quantization="fp8",
+                                        **overrides))  # type: ignore[arg-type]
+        engine.add_request("r", prompts[2][:6] * 5, params)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            tokens += [t for out in engine.step() for t in out.new_token_ids]
+        return engine, tokens
+
+    _, plain = run()
+    spec_engine, spec = run(speculative_config=ngram)
+    assert spec == plain and len(spec) == 40
+    assert spec_engine.spec is not None
+    _, drafted, accepted, _ = spec_engine.spec.stats.snapshot()
+    assert drafted > 0 and accepted > 0
