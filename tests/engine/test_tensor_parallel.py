@@ -167,3 +167,39 @@ def test_a_size_that_does_not_split_the_model_is_refused_before_any_rank_starts(
     with pytest.raises(ModelLoadError, match="--tensor-parallel-size 3 must divide the "
                                              "model's 4 attention heads"):
         make_engine(llama, 3)
+
+
+def test_ngram_speculation_at_two_ranks_matches_one_rank_without_it(llama: Path) -> None:
+    """Verify steps at TP=2: rank 1 runs the same forward and the same verify logits (the
+    vocabulary gather is collective), rank 0 verifies. Greedy tokens and their logprobs
+    equal one rank's without speculation, with drafts accepted, in both loops."""
+    ngram = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
+             '"prompt_lookup_min": 1}')
+    rng = random.Random(8)
+    loop = [rng.randrange(3, 448) for _ in range(6)]
+    prompts = [loop * 5, loop * 3 + [rng.randrange(3, 448) for _ in range(7)]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def generate(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+        outputs: dict[str, list[RequestOutput]] = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+        return outputs
+
+    one = generate(make_engine(llama, 1))
+    for loop_mode in ("off", "on"):
+        engine = make_engine(llama, 2, speculative_config=ngram, async_scheduling=loop_mode)
+        try:
+            two = generate(engine)
+            assert engine.spec is not None
+            _, drafted, accepted, _ = engine.spec.stats.snapshot()
+        finally:
+            engine.close()
+        assert drafted > 0 and accepted > 0, loop_mode
+        for request in one:
+            assert tokens(two[request]) == tokens(one[request]), (loop_mode, request)
+            for a, b in zip(logprobs(two[request]), logprobs(one[request]), strict=True):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4

@@ -87,14 +87,18 @@ def test_lora_with_tensor_parallelism_is_refused_by_name() -> None:
     assert refused.value.param == "enable_lora"
 
 
-def test_speculation_with_tensor_parallelism_is_refused_by_name() -> None:
+def test_a_draft_model_with_tensor_parallelism_is_refused_by_name() -> None:
     from meshserve.services.worker.engine.config import EngineConfig
     from meshserve.shared.errors import InvalidRequestError
 
-    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
-    with pytest.raises(InvalidRequestError, match="--speculative-config does not work") as no:
-        EngineConfig(model="m", speculative_config=spec, tensor_parallel_size=2)
+    draft = '{"model": "d", "num_speculative_tokens": 3}'
+    with pytest.raises(InvalidRequestError, match="a draft model does not work") as no:
+        EngineConfig(model="m", speculative_config=draft, tensor_parallel_size=2)
     assert no.value.param == "speculative_config"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    # n-gram speculation is accepted at TP=2 (tests/engine/test_tensor_parallel.py).
+    assert EngineConfig(model="m", speculative_config=spec,
+                        tensor_parallel_size=2).speculative is not None
     assert EngineConfig(model="m", speculative_config=spec).speculative is not None
     # With LoRA it is accepted (tests/engine/test_lora_engine.py runs the two together).
     assert EngineConfig(model="m", speculative_config=spec,

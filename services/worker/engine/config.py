@@ -116,9 +116,10 @@ class EngineConfig:
                 self.speculative  # noqa: B018 (parsed to validate)
             except ConfigError as exc:
                 raise InvalidRequestError(exc.message, param="speculative_config") from None
-        check(not (self.speculative_config and self.tensor_parallel_size > 1),
-              "--speculative-config does not work with --tensor-parallel-size above 1 yet",
-              "speculative_config")
+        check(not (self.speculative_config and self.tensor_parallel_size > 1
+                   and self.speculative.method != "ngram"),
+              "a draft model does not work with --tensor-parallel-size above 1 yet (n-gram "
+              "speculation does)", "speculative_config")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")

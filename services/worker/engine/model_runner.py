@@ -351,7 +351,7 @@ class ModelRunner:
                 sample_requests.append(r)
         plan = None if self.sync is None else StepPlan(
             ids, positions, slots, query_lens, seq_lens, tables, sample_rows,
-            [rows for _, rows in prompt_rows], pending_rows)
+            [rows for _, rows in prompt_rows], pending_rows, verify_rows)
         return StepInputs(
             input_ids=self._tensor(ids, torch.long),
             positions=self._tensor(positions, torch.long),
@@ -377,10 +377,13 @@ class ModelRunner:
         inputs = StepInputs(
             input_ids=ids, positions=self._tensor(plan.positions, torch.long),
             meta=self._metadata(plan.slots, plan.query_lens, plan.seq_lens, plan.tables),
-            sample_rows=plan.sample_rows, sample_requests=[], prompt_rows=[])
+            sample_rows=plan.sample_rows, sample_requests=[], prompt_rows=[],
+            verify_rows=plan.verify_rows)  # the same forward path as rank 0's (graphs)
         hidden = self.forward(inputs)
         for rows in plan.prompt_rows:
             self.model.compute_logits(hidden[self._tensor(rows, torch.long)])
+        if plan.verify_rows:
+            self.model.compute_logits(hidden[self._tensor(plan.verify_rows, torch.long)])
         if plan.sample_rows:
             self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.long)])
 

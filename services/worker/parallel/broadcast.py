@@ -28,6 +28,8 @@ class StepPlan:
     sample_rows: list[int]  # rows whose logits are sampled
     prompt_rows: list[list[int]] = field(default_factory=list)  # rows scored for prompt logprobs
     pending_rows: list[int] = field(default_factory=list)  # rows whose ids are on the device
+    # Rows of speculating sequences' [last token + drafts] queries, scored before sample_rows.
+    verify_rows: list[int] = field(default_factory=list)
 
 
 class StepSync:
