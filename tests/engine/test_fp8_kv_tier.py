@@ -79,3 +79,31 @@ def test_the_kv_namespace_keeps_fp8_caches_apart() -> None:
     assert kv_namespace("m", bf16) == "m@bfloat16"  # type: ignore[arg-type]
     names = {kv_namespace("m", e) for e in (bf16, fp8, e5m2)}  # type: ignore[arg-type]
     assert names == {"m@bfloat16", "m@bfloat16+kv=float8_e4m3fn", "m@bfloat16+kv=float8_e5m2"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_caches_that_share_one_tensor_move_blocks_as_separate_caches_do(
+        dtype: torch.dtype) -> None:
+    """The model runner's caches are views of one [layers, 2, blocks, ...] tensor, which
+    gather and scatter move in one kernel each: the same bytes as the per-layer path."""
+    from meshserve.services.worker.engine.kv_copy import shared_storage
+
+    g = torch.Generator().manual_seed(1)
+    storage = torch.randn(3, 2, 6, 4, 2, 8, generator=g).to(dtype)
+    views = [(storage[layer, 0], storage[layer, 1]) for layer in range(3)]
+    separate = [(k.clone(), v.clone()) for k, v in views]
+    assert shared_storage(views) is storage and shared_storage(separate) is None
+    assert shared_storage([views[0], views[2]]) is None  # not every layer of it
+    packed = gather_blocks(views, [4, 1, 5])
+    reference = gather_blocks(separate, [4, 1, 5])
+    assert packed.dtype == dtype and packed.shape == reference.shape == (3, 3, 2, 4, 2, 8)
+    assert torch.equal(packed.view(torch.uint8), reference.view(torch.uint8))
+    blank = torch.zeros_like(storage)
+    blank_views = [(blank[layer, 0], blank[layer, 1]) for layer in range(3)]
+    blank_separate = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in separate]
+    scatter_blocks(blank_views, [0, 2, 3], packed)
+    scatter_blocks(blank_separate, [0, 2, 3], packed)
+    for (k, v), (k2, v2) in zip(blank_views, blank_separate, strict=True):
+        assert torch.equal(k.view(torch.uint8), k2.view(torch.uint8))
+        assert torch.equal(v.view(torch.uint8), v2.view(torch.uint8))
+    assert torch.equal(blank[1, 1, 2].view(torch.uint8), storage[1, 1, 1].view(torch.uint8))

@@ -33,12 +33,37 @@ def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
     return index.to(device)
 
 
+def shared_storage(kv_caches: KVCaches) -> torch.Tensor | None:
+    """The [layers, 2, num_blocks, block_size, kv_heads, head_dim] tensor whose views the
+    caches are (the model runner allocates them so), or None for separate tensors."""
+    base = kv_caches[0][0]._base
+    if base is None or base.dim() != 6 or tuple(base.shape[:2]) != (len(kv_caches), 2):
+        return None
+    for layer, pair in enumerate(kv_caches):
+        for j, cache in enumerate(pair):
+            if cache._base is not base or cache.data_ptr() != base[layer, j].data_ptr():
+                return None
+    return base
+
+
+def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
+    # FP8 has no index_select / index_copy_: move the same bytes as uint8.
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def gather_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
-    """A new tensor [n, layers, 2, block_size, kv_heads, head_dim] holding the blocks."""
+    """A new tensor [n, layers, 2, block_size, kv_heads, head_dim] holding the blocks.
+
+    Caches that are views of one tensor (the model runner's) take two kernels, a gather
+    and a transposing copy, instead of four per layer."""
     k0 = kv_caches[0][0]
+    index = block_index(block_ids, k0.device)
+    base = shared_storage(kv_caches)
+    if base is not None:
+        picked = _bytes_if_fp8(base).index_select(2, index)  # [layers, 2, n, ...]
+        return picked.permute(2, 0, 1, 3, 4, 5).contiguous().view(k0.dtype)
     out = torch.empty((len(block_ids), *block_shape(kv_caches)), dtype=k0.dtype,
                       device=k0.device)
-    index = block_index(block_ids, k0.device)
     for layer, (k_cache, v_cache) in enumerate(kv_caches):
         out[:, layer, 0] = k_cache.index_select(0, index)
         out[:, layer, 1] = v_cache.index_select(0, index)
@@ -50,8 +75,11 @@ def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], packed: torch.Tens
     expected = (len(block_ids), *block_shape(kv_caches))
     assert tuple(packed.shape) == expected, f"packed blocks {tuple(packed.shape)} != {expected}"
     index = block_index(block_ids, packed.device)
-    if packed.element_size() == 1:  # FP8 has no index_copy_: move the same bytes as uint8
-        packed = packed.view(torch.uint8)
+    packed = _bytes_if_fp8(packed)
+    base = shared_storage(kv_caches)
+    if base is not None:
+        _bytes_if_fp8(base).index_copy_(2, index, packed.permute(1, 2, 0, 3, 4, 5))
+        return
     for layer, (k_cache, v_cache) in enumerate(kv_caches):
         k_cache.view(packed.dtype).index_copy_(0, index, packed[:, layer, 0])
         v_cache.view(packed.dtype).index_copy_(0, index, packed[:, layer, 1])

@@ -172,12 +172,13 @@ class ModelRunner:
         # The model's own KV heads: a tensor-parallel rank holds only its share.
         shape = (kv.num_blocks, kv.block_size, model.config.num_key_value_heads,
                  config.head_dim)
-        # Per layer: (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        # Per layer: (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]: views of one
+        # [layers, 2, num_blocks, ...] tensor, so that the KV tier moves whole blocks of every
+        # layer in one gather (kv_copy.py).
+        storage = torch.zeros((config.num_hidden_layers, 2, *shape), dtype=dtype,
+                              device=device)
+        self.kv_caches = [(storage[layer, 0], storage[layer, 1])
+                          for layer in range(config.num_hidden_layers)]
         self.sampler = Sampler(config.vocab_size, device)
         self.graphs: CudaGraphRunner | None = None
         self.pieces: PiecewiseGraphRunner | None = None
