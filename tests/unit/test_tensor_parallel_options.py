@@ -87,7 +87,7 @@ def test_lora_with_tensor_parallelism_is_refused_by_name() -> None:
     assert refused.value.param == "enable_lora"
 
 
-def test_a_draft_model_with_tensor_parallelism_is_refused_by_name() -> None:
+def test_a_draft_model_with_tensor_parallelism_or_lora_is_refused_by_name() -> None:
     from meshserve.services.worker.engine.config import EngineConfig
     from meshserve.shared.errors import InvalidRequestError
 
@@ -100,6 +100,10 @@ def test_a_draft_model_with_tensor_parallelism_is_refused_by_name() -> None:
     assert EngineConfig(model="m", speculative_config=spec,
                         tensor_parallel_size=2).speculative is not None
     assert EngineConfig(model="m", speculative_config=spec).speculative is not None
-    # With LoRA it is accepted (tests/engine/test_lora_engine.py runs the two together).
+    # n-gram with LoRA is accepted (tests/engine/test_lora_engine.py runs the two together);
+    # a draft model with LoRA is refused.
     assert EngineConfig(model="m", speculative_config=spec,
                         enable_lora=True).speculative is not None
+    with pytest.raises(InvalidRequestError, match="--enable-lora") as no:
+        EngineConfig(model="m", speculative_config=draft, enable_lora=True)
+    assert no.value.param == "speculative_config"

@@ -120,6 +120,12 @@ class EngineConfig:
                    and self.speculative.method != "ngram"),
               "a draft model does not work with --tensor-parallel-size above 1 yet (n-gram "
               "speculation does)", "speculative_config")
+        # (A draft that is the target's own weights would run the target's LoRA hooks with
+        # the target step's row grouping.)
+        check(not (self.speculative_config and self.enable_lora
+                   and self.speculative.method != "ngram"),
+              "a draft model does not work with --enable-lora yet (n-gram speculation does)",
+              "speculative_config")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")
