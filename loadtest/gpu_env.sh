@@ -47,3 +47,20 @@ fp8_report() {
   python3 loadtest/fp8_bench.py report "${runs[@]}" --out "$RUN_DIR/table.md" >/dev/null &&
     printf '## %s\n\n%s\n\n' "$title" "$(cat "$RUN_DIR/table.md")" >>"$OUT/summary.md"
 }
+
+# gpu_script_start (after `cd "$REPO"` and sourcing this file): the common start of a
+# loadtest/gpu_*.sh script. OUT (default: a new temporary folder) gets an empty steps.log
+# and env.txt (GPU, driver, torch and triton versions); RUN_DIR is a scratch folder removed
+# on exit; the environment is offline and unbuffered; then gpu_env RUN_DIR.
+gpu_script_start() {
+  OUT=${OUT:-$(mktemp -d)}
+  RUN_DIR=$(mktemp -d)
+  trap 'rm -rf "$RUN_DIR"' EXIT
+  mkdir -p "$OUT"
+  : >"$OUT/steps.log"
+  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  gpu_env "$RUN_DIR"
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  } >"$OUT/env.txt" 2>&1
+}

@@ -11,18 +11,9 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d)}
-RUN_DIR=$(mktemp -d)
-trap 'rm -rf "$RUN_DIR"' EXIT
-mkdir -p "$OUT"
-: >"$OUT/steps.log"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # shellcheck source=loadtest/gpu_env.sh
 . "$REPO/loadtest/gpu_env.sh"
-gpu_env "$RUN_DIR"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} >"$OUT/env.txt" 2>&1
+gpu_script_start
 MODEL=$RUN_DIR/mesh8b
 LAT_LEN=${LAT_LEN:-128}
 LAT_PROMPTS=${LAT_PROMPTS:-4}

@@ -20,21 +20,12 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d)}
-RUN_DIR=$(mktemp -d)
-trap 'rm -rf "$RUN_DIR"' EXIT
-mkdir -p "$OUT"
-: >"$OUT/steps.log"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # shellcheck source=loadtest/gpu_env.sh
 . "$REPO/loadtest/gpu_env.sh"
-gpu_env "$RUN_DIR"
+gpu_script_start
 MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
 NUM_PROMPTS=${NUM_PROMPTS:-800}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} >"$OUT/env.txt" 2>&1
 
 engine() {  # engine NAME LIMIT PROMPTS [ENV=VALUE...] -- ENGINE_FLAGS...
   local name=$1 limit=$2 prompts=$3 envs=()

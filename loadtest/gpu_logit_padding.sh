@@ -7,14 +7,9 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d)}
-RUN_DIR=$(mktemp -d)
-trap 'rm -rf "$RUN_DIR"' EXIT
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 # shellcheck source=loadtest/gpu_env.sh
 . "$REPO/loadtest/gpu_env.sh"
-gpu_env "$RUN_DIR"
+gpu_script_start
 MODEL=${MODEL:-$REPO/loadtest/models/llama-3.1-8b}
 RUNS=${RUNS:-fp8kv8_pad fp8kv8_nopad bf16_pad bf16_nopad}
 for name in $RUNS; do
