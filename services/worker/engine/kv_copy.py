@@ -39,9 +39,13 @@ def shared_storage(kv_caches: KVCaches) -> torch.Tensor | None:
     base = kv_caches[0][0]._base
     if base is None or base.dim() != 6 or tuple(base.shape[:2]) != (len(kv_caches), 2):
         return None
+    start, size = base.data_ptr(), base.element_size()
+    layer_step, kv_step = base.stride(0) * size, base.stride(1) * size
+    # Address arithmetic only: this runs on the engine thread in every step that saves.
     for layer, pair in enumerate(kv_caches):
         for j, cache in enumerate(pair):
-            if cache._base is not base or cache.data_ptr() != base[layer, j].data_ptr():
+            if cache._base is not base or cache.shape != base.shape[2:] or (
+                    cache.data_ptr() != start + layer * layer_step + j * kv_step):
                 return None
     return base
 
