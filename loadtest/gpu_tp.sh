@@ -6,7 +6,11 @@
 #             overlapped loop: greedy tokens and logprobs at TP=2 against TP=1
 #   lat_tp1   `meshserve bench latency` single stream (128 in / 128 out), Llama-3.1-8B shape
 #   lat_tp2   the same at --tensor-parallel-size 2   (target: TPOT <= 0.6 x lat_tp1's)
+#   lat_tp2_unfused  lat_tp2 with MESHSERVE_TP_FUSED_NORM=0 (each sum over ranks, then the
+#             residual add + RMSNorm: no fused kernel)
 #   lat_tp2_nccl  lat_tp2 with --disable-custom-all-reduce (NCCL for every sum over ranks)
+#   probe     loadtest/tp_allreduce_probe.py: all-reduce latencies inside CUDA graphs, and the
+#             fused sum + add + RMSNorm against the unfused three kernels ($OUT/probe.json)
 #   tput_tp2  `meshserve bench throughput --dataset sharegpt-like` (1000 prompts) at TP=2
 #   tput_dp   the same prompt list shared round-robin by two TP=1 engines, one per GPU, in two
 #             processes at once (--num-shards 2 --shard-index 0|1): output tokens of both over
@@ -114,6 +118,7 @@ Path(sys.argv[1]).write_text(json.dumps(result, indent=2))
 sys.exit(0 if same == len(one) else 1)
 PY
 gpu_step check 75 python3 "$RUN_DIR/tp_check.py" "$OUT/check.json" "$RUN_DIR/tiny"
+gpu_step probe 120 python3 loadtest/tp_allreduce_probe.py --out "$OUT/probe.json"
 
 # ---- single-stream decode: TP=1 and TP=2 ------------------------------------------------------
 # shellcheck disable=SC2086  # FLAGS_* are lists of flags
@@ -123,6 +128,11 @@ LATENCY=(--input-len "$LAT_LEN" --output-len "$LAT_LEN" --batch-size 1 --num-ite
 bench lat_tp1 60 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B
 # shellcheck disable=SC2086
 bench lat_tp2 75 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B --tensor-parallel-size 2
+# The same without the fused sum + add + RMSNorm kernel
+# shellcheck disable=SC2086
+gpu_step lat_tp2_unfused 75 env MESHSERVE_TP_FUSED_NORM=0 python3 -m meshserve.services.cli \
+  bench latency --model "$MODEL_8B" --device "$DEVICE" --no-progress \
+  --output-json "$OUT/lat_tp2_unfused.json" "${LATENCY[@]}" $FLAGS_8B --tensor-parallel-size 2
 # The same with NCCL's all-reduce for every sum (no one-shot all-reduce over symmetric memory)
 # shellcheck disable=SC2086
 bench lat_tp2_nccl 75 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B --tensor-parallel-size 2 \
@@ -196,8 +206,8 @@ def tpot(result):
     return result["tpot_s"]["avg"] if result and result.get("tpot_s") else None
 
 
-r = {n: load(n) for n in ("check", "lat_tp1", "lat_tp2", "lat_tp2_nccl", "lat70_tp2", "tput_tp2",
-                          "tput_dp0", "tput_dp1")}
+r = {n: load(n) for n in ("check", "lat_tp1", "lat_tp2", "lat_tp2_unfused", "lat_tp2_nccl",
+                          "lat70_tp2", "tput_tp2", "tput_dp0", "tput_dp1", "probe")}
 rows = ["| figure | value | note |", "|---|---|---|"]
 check = r["check"]
 if check:
@@ -211,6 +221,17 @@ rows.append(f"| 8B single-stream TPOT, TP=1 | {ms(t1)} | floor {ms(floor(lat1))}
 rows.append(f"| 8B single-stream TPOT, TP=2 | {ms(t2)} | "
             f"{times(t2 / t1 if t1 and t2 else None)} TP=1 (target <= 0.60); per-rank floor "
             f"{ms(floor(lat2))} |")
+t2u = tpot(r["lat_tp2_unfused"])
+if t2u:
+    rows.append(f"| 8B single-stream TPOT, TP=2, no fused sum + RMSNorm | {ms(t2u)} | "
+                f"{times(t2u / t1 if t1 else None)} TP=1 (MESHSERVE_TP_FUSED_NORM=0) |")
+fused = (r["probe"] or {}).get("sum_add_rms_norm") or {}
+for key, row in fused.items():
+    if key.startswith("tokens_") and "fused_us" in row:
+        rows.append(f"| sum + add + RMSNorm of {key[7:]} rows of 4096, in CUDA graphs | "
+                    f"fused {row['fused_us']:.1f} us, unfused {row['unfused_us']:.1f} us | "
+                    f"max difference {row['max_diff_normed']:.3g} (normed), "
+                    f"{row['max_diff_residual']:.3g} (residual) |")
 t2n = tpot(r["lat_tp2_nccl"])
 if t2n:
     rows.append(f"| 8B single-stream TPOT, TP=2, NCCL sums only | {ms(t2n)} | "

@@ -2,6 +2,11 @@
 down_proj: NCCL's `all_reduce` against PyTorch symmetric memory's one-shot and two-shot
 all-reduces, each captured 64 times in one CUDA graph (as a decode step replays them).
 
+Then what a step actually does with each sum, up to 64 rows: the sum, the residual add and
+RMSNorm, unfused (a copy into the symmetric buffer, the one-shot all-reduce, the add +
+RMSNorm kernel) against the fused kernel (kernels/triton_rank_sum_norm.py) at 64 call
+sites, with the largest difference between the two results.
+
     python3 loadtest/tp_allreduce_probe.py --out probe.json      # on a host with 2+ GPUs
 """
 
@@ -64,6 +69,56 @@ def _two_shot(x: torch.Tensor, view: torch.Tensor, group_name: str) -> None:
     x.copy_(view)
 
 
+def _unfused_sum_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      buf: torch.Tensor, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a step did before the fused kernel: copy, one-shot all-reduce, add + RMSNorm."""
+    from meshserve.kernels import triton_norm
+
+    view = buf[: x.numel()].view_as(x)
+    view.copy_(x)
+    summed = torch.empty_like(x)
+    torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", group_name, summed)
+    return triton_norm.fused_add_rms_norm(summed, residual, weight, 1e-5)
+
+
+def _fused_sum_norm(fused, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    calls) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel; consecutive calls take consecutive sites, as a model's norms do."""
+    return fused(x, residual, weight, 1e-5, next(calls) % REPEATS)
+
+
+def _fused_rows(device: torch.device, group_name: str,
+                buf: torch.Tensor) -> dict[str, object]:
+    """Unfused against fused sum + add + RMSNorm, each call at its own site as in a model."""
+    from meshserve.services.worker.parallel.device_sum import FusedSumNorm
+
+    hidden, dtype = 4096, torch.bfloat16
+    fused = FusedSumNorm.create(device, dtype, hidden, REPEATS, group_name)
+    if fused is None:
+        return {"error": "the fused kernel's buffers could not be set up"}
+    rows: dict[str, object] = {"rows_per_site": fused.rows_per_site}
+    same = torch.Generator(device=device).manual_seed(7)  # the norm weight: one on all ranks
+    weight = (1 + 0.1 * torch.randn(hidden, generator=same, device=device)).to(dtype)
+    g = torch.Generator(device=device).manual_seed(dist.get_rank())
+    for tokens in (1, 8, 32, 64):
+        x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+        residual = (3 * torch.randn(tokens, hidden, generator=g, device=device)).to(dtype)
+        unfused = partial(_unfused_sum_norm, x, residual, weight, buf, group_name)
+        one_fused = partial(_fused_sum_norm, fused, x, residual, weight, iter(range(1 << 30)))
+        want, got = unfused(), one_fused()
+        torch.cuda.synchronize()
+        row: dict[str, object] = {
+            "max_diff_normed": float((want[0].float() - got[0].float()).abs().max()),
+            "max_diff_residual": float((want[1].float() - got[1].float()).abs().max())}
+        try:
+            row["unfused_us"] = _time_graph(unfused)
+            row["fused_us"] = _time_graph(one_fused)
+        except Exception as exc:  # noqa: BLE001 - the probe records what fails
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows[f"tokens_{tokens}"] = row
+    return rows
+
+
 def _run(rank: int, world: int, port: int, out: str) -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -96,6 +151,7 @@ def _run(rank: int, world: int, port: int, out: str) -> None:
             except Exception as exc:  # noqa: BLE001 - the probe records what fails
                 row[f"{variant}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         results[f"tokens_{tokens}"] = row
+    results["sum_add_rms_norm"] = _fused_rows(device, name, buf)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

@@ -34,6 +34,7 @@ from meshserve.kernels import (
     triton_attention,
     triton_linear,
     triton_norm,
+    triton_rank_sum_norm,
     triton_rotary,
     triton_sampling,
 )
@@ -398,6 +399,52 @@ def test_fused_add_rms_norm_matches_reference(dtype: torch.dtype, inplace: bool)
 
 
 @in_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1), (3, 0)])
+def test_rank_sum_norm_sums_the_ranks_then_adds_and_normalises(
+        dtype: torch.dtype, world: int, rank: int) -> None:
+    """One rank's fused sum + add + RMSNorm with its peers simulated: their rows already in
+    their buffers and their flags set for the call, as their kernels would leave them."""
+    rows, hidden, sites, rows_per_site, site = 3, 96, 3, 4, 1
+    g = torch.Generator().manual_seed(world * 10 + rank)
+    residual = (5 * torch.randn(rows, hidden, generator=g)).to(dtype)
+    weight = (1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype)
+    buffers = [torch.zeros(sites * rows_per_site * hidden, dtype=dtype) for _ in range(world)]
+    flags = [torch.zeros(sites, rows_per_site, world, dtype=torch.int32) for _ in range(world)]
+    epochs = torch.zeros(sites, rows_per_site, dtype=torch.int32)
+    start, end = site * rows_per_site * hidden, (site * rows_per_site + rows) * hidden
+
+    def addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+    for call in (1, 2):  # the second call finds the counters at 1 and must wait for 2
+        partials = [(2 * torch.randn(rows, hidden, generator=g)).to(dtype)
+                    for _ in range(world)]
+        for q in range(world):
+            if q != rank:
+                buffers[q][start:end] = partials[q].flatten()
+                flags[rank][site, :rows, q] = call
+        out, new_res = triton_rank_sum_norm.sum_add_rms_norm(
+            partials[rank], residual, weight, 1e-6, buffer_ptrs=addresses(buffers),
+            flag_ptrs=addresses(flags), epochs=epochs.view(-1), site=site,
+            rows_per_site=rows_per_site, rank=rank, world_size=world)
+        total = torch.zeros(rows, hidden)
+        for part in partials:  # rank order, in float32: what every rank computes
+            total += part.float()
+        want_out, want_res = fused_add_rms_norm_reference(total.to(dtype), residual, weight,
+                                                          1e-6)
+        assert torch.equal(new_res, want_res)
+        _assert_nearly_bitwise(out, want_out)
+        assert torch.equal(buffers[rank][start:end], partials[rank].flatten())
+        for q in range(world):  # this rank told each peer, for its rows of this site only
+            told = flags[q][..., rank]
+            assert q == rank or (told[site, :rows] == call).all()
+            assert not told[site, rows:].any() and not told[site + 1].any()
+        assert (epochs[site, :rows] == call).all()
+        assert not epochs[site, rows:].any() and not epochs[0].any()
+
+
+@in_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hq", "hkv", "head_dim", "rotary_dim"), [(4, 2, 64, 64), (6, 1, 64, 32)])
 def test_rotary_matches_reference_bit_for_bit(dtype: torch.dtype, hq: int, hkv: int,
@@ -602,7 +649,8 @@ import json
 import torch
 from hopper_compile import build
 from meshserve.kernels import (triton_activation, triton_attention as ta, triton_linear,
-                               triton_norm, triton_rotary, triton_sampling)
+                               triton_norm, triton_rank_sum_norm, triton_rotary,
+                               triton_sampling)
 
 def attention(dtype, name, head_dim, decode):
     tiles = ta.default_tiles(head_dim, dtype, decode)
@@ -631,6 +679,9 @@ out.append(build(triton_norm._fused_add_rms_norm_kernel, bf16("x_ptr", "r_ptr", 
     "out_ptr", "new_r_ptr") | {"eps": "fp32"}, dict(BLOCK_H=8192), num_warps=8))
 out.append(build(triton_norm._rms_norm_kernel, bf16("x_ptr", "w_ptr", "out_ptr")
     | {"eps": "fp32"}, dict(BLOCK_H=4096), num_warps=8))
+out.append(build(triton_rank_sum_norm._sum_add_rms_norm_kernel, bf16("x_ptr", "r_ptr", "w_ptr",
+    "out_ptr", "new_r_ptr") | {"buffer_ptrs": "*i64", "flag_ptrs": "*i64", "epoch_ptr": "*i32",
+    "eps": "fp32"}, dict(RANK=1, WORLD=2, WORLD_PAD=2, BLOCK_H=8192), num_warps=8))
 for write_kv in (False, True):
     out.append(build(triton_rotary._rotary_kernel, bf16("q_ptr", "k_ptr", "q_out_ptr",
         "k_out_ptr", "cache_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")
@@ -654,7 +705,7 @@ print(json.dumps(out))
 @outside_interpreter
 def test_kernels_compile_for_hopper_without_spills() -> None:
     launches = compile_launches(_COMPILE_FOR_HOPPER)
-    assert len(launches) == 16
+    assert len(launches) == 17
     # Every kernel of a step but the sampler's waits for the kernel before (PDL on Hopper).
     assert {launch["kernel"] for launch in launches if not launch["pdl"]} == {
         "_gumbel_argmax_kernel"}

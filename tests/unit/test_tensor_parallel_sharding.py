@@ -17,7 +17,8 @@ from meshserve.services.worker.models.loader import (
     resolve_model,
 )
 from meshserve.services.worker.parallel.config import ParallelConfig, ShardPlan
-from meshserve.services.worker.parallel.layers import VocabParallelEmbedding
+from meshserve.services.worker.models.llama import RMSNorm
+from meshserve.services.worker.parallel.layers import SummingNorm, VocabParallelEmbedding
 from meshserve.shared.errors import ModelLoadError
 
 
@@ -81,6 +82,23 @@ def test_a_rank_builds_a_model_of_its_own_shapes(folder: Path) -> None:
     assert isinstance(model.model.embed_tokens, VocabParallelEmbedding)
     assert model.model.embed_tokens.start == 226
     assert tuple(model.lm_head.weight.shape) == (226, 64)
+    # Every norm that adds a row-parallel output sums it over the ranks first, numbered in
+    # the order a forward pass reaches them; layer 0's input norm adds nothing.
+    layers = model.model.layers
+    summing = [norm for layer in layers
+               for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+               if isinstance(norm, SummingNorm)] + [model.model.norm]
+    assert type(layers[0].input_layernorm) is RMSNorm
+    assert [n.site for n in summing] == list(range(2 * len(layers)))
+    assert model.rank_sum.sites == 2 * len(layers)
+    assert all(isinstance(n, SummingNorm) for n in summing)
+    full = full_tensors(folder)
+    assert torch.equal(layers[1].input_layernorm.weight,
+                       full["model.layers.1.input_layernorm.weight"])
+    assert torch.equal(model.model.norm.weight, full["model.norm.weight"])
+    # No forward hooks remain on the row-parallel projections: the sums are the norms'.
+    assert not layers[0].self_attn.o_proj._forward_hooks
+    assert not layers[0].mlp.down_proj._forward_hooks
 
 
 def test_kv_heads_are_replicated_when_fewer_than_ranks(folder: Path) -> None:

@@ -4,42 +4,53 @@
 local_config`) in three places and leaves the rest of the model file as it is:
 
 - the embedding looks up only this rank's vocabulary rows and sums the ranks' lookups;
-- every row-parallel projection (`o_proj`, `down_proj`) sums its partial output over the
-  ranks (an all-reduce in a forward hook, so whichever linear layer class the model uses
-  keeps working, and CUDA graphs capture the all-reduce with the rest);
+- the row-parallel projections (`o_proj`, `down_proj`) leave partial sums, and the norm that
+  adds each of them to the residual stream (a layer's post-attention norm, the next layer's
+  input norm, the final norm) sums it over the ranks first: one fused kernel on GPUs
+  (`DeviceSum.add_rms_norm`), so whichever linear layer class the model uses keeps working
+  and CUDA graphs capture the sums with the rest;
 - the logits of the ranks' vocabulary slices are gathered into full rows on every rank.
 
 Collectives run on the default process group (NCCL on GPUs, gloo on CPUs); the sums of
-small tensors on GPUs take a one-shot all-reduce once `bind_device_sum` has set it up
-(device_sum.py).
+small tensors on GPUs take a one-shot all-reduce, or the fused sum + RMSNorm, once
+`bind_device_sum` has set them up (device_sum.py).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from meshserve.services.worker.models.llama import CausalLM
+from meshserve.services.worker.models.llama import CausalLM, DecoderLayer, RMSNorm
 from meshserve.services.worker.parallel.config import ShardPlan
 from meshserve.services.worker.parallel.device_sum import DeviceSum
 
-# Modules whose outputs are partial sums over the ranks' slices of their input features.
-_ROW_PARALLEL_SUFFIXES = (".o_proj", ".down_proj")
-
 
 class RankSum:
-    """The one sum over ranks that every row-parallel layer of a model shares (a hook:
-    `module(...)`'s output [T, H] of partial sums becomes the full projection, in place)."""
+    """The sums over ranks of one model: the embedding's, and the norms' (`sites` of them)."""
 
     def __init__(self) -> None:
         self.device_sum = DeviceSum()  # NCCL / gloo until bind_device_sum
+        self.sites = 0
 
-    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return self.device_sum(output)
+
+class SummingNorm(RMSNorm):
+    """An RMSNorm whose `add_forward` input is a row-parallel layer's partial output: it is
+    summed over the ranks, added to the residual stream and normalised (`forward`, a norm
+    with nothing to add, is RMSNorm's)."""
+
+    def __init__(self, norm: RMSNorm, rank_sum: RankSum) -> None:
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.rank_sum = rank_sum
+        self.site = rank_sum.sites  # this norm's region of the fused kernel's buffers
+        rank_sum.sites += 1
+
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rank_sum.device_sum.add_rms_norm(x, residual, self.weight, self.eps,
+                                                     self.site)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -86,9 +97,17 @@ def shard_modules(model: CausalLM, plan: ShardPlan) -> None:
     model.model.embed_tokens = VocabParallelEmbedding(
         plan.vocab_per_rank, model.config.hidden_size, plan.vocab_start, rank_sum)
     model.logits_gather = LogitsGather(plan.model.vocab_size, plan.parallel.world_size)
-    for name, module in model.named_modules():
-        if name.endswith(_ROW_PARALLEL_SUFFIXES):
-            module.register_forward_hook(rank_sum)
+    # The norms that add a row-parallel output to the residual stream, in the order a
+    # forward pass reaches them. Layer 0's input norm adds nothing (the embedding's lookup
+    # is summed where it is made).
+    for index, layer in enumerate(model.model.layers):
+        assert isinstance(layer, DecoderLayer), f"no tensor-parallel plan for {type(layer)}"
+        layer.post_attention_layernorm = SummingNorm(layer.post_attention_layernorm, rank_sum)
+        if index + 1 < len(model.model.layers):
+            following = model.model.layers[index + 1]
+            following.input_layernorm = SummingNorm(following.input_layernorm, rank_sum)
+    if len(model.model.layers):
+        model.model.norm = SummingNorm(model.model.norm, rank_sum)
 
 
 def bind_device_sum(model: CausalLM, plan: ShardPlan, device: torch.device,
@@ -96,4 +115,6 @@ def bind_device_sum(model: CausalLM, plan: ShardPlan, device: torch.device,
     """Give the model's sums over ranks the one-shot all-reduce where it can run (every rank
     calls this at the same point, once the model has storage on `device`)."""
     rank_sum: RankSum = model.rank_sum
-    rank_sum.device_sum = DeviceSum.create(device, dtype, plan.parallel.custom_all_reduce)
+    rank_sum.device_sum = DeviceSum.create(device, dtype, plan.parallel.custom_all_reduce,
+                                           hidden_size=model.config.hidden_size,
+                                           sites=rank_sum.sites)
