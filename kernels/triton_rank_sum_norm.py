@@ -6,16 +6,19 @@ kernels per sum (a copy into a buffer the peers can read, an all-reduce, add + R
 two gaps between them, 64 times in a step of a 32-layer model. This kernel does it in one
 launch. Each program takes one row:
 
-1. it stores its row of this rank's partial sum into this rank's symmetric buffer (memory
+1. it writes its row of this rank's partial sum into every peer's symmetric buffer (memory
    every rank has mapped: PyTorch's symmetric memory, set up by
-   services/worker/parallel/device_sum.py);
+   services/worker/parallel/device_sum.py), into the slot that belongs to this rank. Writes
+   to a peer are posted: the row travels one way, where reading the peer's copy would wait
+   for a round trip;
 2. it sets a flag in every peer's memory to this call's epoch (a release store at system
-   scope, after a barrier of the program's threads, so the row is visible before the flag);
+   scope, after a barrier of the program's threads, so the row lands before the flag);
 3. it waits until every peer has set its flag in this rank's memory to the same epoch
-   (acquire);
-4. it reads the peers' rows, adds all ranks' rows in rank order in float32 (so every rank
-   gets the same bits), rounds the sum to the activations' dtype as an all-reduce's output
-   would be, and then adds the residual and normalises exactly as triton_norm's fused kernel.
+   (acquire, polling local memory);
+4. it reads the peers' rows from its own buffer, adds all ranks' rows in rank order in
+   float32 (so every rank gets the same bits), rounds the sum to the activations' dtype as an
+   all-reduce's output would be, and then adds the residual and normalises exactly as
+   triton_norm's fused kernel.
 
 Every call site (each norm of the model) has a region of the buffers and flags of its own, so
 a rank may go on to the next site while a peer still reads this one: a site's region is
@@ -45,7 +48,7 @@ def sum_add_rms_norm(
     weight: torch.Tensor,  # [H]
     eps: float,
     *,
-    buffer_ptrs: torch.Tensor,  # [W] int64: every rank's symmetric buffer, as this rank maps it
+    buffer_ptrs: torch.Tensor,  # [W] int64: every rank's [sites, W, rows_per_site, H] buffer
     flag_ptrs: torch.Tensor,  # [W] int32 flags of every rank: [sites * rows_per_site, W] each
     epochs: torch.Tensor,  # [sites * rows_per_site] int32, this rank's own counters
     site: int,
@@ -56,7 +59,7 @@ def sum_add_rms_norm(
     """(rms_norm(sum + residual), sum + residual) with `sum` the ranks' `x` added up.
 
     Every rank must call it with the same site and row count at the same point of its
-    stream; the buffers hold `rows_per_site` rows of H elements per site."""
+    stream; the buffers hold `rows_per_site` rows of H elements per site and rank."""
     rows, hidden = x.shape
     assert x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape, (
         f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must be contiguous [R, H]")
@@ -70,7 +73,8 @@ def sum_add_rms_norm(
     new_residual = torch.empty_like(x)
     _sum_add_rms_norm_kernel[(rows,)](
         x, residual, weight, out, new_residual, buffer_ptrs, flag_ptrs, epochs,
-        hidden, eps, site * rows_per_site * hidden, site * rows_per_site,
+        hidden, eps, rows_per_site, site * world_size * rows_per_site * hidden,
+        site * rows_per_site,
         RANK=rank, WORLD=world_size, WORLD_PAD=triton.next_power_of_2(world_size), BLOCK_H=triton.next_power_of_2(hidden),
         num_warps=_num_warps(hidden), **pdl.launch_options(x.device))
     return out, new_residual
@@ -78,7 +82,7 @@ def sum_add_rms_norm(
 
 @triton.jit
 def _sum_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, buffer_ptrs, flag_ptrs,
-                             epoch_ptr, hidden, eps, site_offset, site_row0,
+                             epoch_ptr, hidden, eps, rows_per_site, site_offset, site_row0,
                              RANK: tl.constexpr, WORLD: tl.constexpr, WORLD_PAD: tl.constexpr,
                              BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
@@ -88,15 +92,17 @@ def _sum_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, buffer_ptr
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0)
     r = tl.load(r_ptr + row * hidden + cols, mask=mask, other=0.0)
-    # Every rank's buffer address, read before the wait (one load instead of one per peer).
     ranks = tl.arange(0, WORLD_PAD)
     addresses = tl.load(buffer_ptrs + ranks, mask=ranks < WORLD, other=0)
     flag_addresses = tl.load(flag_ptrs + ranks, mask=ranks < WORLD, other=0)
-    place = site_offset + row * hidden  # the row's place in every rank's buffer
-    tl.store(_rank_buffer(addresses, RANK, dtype) + place + cols, x, mask=mask)
     slot = site_row0 + row  # this (site, row)'s counter and flags
     epoch = tl.load(epoch_ptr + slot) + 1
-    tl.debug_barrier()  # every thread's part of the row is stored before a flag goes out
+    # Rank q's row lives at [site, q, row] of every buffer.
+    mine = site_offset + (RANK * rows_per_site + row) * hidden
+    for q in tl.static_range(WORLD):
+        if q != RANK:
+            tl.store(_rank_buffer(addresses, q, dtype) + mine + cols, x, mask=mask)
+    tl.debug_barrier()  # every thread's part of the row is written before a flag goes out
     for q in tl.static_range(WORLD):
         if q != RANK:
             peer_flags = _rank_buffer(flag_addresses, q, tl.int32)
@@ -109,14 +115,15 @@ def _sum_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, buffer_ptr
                 seen = tl.atomic_add(own_flags + slot * WORLD + q, 0, sem="acquire",
                                      scope="sys")
     tl.debug_barrier()  # no thread reads a peer's row before the flags were seen
+    own = _rank_buffer(addresses, RANK, dtype)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     for q in tl.static_range(WORLD):
         if q == RANK:
             total += x.to(tl.float32)
         else:
-            # .cg: from the peer's memory (its L2), never from a line this SM's L1 kept.
-            part = tl.load(_rank_buffer(addresses, q, dtype) + place + cols, mask=mask,
-                           other=0.0, cache_modifier=".cg")
+            theirs = site_offset + (q * rows_per_site + row) * hidden
+            # .cg: from L2, where the peer's writes land, never from a line L1 kept.
+            part = tl.load(own + theirs + cols, mask=mask, other=0.0, cache_modifier=".cg")
             total += part.to(tl.float32)
     tl.store(epoch_ptr + slot, epoch)
     # The sum is rounded to the activations' dtype (an all-reduce's output), then the add is

@@ -403,16 +403,17 @@ def test_fused_add_rms_norm_matches_reference(dtype: torch.dtype, inplace: bool)
 @pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1), (3, 0)])
 def test_rank_sum_norm_sums_the_ranks_then_adds_and_normalises(
         dtype: torch.dtype, world: int, rank: int) -> None:
-    """One rank's fused sum + add + RMSNorm with its peers simulated: their rows already in
-    their buffers and their flags set for the call, as their kernels would leave them."""
+    """One rank's fused sum + add + RMSNorm with its peers simulated: their rows already
+    written into this rank's buffer and their flags set for the call, as their kernels
+    would leave them."""
     rows, hidden, sites, rows_per_site, site = 3, 96, 3, 4, 1
     g = torch.Generator().manual_seed(world * 10 + rank)
     residual = (5 * torch.randn(rows, hidden, generator=g)).to(dtype)
     weight = (1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype)
-    buffers = [torch.zeros(sites * rows_per_site * hidden, dtype=dtype) for _ in range(world)]
+    buffers = [torch.zeros(sites, world, rows_per_site, hidden, dtype=dtype)
+               for _ in range(world)]
     flags = [torch.zeros(sites, rows_per_site, world, dtype=torch.int32) for _ in range(world)]
     epochs = torch.zeros(sites, rows_per_site, dtype=torch.int32)
-    start, end = site * rows_per_site * hidden, (site * rows_per_site + rows) * hidden
 
     def addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
@@ -422,7 +423,7 @@ def test_rank_sum_norm_sums_the_ranks_then_adds_and_normalises(
                     for _ in range(world)]
         for q in range(world):
             if q != rank:
-                buffers[q][start:end] = partials[q].flatten()
+                buffers[rank][site, q, :rows] = partials[q]
                 flags[rank][site, :rows, q] = call
         out, new_res = triton_rank_sum_norm.sum_add_rms_norm(
             partials[rank], residual, weight, 1e-6, buffer_ptrs=addresses(buffers),
@@ -435,11 +436,15 @@ def test_rank_sum_norm_sums_the_ranks_then_adds_and_normalises(
                                                           1e-6)
         assert torch.equal(new_res, want_res)
         _assert_nearly_bitwise(out, want_out)
-        assert torch.equal(buffers[rank][start:end], partials[rank].flatten())
-        for q in range(world):  # this rank told each peer, for its rows of this site only
+        for q in range(world):  # this rank's rows went to each peer, and then its flags
+            if q == rank:
+                continue
+            assert torch.equal(buffers[q][site, rank, :rows], partials[rank])
+            assert not buffers[q][site, rank, rows:].any() and not buffers[q][site + 1].any()
             told = flags[q][..., rank]
-            assert q == rank or (told[site, :rows] == call).all()
+            assert (told[site, :rows] == call).all()
             assert not told[site, rows:].any() and not told[site + 1].any()
+        assert not buffers[rank][:, rank].any()  # its own row stays in registers
         assert (epochs[site, :rows] == call).all()
         assert not epochs[site, rows:].any() and not epochs[0].any()
 

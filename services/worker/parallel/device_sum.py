@@ -32,9 +32,11 @@ log = logging.getLogger(__name__)
 # The largest tensor the one-shot all-reduce takes (bytes): past it NCCL is as fast.
 ONE_SHOT_MAX_BYTES = 1 << 20
 # The largest partial sum (bytes) the fused sum + add + RMSNorm takes: 64 rows of 4096 in
-# bf16. Every call site has a region this big in the symmetric buffer (65 sites of the 8B
-# model: 33 MB a rank).
+# bf16. Every call site has a region this big per rank in every rank's symmetric buffer
+# (64 sites of the 8B model at TP=2: 67 MB a GPU), and at most FUSED_BUFFER_BYTES in all:
+# with more sites or ranks, fewer rows per site.
 FUSED_MAX_BYTES = 1 << 19
+FUSED_BUFFER_BYTES = 1 << 28
 FUSED_ENV = "MESHSERVE_TP_FUSED_NORM"
 
 
@@ -102,7 +104,7 @@ class DeviceSum:
 class FusedSumNorm:
     """Symmetric buffers and flags of kernels/triton_rank_sum_norm.py for `sites` norms."""
 
-    buffer: torch.Tensor  # [sites * rows_per_site * hidden] symmetric, the activations' dtype
+    buffer: torch.Tensor  # [sites, world, rows_per_site, hidden] symmetric: peers write rows
     flags: torch.Tensor  # [sites * rows_per_site * world] int32 symmetric: peers set them
     epochs: torch.Tensor  # [sites * rows_per_site] int32, this rank's counters
     buffer_ptrs: torch.Tensor  # [world] int64: every rank's buffer as this rank maps it
@@ -119,12 +121,14 @@ class FusedSumNorm:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            rows = FUSED_MAX_BYTES // (hidden_size * torch.empty((), dtype=dtype).element_size())
+            world = dist.get_world_size()
+            row_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
+            rows = min(FUSED_MAX_BYTES, FUSED_BUFFER_BYTES // (sites * world)) // row_bytes
             if rows < 1:
                 return None
-            buffer = symm_mem.empty(sites * rows * hidden_size, dtype=dtype, device=device)
+            buffer = symm_mem.empty(sites * world * rows * hidden_size, dtype=dtype,
+                                    device=device)
             buffers = symm_mem.rendezvous(buffer, group_name)
-            world = buffers.world_size
             flags = symm_mem.empty(sites * rows * world, dtype=torch.int32, device=device)
             flag_handle = symm_mem.rendezvous(flags, group_name)
             flags.zero_()
