@@ -75,7 +75,8 @@ def sum_add_rms_norm(
         x, residual, weight, out, new_residual, buffer_ptrs, flag_ptrs, epochs,
         hidden, eps, rows_per_site, site * world_size * rows_per_site * hidden,
         site * rows_per_site,
-        RANK=rank, WORLD=world_size, WORLD_PAD=triton.next_power_of_2(world_size), BLOCK_H=triton.next_power_of_2(hidden),
+        RANK=rank, WORLD=world_size, WORLD_PAD=triton.next_power_of_2(world_size),
+        BLOCK_H=triton.next_power_of_2(hidden),
         num_warps=_num_warps(hidden), **pdl.launch_options(x.device))
     return out, new_residual
 

@@ -9,6 +9,8 @@
 #   lat_tp2_unfused  lat_tp2 with MESHSERVE_TP_FUSED_NORM=0 (each sum over ranks, then the
 #             residual add + RMSNorm: no fused kernel)
 #   lat_tp2_nccl  lat_tp2 with --disable-custom-all-reduce (NCCL for every sum over ranks)
+#   kernels   loadtest/gpu_kernel_check.py: the Triton kernels compiled on the GPU against the
+#             PyTorch references ($OUT/kernels.json)
 #   probe     loadtest/tp_allreduce_probe.py: all-reduce latencies inside CUDA graphs, and the
 #             fused sum + add + RMSNorm against the unfused three kernels ($OUT/probe.json)
 #   tput_tp2  `meshserve bench throughput --dataset sharegpt-like` (1000 prompts) at TP=2
@@ -118,6 +120,7 @@ Path(sys.argv[1]).write_text(json.dumps(result, indent=2))
 sys.exit(0 if same == len(one) else 1)
 PY
 gpu_step check 75 python3 "$RUN_DIR/tp_check.py" "$OUT/check.json" "$RUN_DIR/tiny"
+gpu_step kernels 150 python3 loadtest/gpu_kernel_check.py --out "$OUT/kernels.json"
 gpu_step probe 120 python3 loadtest/tp_allreduce_probe.py --out "$OUT/probe.json"
 
 # ---- single-stream decode: TP=1 and TP=2 ------------------------------------------------------
