@@ -13,8 +13,6 @@ with 1 < M <= 16 the rows are padded to 16 and multiplied with tl.dot.
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +25,6 @@ from meshserve.kernels.pdl import pdl_prologue
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_ROWS = 16
-# A row's L2 prefetch is split in this many pieces, 16-byte multiples each (PREFETCH).
-PREFETCH_PIECES: tl.constexpr = tl.constexpr(32)
-# How much of a weight the programs of a product ask into L2 before their wait, at most: the
-# first programs' rows, which the first wave reads (later programs start after the wait
-# anyway). About what the memory streams during a 5 us wait; well under H100's 50 MB of L2.
-PREFETCH_BYTES = 16 << 20
-PREFETCH_ENV = "MESHSERVE_WEIGHT_PREFETCH"
 
 
 @dataclass(frozen=True)
@@ -79,40 +70,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
     rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    launch = pdl.launch_options(x.device)
-    prefetch = bool(launch["PDL"]) and _prefetch_on() and _prefetchable(weight, config.block_k)
-    prefetch_rows = (PREFETCH_BYTES // ((k - config.block_k) * weight.element_size())
-                     if prefetch else 0)
     _skinny_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), prefetch_rows,
+        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=1 if rows == 1 else MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0, PREFETCH=prefetch,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch)
+        EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl.launch_options(x.device))
     return out
 
 
-@functools.cache
-def _prefetch_on() -> bool:
-    """MESHSERVE_WEIGHT_PREFETCH=0 turns the L2 prefetch before the wait off (to compare)."""
-    return os.environ.get(PREFETCH_ENV, "1") != "0"
-
-
-def _prefetchable(weight: torch.Tensor, block_k: int) -> bool:
-    """Whether every row's columns past the first chunk can be asked into L2 in
-    PREFETCH_PIECES bulk prefetches: 16-byte aligned starts and lengths (Hopper's
-    `cp.async.bulk.prefetch`)."""
-    item = weight.element_size()
-    k = weight.shape[1]
-    pieces = PREFETCH_PIECES.value
-    return (k > block_k and k % block_k == 0 and ((k - block_k) * item) % (16 * pieces) == 0
-            and (weight.stride(0) * item) % 16 == 0 and weight.data_ptr() % 16 == 0
-            and (block_k * item) % 16 == 0)
-
-
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_rows,
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   EVEN_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -120,16 +89,8 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
     w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     kk = tl.arange(0, BLOCK_K)
     # The first K chunk of the weight is read before waiting for the kernel before
-    # (kernels/pdl.py): no kernel writes it, and the read overlaps that kernel's end. With
-    # PREFETCH the rest of the program's rows are asked into L2 too (the first
-    # `prefetch_rows` rows of w: PREFETCH_BYTES), so a kernel before that leaves the memory
-    # idle (a sum over tensor-parallel ranks waits on the link) is not time lost to
-    # streaming the weights.
+    # (kernels/pdl.py): no kernel writes it, and the read overlaps that kernel's end.
     w = w_chunk(w_rows, kk, K, EVEN_K)
-    if PREFETCH:  # noqa: SIM102 - a constexpr branch: compiled out when False
-        if pid * BLOCK_N < prefetch_rows:
-            item_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            _prefetch_rows_l2(w_rows + BLOCK_K, (K - BLOCK_K) * item_bytes)
     pdl_prologue(PDL)
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
@@ -150,20 +111,6 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
                                    stride_xm)
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc2.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _prefetch_rows_l2(starts, nbytes):
-    """Ask for `nbytes` from each of `starts` [BLOCK_N, 1] to be brought into L2, in
-    PREFETCH_PIECES pieces per row (one per thread, where Hopper's bulk prefetch issued by
-    every thread of a row would repeat it): no registers are used and nothing waits."""
-    piece = nbytes // PREFETCH_PIECES
-    offsets = (tl.arange(0, PREFETCH_PIECES) * piece).to(tl.int64)  # [PIECES]
-    addresses = starts.to(tl.int64, bitcast=True) + offsets[None, :]  # [BLOCK_N, PIECES]
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-        [addresses, tl.zeros(addresses.shape, tl.int32) + piece.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -464,14 +464,15 @@ def main(argv: Sequence[str]) -> int:
         return 2
     import torch
 
-    from meshserve.services.worker.engine.engine import LLMEngine
+    from meshserve.services.worker.engine.engine import LLMEngine, settled_heap
 
     try:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         engine = LLMEngine(config.engine_config())
-        figures = (bench_latency(engine, config) if isinstance(config, LatencyConfig)
-                   else bench_throughput(engine, config))  # type: ignore[arg-type]
+        with settled_heap():
+            figures = (bench_latency(engine, config) if isinstance(config, LatencyConfig)
+                       else bench_throughput(engine, config))  # type: ignore[arg-type]
     except MeshError as exc:
         print(f"meshserve bench {kind}: {exc.message}", file=sys.stderr)
         return 1

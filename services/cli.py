@@ -78,17 +78,18 @@ def run_batch_main(argv: Sequence[str]) -> int:
     from meshserve.services.offline_llm import OfflineLLM
     from meshserve.services.run_batch import run_batch
     from meshserve.services.tokenizer.loader import load_tokenizer
-    from meshserve.services.worker.engine.engine import LLMEngine
+    from meshserve.services.worker.engine.engine import LLMEngine, settled_heap
 
     assert config.input_file is not None and config.output_file is not None
     try:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         engine = LLMEngine(config.engine_config())
-        llm = OfflineLLM(engine, load_tokenizer(engine.source))
-        summary = run_batch(config.input_file, config.output_file, llm,
-                            config.served_model_name or engine.source.name,
-                            show_progress=config.progress)
+        with settled_heap():
+            llm = OfflineLLM(engine, load_tokenizer(engine.source))
+            summary = run_batch(config.input_file, config.output_file, llm,
+                                config.served_model_name or engine.source.name,
+                                show_progress=config.progress)
     except MeshError as exc:
         print(f"meshserve run-batch: {exc.message}", file=sys.stderr)
         return 1

@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from meshserve.proto.v1 import common_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 from meshserve.services.worker.config import WorkerConfig, short_flags
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.engine import LLMEngine, settle_heap
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.kv_publisher import KVEventPublisher
 from meshserve.services.worker.kv_transfer import KVTransfer
@@ -323,6 +323,7 @@ async def serve(config: WorkerConfig) -> int:
         return await serve_pooling(config, claim_epoch)
     async with service_telemetry("worker", config) as telemetry:
         engine = await in_daemon_thread(lambda: build_engine(config), "worker-load")
+        settle_heap()
         worker = WorkerProcess(config, engine, telemetry)
         try:
             await worker.start()

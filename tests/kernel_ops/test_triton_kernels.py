@@ -701,8 +701,7 @@ out.append(build(triton_sampling._gumbel_argmax_kernel, {"logits_ptr": "*fp32",
 for rows, n, k in ((1, 4096, 14336), (1, 128256, 4096), (8, 28672, 4096)):
     c = triton_linear.config_for(rows, n, k)
     out.append(build(triton_linear._skinny_kernel, bf16("x_ptr", "w_ptr", "y_ptr"),
-        dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=True,
-             PREFETCH=True),
+        dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=True),
         num_warps=c.num_warps, num_stages=c.num_stages))
 print(json.dumps(out))
 """

@@ -16,11 +16,14 @@ first, then reads the step before (its grammars take those tokens) and queues it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import gc
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -87,6 +90,58 @@ log = logging.getLogger(__name__)
 # Longest wait for the KV tier when a step has nothing else to run; new requests arriving
 # meanwhile are admitted at the next step, so this bounds their extra wait.
 _TIER_IDLE_WAIT_S = 0.002
+
+# A collection at least this long is logged (a step of a large model takes a few ms).
+GC_PAUSE_LOG_S = 0.02
+
+
+def settle_heap() -> None:
+    """Call once a serving process has built its engine. What it built lives as long as
+    the process (modules, graphs, caches): frozen, it is left out of the collector's full
+    passes, which would otherwise walk all of it between two steps, a pause of tens of ms
+    that also stalls every other rank of a tensor-parallel group. Long pauses are logged."""
+    _watch_collector_pauses()
+    _collector_watch.explicit = True  # this collection's pause is asked for: not logged
+    try:
+        gc.collect()
+    finally:
+        _collector_watch.explicit = False
+    gc.freeze()
+
+
+@contextlib.contextmanager
+def settled_heap() -> Iterator[None]:
+    """`settle_heap` for a run that ends before the process does (run-batch, bench): the
+    heap is unfrozen after it, so what the engine built can be collected."""
+    settle_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+class _CollectorWatch:
+    """Logs every garbage collection of this process that takes GC_PAUSE_LOG_S or longer."""
+
+    def __init__(self) -> None:
+        self.began = 0.0
+        self.explicit = False
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        elif (paused := time.perf_counter() - self.began) >= GC_PAUSE_LOG_S \
+                and not self.explicit:
+            log.warning("garbage collection of generation %d took %.1f ms (%d objects freed)",
+                        info["generation"], paused * 1e3, info["collected"])
+
+
+_collector_watch = _CollectorWatch()
+
+
+@functools.cache
+def _watch_collector_pauses() -> None:
+    gc.callbacks.append(_collector_watch)
 
 
 class LLMEngine:

@@ -19,7 +19,7 @@ import threading
 import torch
 
 from meshserve.services.worker.engine.device import resolve_device
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.engine import LLMEngine, settle_heap
 from meshserve.services.worker.parallel.config import ParallelConfig
 from meshserve.services.worker.parallel.ranks import RankSpec, join_group
 
@@ -41,6 +41,7 @@ def run(spec: RankSpec) -> None:
     # Grammars are compiled and applied by rank 0 only.
     config = dataclasses.replace(spec.config, structured_outputs_backend="none")
     engine = LLMEngine(config, parallel=parallel, sync=sync)
+    settle_heap()
     log.info("tensor-parallel rank %d of %d ready on %s", spec.rank, spec.world_size, device)
     while (plan := sync.receive()) is not None:
         engine.runner.follow(plan)

@@ -1,0 +1,38 @@
+"""settle_heap / settled_heap: a serving process's engine is frozen out of the collector's
+full passes, and a long collection pause is logged."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+
+from meshserve.services.worker.engine import engine as engine_module
+from meshserve.services.worker.engine.engine import settled_heap
+
+
+def test_the_heap_is_frozen_for_the_run_and_released_after() -> None:
+    assert gc.get_freeze_count() == 0
+    built = [object() for _ in range(1000)]  # what an engine would have built
+    with settled_heap():
+        assert gc.get_freeze_count() >= len(built)
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_long_collection_is_logged_and_a_short_or_asked_for_one_is_not(
+        caplog: pytest.LogCaptureFixture) -> None:
+    watch = engine_module._CollectorWatch()
+    info = {"generation": 2, "collected": 7}
+    with caplog.at_level(logging.WARNING, logger=engine_module.log.name):
+        watch("start", info)
+        watch("stop", info)  # immediately: far below the threshold
+        watch("start", info)
+        watch.began -= 2 * engine_module.GC_PAUSE_LOG_S
+        watch("stop", info)
+        watch.explicit = True
+        watch("start", info)
+        watch.began -= 2 * engine_module.GC_PAUSE_LOG_S
+        watch("stop", info)
+    pauses = [r.getMessage() for r in caplog.records if "garbage collection" in r.getMessage()]
+    assert len(pauses) == 1 and "generation 2" in pauses[0] and "7 objects" in pauses[0]
