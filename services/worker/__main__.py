@@ -2,7 +2,8 @@
 
 Order of life: load the model (logged, in a thread) -> listen (health NOT_SERVING)
 -> claim an epoch -> start the engine thread and the KV event publisher -> run one
-tiny request (warm-up) -> SERVING -> register with the scheduler and heartbeat.
+tiny request (warm-up) -> wait for the grammar preload, settle the heap (gc.freeze)
+-> SERVING -> register with the scheduler and heartbeat.
 On SIGTERM / SIGINT: NOT_SERVING, deregister, refuse new calls, let in-flight
 requests finish within --drain-grace-s (then abort them), stop the engine, flush
 KV events and clear this worker's entries from the block index. A device or
@@ -259,6 +260,12 @@ class WorkerProcess:
             _tier_metrics(self.telemetry, self.transfer, self.engine)
         self.thread.start()
         await warm_up(self.thread)
+        # Everything built so far lives as long as the process: the engine, the gRPC
+        # server, the KV clients, and what the grammar preload thread loads (the tokenizer
+        # and transformers' module tables, ~100k references for a 128k vocabulary), which
+        # every full collection would otherwise walk while serving.
+        await in_daemon_thread(self.engine.grammars.wait_preloaded, "grammar-preload")
+        settle_heap()
         await self.server.set_serving()
         _log.info("worker serving", extra={"worker_id": worker_id, "epoch": epoch,
                                            "address": self.info.address, "port": port})
@@ -323,7 +330,6 @@ async def serve(config: WorkerConfig) -> int:
         return await serve_pooling(config, claim_epoch)
     async with service_telemetry("worker", config) as telemetry:
         engine = await in_daemon_thread(lambda: build_engine(config), "worker-load")
-        settle_heap()
         worker = WorkerProcess(config, engine, telemetry)
         try:
             await worker.start()

@@ -96,10 +96,11 @@ GC_PAUSE_LOG_S = 0.02
 
 
 def settle_heap() -> None:
-    """Call once a serving process has built its engine. What it built lives as long as
-    the process (modules, graphs, caches): frozen, it is left out of the collector's full
-    passes, which would otherwise walk all of it between two steps, a pause of tens of ms
-    that also stalls every other rank of a tensor-parallel group. Long pauses are logged."""
+    """Call once a serving process has built its engine and is ready to serve. What it
+    built lives as long as the process (modules, graphs, caches, servers, clients): frozen,
+    it is left out of the collector's full passes, which would otherwise walk all of it
+    between two steps, a pause of tens of ms that also stalls every other rank of a
+    tensor-parallel group. Long pauses are logged."""
     _watch_collector_pauses()
     _collector_watch.explicit = True  # this collection's pause is asked for: not logged
     try:

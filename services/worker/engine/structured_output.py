@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ class GrammarCompiler:
         self._compiler: Any = None
         self._tokenizer: Any = None
         self._cache: dict[tuple[str, str, bool], Future[Any]] = {}
+        self._preload: Future[Any] | None = None
         if backend != "none":
             # Here, not first on a pool thread: transformers' lazy imports are not safe to
             # race with the engine's own (seen as a failed import on a GPU worker).
@@ -67,8 +69,16 @@ class GrammarCompiler:
 
     def preload(self) -> None:
         """Start loading the tokenizer in the background (first requests then wait less)."""
-        if self.backend != "none":
-            self._pool.submit(self._get_compiler).add_done_callback(_log_failure)
+        if self.backend != "none" and self._preload is None:
+            self._preload = self._pool.submit(self._get_compiler)
+            self._preload.add_done_callback(_log_failure)
+
+    def wait_preloaded(self) -> None:
+        """Block until the preload has ended, loaded or failed (a failure is logged).
+        What it builds (the tokenizer, transformers' module tables, xgrammar's vocabulary)
+        lives as long as the process, so a server settles its heap after this."""
+        if self._preload is not None:
+            futures.wait([self._preload])
 
     def submit(self, spec: StructuredOutputs) -> Future[Any]:
         """The compiled grammar of `spec`, on its way (done at once when cached).
