@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from tiny_models import build_tiny_model
 
+from meshserve.services.worker.models.llama import RMSNorm
 from meshserve.services.worker.models.loader import (
     _iter_checkpoint,
     checkpoint_files,
@@ -17,7 +18,6 @@ from meshserve.services.worker.models.loader import (
     resolve_model,
 )
 from meshserve.services.worker.parallel.config import ParallelConfig, ShardPlan
-from meshserve.services.worker.models.llama import RMSNorm
 from meshserve.services.worker.parallel.layers import SummingNorm, VocabParallelEmbedding
 from meshserve.shared.errors import ModelLoadError
 
