@@ -4,9 +4,12 @@ The engine (engine/kv_tier.py) submits jobs and reads completions without ever w
 the store; this thread does the store calls (KVStoreClient: shared memory on the same host,
 gRPC bytes otherwise) and the copies. On a GPU the copies run on a stream of their own:
 device-to-host straight into the store's slots, host-to-device from them, and the store's
-region is page-locked once (cudaHostRegister) so both are DMA transfers. A store that goes
-away turns every job into a no-op (saves dropped, probes finding nothing) until it answers
-again; reconnection is retried at most every `retry_s`.
+region is page-locked once (cudaHostRegister) so both are DMA transfers. The region is also
+one uint8 tensor, made once per connection, and a block in it is a slice of that tensor
+(a tensor made per block with `torch.frombuffer`, under a warnings filter for read-only
+views, took 2.6 us against 1.1 us for the slice, on a CPU). A store that goes away turns
+every job into a no-op (saves dropped, probes finding nothing) until it answers again;
+reconnection is retried at most every `retry_s`.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class KVTransfer:
         self._available = False
         self._next_try = 0.0
         self._registered: int | None = None  # address of the page-locked region
+        self._region: torch.Tensor | None = None  # uint8 over the client's mapped region
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
 
@@ -153,6 +157,7 @@ class KVTransfer:
             self._wake.notify()
         self._thread.join(timeout=10)
         if self._client is not None:
+            self._region = None  # a tensor over the region would keep it mapped
             self._client.close()
 
     # ----- the thread ------------------------------------------------------------------
@@ -223,6 +228,8 @@ class KVTransfer:
         self.stats.skipped_saves += len(job.hashes) - len(wanted)
         if not wanted:
             return
+        offsets = reservation.offsets or [None] * len(job.hashes)
+        source = job.data.reshape(len(job.hashes), -1).view(torch.uint8)  # [n, block bytes]
         try:
             for first in range(0, len(wanted), _SAVE_SLICE):
                 if first:
@@ -231,15 +238,14 @@ class KVTransfer:
                     for i in wanted[first:first + _SAVE_SLICE]:
                         view = reservation.views[i]
                         assert view is not None
-                        _as_bytes_tensor(view).copy_(_flat_bytes(job.data[i]),
-                                                     non_blocking=True)
+                        self._bytes(view, offsets[i]).copy_(source[i], non_blocking=True)
                     self._sync()
         except BaseException:
             client.abandon(reservation)
             raise
         client.commit(reservation)
         self.stats.saved_blocks += len(wanted)
-        self.stats.saved_bytes += len(wanted) * _flat_bytes(job.data[0]).numel()
+        self.stats.saved_bytes += len(wanted) * source.shape[1]
 
     def _load(self, client: KVStoreClient, job: LoadJob) -> bool:
         lease: Lease = job.lease  # type: ignore[assignment]
@@ -252,9 +258,10 @@ class KVTransfer:
                     self._stream.wait_event(job.after)
                 packed = torch.empty((len(job.block_ids), *self.block_shape),
                                      dtype=self.kv_caches[0][0].dtype, device=self.device)
+                target = packed.view(len(job.block_ids), -1).view(torch.uint8)
+                offsets = lease.offsets or [None] * len(lease.views)
                 for i in range(len(job.block_ids)):
-                    _flat_bytes(packed[i]).copy_(_as_bytes_tensor(lease.views[i]),
-                                                 non_blocking=True)
+                    target[i].copy_(self._bytes(lease.views[i], offsets[i]), non_blocking=True)
                 scatter_blocks(self.kv_caches, job.block_ids, packed)
                 self._sync()
         finally:
@@ -274,8 +281,11 @@ class KVTransfer:
             log.warning("kvstore unavailable (%s); blocks are recomputed until it answers", exc)
             return
         if self._client is not None:
+            self._region = None  # a tensor over the old region would keep it mapped
             self._client.close()
         self._client = client
+        if client.region is not None and len(client.region):
+            self._region = _as_bytes_tensor(client.region)
         self._pin(client)
         self._available = True
         log.info("kvstore connected", extra={"shared_memory": client.shared_memory})
@@ -300,6 +310,13 @@ class KVTransfer:
             return
         self._registered = address
 
+    def _bytes(self, view: memoryview, offset: int | None) -> torch.Tensor:
+        """A uint8 tensor over one block's buffer: a slice of the region's tensor when the
+        block is a region slot at `offset`, else a tensor over the view itself."""
+        if offset is not None and self._region is not None:
+            return self._region[offset:offset + view.nbytes]
+        return _as_bytes_tensor(view)
+
     def _finish(self, done: TransferDone) -> None:
         with self._cond:
             self._done.append(done)
@@ -321,6 +338,3 @@ def _as_bytes_tensor(view: memoryview) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
         return torch.frombuffer(view, dtype=torch.uint8)
 
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)

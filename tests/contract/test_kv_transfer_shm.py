@@ -1,0 +1,83 @@
+"""The worker's transfer thread against a real grpc.aio kvstore on 127.0.0.1 through its
+shared region: saved blocks land in the store byte for byte, and a probe and a load put
+them back into other cache blocks exactly (CPU caches, bfloat16)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from meshserve.services.kvstore.config import KVStoreConfig
+from meshserve.services.kvstore.service import KVStoreService
+from meshserve.services.worker.engine.kv_copy import gather_blocks
+from meshserve.services.worker.engine.kv_tier import (
+    LoadDone,
+    LoadJob,
+    ProbeDone,
+    ProbeJob,
+    SaveJob,
+    TransferDone,
+)
+from meshserve.services.worker.kv_transfer import KVTransfer
+from meshserve.services.worker.kvstore_client import KVStoreClient
+
+NS = "tiny:bfloat16"
+LAYERS, BLOCK_SIZE, HEADS, DIM, NUM_BLOCKS = 2, 4, 2, 8, 8
+BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * HEADS * DIM * 2
+
+
+def h(i: int) -> bytes:
+    return f"block-{i}".encode().ljust(32, b".")
+
+
+def make_caches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Views of one storage tensor, as the model runner allocates them."""
+    storage = torch.randn(LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM).to(torch.bfloat16)
+    return [(storage[layer, 0], storage[layer, 1]) for layer in range(LAYERS)]
+
+
+def next_done(transfer: KVTransfer) -> TransferDone:
+    for _ in range(100):
+        done = transfer.take_done()
+        if done:
+            assert len(done) == 1, f"one job at a time, got {done}"
+            return done[0]
+        transfer.wait(0.1)
+    raise AssertionError("the transfer thread did not answer")
+
+
+async def test_blocks_saved_through_the_region_load_back_exactly() -> None:
+    service = await KVStoreService.start(KVStoreConfig(
+        port=0, redis_url="", store_id="s0", capacity_bytes=16 * BLOCK_BYTES, drain_grace_s=0))
+    address = f"127.0.0.1:{service.port}"
+    caches = make_caches()
+    transfer = KVTransfer(lambda: KVStoreClient(address, NS), caches, retry_s=0.0)
+    reader = KVStoreClient(address, NS)
+    try:
+        await asyncio.to_thread(transfer.start)
+        await asyncio.to_thread(reader.connect)
+        assert reader.shared_memory, "the test means the shared region"
+        saved = gather_blocks(caches, [5, 1, 6])  # [3, layers, 2, block_size, heads, dim]
+        transfer.submit(SaveJob([h(0), h(1), h(2)], [b"", h(0), h(1)], saved, None))
+        assert await asyncio.to_thread(transfer.flush, 10)
+        assert transfer.stats.saved_blocks == 3
+        assert transfer.stats.saved_bytes == 3 * BLOCK_BYTES
+
+        lease = await asyncio.to_thread(reader.acquire, [h(0), h(1), h(2)])
+        assert [bytes(view) for view in lease.views] == [
+            saved[i].contiguous().view(torch.uint8).numpy().tobytes() for i in range(3)]
+        await asyncio.to_thread(reader.release, lease)
+
+        transfer.submit(ProbeJob("r", [h(0), h(1), h(9)]))
+        probed = await asyncio.to_thread(next_done, transfer)
+        assert isinstance(probed, ProbeDone) and probed.num_found == 2
+        transfer.submit(LoadJob("r", probed.lease, [2, 3], None))
+        loaded = await asyncio.to_thread(next_done, transfer)
+        assert loaded == LoadDone("r", True)
+        assert torch.equal(gather_blocks(caches, [2, 3]).view(torch.uint8),
+                           saved[:2].view(torch.uint8))
+    finally:
+        await asyncio.to_thread(transfer.stop)
+        reader.close()
+        await service.stop(grace_s=0)
