@@ -204,13 +204,7 @@ class KVTransfer:
             else:
                 self._save(client, job)
         elif isinstance(job, ProbeJob):
-            lease = None
-            try:  # the engine holds the request back until it hears, whatever happens
-                lease = client.acquire(job.hashes) if client is not None else None
-            finally:
-                found = len(lease.hashes) if lease is not None else 0
-                self.stats.probe_hits += found
-                self._finish(ProbeDone(job.request_id, found, lease))
+            self._probe(client, [job, *self._queued_probes()])
         elif isinstance(job, LoadJob):
             ok = False
             try:
@@ -246,6 +240,39 @@ class KVTransfer:
         client.commit(reservation)
         self.stats.saved_blocks += len(wanted)
         self.stats.saved_bytes += len(wanted) * source.shape[1]
+
+    def _queued_probes(self) -> list[ProbeJob]:
+        """Take every probe waiting in the urgent queue (other jobs keep their order)."""
+        with self._wake:
+            probes = [job for job in self._urgent if isinstance(job, ProbeJob)]
+            if probes:
+                self._urgent = collections.deque(
+                    job for job in self._urgent if not isinstance(job, ProbeJob))
+        return probes
+
+    def _probe(self, client: KVStoreClient | None, probes: list[ProbeJob]) -> None:
+        """Answer `probes`. Several at once (a burst of new requests) first ask the store in
+        one call which of their first blocks it holds: a probe whose first block is not
+        held is a miss without a call of its own (1000 queued probes were answered one
+        store call each, 0.56 ms a miss, in 0.7-0.9 s on a CPU)."""
+        answered = 0
+        try:  # the engine holds each request back until it hears, whatever happens
+            if client is None:
+                return
+            firsts = [job.hashes[0] for job in probes if job.hashes]
+            first_held = iter(client.held(firsts) if len(firsts) > 1 else [True] * len(firsts))
+            for job in probes:
+                lease = client.acquire(job.hashes) if job.hashes and next(first_held) else None
+                self._answer(job, lease)
+                answered += 1
+        finally:
+            for job in probes[answered:]:
+                self._answer(job, None)
+
+    def _answer(self, job: ProbeJob, lease: Lease | None) -> None:
+        found = len(lease.hashes) if lease is not None else 0
+        self.stats.probe_hits += found
+        self._finish(ProbeDone(job.request_id, found, lease))
 
     def _load(self, client: KVStoreClient, job: LoadJob) -> bool:
         lease: Lease = job.lease  # type: ignore[assignment]

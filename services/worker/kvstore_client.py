@@ -255,6 +255,14 @@ class KVStoreClient:
 
     # -- reading -----------------------------------------------------------------------
 
+    def held(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Whether the store holds each of `hashes` (one call; nothing is leased)."""
+        if not hashes:
+            return []
+        response = self._call(self._connected().Contains, kvstore_pb2.ContainsRequest(
+            kv_namespace=self.namespace, block_hashes=hashes))
+        return list(response.present)
+
     def acquire(self, hashes: Sequence[bytes]) -> Lease:
         """The leading blocks of `hashes` that the store holds, readable until `release`."""
         if not hashes:

@@ -5,6 +5,7 @@ them back into other cache blocks exactly (CPU caches, bfloat16)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import torch
 
@@ -80,4 +81,69 @@ async def test_blocks_saved_through_the_region_load_back_exactly() -> None:
     finally:
         await asyncio.to_thread(transfer.stop)
         reader.close()
+        await service.stop(grace_s=0)
+
+
+class CountingClient(KVStoreClient):
+    """The real client, counting the store calls a probe makes."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.acquires = 0
+        self.helds = 0
+
+    def acquire(self, hashes):  # type: ignore[no-untyped-def]
+        self.acquires += 1
+        return super().acquire(hashes)
+
+    def held(self, hashes):  # type: ignore[no-untyped-def]
+        self.helds += 1
+        return super().held(hashes)
+
+
+async def test_queued_probes_ask_once_and_lease_only_what_the_store_holds() -> None:
+    service = await KVStoreService.start(KVStoreConfig(
+        port=0, redis_url="", store_id="s0", capacity_bytes=16 * BLOCK_BYTES, drain_grace_s=0))
+    address = f"127.0.0.1:{service.port}"
+    clients: list[CountingClient] = []
+
+    def factory() -> CountingClient:
+        clients.append(CountingClient(address, NS))
+        return clients[-1]
+
+    caches = make_caches()
+    transfer = KVTransfer(factory, caches, retry_s=0.0)
+    try:
+        await asyncio.to_thread(transfer.start)
+        saved = gather_blocks(caches, [5, 1, 6])
+        transfer.submit(SaveJob([h(0), h(1), h(2)], [b"", h(0), h(1)], saved, None))
+        assert await asyncio.to_thread(transfer.flush, 10)
+        # Hold the thread while a burst of probes queues up behind it.
+        busy, release = threading.Event(), threading.Event()
+        transfer.call(lambda: (busy.set(), release.wait(10)))
+        assert await asyncio.to_thread(busy.wait, 10)
+        asked = {"a": [h(0), h(1), h(9)], "b": [h(5)], "c": [h(1), h(2)], "d": [h(7), h(8)],
+                 "e": [h(0)], "f": []}
+        for request_id, hashes in asked.items():
+            transfer.submit(ProbeJob(request_id, hashes))
+        client = clients[-1]
+        before = (client.acquires, client.helds)
+        release.set()
+        answers = {}
+        while len(answers) < len(asked):
+            done = await asyncio.to_thread(lambda: (transfer.wait(1.0), transfer.take_done())[1])
+            for item in done:
+                assert isinstance(item, ProbeDone)
+                answers[item.request_id] = item
+        assert {r: a.num_found for r, a in answers.items()} == {
+            "a": 2, "b": 0, "c": 2, "d": 0, "e": 1, "f": 0}
+        # One question for the whole burst; leases only where the first block is held.
+        assert (client.acquires - before[0], client.helds - before[1]) == (3, 1)
+        assert transfer.stats.probe_hits == 5
+        for item in answers.values():  # the leases go back on the thread, as DropJob's do
+            if item.lease is not None:
+                transfer.call(lambda lease=item.lease: client.release(lease))
+        assert await asyncio.to_thread(transfer.flush, 10)
+    finally:
+        await asyncio.to_thread(transfer.stop)
         await service.stop(grace_s=0)
