@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +38,20 @@ def test_a_long_collection_is_logged_and_a_short_or_asked_for_one_is_not(
         watch("stop", info)
     pauses = [r.getMessage() for r in caplog.records if "garbage collection" in r.getMessage()]
     assert len(pauses) == 1 and "generation 2" in pauses[0] and "7 objects" in pauses[0]
+
+
+def test_waiting_for_the_grammar_preload_ends_when_it_ends_or_at_the_timeout() -> None:
+    from meshserve.services.worker.engine.structured_output import GrammarCompiler
+
+    gate = threading.Event()
+
+    def tokenizer_folder() -> Path:  # a preload that is still running until the gate opens
+        gate.wait(30)
+        raise FileNotFoundError("no tokenizer here")
+
+    grammars = GrammarCompiler(tokenizer_folder, vocab_size=64, eos_token_ids=[0])
+    assert grammars.wait_preloaded(0.0)  # nothing preloading: nothing to wait for
+    grammars.preload()
+    assert not grammars.wait_preloaded(0.05)  # still running: the caller goes on
+    gate.set()
+    assert grammars.wait_preloaded(30)  # ended (failed, which is logged): done

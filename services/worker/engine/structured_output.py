@@ -73,12 +73,15 @@ class GrammarCompiler:
             self._preload = self._pool.submit(self._get_compiler)
             self._preload.add_done_callback(_log_failure)
 
-    def wait_preloaded(self) -> None:
-        """Block until the preload has ended, loaded or failed (a failure is logged).
-        What it builds (the tokenizer, transformers' module tables, xgrammar's vocabulary)
-        lives as long as the process, so a server settles its heap after this."""
-        if self._preload is not None:
-            futures.wait([self._preload])
+    def wait_preloaded(self, timeout_s: float | None = None) -> bool:
+        """Block until the preload has ended, loaded or failed (a failure is logged), or
+        `timeout_s` has passed; whether it has ended. What it builds (the tokenizer,
+        transformers' module tables, xgrammar's vocabulary) lives as long as the process,
+        so a server settles its heap after this."""
+        if self._preload is None:
+            return True
+        done, _ = futures.wait([self._preload], timeout=timeout_s)
+        return bool(done)
 
     def submit(self, spec: StructuredOutputs) -> Future[Any]:
         """The compiled grammar of `spec`, on its way (done at once when cached).
