@@ -470,8 +470,7 @@ def main(argv: Sequence[str]) -> int:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         engine = LLMEngine(config.engine_config())
-        engine.grammars.wait_preloaded()  # what it loads lives as long as the run
-        with settled_heap():
+        with settled_heap(engine):
             figures = (bench_latency(engine, config) if isinstance(config, LatencyConfig)
                        else bench_throughput(engine, config))  # type: ignore[arg-type]
     except MeshError as exc:

@@ -85,8 +85,7 @@ def run_batch_main(argv: Sequence[str]) -> int:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         engine = LLMEngine(config.engine_config())
-        engine.grammars.wait_preloaded()  # what it loads lives as long as the run
-        with settled_heap():
+        with settled_heap(engine):
             llm = OfflineLLM(engine, load_tokenizer(engine.source))
             summary = run_batch(config.input_file, config.output_file, llm,
                                 config.served_model_name or engine.source.name,

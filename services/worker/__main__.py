@@ -87,9 +87,6 @@ def kv_namespace(model_name: str, engine: LLMEngine) -> str:
 # prompts, multiples of 16 and others) that the first user requests would otherwise compile.
 _WARM_BATCH_LENGTHS = (10, 16, 17, 40, 64, 300, 2100)
 _WARM_PREFIX_TAIL = 11  # then one prompt past a cached prefix: the cached-context kernels
-# The longest a starting worker waits for the grammar preload before settling its heap and
-# serving (the preload of a 128k vocabulary takes seconds; a stuck one must not hold it).
-_PRELOAD_WAIT_S = 60.0
 
 
 async def _run(thread: EngineThread, request_id: str, prompts: list[list[int]]) -> None:
@@ -267,12 +264,7 @@ class WorkerProcess:
         # server, the KV clients, and what the grammar preload thread loads (the tokenizer
         # and transformers' module tables, ~100k references for a 128k vocabulary), which
         # every full collection would otherwise walk while serving.
-        preloaded = await in_daemon_thread(
-            lambda: self.engine.grammars.wait_preloaded(_PRELOAD_WAIT_S), "grammar-preload")
-        if not preloaded:
-            _log.warning("the grammar preload is still running after %.0f s; serving without "
-                         "waiting for it", _PRELOAD_WAIT_S)
-        settle_heap()
+        await in_daemon_thread(lambda: settle_heap(self.engine), "settle-heap")
         await self.server.set_serving()
         _log.info("worker serving", extra={"worker_id": worker_id, "epoch": epoch,
                                            "address": self.info.address, "port": port})

@@ -93,14 +93,21 @@ _TIER_IDLE_WAIT_S = 0.002
 
 # A collection at least this long is logged (a step of a large model takes a few ms).
 GC_PAUSE_LOG_S = 0.02
+# The longest `settle_heap` waits for the engine's grammar preload (a 128k vocabulary takes
+# seconds; a stuck one must not hold a starting server).
+PRELOAD_WAIT_S = 60.0
 
 
-def settle_heap() -> None:
+def settle_heap(engine: LLMEngine | None = None) -> None:
     """Call once a serving process has built its engine and is ready to serve. What it
-    built lives as long as the process (modules, graphs, caches, servers, clients): frozen,
-    it is left out of the collector's full passes, which would otherwise walk all of it
-    between two steps, a pause of tens of ms that also stalls every other rank of a
-    tensor-parallel group. Long pauses are logged."""
+    built lives as long as the process (modules, graphs, caches, servers, clients, and what
+    `engine`'s grammar preload loads, waited for here): frozen, it is left out of the
+    collector's full passes, which would otherwise walk all of it between two steps, a
+    pause of tens of ms that also stalls every other rank of a tensor-parallel group. Long
+    pauses are logged. It blocks (the preload, one full collection): not on an event loop."""
+    if engine is not None and not engine.grammars.wait_preloaded(PRELOAD_WAIT_S):
+        log.warning("the grammar preload is still running after %.0f s; settling the heap "
+                    "without it", PRELOAD_WAIT_S)
     _watch_collector_pauses()
     _collector_watch.explicit = True  # this collection's pause is asked for: not logged
     try:
@@ -111,10 +118,10 @@ def settle_heap() -> None:
 
 
 @contextlib.contextmanager
-def settled_heap() -> Iterator[None]:
+def settled_heap(engine: LLMEngine | None = None) -> Iterator[None]:
     """`settle_heap` for a run that ends before the process does (run-batch, bench): the
     heap is unfrozen after it, so what the engine built can be collected."""
-    settle_heap()
+    settle_heap(engine)
     try:
         yield
     finally:

@@ -41,7 +41,7 @@ def run(spec: RankSpec) -> None:
     # Grammars are compiled and applied by rank 0 only.
     config = dataclasses.replace(spec.config, structured_outputs_backend="none")
     engine = LLMEngine(config, parallel=parallel, sync=sync)
-    settle_heap()
+    settle_heap(engine)
     log.info("tensor-parallel rank %d of %d ready on %s", spec.rank, spec.world_size, device)
     while (plan := sync.receive()) is not None:
         engine.runner.follow(plan)
