@@ -12,7 +12,8 @@
 #                           4 x C, at least 8, at most SHAREGPT_PROMPTS)
 #   mesh_latency.json       single stream, random LATENCY_LEN in / LATENCY_LEN out
 #                           (LATENCY_PROMPTS requests)
-#   worker_metrics.json     the worker's engine counters before and after the 1000-request run
+#   worker_metrics.json     the worker's engine and KV tier counters before and after the
+#                           1000-request run
 #   pyspy_ROLE.txt          raw py-spy samples of gateway, scheduler, tokenizer and worker
 #                           during that run (when py-spy works there)
 #   worker_steps.jsonl.W    every engine step of worker W (--step-trace), all runs
@@ -78,7 +79,8 @@ text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
 wanted = ("meshserve:worker_engine_steps", "meshserve:worker_engine_step_seconds",
           "meshserve:worker_engine_tokens")
 values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-          if line.split() and line.split()[0] in wanted}
+          if line.split() and (line.split()[0] in wanted
+                               or line.startswith("meshserve:worker_kvstore_"))}
 print(json.dumps({"unix_s": time.time(), **values}))
 PY
 }

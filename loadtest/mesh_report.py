@@ -23,6 +23,7 @@ from typing import Any
 THROUGHPUT_RATIO = 0.92
 LATENCY_RATIO = 1.2
 TPOT_RATIO = 1.05
+LARGE_BATCH = 512  # running sequences from which a step counts as a large-batch one
 
 
 def load(path: Path) -> dict[str, Any] | None:
@@ -94,9 +95,19 @@ def engine_figures(steps: list[dict[str, Any]]) -> dict[str, float] | None:
     busy = sum(s["duration_s"] for s in steps)
     wall = steps[-1]["end_s"] - (steps[0]["end_s"] - steps[0]["duration_s"])
     tokens = sum(s["tokens"] for s in steps)
-    return {"steps": len(steps), "tokens": tokens, "wall_s": wall, "busy_s": busy,
-            "mean_step_ms": 1e3 * busy / len(steps), "tokens_per_step": tokens / len(steps),
-            "busy_fraction": busy / wall if wall else 0.0}
+    figures = {"steps": len(steps), "tokens": tokens, "wall_s": wall, "busy_s": busy,
+               "mean_step_ms": 1e3 * busy / len(steps), "tokens_per_step": tokens / len(steps),
+               "busy_fraction": busy / wall if wall else 0.0}
+    large = [s for s in steps if s["running"] >= LARGE_BATCH]
+    if large:  # where the mesh's steps have come out longer than in process
+        figures["large_batch_steps"] = len(large)
+        figures["large_batch_step_ms"] = 1e3 * sum(s["duration_s"] for s in large) / len(large)
+    # The device's own time (traces of a GPU run since the device timeline): its work,
+    # its idle gaps waiting for the host, and the KV tier's gathers.
+    for key in ("device_busy_s", "device_idle_s", "tier_s"):
+        if any(key in s for s in steps):
+            figures[key] = sum(s.get(key, 0.0) for s in steps)
+    return figures
 
 
 def worker_figures(mesh_dir: Path, mesh: dict[str, Any] | None) -> dict[str, float] | None:
@@ -181,6 +192,11 @@ def build(run_dir: Path, mesh_dir: Path) -> dict[str, Any]:
                      "-" if busy_ratio is None else
                      f"time in steps {busy_ratio:.3f}x in process (the gRPC side's cost to "
                      f"the engine loop; target <= 1.05)"))
+        if engine is not None and "device_busy_s" in worker and "device_busy_s" in engine:
+            device_ratio = ratio(worker["device_busy_s"], engine["device_busy_s"])
+            label = "device during that run: work / idle / KV tier gathers (s); large batches"
+            rows.append((label, _device_text(engine), _device_text(worker),
+                         f"device work {device_ratio:.3f}x in process"))
     failed = sum(p.get("failed", 0) for p in [mesh, single, *sweep] if p)
     figures["failed_requests"] = failed
     rows.append(("failed requests, all mesh runs", "", str(failed),
@@ -197,6 +213,15 @@ def plot_sweep(mesh_dir: Path, path: Path) -> None:
     points = [serve_result(load(p)) for p in sorted(
         mesh_dir.glob("mesh_sweep_*.json"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))]
     write_plot(path, [p for p in points if p is not None], sweep=True)
+
+
+def _device_text(figures: dict[str, float]) -> str:
+    text = (f"{figures['device_busy_s']:.2f} / {figures['device_idle_s']:.2f} / "
+            f"{figures.get('tier_s', 0.0):.2f}")
+    if "large_batch_step_ms" in figures:
+        text += (f"; {figures['large_batch_steps']} of {LARGE_BATCH}+ running, "
+                 f"{figures['large_batch_step_ms']:.1f} ms each")
+    return text
 
 
 def _fmt(value: float | None) -> str:

@@ -43,7 +43,7 @@ from meshserve.services.bench_serve.datasets import (  # noqa: F401 (the bench's
 )
 from meshserve.services.worker.config import EngineOptions, short_flags
 from meshserve.services.worker.engine.request import Request
-from meshserve.services.worker.step_trace import StepRecord, write_step_trace
+from meshserve.services.worker.step_trace import StepRecord, device_fields, write_step_trace
 from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, MeshError
 from meshserve.shared.sampling_params import SamplingParams
@@ -349,6 +349,8 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
     lengths, prompts = lengths[share], prompts[share]
     sequences: list[Request] = []
     times = TokenTimes()
+    if config.step_trace:
+        engine.time_device()
     started = time.perf_counter()
     for i, (prompt, (_, output_len)) in enumerate(zip(prompts, lengths, strict=True)):
         engine.add_request(f"tput-{i}", prompt,
@@ -368,7 +370,7 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
                 trace.append(StepRecord(
                     now + started, now + started - before, len(scheduler.running),
                     len(scheduler.waiting), len(prompts) if steps == 1 else 0, len(outputs),
-                    sum(len(out.new_token_ids) for out in outputs)))
+                    sum(len(out.new_token_ids) for out in outputs), **device_fields(engine)))
             for out in outputs:
                 times.add(out.request_id, len(out.new_token_ids), out.finished, now)
                 bar.update(int(out.finished))

@@ -197,6 +197,7 @@ class WorkerProcess:
         self.thread = EngineThread(engine, on_fatal=self._on_fatal)
         if config.step_trace:
             self.thread.step_trace = []
+            engine.time_device()
         names = config.model_names(engine.source.name)
         self.info = WorkerInfo(  # address and epoch are set once the port is bound
             worker_id="pending", address="pending", model_names=tuple(names),

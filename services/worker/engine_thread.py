@@ -35,7 +35,7 @@ from meshserve.services.worker.request_stream import (
     SequenceTimes,
     StepTiming,
 )
-from meshserve.services.worker.step_trace import StepRecord
+from meshserve.services.worker.step_trace import StepRecord, device_fields
 from meshserve.shared.errors import InternalError, InvalidRequestError, MeshError
 from meshserve.shared.kv_events import KVEvent
 from meshserve.shared.sampling_params import SamplingParams
@@ -437,7 +437,7 @@ class EngineThread:
             time.perf_counter(), batch.timing.forward_ns / 1e9, self.load.num_running,
             self.load.num_waiting, self._added_since_step, len(batch.outputs),
             sum(len(out.new_token_ids) for out in batch.outputs),
-            self.load.num_pending_prefill_tokens))
+            self.load.num_pending_prefill_tokens, **device_fields(self.engine)))
         self._added_since_step = 0
 
     def _take_kv_events(self, batch: _StepBatch) -> None:

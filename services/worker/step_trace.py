@@ -8,6 +8,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,23 @@ class StepRecord:
     tokens: int
     pending_prefill_tokens: int = 0
     """Prompt tokens still to prefill across running and waiting sequences after it."""
+    device_busy_s: float = 0.0
+    """Device time in the steps it finished since the last record (DeviceTimeline, on a
+    GPU): their work, without the KV tier's gathers (`tier_s`) and the gaps (`idle_s`)."""
+    device_idle_s: float = 0.0
+    """Time the device had no step work queued, before the steps it finished since."""
+    tier_s: float = 0.0
+    """Device time of the KV tier's gathers after those steps."""
+
+
+def device_fields(engine: Any) -> dict[str, float]:
+    """The StepRecord fields of the engine's device time since the last call (none when
+    the engine does not time its device)."""
+    if engine.timeline is None:
+        return {}
+    times = engine.timeline.take()
+    return {"device_busy_s": times.busy_s, "device_idle_s": times.idle_s,
+            "tier_s": times.tier_s}
 
 
 def write_step_trace(path: str, records: Sequence[StepRecord]) -> None:

@@ -4,6 +4,7 @@ built), is frozen out of the collector's full passes before the first request.""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from tiny_models import build_tiny_model
 
 from meshserve.services.worker.__main__ import WorkerProcess, build_engine
 from meshserve.services.worker.config import WorkerConfig
+from meshserve.services.worker.engine import engine as engine_module
 from meshserve.shared.service_main import service_telemetry
 
 
@@ -35,5 +37,7 @@ async def test_the_grammar_preload_is_frozen_before_the_worker_serves(
             finally:
                 await worker.server.drain(0)
                 await worker.close()
-    finally:
+    finally:  # the test process goes on: what a worker process keeps is undone
         gc.unfreeze()
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(engine_module._collector_watch)

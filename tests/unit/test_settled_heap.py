@@ -19,7 +19,11 @@ def test_the_heap_is_frozen_for_the_run_and_released_after() -> None:
     built = [object() for _ in range(1000)]  # what an engine would have built
     with settled_heap():
         assert gc.get_freeze_count() >= len(built)
+        assert gc.callbacks.count(engine_module._collector_watch) == 1  # pauses watched
+        with settled_heap():  # settled twice: still watched once
+            assert gc.callbacks.count(engine_module._collector_watch) == 1
     assert gc.get_freeze_count() == 0
+    assert engine_module._collector_watch not in gc.callbacks  # the run's watch is over
 
 
 def test_a_long_collection_is_logged_and_a_short_or_asked_for_one_is_not(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import logging
 import time
@@ -30,6 +29,7 @@ import torch
 
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.device import resolve_device
+from meshserve.services.worker.engine.device_timeline import DeviceTimeline
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.kv_sizing import (
     gpu_memory_and_name,
@@ -108,7 +108,8 @@ def settle_heap(engine: LLMEngine | None = None) -> None:
     if engine is not None and not engine.grammars.wait_preloaded(PRELOAD_WAIT_S):
         log.warning("the grammar preload is still running after %.0f s; settling the heap "
                     "without it", PRELOAD_WAIT_S)
-    _watch_collector_pauses()
+    if _collector_watch not in gc.callbacks:
+        gc.callbacks.append(_collector_watch)
     _collector_watch.explicit = True  # this collection's pause is asked for: not logged
     try:
         gc.collect()
@@ -120,12 +121,15 @@ def settle_heap(engine: LLMEngine | None = None) -> None:
 @contextlib.contextmanager
 def settled_heap(engine: LLMEngine | None = None) -> Iterator[None]:
     """`settle_heap` for a run that ends before the process does (run-batch, bench): the
-    heap is unfrozen after it, so what the engine built can be collected."""
+    heap is unfrozen after it, so what the engine built can be collected, and pauses are no
+    longer logged (the collections of whatever the process does next are not the run's)."""
     settle_heap(engine)
     try:
         yield
     finally:
         gc.unfreeze()
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(_collector_watch)
 
 
 class _CollectorWatch:
@@ -145,11 +149,6 @@ class _CollectorWatch:
 
 
 _collector_watch = _CollectorWatch()
-
-
-@functools.cache
-def _watch_collector_pauses() -> None:
-    gc.callbacks.append(_collector_watch)
 
 
 class LLMEngine:
@@ -225,6 +224,8 @@ class LLMEngine:
             self.spec = attach_speculation(self, config.speculative)
         self._in_flight: LaunchedStep | None = None  # queued, results not read yet
         self.kv_tier: KVTier | None = None
+        # Device time per step for the step trace (`time_device`); None: not timed.
+        self.timeline: DeviceTimeline | None = None
         self.grammars = GrammarCompiler(
             lambda: tokenizer_folder(self.source), vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.model_config.eos_token_ids,
@@ -412,6 +413,11 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    def time_device(self) -> None:
+        """Time every step's work on the device from now on (`timeline`; CUDA only)."""
+        if self.device.type == "cuda" and self.timeline is None:
+            self.timeline = DeviceTimeline()
+
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()
 
@@ -438,6 +444,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         launched = None
         if not scheduled.empty:
+            if self.timeline is not None:
+                self.timeline.begin()
             launched = self.runner.launch(scheduled, previous)
             self.scheduler.advance(scheduled)
             for seq in launched.sample_requests:  # their tokens' places, until read
@@ -450,6 +458,8 @@ class LLMEngine:
                 outputs.extend(self._apply(previous.result()))
                 previous = None
             self.runner.sample(launched)
+        if launched is not None and self.timeline is not None:
+            self.timeline.end()
         if previous is not None:
             outputs.extend(self._apply(previous.result()))
         if launched is not None:
@@ -460,7 +470,8 @@ class LLMEngine:
             else:
                 outputs.extend(self._apply(launched.result()))
         if self.kv_tier is not None:
-            self.kv_tier.save_new_blocks()  # after the launch that computes them
+            if self.kv_tier.save_new_blocks() and self.timeline is not None:
+                self.timeline.tier_queued()  # after the launch that computes them
             if launched is None and previous is None and self.kv_tier.busy:
                 self.kv_tier.wait(_TIER_IDLE_WAIT_S)  # only the store has work: no spinning
         return outputs

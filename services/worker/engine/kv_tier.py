@@ -182,22 +182,23 @@ class KVTier:
             else:
                 self._loaded(done)
 
-    def save_new_blocks(self) -> None:
+    def save_new_blocks(self) -> int:
         """Queue the blocks indexed since the last call for the store (after the step that
-        computes them is queued on the device)."""
+        computes them is queued on the device); how many were queued."""
         new = self.kv.pool.take_new_cached()
         if not new or not self.transport.available:
-            return
+            return 0
         per_block = self._block_bytes()
         if self.transport.save_backlog_bytes + per_block * len(new) > self.max_save_backlog_bytes:
             self.stats.dropped_saves += len(new)
-            return
+            return 0
         data = gather_blocks(self.kv_caches, [block_id for block_id, _, _ in new])
         self.transport.submit(SaveJob(
             hashes=[block_hash for _, block_hash, _ in new],
             parents=[parent or b"" for _, _, parent in new], data=data,
             ready=self._mark()))
         self.stats.saved_blocks += len(new)
+        return len(new)
 
     def wait(self, timeout_s: float) -> None:
         """Block until the transfer thread finishes something (the engine has nothing else)."""
