@@ -104,8 +104,8 @@ def engine_figures(steps: list[dict[str, Any]]) -> dict[str, float] | None:
         figures["large_batch_step_ms"] = 1e3 * sum(s["duration_s"] for s in large) / len(large)
     # The device's own time (traces of a GPU run since the device timeline): its work,
     # its idle gaps waiting for the host, and the KV tier's gathers.
-    for key in ("device_busy_s", "device_idle_s", "tier_s"):
-        if any(key in s for s in steps):
+    if any(s.get("device_busy_s") for s in steps):  # zero throughout on a CPU
+        for key in ("device_busy_s", "device_idle_s", "tier_s"):
             figures[key] = sum(s.get(key, 0.0) for s in steps)
     return figures
 
