@@ -78,13 +78,12 @@ def test_disable_custom_all_reduce_reaches_the_engine_config() -> None:
     assert EngineOptions.from_args([]).engine_config().disable_custom_all_reduce is False
 
 
-def test_lora_with_tensor_parallelism_is_refused_by_name() -> None:
+def test_lora_with_tensor_parallelism_is_accepted() -> None:
     from meshserve.services.worker.engine.config import EngineConfig
-    from meshserve.shared.errors import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError, match="--enable-lora") as refused:
-        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
-    assert refused.value.param == "enable_lora"
+    # Each rank holds its part of every adapter (tests/engine/test_tensor_parallel_lora.py).
+    config = EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2, max_loras=2)
+    assert (config.enable_lora, config.tensor_parallel_size) == (True, 2)
 
 
 def test_a_draft_model_with_tensor_parallelism_or_lora_is_refused_by_name() -> None:

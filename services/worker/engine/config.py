@@ -108,9 +108,6 @@ class EngineConfig:
         check(self.enable_lora or not self.lora_modules,
               "--lora-modules needs --enable-lora", "lora_modules")
         parse_lora_modules(self.lora_modules)  # InvalidRequestError naming lora_modules
-        check(not (self.enable_lora and self.tensor_parallel_size > 1),
-              "--enable-lora does not work with --tensor-parallel-size above 1 yet (adapter "
-              "slots hold unsplit projections)", "enable_lora")
         if self.speculative_config is not None:
             try:
                 self.speculative  # noqa: B018 (parsed to validate)

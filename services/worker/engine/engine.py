@@ -192,7 +192,7 @@ class LLMEngine:
                                 self.device)
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
         self.max_num_seqs = config.seqs_limit(*gpu_memory_and_name(self.device))
-        self.lora = self._lora(model, batched_tokens)
+        self.lora = self._lora(model, batched_tokens, shard)
         num_blocks = self._num_kv_blocks(model, batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -253,8 +253,10 @@ class LLMEngine:
                 param="tensor_parallel_size")
         return quant
 
-    def _lora(self, model: CausalLM, batched_tokens: int) -> LoraManager | None:
-        """The adapters' slots and host cache (None without --enable-lora)."""
+    def _lora(self, model: CausalLM, batched_tokens: int,
+              shard: ShardPlan | None) -> LoraManager | None:
+        """The adapters' slots and host cache (None without --enable-lora); this rank's part
+        of each adapter with tensor parallelism."""
         config = self.config
         if not config.enable_lora:
             return None
@@ -263,7 +265,7 @@ class LLMEngine:
             max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
             max_tokens=max(batched_tokens, self.max_num_seqs),
             modules=parse_lora_modules(config.lora_modules), dtype=self.dtype,
-            device=self.device)
+            device=self.device, shard=shard)
 
     def _capture_graphs(self, batched_tokens: int) -> None:
         """Decode (and verify) CUDA graphs and piecewise prefill graphs, on a GPU unless

@@ -269,8 +269,11 @@ class ModelRunner:
         """
         inputs = self.prepare(out, previous)
         if self.lora is not None:
-            self.lora.prepare_step([(s.request.lora_id, s.num_new_tokens)
-                                    for s in out.scheduled])
+            groups = self.lora.prepare_step([(s.request.lora_id, s.num_new_tokens)
+                                             for s in out.scheduled])
+            if inputs.plan is not None:  # the other ranks group their rows the same way
+                inputs.plan.lora_groups = groups
+                inputs.plan.lora_writes = self.lora.take_writes()
         if inputs.pending_rows:
             assert previous is not None and previous.sample is not None
             sources = self._tensor(inputs.pending_sources, torch.long)
@@ -372,6 +375,10 @@ class ModelRunner:
         """A tensor-parallel rank other than 0: run the step rank 0 planned, with the same
         forward pass and the same logits (in `launch`'s order), for their collectives."""
         assert self.sync is not None, "only a tensor-parallel rank follows"
+        if self.lora is not None:
+            for slot, weights in plan.lora_writes:
+                self.lora.write_slot(slot, weights)
+            self.lora.set_step(plan.lora_groups)
         ids = self._tensor(plan.ids, torch.long)
         if plan.pending_rows:
             self.sync.receive_ids(ids)

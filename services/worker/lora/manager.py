@@ -12,6 +12,10 @@ used adapter that the step does not use; the engine's scheduler admits at most `
 adapters among running requests, so a step always finds slots. A removed adapter stops
 taking new requests; those already added (`acquire`d, until `release`d) finish with it, its
 weights kept in host memory for them.
+
+With tensor parallelism (`shard`), rank 0's manager decides; each slot write is also kept
+for the other ranks (`take_writes`, sent with the step's plan), which put their own part of
+the adapter into the same slot (`write_slot`).
 """
 
 from __future__ import annotations
@@ -23,8 +27,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from meshserve.services.worker.lora.stack import LoraStack
-from meshserve.services.worker.lora.weights import LoraWeights, load_lora_weights
+from meshserve.services.worker.lora.weights import (
+    LoraWeights,
+    load_lora_weights,
+    shard_lora_weights,
+)
 from meshserve.services.worker.models.config import ModelConfig
+from meshserve.services.worker.parallel.config import ShardPlan
 from meshserve.shared.errors import InvalidRequestError, NotFoundError
 from meshserve.shared.lora_config import LoraModule
 
@@ -42,10 +51,13 @@ class _Adapter:
 class LoraManager:
     """Registry, host cache and device-slot residency of LoRA adapters (thread-safe)."""
 
-    def __init__(self, config: ModelConfig, stack: LoraStack, *, max_cpu_loras: int) -> None:
+    def __init__(self, config: ModelConfig, stack: LoraStack, *, max_cpu_loras: int,
+                 shard: ShardPlan | None = None) -> None:
         assert max_cpu_loras >= stack.num_slots, "max_cpu_loras must be at least max_loras"
-        self._config = config
+        self._config = config  # the whole model's: adapters are checked against it
         self._stack = stack
+        self._shard = shard
+        self._writes: list[tuple[int, LoraWeights]] = []  # for the other ranks (with shard)
         self._max_cpu = max_cpu_loras
         self._lock = threading.Lock()
         self._adapters: dict[int, _Adapter] = {}  # by lora id
@@ -150,8 +162,21 @@ class LoraManager:
                                                 self._stack.rank)
         self._touch_host(lora_id)
         slot = self._free.pop()
-        self._stack.write(slot, adapter.weights)
+        self.write_slot(slot, adapter.weights)
+        if self._shard is not None:
+            self._writes.append((slot, adapter.weights))
         self._slots[lora_id] = slot
+
+    def write_slot(self, slot: int, weights: LoraWeights) -> None:
+        """Put `weights` (the whole adapter) into device slot `slot`: this rank's part of
+        them with tensor parallelism. The other ranks call it with rank 0's writes."""
+        self._stack.write(slot, weights if self._shard is None
+                          else shard_lora_weights(weights, self._shard))
+
+    def take_writes(self) -> list[tuple[int, LoraWeights]]:
+        """The slot writes since the last call (tensor parallelism: for the other ranks)."""
+        writes, self._writes = self._writes, []
+        return writes
 
     def _touch_host(self, lora_id: int) -> None:
         """Mark the adapter's host weights used; drop the LRU ones over max_cpu_loras."""
@@ -171,11 +196,18 @@ class LoraManager:
             del self._adapters[lora_id]
             self._host_lru.pop(lora_id, None)
 
-    def prepare_step(self, rows: list[tuple[int | None, int]]) -> None:
+    def prepare_step(self, rows: list[tuple[int | None, int]]) -> list[tuple[int, int]]:
         """Group a step's rows for the kernels: (adapter id or None, number of rows) per
-        scheduled sequence, in the order of the step's flat batch."""
+        scheduled sequence, in the order of the step's flat batch. Returns them as (slot,
+        number of rows), slot -1 for none: what the other ranks pass to `set_step`."""
         slots = self.slots_for(lora_id for lora_id, _ in rows if lora_id is not None)
+        groups = [(-1 if lora_id is None else slots[lora_id], count) for lora_id, count in rows]
+        self.set_step(groups)
+        return groups
+
+    def set_step(self, groups: list[tuple[int, int]]) -> None:
+        """Point the step's rows at their slots: (slot or -1, number of rows) per sequence."""
         row_slots: list[int] = []
-        for lora_id, count in rows:
-            row_slots.extend([-1 if lora_id is None else slots[lora_id]] * count)
+        for slot, count in groups:
+            row_slots.extend([slot] * count)
         self._stack.set_step(row_slots)

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from meshserve.services.worker.models.config import ModelConfig
+from meshserve.services.worker.parallel.config import ShardPlan
 from meshserve.shared.errors import InvalidRequestError, NotFoundError
 from meshserve.shared.lora_config import (
     WEIGHTS_FILE,
@@ -38,6 +39,30 @@ class LoraWeights:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+
+# Projections whose inputs are split over tensor-parallel ranks (their outputs are summed).
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def shard_lora_weights(weights: LoraWeights, shard: ShardPlan) -> LoraWeights:
+    """This tensor-parallel rank's part of an adapter, split as the model's projections are.
+
+    Column-parallel projections (q/k/v, gate/up): every rank's output rows are its own, so
+    B [out, r] keeps this rank's rows and A [r, in] is whole. Row-parallel ones (o, down):
+    the input is split, so A keeps this rank's columns and B is whole; each rank's delta
+    x_r A_r^T B^T is then part of the sum over ranks the projection's output goes through.
+    """
+    a: dict[tuple[int, str], torch.Tensor] = {}
+    b: dict[tuple[int, str], torch.Tensor] = {}
+    for (layer, module), lora_a in weights.a.items():
+        name = f"model.layers.{layer}.{module}.weight"  # as ShardPlan.take names it
+        lora_b = weights.b[(layer, module)]
+        if module in _ROW_PARALLEL:
+            a[(layer, module)], b[(layer, module)] = shard.take(name, lora_a), lora_b
+        else:
+            a[(layer, module)], b[(layer, module)] = lora_a, shard.take(name, lora_b)
+    return LoraWeights(weights.config, a, b)
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from meshserve.services.worker.lora.weights import LoraWeights
+
 
 @dataclass
 class StepPlan:
@@ -30,6 +32,10 @@ class StepPlan:
     pending_rows: list[int] = field(default_factory=list)  # rows whose ids are on the device
     # Rows of speculating sequences' [last token + drafts] queries, scored before sample_rows.
     verify_rows: list[int] = field(default_factory=list)
+    # Multi-LoRA: (slot or -1, rows) per sequence, and adapters rank 0 put into slots for
+    # this step (slot, whole adapter; each rank takes its part).
+    lora_groups: list[tuple[int, int]] = field(default_factory=list)
+    lora_writes: list[tuple[int, LoraWeights]] = field(default_factory=list)
 
 
 class StepSync:
