@@ -21,9 +21,9 @@ from meshserve.shared.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
 # Keys of vLLM's speculative config that ask for nothing meshserve would do differently.
-_IGNORED = frozenset({"disable_log_stats", "draft_tensor_parallel_size"})
+_IGNORED = frozenset({"disable_log_stats"})
 _KNOWN = frozenset({"method", "model", "num_speculative_tokens", "prompt_lookup_max",
-                    "prompt_lookup_min", "max_model_len"}) | _IGNORED
+                    "prompt_lookup_min", "max_model_len", "draft_tensor_parallel_size"}) | _IGNORED
 # More drafts per step than this only costs: every one beyond the accepted run is wasted work.
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -71,6 +71,11 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
         raise ConfigError(f"--speculative-config: keys not supported by meshserve: "
                           f"{', '.join(unknown)} (supported: {', '.join(sorted(_KNOWN))})",
                           param="speculative_config")
+    if value.get("draft_tensor_parallel_size", 1) != 1:
+        # vLLM's other choice, the target's size, is not offered: the draft is whole on rank 0.
+        raise ConfigError("--speculative-config: draft_tensor_parallel_size must be 1 (the "
+                          "draft model runs whole on one rank), got "
+                          f"{value['draft_tensor_parallel_size']!r}", param="speculative_config")
     model = value.get("model")
     method = value.get("method") or ("draft_model" if model else None)
     if method is None:

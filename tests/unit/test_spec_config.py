@@ -28,6 +28,12 @@ def test_model_alone_means_a_draft_model() -> None:
     assert named == got
 
 
+def test_a_whole_draft_and_log_stats_keys_are_taken_as_vllm_spells_them() -> None:
+    got = parse_speculative_config('{"model": "/m/d", "num_speculative_tokens": 3, '
+                                   '"draft_tensor_parallel_size": 1, "disable_log_stats": true}')
+    assert (got.method, got.model) == ("draft_model", "/m/d")
+
+
 def test_lookup_bounds_default() -> None:
     assert parse_speculative_config(
         '{"method": "ngram", "num_speculative_tokens": 2}').prompt_lookup_max == 4
@@ -49,6 +55,8 @@ def test_lookup_bounds_default() -> None:
     ('{"method": "ngram", "model": "/x", "num_speculative_tokens": 3}', "only with it"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "acceptance_method": "x"}',
      "not supported by meshserve: acceptance_method"),
+    ('{"model": "/m/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}',
+     "draft_tensor_parallel_size must be 1"),
 ])
 def test_bad_configs_are_refused_with_a_reason(text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -86,14 +86,19 @@ def test_lora_with_tensor_parallelism_is_accepted() -> None:
     assert (config.enable_lora, config.tensor_parallel_size) == (True, 2)
 
 
-def test_a_draft_model_with_tensor_parallelism_or_lora_is_refused_by_name() -> None:
+def test_a_draft_model_that_is_the_target_at_tp_or_with_lora_is_refused_by_name() -> None:
     from meshserve.services.worker.engine.config import EngineConfig
     from meshserve.shared.errors import InvalidRequestError
 
     draft = '{"model": "d", "num_speculative_tokens": 3}'
-    with pytest.raises(InvalidRequestError, match="a draft model does not work") as no:
-        EngineConfig(model="m", speculative_config=draft, tensor_parallel_size=2)
+    # Another model as draft is whole on rank 0 (tests/engine/test_tensor_parallel_draft.py).
+    assert EngineConfig(model="m", speculative_config=draft,
+                        tensor_parallel_size=2).speculative is not None
+    itself = '{"model": "m", "num_speculative_tokens": 3}'
+    with pytest.raises(InvalidRequestError, match="the target model itself") as no:
+        EngineConfig(model="m", speculative_config=itself, tensor_parallel_size=2)
     assert no.value.param == "speculative_config"
+    assert EngineConfig(model="m", speculative_config=itself).speculative is not None
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
     # n-gram speculation is accepted at TP=2 (tests/engine/test_tensor_parallel.py).
     assert EngineConfig(model="m", speculative_config=spec,

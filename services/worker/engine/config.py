@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from meshserve.shared.errors import ConfigError, InvalidRequestError
@@ -113,10 +114,14 @@ class EngineConfig:
                 self.speculative  # noqa: B018 (parsed to validate)
             except ConfigError as exc:
                 raise InvalidRequestError(exc.message, param="speculative_config") from None
+        # At tensor parallelism rank 0 holds the whole draft: the target's own weights as
+        # draft would put the whole target there.
         check(not (self.speculative_config and self.tensor_parallel_size > 1
-                   and self.speculative.method != "ngram"),
-              "a draft model does not work with --tensor-parallel-size above 1 yet (n-gram "
-              "speculation does)", "speculative_config")
+                   and self.speculative.model is not None
+                   and os.path.realpath(self.speculative.model) == os.path.realpath(self.model)),
+              "a draft model that is the target model itself does not work with "
+              "--tensor-parallel-size above 1 (rank 0 would hold the whole target); name a "
+              "smaller draft model", "speculative_config")
         # (A draft that is the target's own weights would run the target's LoRA hooks with
         # the target step's row grouping.)
         check(not (self.speculative_config and self.enable_lora

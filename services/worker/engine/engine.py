@@ -187,9 +187,11 @@ class LLMEngine:
                  time.monotonic() - started)
         # A draft model's weights load before the KV cache is sized, which then holds both
         # models' caches (the draft's has as many blocks as the target's).
+        # With tensor parallelism the draft is whole on rank 0, which alone drafts (its
+        # forward passes need no other rank); every rank runs the verify passes.
         self.draft = load_draft(config.speculative, model, self.model_config,
                                 str(self.source.path), config.load_format, self.dtype,
-                                self.device)
+                                self.device) if self.parallel.is_driver else None
         batched_tokens = config.batched_tokens(self.max_model_len, self.device.type == "cuda")
         self.max_num_seqs = config.seqs_limit(*gpu_memory_and_name(self.device))
         self.lora = self._lora(model, batched_tokens, shard)
@@ -218,7 +220,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
         self.spec: SpecDecoder | None = None
-        if config.speculative is not None:
+        if config.speculative is not None and self.parallel.is_driver:
             # Drafts are proposed from host tokens: a step that speculates runs after the
             # one before it is read, and is read before the next is scheduled (`step`).
             self.spec = attach_speculation(self, config.speculative)
