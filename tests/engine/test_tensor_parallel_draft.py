@@ -1,6 +1,6 @@
 """Speculative decoding with a draft model at tensor parallelism (CPU, gloo, 2 ranks): the
 draft is whole on rank 0, which alone drafts; both ranks run the verify passes. Greedy
-output is transformers' token for token."""
+output is transformers' token for token (transformers + peft's with LoRA adapters)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_adapters import build_adapter, greedy, peft_model
 from test_engine_vs_hf import hf_greedy, run_all, tokens_of
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.shared.lora_config import LoraModule
 from meshserve.shared.sampling_params import SamplingParams
 
 MAX_NEW = 16
@@ -59,3 +61,38 @@ def test_two_ranks_with_a_draft_model_keep_the_targets_greedy_tokens(
         assert accepted == drafted
         steps = sum(len(outputs[f"r{i}"]) for i in range(len(prompts)))
         assert steps < len(prompts) * MAX_NEW, "accepted drafts must save steps"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_adapters_with_a_draft_model(models: tuple[Path, Path, Path], tmp_path: Path,
+                                          tp: int) -> None:
+    """The draft drafts as its base model; the verify pass applies each row's adapter, so
+    every row keeps its own model's greedy tokens."""
+    target, twin, _ = models
+    adapter = build_adapter(target, tmp_path / "a", seed=40, rank=8)
+    module = LoraModule("ad", str(adapter))
+    engine = LLMEngine(EngineConfig(
+        model=str(target), dtype="float32", device="cpu", num_kv_blocks=96,
+        tensor_parallel_size=tp, structured_outputs_backend="none", enable_lora=True,
+        lora_modules=f"{module.name}={module.path}", max_num_batched_tokens=32,
+        speculative_config=json.dumps({"model": str(twin), "num_speculative_tokens": 3})))
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    references = [hf, peft_model(target, adapter)]
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (9, 17, 24, 5)]
+    try:
+        got: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, GREEDY,
+                               lora_id=module.lora_id if i % 2 else None)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engine.spec is not None
+        _, drafted, accepted, _ = engine.spec.stats.snapshot()
+    finally:
+        engine.close()
+    for i, prompt in enumerate(prompts):
+        assert got[f"r{i}"] == greedy(references[i % 2], prompt, MAX_NEW), f"request {i}"
+    # The base rows' drafts (the target's twin) are all right; the adapter rows' are not.
+    assert 0 < accepted < drafted

@@ -104,10 +104,13 @@ def test_a_draft_model_that_is_the_target_at_tp_or_with_lora_is_refused_by_name(
     assert EngineConfig(model="m", speculative_config=spec,
                         tensor_parallel_size=2).speculative is not None
     assert EngineConfig(model="m", speculative_config=spec).speculative is not None
-    # n-gram with LoRA is accepted (tests/engine/test_lora_engine.py runs the two together);
-    # a draft model with LoRA is refused.
+    # n-gram with LoRA is accepted (tests/engine/test_lora_engine.py runs the two together),
+    # as is another draft model (tests/engine/test_tensor_parallel_draft.py); the target
+    # itself as draft with LoRA is refused.
     assert EngineConfig(model="m", speculative_config=spec,
                         enable_lora=True).speculative is not None
+    assert EngineConfig(model="m", speculative_config=draft,
+                        enable_lora=True).speculative is not None
     with pytest.raises(InvalidRequestError, match="--enable-lora") as no:
-        EngineConfig(model="m", speculative_config=draft, enable_lora=True)
+        EngineConfig(model="m", speculative_config=itself, enable_lora=True)
     assert no.value.param == "speculative_config"

@@ -115,22 +115,27 @@ class EngineConfig:
             except ConfigError as exc:
                 raise InvalidRequestError(exc.message, param="speculative_config") from None
         # At tensor parallelism rank 0 holds the whole draft: the target's own weights as
-        # draft would put the whole target there.
-        check(not (self.speculative_config and self.tensor_parallel_size > 1
-                   and self.speculative.model is not None
-                   and os.path.realpath(self.speculative.model) == os.path.realpath(self.model)),
+        # draft would put the whole target there. With LoRA they would run the target's
+        # adapter hooks with the target step's row grouping (another draft has no hooks:
+        # it drafts as its base model, and the verify pass applies each row's adapter).
+        check(not (self.draft_is_target and self.tensor_parallel_size > 1),
               "a draft model that is the target model itself does not work with "
               "--tensor-parallel-size above 1 (rank 0 would hold the whole target); name a "
               "smaller draft model", "speculative_config")
-        # (A draft that is the target's own weights would run the target's LoRA hooks with
-        # the target step's row grouping.)
-        check(not (self.speculative_config and self.enable_lora
-                   and self.speculative.method != "ngram"),
-              "a draft model does not work with --enable-lora yet (n-gram speculation does)",
+        check(not (self.draft_is_target and self.enable_lora),
+              "a draft model that is the target model itself does not work with "
+              "--enable-lora (another draft model, or n-gram speculation, does)",
               "speculative_config")
         check(self.scheduling_policy in ("fcfs", "priority"),
               f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}",
               "scheduling_policy")
+
+    @property
+    def draft_is_target(self) -> bool:
+        """Whether the speculative config's draft model is the target model's own folder."""
+        spec = self.speculative if self.speculative_config is not None else None
+        return (spec is not None and spec.model is not None
+                and os.path.realpath(spec.model) == os.path.realpath(self.model))
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
