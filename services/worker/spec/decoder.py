@@ -8,8 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from meshserve.services.worker.engine.request import NEVER_DRAFTED, Request, RequestStatus
-from meshserve.services.worker.spec.ngram import NgramProposer
+from meshserve.services.worker.spec.ngram import NgramProposer, TokenHistory
 from meshserve.services.worker.spec.verify import Verified
 from meshserve.shared.speculative_config import SpeculativeConfig
 
@@ -132,12 +134,23 @@ class NgramBatchProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self._ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                     config.prompt_lookup_max)
+        # Each sequence's known tokens, appended to step by step (by id, with the request
+        # they belong to: a finished request's history is dropped at the next batch).
+        self._histories: dict[str, tuple[Request, TokenHistory]] = {}
 
     def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
-        return [self._ngram.propose(r.all_token_ids, k) for r, k in zip(requests, ks,
-                                                                        strict=True)]
+        self._histories = {rid: entry for rid, entry in self._histories.items()
+                           if not entry[0].is_finished}
+        return [self._ngram.propose(self._tokens(r, r.num_tokens), k)
+                for r, k in zip(requests, ks, strict=True)]
 
     def may_draft(self, request: Request) -> bool:
         """Whether the tokens on the host already end in an n-gram seen before: repetitive
         text stays repetitive from one token to the next far more often than not."""
-        return bool(self._ngram.propose(request.token_ids(0, request.num_known_tokens), 1))
+        return bool(self._ngram.propose(self._tokens(request, request.num_known_tokens), 1))
+
+    def _tokens(self, request: Request, length: int) -> np.ndarray:
+        entry = self._histories.get(request.request_id)
+        if entry is None or entry[0] is not request:
+            entry = self._histories[request.request_id] = (request, TokenHistory())
+        return entry[1].tokens(request.token_ids, length)
