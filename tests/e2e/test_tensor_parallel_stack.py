@@ -1,21 +1,25 @@
 """A tensor-parallel worker in the real stack: `meshserve up` (start_stack) with one worker
 at --tensor-parallel-size 2 on CPU (gloo), driven through the gateway by the `openai`
-client. Its tokens are those of the same model run in-process on one rank, the scheduler
-knows it as one worker of two ranks, a dead rank ends its worker with a message naming it,
-and `kill -9` of the worker leaves no rank behind.
+client. Its tokens are those of the same model run in-process on one rank, a LoRA
+adapter (given at start, or loaded at run time) gives transformers + peft's tokens, the
+scheduler knows it as one worker of two ranks, a dead rank ends its worker with a message
+naming it, and `kill -9` of the worker leaves no rank behind.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import openai
 import pytest
+from lora_adapters import build_adapter, greedy, peft_model
 from tiny_models import build_tiny_model
 
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -36,13 +40,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp-adapters")
+    return {name: build_adapter(model_dir, root / name, seed=50 + i, rank=8)
+            for i, name in enumerate(("boot", "late"))}
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: Path, adapters: dict[str, Path],
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     config = LauncherConfig(model=str(model_dir), served_model_name=MODEL, workers=1, port=0,
                             tensor_parallel_size=2, num_kv_blocks=128, dtype="float32",
-                            device="cpu", kvstore=False,
+                            device="cpu", kvstore=False, enable_lora=True, max_loras=1,
+                            lora_modules=f"boot={adapters['boot']}",
                             run_dir=str(tmp_path_factory.mktemp("run")),
                             startup_timeout_s=300, stop_grace_s=10)
-    with start_stack(config) as running:
+    environ = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+    with start_stack(config, environ=environ) as running:
         yield running
 
 
@@ -101,6 +115,27 @@ def test_two_ranks_serve_the_tokens_of_one(stack: Stack, model_dir: Path) -> Non
         listed = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
             scheduler_pb2.ListWorkersRequest(), timeout=5.0)
     assert [w.info.tensor_parallel_size for w in listed.workers] == [2]
+
+
+def test_adapters_on_two_ranks_give_peft_tokens(stack: Stack, model_dir: Path,
+                                               adapters: dict[str, Path]) -> None:
+    """The adapter given at start, then one loaded at run time (one slot: they take turns
+    in it, each rank holding its part of whichever is there)."""
+    request = urllib.request.Request(
+        stack.gateway_url + "/v1/load_lora_adapter", method="POST",
+        data=json.dumps({"lora_name": "late", "lora_path": str(adapters["late"])}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.status == 200
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0,
+                           timeout=120)
+    for name in ("boot", "late", "boot"):
+        completion = client.completions.create(
+            model=name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        served = list(completion.choices[0].token_ids)  # type: ignore[attr-defined]
+        assert served == greedy(peft_model(model_dir, adapters[name]), PROMPTS[1],
+                                MAX_TOKENS), name
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:
