@@ -5,14 +5,16 @@
 
 For each part in turn, on one `meshserve up` stack with two workers (`start_stack`):
 N streaming `/v1/completions` run (greedy, `ignore_eos`); once every stream has sent a few
-chunks, the part's process gets SIGKILL. Then it records how each stream ended (its own
-`finish_reason` and `[DONE]`; an error event and `[DONE]`; cut without `[DONE]`; hung past its
-timeout), how long until a new request succeeded again, and how long until the killed part
-was back (restarted by the launcher: SERVING on its address, or registered again for a
-worker, or answering PING for Redis). For a worker, the streams it ran fail over to the
-other one: `resume_s` holds, for each of them, the time from the kill to its first token
-after the move (measured by the client; see `_resume_times`). The stack is checked to be still up at the end of each
-drill. `tests/e2e/test_fault_matrix.py` runs the same drill on a tiny model in CI and asserts
+chunks (for a worker: once the workers' own loads show every stream generating, read off
+the client's event loop, which lags behind them), the part's process gets SIGKILL. Then it
+records how each stream ended (its own `finish_reason` and `[DONE]`; an error event and
+`[DONE]`; cut without `[DONE]`; hung past its timeout), how long until a new request
+succeeded again, and how long until the killed part was back (restarted by the launcher:
+SERVING on its address, or registered again for a worker, or answering PING for Redis). For
+a worker, the streams it ran fail over to the other one: `resume_s` holds, for each of them,
+the time from the kill to its first token after the move (measured by the client; see
+`_resume_times`). The stack is checked to be still up at the end of each drill.
+`tests/e2e/test_fault_matrix.py` runs the same drill on a tiny model in CI and asserts
 the outcomes; this script records them on a real model (loadtest/reports/).
 """
 
@@ -26,6 +28,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +42,7 @@ from meshserve.services.launcher import LauncherConfig, Stack, start_stack
 
 PARTS = ("worker", "tokenizer", "scheduler", "kvstore", "redis")
 _PROBE_INTERVAL_S = 0.1
+_LOAD_POLL_S = 0.02  # a tiny model's stream lasts about a second: poll well within it
 
 
 @dataclasses.dataclass
@@ -129,12 +133,39 @@ async def _one_request(session: aiohttp.ClientSession, url: str, model: str) -> 
         return False
 
 
-def _running_on(address: str) -> int:
-    """Requests running on the worker at `address` now (its own GetLoad)."""
-    with grpc.insecure_channel(address) as channel:
-        load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(),
-                                                           timeout=2.0).load
-    return int(load.num_running)
+def _kill_once_generating(addresses: list[str], streams: int, kill: Callable[[], None],
+                          give_up: threading.Event) -> tuple[list[int], float]:
+    """Poll the workers' own loads until they show `streams` requests running, none waiting
+    and no prompt token left to compute (every stream generating), then `kill` at once: each
+    worker's running count then, and the time of the kill. RuntimeError once `give_up` is set.
+
+    The worker drill kills on this, in a thread of its own, rather than on the client's
+    chunks: the client's event loop reads behind the workers, on a loaded 2-core machine by
+    a second or more (a tiny model's 400 tokens had all gone by on one worker when the last
+    stream showed its third chunk), and the killed worker's streams must still be running
+    at the kill. Requests left over from an earlier drill keep the sum off `streams`.
+    """
+    channels = [grpc.insecure_channel(address) for address in addresses]
+    stubs = [worker_pb2_grpc.WorkerStub(channel) for channel in channels]
+    loads: list[Any] = []
+    try:
+        while not give_up.is_set():
+            loads = [stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0).load
+                     for stub in stubs]
+            if (sum(load.num_running for load in loads) == streams
+                    and not any(load.num_waiting or load.num_pending_prefill_tokens
+                                for load in loads)):
+                killed_at = time.monotonic()
+                kill()
+                return [int(load.num_running) for load in loads], killed_at
+            give_up.wait(_LOAD_POLL_S)  # polling: a worker's load sends no signal
+    finally:
+        for channel in channels:
+            channel.close()
+    raise RuntimeError(
+        f"the workers never ran all {streams} streams at once; last seen (running, waiting, "
+        f"prompt tokens to compute): "
+        f"{[(x.num_running, x.num_waiting, x.num_pending_prefill_tokens) for x in loads]}")
 
 
 def _running_per_worker(stack: Stack) -> dict[str, tuple[int, int]]:
@@ -211,6 +242,8 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
                 "ignore_eos": True, "stream": True}
 
     await _every_worker_listed(stack, recover_timeout_s)
+    # The killed worker's life now, so that no read stands between its load and the kill.
+    epoch = _running_per_worker(stack)[service][1] if part == "worker" else None
     ends = [StreamEnd() for _ in range(streams)]
     all_started = asyncio.Event()
     count = 0
@@ -225,21 +258,31 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
     async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
         tasks = [asyncio.ensure_future(_stream(session, url, body(i), end, started,
                                                stream_timeout_s)) for i, end in enumerate(ends)]
-        waiter = asyncio.ensure_future(all_started.wait())
+        give_up = threading.Event()
+        ready: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(
+            _kill_once_generating, stack.worker_addresses, streams,
+            lambda: stack.kill(service, signal.SIGKILL), give_up)
+            if part == "worker" else all_started.wait())
         every_stream = asyncio.ensure_future(asyncio.wait(tasks))
-        await asyncio.wait([waiter, every_stream], return_when=asyncio.FIRST_COMPLETED,
+        await asyncio.wait([ready, every_stream], return_when=asyncio.FIRST_COMPLETED,
                            timeout=stream_timeout_s)
-        if not all_started.is_set():  # every stream ended (or the wait timed out) first
-            waiter.cancel()
+        if not ready.done():  # every stream ended (or the wait timed out) first
+            give_up.set()  # ends the worker drill's poll, which tells what it saw last
+            if part != "worker":
+                ready.cancel()
             await asyncio.gather(*tasks)
+            poll = (await asyncio.gather(ready, return_exceptions=True))[0] \
+                if part == "worker" else None
             raise RuntimeError(f"not every stream started before the kill: "
-                               f"{[e.failure or e.outcome for e in ends]}")
-        running = epoch = None
+                               f"{[e.failure or e.outcome for e in ends]}"
+                               + (f" ({poll})" if poll else ""))
+        running = None
         if part == "worker":
-            epoch = _running_per_worker(stack)[service][1]
-            running = _running_on(stack.worker_addresses[stack.worker_ids.index(service)])
-        killed_at = time.monotonic()
-        stack.kill(service, signal.SIGKILL)
+            per_worker, killed_at = ready.result()
+            running = per_worker[stack.worker_ids.index(service)]
+        else:
+            killed_at = time.monotonic()
+            stack.kill(service, signal.SIGKILL)
         first_success = part_back = None
         deadline = killed_at + recover_timeout_s
         while time.monotonic() < deadline and (first_success is None or part_back is None):

@@ -90,7 +90,7 @@ def test_the_dead_workers_streams_fail_over_and_complete(stack: Stack) -> None:
     # Those on the dead worker move to the other one and complete there, like the rest.
     assert result.completed == STREAMS, result
     # Each of them that was still streaming at the kill (on a loaded machine a few may have
-    # finished between the registry read and the kill) resumed on the other worker.
+    # finished between the load read and the kill) resumed on the other worker.
     assert result.resume_s and len(result.resume_s) <= running, result
     assert all(0 < t <= RECOVERY_S for t in result.resume_s), result
     _assert_recovered(stack, result)

@@ -1,0 +1,86 @@
+"""When the fault drill kills a worker: once the workers' own loads show every stream
+generating (loadtest/fault_matrix.py), read from real grpc.aio servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+_SPEC = importlib.util.spec_from_file_location(
+    "fault_matrix", Path(__file__).resolve().parents[2] / "loadtest" / "fault_matrix.py")
+assert _SPEC is not None and _SPEC.loader is not None
+fault_matrix = importlib.util.module_from_spec(_SPEC)
+sys.modules["fault_matrix"] = fault_matrix  # dataclasses look their module up there
+_SPEC.loader.exec_module(fault_matrix)
+
+Load = tuple[int, int, int]  # running, waiting, prompt tokens to compute
+
+
+class ScriptedLoads(worker_pb2_grpc.WorkerServicer):
+    """GetLoad answers `loads` in turn, then the last one for ever."""
+
+    def __init__(self, *loads: Load) -> None:
+        self.loads = list(loads)
+        self.calls = 0
+
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.GetLoadResponse:
+        running, waiting, pending = self.loads[min(self.calls, len(self.loads) - 1)]
+        self.calls += 1
+        return worker_pb2.GetLoadResponse(load=common_pb2.WorkerLoad(
+            num_running=running, num_waiting=waiting, num_pending_prefill_tokens=pending))
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[object]:
+    servers: list[grpc.aio.Server] = []
+
+    async def start(servicer: ScriptedLoads) -> str:
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        await server.stop(grace=None)
+
+
+async def test_the_worker_is_killed_once_every_stream_is_generating(serve) -> None:
+    # Worker 0 queues two, then computes its prompts; worker 1 has its five at once.
+    first = ScriptedLoads((3, 2, 0), (5, 0, 40), (5, 0, 0))
+    second = ScriptedLoads((5, 0, 0))
+    addresses = [await serve(first), await serve(second)]
+    kills: list[tuple[int, int]] = []  # GetLoad calls each worker had answered at the kill
+    running, killed_at = await asyncio.to_thread(
+        fault_matrix._kill_once_generating, addresses, 10,
+        lambda: kills.append((first.calls, second.calls)), threading.Event())
+    assert (running, kills) == ([5, 5], [(3, 3)])
+    assert killed_at <= time.monotonic()
+
+
+async def test_requests_left_over_from_an_earlier_drill_hold_the_kill_back(serve) -> None:
+    addresses = [await serve(ScriptedLoads((6, 0, 0))), await serve(ScriptedLoads((5, 0, 0)))]
+    give_up = threading.Event()
+    kills: list[None] = []
+    poll = asyncio.ensure_future(asyncio.to_thread(
+        fault_matrix._kill_once_generating, addresses, 10, lambda: kills.append(None), give_up))
+    done, _ = await asyncio.wait([poll], timeout=0.3)
+    assert not done  # still polling: 11 requests for 10 streams
+    give_up.set()
+    with pytest.raises(RuntimeError, match=r"never ran all 10 streams at once; last seen "
+                       r".*: \[\(6, 0, 0\), \(5, 0, 0\)\]"):
+        await poll
+    assert kills == []
