@@ -9,8 +9,11 @@
 #     bash loadtest/gpu_mesh_ab.sh            # from the repository root; results in $OUT
 #
 # Knobs: VARIANTS (default "--no-kvstore default": `meshserve up` flags per run, "default"
-# for none), SHAREGPT_PROMPTS (1000). What comes back in $OUT: ab.tgz (each variant's suite
-# files under <n>_<variant>/, smi.csv) and ab.md (each variant's mesh summary, in order).
+# for none, "traced" for the default with every service's spans exported to
+# loadtest/otlp_sink.py and summarised hop by hop for the timed burst by
+# loadtest/trace_hops.py), SHAREGPT_PROMPTS (1000). What comes back in $OUT: ab.tgz (each
+# variant's suite files under <n>_<variant>/, spans.jsonl and hops.json for "traced",
+# smi.csv) and ab.md (each variant's mesh summary, in order, and the hops).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,11 +37,25 @@ for variant in $VARIANTS; do
   [ "$variant" = default ] && flags=""
   dir="$WORK/${n}_${variant#--}"
   mkdir -p "$dir"
+  sink=""
+  if [ "$variant" = traced ]; then
+    port=$((14000 + RANDOM % 1000))
+    python3 loadtest/otlp_sink.py --port "$port" --out "$dir/spans.jsonl" >"$dir/sink.log" 2>&1 &
+    sink=$!
+    flags="--otlp-endpoint 127.0.0.1:$port"
+  fi
   echo "== variant $n: ${variant} ($(date -u +%H:%M:%S))" | tee -a "$OUT/ab.md"
   OUT=$dir PARTS=mesh MESH_GATEWAYS=1 SWEEP=" " PYSPY_S=0 MESH_FLAGS="$flags" \
     SUITE_BUDGET_S=280 bash loadtest/gpu_suite.sh >"$dir/console.log" 2>&1
   cat "$dir/mesh_summary_g1.md" >>"$OUT/ab.md" 2>/dev/null ||
     echo "(no mesh summary: see $dir/console.log)" >>"$OUT/ab.md"
+  if [ -n "$sink" ]; then
+    kill -INT "$sink" 2>/dev/null
+    wait "$sink" 2>/dev/null
+    # The spans of gpu_mesh.sh's timed burst: after its warm-up burst of the same size.
+    python3 loadtest/trace_hops.py "$dir/spans.jsonl" --skip "${SHAREGPT_PROMPTS:-1000}" \
+      --count "${SHAREGPT_PROMPTS:-1000}" --out "$dir/hops.json" >>"$OUT/ab.md" 2>&1
+  fi
 done
 [ -n "$SMI" ] && kill "$SMI" 2>/dev/null
 tar -czf "$OUT/ab.tgz" -C "$WORK" .
