@@ -22,6 +22,11 @@ OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_mesh_ab_out.XXXXXX")}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_mesh_ab.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 VARIANTS=${VARIANTS:---no-kvstore default}
+# The carried wheels and the package, for the span sink and trace_hops.py (gpu_suite.sh
+# sets up its own).
+# shellcheck source=loadtest/gpu_env.sh
+. loadtest/gpu_env.sh
+gpu_env "$WORK"
 
 SMI=""
 if command -v nvidia-smi >/dev/null; then
@@ -58,5 +63,5 @@ for variant in $VARIANTS; do
   fi
 done
 [ -n "$SMI" ] && kill "$SMI" 2>/dev/null
-tar -czf "$OUT/ab.tgz" -C "$WORK" .
+tar -czf "$OUT/ab.tgz" -C "$WORK" --exclude=./pkgroot .
 cat "$OUT/ab.md"
