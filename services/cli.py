@@ -87,9 +87,11 @@ def run_batch_main(argv: Sequence[str]) -> int:
         engine = LLMEngine(config.engine_config())
         with settled_heap(engine):
             llm = OfflineLLM(engine, load_tokenizer(engine.source))
+            adapters = {m.name: m.lora_id for m in (engine.lora.served() if engine.lora
+                                                     else [])}
             summary = run_batch(config.input_file, config.output_file, llm,
                                 config.served_model_name or engine.source.name,
-                                show_progress=config.progress)
+                                show_progress=config.progress, adapters=adapters)
     except MeshError as exc:
         print(f"meshserve run-batch: {exc.message}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from meshserve.services.tokenizer.detokenizer import TextStream
 from meshserve.services.tokenizer.loader import Tokenizer
 from meshserve.services.worker.engine.request import RequestOutput
-from meshserve.shared.errors import InternalError, InvalidRequestError
+from meshserve.shared.errors import InternalError, InvalidRequestError, NotFoundError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -30,7 +30,8 @@ class EngineLike(Protocol):
     model_config: Any
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = 0, cache_salt: str | None = None) -> None: ...
+                    *, priority: int = 0, cache_salt: str | None = None,
+                    lora_id: int | None = None) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -48,6 +49,8 @@ class GenerationItem:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    lora_id: int | None = None
+    """The LoRA adapter to run it with (None: the base model)."""
 
 
 @dataclass
@@ -75,7 +78,7 @@ class GenerationResult:
     sequences: list[SequenceOutput] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
-    error: InvalidRequestError | None = None
+    error: InvalidRequestError | NotFoundError | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -184,8 +187,9 @@ class OfflineLLM:
             return tracker
         try:
             self.engine.add_request(item.request_id, list(item.prompt_token_ids), item.params,
-                                    priority=item.priority, cache_salt=item.cache_salt)
-        except InvalidRequestError as exc:
+                                    priority=item.priority, cache_salt=item.cache_salt,
+                                    lora_id=item.lora_id)
+        except (InvalidRequestError, NotFoundError) as exc:
             tracker.result.error = exc
             tracker.result.sequences = []
             return tracker

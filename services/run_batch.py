@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,25 @@ class _Line:
     items: list[GenerationItem] = field(default_factory=list)
     echo_texts: list[str] = field(default_factory=list)
     output: dict[str, Any] | None = None  # set once the line has its output record
+    model: str = ""  # the model the request named: the base model's or an adapter's name
+
+
+@dataclass(frozen=True)
+class BatchModels:
+    """The models a batch's requests may name: the engine's, and its LoRA adapters by name."""
+
+    base: str
+    adapters: Mapping[str, int] = field(default_factory=dict)  # name -> LoRA id
+
+    def resolve(self, name: str | None) -> tuple[str, int | None]:
+        """(the name answered with, the LoRA id to run with); NotFoundError for others."""
+        if name is None or name == self.base:
+            return self.base, None
+        if name in self.adapters:
+            return name, self.adapters[name]
+        served = ", ".join([self.base, *self.adapters])
+        raise NotFoundError(f"The model `{name}` does not exist; this batch runs {served}",
+                            param="model")
 
 
 def _record(custom_id: str | None, response: dict[str, Any] | None,
@@ -107,18 +127,19 @@ def _envelope(raw: bytes, line: _Line) -> dict[str, Any]:
     return body
 
 
-def _check_options(options: oai.RequestOptions, model_name: str) -> None:
-    if options.model is not None and options.model != model_name:
-        raise NotFoundError(f"The model `{options.model}` does not exist; this batch runs "
-                            f"`{model_name}`", param="model")
+def _check_options(line: _Line, options: oai.RequestOptions, models: BatchModels
+                   ) -> int | None:
+    """The LoRA id of the line's model (None: the base model); sets `line.model`."""
+    line.model, lora_id = models.resolve(options.model)
     if options.stream:
         raise InvalidRequestError("streaming is not supported in batch requests", param="stream")
+    return lora_id
 
 
 def _completion_items(line: _Line, body: dict[str, Any], tokenizer: Tokenizer,
-                      model_name: str) -> None:
+                      models: BatchModels) -> None:
     request = oai.parse_completion_request(body)
-    _check_options(request.options, model_name)
+    lora_id = _check_options(line, request.options, models)
     line.request = request
     for k, prompt in enumerate(request.prompts):
         if isinstance(prompt, str):
@@ -134,31 +155,32 @@ def _completion_items(line: _Line, body: dict[str, Any], tokenizer: Tokenizer,
             raise InvalidRequestError("prompt is empty", param="prompt")
         line.items.append(GenerationItem(f"{line.custom_id}#{line.number}-{k}", ids,
                                          request.params, request.options.priority,
-                                         request.options.cache_salt))
+                                         request.options.cache_salt, lora_id))
         line.echo_texts.append(text)
 
 
 def _chat_items(line: _Line, body: dict[str, Any], tokenizer: Tokenizer,
-                model_name: str) -> None:
+                models: BatchModels) -> None:
     request = oai.parse_chat_request(body)
-    _check_options(request.options, model_name)
+    lora_id = _check_options(line, request.options, models)
     line.request = request
     text = tokenizer.render_chat(list(request.messages), list(request.tools or ()) or None,
                                  request.add_generation_prompt, request.continue_final_message,
                                  request.chat_template_kwargs)
     ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
     line.items.append(GenerationItem(f"{line.custom_id}#{line.number}", ids, request.params,
-                                     request.options.priority, request.options.cache_salt))
+                                     request.options.priority, request.options.cache_salt,
+                                     lora_id))
 
 
-def _prepare(raw: bytes, number: int, tokenizer: Tokenizer, model_name: str) -> _Line:
+def _prepare(raw: bytes, number: int, tokenizer: Tokenizer, models: BatchModels) -> _Line:
     line = _Line(number)
     try:
         body = _envelope(raw, line)
         if line.url == oai.COMPLETIONS_URL:
-            _completion_items(line, body, tokenizer, model_name)
+            _completion_items(line, body, tokenizer, models)
         else:
-            _chat_items(line, body, tokenizer, model_name)
+            _chat_items(line, body, tokenizer, models)
     except _LineError as exc:
         line.output = _record(line.custom_id, None, {"code": exc.code, "message": exc.message})
     except MeshError as exc:
@@ -207,8 +229,8 @@ def _chat_body(results: list[GenerationResult], tokenizer: Tokenizer,
                              choices, _usage(results))
 
 
-def _finish_line(line: _Line, results: list[GenerationResult], tokenizer: Tokenizer,
-                 model_name: str) -> None:
+def _finish_line(line: _Line, results: list[GenerationResult], tokenizer: Tokenizer) -> None:
+    model_name = line.model
     errors = [r.error for r in results if r.error is not None]
     if errors:
         line.output = _http_record(line.custom_id, *http_error(errors[0]))
@@ -230,15 +252,19 @@ def _read_lines(input_path: str | os.PathLike[str]) -> list[tuple[int, bytes]]:
 
 
 def run_batch(input_path: str | os.PathLike[str], output_path: str | os.PathLike[str],
-              llm: OfflineLLM, model_name: str, *, show_progress: bool = True) -> BatchSummary:
+              llm: OfflineLLM, model_name: str, *, show_progress: bool = True,
+              adapters: Mapping[str, int] | None = None) -> BatchSummary:
     """Run every request of an OpenAI batch input file; write the output file.
 
-    All requests go to the engine together so it batches them. A tqdm bar on
-    stderr counts finished lines.
+    A request names `model_name` (or no model) for the base model, or one of `adapters`
+    (LoRA adapter name -> id, as the engine serves them) to run with that adapter, as
+    vLLM's run-batch takes them. All requests go to the engine together so it batches
+    them. A tqdm bar on stderr counts finished lines.
     """
     start = time.monotonic()
     tokenizer = llm.tokenizer
-    lines = [_prepare(raw, number, tokenizer, model_name)
+    models = BatchModels(model_name, dict(adapters or {}))
+    lines = [_prepare(raw, number, tokenizer, models)
              for number, raw in _read_lines(input_path)]
     items = [item for line in lines for item in line.items]
     owners = [i for i, line in enumerate(lines) for _ in line.items]
@@ -259,7 +285,7 @@ def run_batch(input_path: str | os.PathLike[str], output_path: str | os.PathLike
         line_results = results[cursor:cursor + len(line.items)]
         cursor += len(line.items)
         if line.output is None:
-            _finish_line(line, line_results, tokenizer, model_name)
+            _finish_line(line, line_results, tokenizer)
     _write(output_path, lines)
     return _summary(lines, time.monotonic() - start)
 

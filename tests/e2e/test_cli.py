@@ -15,8 +15,11 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
+import torch
+from lora_adapters import build_adapter, greedy, peft_model
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from transformers import AutoModelForCausalLM
 
 from meshserve.services.launcher import LauncherConfig, start_stack
 from meshserve.services.offline_llm import GenerationItem, GenerationResult, OfflineLLM
@@ -55,6 +58,43 @@ def batch_lines(model: str) -> list[bytes]:
         line("c1", "/v1/completions", {"model": model, "prompt": COMPLETION_PROMPTS[1],
                                        "max_tokens": MAX_TOKENS, "temperature": 0}),
     ]
+
+
+def test_run_batch_lines_naming_a_lora_adapter_run_with_it(tiny_llama_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """As vLLM's run-batch: a line whose `model` is a `--lora-modules` name runs with that
+    adapter (transformers + peft's greedy tokens) and answers with its name; the base
+    model's lines are untouched; an unknown name fails its line alone (404)."""
+    adapter = build_adapter(tiny_llama_dir, tmp_path / "ad", seed=70, rank=8)
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    prompt = tokenizer.encode(COMPLETION_PROMPTS[1])
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({
+        "custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+        "body": {**body, "model": model}}) + b"\n"
+        for custom_id, model in (("base", "tiny"), ("lora", "ad"), ("nope", "other"))))
+    target = tmp_path / "out.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")}
+    done = subprocess.run(
+        [str(meshserve_script()), "run-batch", "-i", str(source), "-o", str(target),
+         "--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--no-progress",
+         "--enable-lora", "--lora-modules", f"ad={adapter}", *ENGINE_FLAGS],
+        check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    records = {r["custom_id"]: r for r in map(orjson.loads, target.read_bytes().splitlines())}
+    assert records["nope"]["response"]["status_code"] == 404
+    assert records["nope"]["response"]["body"]["error"]["param"] == "model"
+    texts = {}
+    for custom_id, model in (("base", "tiny"), ("lora", "ad")):
+        answer = records[custom_id]["response"]
+        assert answer["status_code"] == 200 and answer["body"]["model"] == model
+        texts[custom_id] = Completion.model_validate(answer["body"]).choices[0].text
+    base_model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    assert texts["base"] == tokenizer.decode(greedy(base_model.eval(), prompt, MAX_TOKENS))
+    assert texts["lora"] == tokenizer.decode(
+        greedy(peft_model(tiny_llama_dir, adapter), prompt, MAX_TOKENS))
+    assert texts["lora"] != texts["base"]
 
 
 def reference(folder: Path) -> list[GenerationResult]:

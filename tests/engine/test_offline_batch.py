@@ -87,7 +87,9 @@ class FakeEngine:
         return ids if params.max_tokens is None else ids[:params.max_tokens]
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = 0, cache_salt: str | None = None) -> None:
+                    *, priority: int = 0, cache_salt: str | None = None,
+                    lora_id: int | None = None) -> None:
+        assert lora_id is None, "the fake engine serves no adapter"
         if len(prompt_token_ids) >= MAX_MODEL_LEN:
             raise ContextLengthError(f"prompt has {len(prompt_token_ids)} tokens; the model "
                                      f"takes {MAX_MODEL_LEN}", param="prompt")
