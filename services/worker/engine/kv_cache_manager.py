@@ -15,6 +15,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as block ids, kept in step with `_blocks` (read every step).
+        self._ids: dict[str, list[int]] = {}
         # Number of leading blocks of each request already indexed by hash.
         self._num_cached: dict[str, int] = {}
 
@@ -30,7 +32,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's block table (the manager's own list: read it, do not change it)."""
+        return self._ids.get(request_id, [])
 
     def _update_hashes(self, request: Request) -> None:
         """Extend the request's chained block hashes over its newly full blocks."""
@@ -69,20 +72,29 @@ class KVCacheManager:
         when the request is first scheduled (its num_computed_tokens already
         counts them).
         """
-        computed = computed or []
-        held = self._blocks.setdefault(request.request_id, [])
         total = request.num_computed_tokens + num_new_tokens
+        held = self._blocks.get(request.request_id)
+        if not computed and held is not None and self.blocks_needed(total) <= len(held):
+            # A decode step inside the blocks it has: the common case, nothing to take.
+            self._cache_new_full_blocks(request, total, 0)
+            return True
+        computed = computed or []
+        if held is None:
+            held = self._blocks[request.request_id] = []
+            self._ids[request.request_id] = []
         num_new_blocks = self.blocks_needed(total) - len(held) - len(computed)
         # Prefix-hit blocks with no other user sit in the free list: touching them uses it up.
         num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
         if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
             if not held:
                 del self._blocks[request.request_id]
+                del self._ids[request.request_id]
             return False
         self.pool.touch(computed)
-        held.extend(computed)
-        if num_new_blocks > 0:
-            held.extend(self.pool.get_new_blocks(num_new_blocks))
+        added = computed + (self.pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0
+                            else [])
+        held.extend(added)
+        self._ids[request.request_id].extend(b.block_id for b in added)
         self._cache_new_full_blocks(request, total, len(computed))
         return True
 
@@ -122,10 +134,12 @@ class KVCacheManager:
         assert self._num_cached.get(request.request_id, 0) <= keep, "trimming indexed blocks"
         extra = held[keep:]
         del held[keep:]
+        del self._ids[request.request_id][keep:]
         self.pool.free_blocks(reversed(extra))
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (its tail first in eviction order)."""
         blocks = self._blocks.pop(request.request_id, [])
+        self._ids.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
