@@ -329,10 +329,15 @@ class ModelRunner:
             table = self.kv.block_ids(r.request_id)
             row0 = len(ids)
             drafts = r.spec_token_ids  # after the sequence's tokens, verified in this query
-            ids.extend(r.token_ids(start, start + n - len(drafts)))
-            ids.extend(drafts)
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1 and not drafts:  # a decode row: most rows of a large batch
+                ids.extend(r.token_ids(start, start + 1))
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(r.token_ids(start, start + n - len(drafts)))
+                ids.extend(drafts)
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)

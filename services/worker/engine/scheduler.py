@@ -116,8 +116,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Decodes first: a prompt being prefilled in chunks never holds them back.
-        decoding = [r for r in self.running if not r.is_prefilling]
-        prefilling = [r for r in self.running if r.is_prefilling]
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for r in self.running:
+            (prefilling if r.is_prefilling else decoding).append(r)
         budget = self._schedule_running(out, budget, decoding)
         budget = self._schedule_running(out, budget, prefilling)
         if not out.preempted:
