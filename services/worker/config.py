@@ -100,8 +100,9 @@ class EngineOptions(Config):
               "'{\"temperature\": 0.5}'")
     step_trace: str | None = option(
         None, "diagnostics: record every engine step (time, duration, running and waiting "
-              "sequences, requests added, tokens) and write them as JSON lines to this file "
-              "(a worker adds its id to the name) when the engine stops")
+              "sequences, requests added, tokens; on a GPU also the device's own time: work, "
+              "idle gaps, KV tier gathers) and write them as JSON lines to this file (a worker "
+              "adds its id to the name) when the engine stops")
     num_threads: int | None = option(None, "CPU threads for torch (unset: torch's default); "
                                            "`meshserve up` gives each worker a share of the cores")
 
