@@ -223,6 +223,56 @@ def _part_back(stack: Stack, part: str, service: str, epoch: int | None) -> bool
     return stack.service_healthy(service)
 
 
+async def _kill_under_load(stack: Stack, part: str, service: str, ends: list[StreamEnd],
+                           tasks: list[asyncio.Future[Any]], all_started: asyncio.Event,
+                           timeout_s: float) -> tuple[int | None, float]:
+    """Kill `service` once its streams run: for a worker, when the workers' loads show every
+    stream generating (`_kill_once_generating`, off this loop); for another part, when every
+    stream has sent chunks. The killed worker's running count (None for other parts) and
+    the time of the kill; RuntimeError when the streams end (or time out) first."""
+    give_up = threading.Event()
+    ready: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(
+        _kill_once_generating, stack.worker_addresses, len(ends),
+        lambda: stack.kill(service, signal.SIGKILL), give_up)
+        if part == "worker" else all_started.wait())
+    every_stream = asyncio.ensure_future(asyncio.wait(tasks))
+    await asyncio.wait([ready, every_stream], return_when=asyncio.FIRST_COMPLETED,
+                       timeout=timeout_s)
+    if not ready.done():  # every stream ended (or the wait timed out) first
+        give_up.set()  # ends the worker drill's poll, which tells what it saw last
+        if part != "worker":
+            ready.cancel()
+        await asyncio.gather(*tasks)
+        poll = (await asyncio.gather(ready, return_exceptions=True))[0] \
+            if part == "worker" else None
+        raise RuntimeError(f"not every stream started before the kill: "
+                           f"{[e.failure or e.outcome for e in ends]}"
+                           + (f" ({poll})" if poll else ""))
+    every_stream.cancel()  # only the wait: the streams go on
+    if part == "worker":
+        per_worker, killed_at = ready.result()
+        return per_worker[stack.worker_ids.index(service)], killed_at
+    killed_at = time.monotonic()
+    stack.kill(service, signal.SIGKILL)
+    return None, killed_at
+
+
+async def _recovery(session: aiohttp.ClientSession, url: str, model: str, stack: Stack,
+                    part: str, service: str, epoch: int | None, killed_at: float,
+                    timeout_s: float) -> tuple[float | None, float | None]:
+    """Seconds from the kill until a new request succeeded, and until the part was back."""
+    first_success = part_back = None
+    deadline = killed_at + timeout_s
+    while time.monotonic() < deadline and (first_success is None or part_back is None):
+        if first_success is None and await _one_request(session, url, model):
+            first_success = time.monotonic() - killed_at
+        if part_back is None and await asyncio.to_thread(_part_back, stack, part, service,
+                                                         epoch):
+            part_back = time.monotonic() - killed_at
+        await asyncio.sleep(_PROBE_INTERVAL_S)
+    return first_success, part_back
+
+
 async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
                 max_tokens: int = 96, stream_timeout_s: float = 120.0,
                 recover_timeout_s: float = 60.0, prompt: str = "Tell me a story.",
@@ -258,42 +308,11 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
     async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
         tasks = [asyncio.ensure_future(_stream(session, url, body(i), end, started,
                                                stream_timeout_s)) for i, end in enumerate(ends)]
-        give_up = threading.Event()
-        ready: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(
-            _kill_once_generating, stack.worker_addresses, streams,
-            lambda: stack.kill(service, signal.SIGKILL), give_up)
-            if part == "worker" else all_started.wait())
-        every_stream = asyncio.ensure_future(asyncio.wait(tasks))
-        await asyncio.wait([ready, every_stream], return_when=asyncio.FIRST_COMPLETED,
-                           timeout=stream_timeout_s)
-        if not ready.done():  # every stream ended (or the wait timed out) first
-            give_up.set()  # ends the worker drill's poll, which tells what it saw last
-            if part != "worker":
-                ready.cancel()
-            await asyncio.gather(*tasks)
-            poll = (await asyncio.gather(ready, return_exceptions=True))[0] \
-                if part == "worker" else None
-            raise RuntimeError(f"not every stream started before the kill: "
-                               f"{[e.failure or e.outcome for e in ends]}"
-                               + (f" ({poll})" if poll else ""))
-        running = None
-        if part == "worker":
-            per_worker, killed_at = ready.result()
-            running = per_worker[stack.worker_ids.index(service)]
-        else:
-            killed_at = time.monotonic()
-            stack.kill(service, signal.SIGKILL)
-        first_success = part_back = None
-        deadline = killed_at + recover_timeout_s
-        while time.monotonic() < deadline and (first_success is None or part_back is None):
-            if first_success is None and await _one_request(session, url, model):
-                first_success = time.monotonic() - killed_at
-            if part_back is None and await asyncio.to_thread(_part_back, stack, part, service,
-                                                             epoch):
-                part_back = time.monotonic() - killed_at
-            await asyncio.sleep(_PROBE_INTERVAL_S)
+        running, killed_at = await _kill_under_load(stack, part, service, ends, tasks,
+                                                    all_started, stream_timeout_s)
+        first_success, part_back = await _recovery(session, url, model, stack, part, service,
+                                                   epoch, killed_at, recover_timeout_s)
         await asyncio.gather(*tasks)
-        await every_stream
     outcomes = [end.outcome for end in ends]
     resume = None if running is None else _resume_times(ends, killed_at, running)
     every = _resume_times(ends, killed_at, len(ends)) if part == "worker" else None

@@ -4,24 +4,17 @@ generating (loadtest/fault_matrix.py), read from real grpc.aio servers on 127.0.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
+from loadtest_scripts import load_script
 
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-_SPEC = importlib.util.spec_from_file_location(
-    "fault_matrix", Path(__file__).resolve().parents[2] / "loadtest" / "fault_matrix.py")
-assert _SPEC is not None and _SPEC.loader is not None
-fault_matrix = importlib.util.module_from_spec(_SPEC)
-sys.modules["fault_matrix"] = fault_matrix  # dataclasses look their module up there
-_SPEC.loader.exec_module(fault_matrix)
+fault_matrix = load_script("fault_matrix")
 
 Load = tuple[int, int, int]  # running, waiting, prompt tokens to compute
 

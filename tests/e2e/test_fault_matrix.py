@@ -10,13 +10,11 @@ restarted and back (registered again, for a worker), and the stack is still up.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import re
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
+from loadtest_scripts import load_script
 from tiny_models import build_tiny_model
 
 from meshserve.services.launcher import LauncherConfig, Stack, start_stack
@@ -24,19 +22,9 @@ from meshserve.services.launcher import LauncherConfig, Stack, start_stack
 MODEL = "tiny"
 STREAMS = 20
 RECOVERY_S = 10.0
-_SCRIPT = Path(__file__).resolve().parents[2] / "loadtest" / "fault_matrix.py"
 
 
-def _load_drill():
-    spec = importlib.util.spec_from_file_location("fault_matrix", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fault_matrix"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fault_matrix = _load_drill()
+fault_matrix = load_script("fault_matrix")
 
 
 @pytest.fixture(scope="module")

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
-_SPEC = importlib.util.spec_from_file_location(
-    "fault_matrix", Path(__file__).resolve().parents[2] / "loadtest" / "fault_matrix.py")
-assert _SPEC is not None and _SPEC.loader is not None
-fault_matrix = importlib.util.module_from_spec(_SPEC)
-sys.modules["fault_matrix"] = fault_matrix  # dataclasses look their module up there
-_SPEC.loader.exec_module(fault_matrix)
+from loadtest_scripts import load_script
+
+fault_matrix = load_script("fault_matrix")
 
 
 def _end(*times: float):

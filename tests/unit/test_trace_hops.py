@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "loadtest" / "trace_hops.py"
-spec = importlib.util.spec_from_file_location("trace_hops", _SCRIPT)
-assert spec is not None and spec.loader is not None
-trace_hops = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(trace_hops)
+from loadtest_scripts import LOADTEST, load_script
+
+trace_hops = load_script("trace_hops")
+_SCRIPT = LOADTEST / "trace_hops.py"
 
 MS = 1_000_000
 
