@@ -1,10 +1,10 @@
-#!/usr/bin/env bash
+# FP8_RUNS entry `widen` of part `fp8` (loadtest/gpu/fp8.sh; results in $OUT/fp8/widen):
 # FP8 products and attention on one GPU: the integer widening of e4m3 (kernels/fp8_widen.py,
 # MESHSERVE_FP8_WIDEN=bits) against Hopper's conversion instruction (the default), and FP8
 # against bf16, single stream and ShareGPT-like. Each step's limit is below; a call of at most
 # 10 minutes takes a part of them (SKIP="name ..." leaves steps out), e.g.
-#     SKIP="tput_bf16 tput_fp8 tput_fp8kv8" bash loadtest/gpu_fp8_widen.sh
-#     SKIP="check attention lat_fp8_bits tput_fp8" bash loadtest/gpu_fp8_widen.sh
+#     SKIP="tput_bf16 tput_fp8 tput_fp8kv8" FP8_RUNS=widen bash loadtest/gpu.sh fp8
+#     SKIP="check attention lat_fp8_bits tput_fp8" FP8_RUNS=widen bash loadtest/gpu.sh fp8
 # Steps:
 #   check      fp8_bench.py check: every FP8 launch shape (both widenings) against the torch
 #              reference, each widened-by-bits shape bit for bit against its conversion twin,
@@ -17,13 +17,7 @@
 #   tput_*     fp8_bench.py run, latency and NUM_PROMPTS ShareGPT-like requests: bf16, FP8
 #              weights, FP8 weights + FP8 KV cache (170 s each)
 # Results in $OUT: <step>.json/.log, steps.log, summary.md (fp8_bench.py's tables).
-set -uo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-# shellcheck source=loadtest/gpu_env.sh
-. "$REPO/loadtest/gpu_env.sh"
-gpu_script_start
-MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+MODEL_DIR=${MODEL_DIR:-$PWD/loadtest/models/llama-3.1-8b}
 NUM_PROMPTS=${NUM_PROMPTS:-800}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
 

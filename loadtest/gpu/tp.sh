@@ -1,16 +1,16 @@
-#!/usr/bin/env bash
-# Tensor parallelism on one host with 2 GPUs. The steps' limits add up to 1145 s, more than
+# Part `tp` of loadtest/gpu.sh: tensor parallelism on one host with 2 GPUs. The steps' limits add up to 1145 s, more than
 # one 10-minute call: run them in parts with SKIP (each part well under its limits; the
 # records in loadtest/reports/tp/README.md name the parts). Steps:
-#   check     a tiny random model (tests/tiny_models.py, float32) with CUDA graphs and the
-#             overlapped loop: greedy tokens and logprobs at TP=2 against TP=1
+#   check     tests/gpu/test_gpu_tensor_parallel.py: a tiny random model (float32) with CUDA
+#             graphs and the overlapped loop, greedy tokens and logprobs at TP=2 against TP=1
+#             ($OUT/tensor_parallel.json)
 #   lat_tp1   `meshserve bench latency` single stream (128 in / 128 out), Llama-3.1-8B shape
 #   lat_tp2   the same at --tensor-parallel-size 2   (target: TPOT <= 0.6 x lat_tp1's)
 #   lat_tp2_unfused  lat_tp2 with MESHSERVE_TP_FUSED_NORM=0 (each sum over ranks, then the
 #             residual add + RMSNorm: no fused kernel)
 #   lat_tp2_nccl  lat_tp2 with --disable-custom-all-reduce (NCCL for every sum over ranks)
-#   kernels   loadtest/gpu_kernel_check.py: the Triton kernels compiled on the GPU against the
-#             PyTorch references ($OUT/kernels.json)
+#   kernels   tests/gpu/test_gpu_kernels.py: the Triton kernels compiled on the GPU against
+#             the PyTorch references ($OUT/gpu_kernels.json)
 #   probe     loadtest/tp_allreduce_probe.py: all-reduce latencies inside CUDA graphs, and the
 #             fused sum + add + RMSNorm against the unfused three kernels ($OUT/probe.json)
 #   tput_tp2  `meshserve bench throughput --dataset sharegpt-like` (1000 prompts) at TP=2
@@ -19,7 +19,7 @@
 #             the slower one's time
 #   mesh_dp   `meshserve up --workers 2` (one TP=1 worker per GPU behind the router), then
 #             `meshserve bench serve`: the ShareGPT-like list at once, and single-stream
-#             LAT_LEN in / LAT_LEN out (loadtest/gpu_mesh.sh; its files in $OUT/mesh_dp/)
+#             LAT_LEN in / LAT_LEN out (loadtest/gpu/mesh_run.sh; its files in $OUT/mesh_dp/)
 #   mesh_tp2  the same with one worker at --tensor-parallel-size 2 ($OUT/mesh_tp2/)
 #   lat70_tp2 lat_tp2 with the Llama-3.1-70B shape: TPOT against its floor, rank 0's weight
 #             bytes / measured copy bandwidth (dummy weights drawn on each GPU, per slice)
@@ -27,29 +27,13 @@
 # Knobs: SKIP (step names), DEVICE, MODEL_8B, MODEL_70B, LAT_LEN, LAT_ITERS, SHAREGPT_PROMPTS,
 # FLAGS_8B, FLAGS_70B, MESH_LIMIT_S (240, each mesh step's limit).
 #
-#     bash loadtest/gpu_tp.sh            # from the repository root
-#     DEVICE=cpu MODEL_8B=<tiny model> SKIP="check lat70_tp2" SHAREGPT_PROMPTS=8 \
-#       LAT_LEN=8 bash loadtest/gpu_tp.sh          # a dry run of the commands on a CPU
-#
-# Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
-# folders are linked as the package `meshserve` (as gpu_suite.sh does).
-set -uo pipefail
-
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_tp_out.XXXXXX")}
-RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_tp.XXXXXX")
-trap 'rm -rf "$RUN_DIR"' EXIT
-mkdir -p "$OUT"
-: >"$OUT/steps.log"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# shellcheck source=loadtest/gpu_env.sh
-. "$REPO/loadtest/gpu_env.sh"
-gpu_env "$RUN_DIR"
+#     bash loadtest/gpu.sh tp                                   # results in $OUT/tp
+#     DEVICE=cpu MODEL_8B=<tiny model> SKIP="check kernels lat70_tp2" SHAREGPT_PROMPTS=8 \
+#       LAT_LEN=8 bash loadtest/gpu.sh tp          # a dry run of the commands on a CPU
 
 DEVICE=${DEVICE:-cuda}
-MODEL_8B=${MODEL_8B:-$REPO/loadtest/models/llama-3.1-8b}
-MODEL_70B=${MODEL_70B:-$REPO/loadtest/models/llama-3.1-70b}
+MODEL_8B=${MODEL_8B:-$PWD/loadtest/models/llama-3.1-8b}
+MODEL_70B=${MODEL_70B:-$PWD/loadtest/models/llama-3.1-70b}
 LAT_LEN=${LAT_LEN:-128}
 LAT_ITERS=${LAT_ITERS:-5}
 SHAREGPT_PROMPTS=${SHAREGPT_PROMPTS:-1000}
@@ -60,67 +44,18 @@ FLAGS_8B=${FLAGS_8B:---load-format dummy --max-model-len 8448}
 # (and their capture time) small; single-stream decode needs no more.
 FLAGS_70B=${FLAGS_70B:---load-format dummy --max-model-len 4096 --max-num-batched-tokens 512 \
 --gpu-memory-utilization 0.95}
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  nvidia-smi topo -m
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, \
-'triton', triton.__version__, 'transformers', transformers.__version__, 'nccl', \
-torch.cuda.nccl.version() if torch.cuda.is_available() else None)"
-} >"$OUT/env.txt" 2>&1
-
-
 bench() {  # bench NAME LIMIT_S latency|throughput MODEL FLAGS...
   local name=$1 limit=$2 kind=$3 model=$4
   shift 4
-  gpu_step "$name" "$limit" python3 -m meshserve.services.cli bench "$kind" --model "$model" \
+  gpu_step "$name" "$limit" python3 -m "$MESHSERVE_CLI" bench "$kind" --model "$model" \
     --device "$DEVICE" --no-progress --output-json "$OUT/$name.json" "$@"
 }
 
-# ---- the correctness check (CUDA graphs and NCCL inside them) ------------------------------
-cat >"$RUN_DIR/tp_check.py" <<'PY'
-"""TP=2 against TP=1 on a tiny random model: greedy tokens and logprobs."""
-import json, random, sys
-from pathlib import Path
-sys.path.insert(0, "tests")
-from tiny_models import build_tiny_model
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.shared.sampling_params import SamplingParams
-
-folder = build_tiny_model(Path(sys.argv[2]), "llama", seed=3, vocab_size=1027,
-                          hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                          num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
-                          max_position_embeddings=1024)
-rng = random.Random(0)
-prompts = [[rng.randrange(3, 1027) for _ in range(n)] for n in (5, 40, 130, 7, 300, 64)]
-params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
-
-def run(tp):
-    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=512,
-                                    max_num_seqs=8, tensor_parallel_size=tp))
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    toks, lps = {}, {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
-            lps.setdefault(o.request_id, []).extend(l.logprob for l in o.new_logprobs or [])
-    graphs = engine.graph_report is not None
-    engine.close()
-    return toks, lps, graphs
-
-one, one_lp, _ = run(1)
-two, two_lp, graphs = run(2)
-same = sum(one[k] == two[k] for k in one)
-diff = max(abs(a - b) for k in one if one[k] == two[k] for a, b in zip(one_lp[k], two_lp[k]))
-result = {"requests": len(one), "identical_tokens": same, "max_logprob_diff": diff,
-          "cuda_graphs": graphs}
-print(json.dumps(result))
-Path(sys.argv[1]).write_text(json.dumps(result, indent=2))
-sys.exit(0 if same == len(one) else 1)
-PY
-gpu_step check 75 python3 "$RUN_DIR/tp_check.py" "$OUT/check.json" "$RUN_DIR/tiny"
-gpu_step kernels 150 python3 loadtest/gpu_kernel_check.py --out "$OUT/kernels.json"
+# ---- the correctness checks (CUDA graphs and NCCL inside them; tests/gpu) -------------------
+gpu_step check 75 env GPU_TEST_OUT="$OUT" python3 -m pytest -q -p no:cacheprovider \
+  tests/gpu/test_gpu_tensor_parallel.py
+gpu_step kernels 150 env GPU_TEST_OUT="$OUT" python3 -m pytest -q -p no:cacheprovider \
+  tests/gpu/test_gpu_kernels.py
 gpu_step probe 120 python3 loadtest/tp_allreduce_probe.py --out "$OUT/probe.json"
 
 # ---- single-stream decode: TP=1 and TP=2 ------------------------------------------------------
@@ -133,7 +68,7 @@ bench lat_tp1 60 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B
 bench lat_tp2 75 latency "$MODEL_8B" "${LATENCY[@]}" $FLAGS_8B --tensor-parallel-size 2
 # The same without the fused sum + add + RMSNorm kernel
 # shellcheck disable=SC2086
-gpu_step lat_tp2_unfused 75 env MESHSERVE_TP_FUSED_NORM=0 python3 -m meshserve.services.cli \
+gpu_step lat_tp2_unfused 75 env MESHSERVE_TP_FUSED_NORM=0 python3 -m "$MESHSERVE_CLI" \
   bench latency --model "$MODEL_8B" --device "$DEVICE" --no-progress \
   --output-json "$OUT/lat_tp2_unfused.json" "${LATENCY[@]}" $FLAGS_8B --tensor-parallel-size 2
 # The same with NCCL's all-reduce for every sum (no one-shot all-reduce over symmetric memory)
@@ -153,7 +88,7 @@ for i in 0 1; do
   # Each engine sees its own GPU as cuda:0, as a worker started on that GPU alone would.
   visible=\${CUDA_VISIBLE_DEVICES:-}
   [ "$DEVICE" = cuda ] && visible=\$i
-  CUDA_VISIBLE_DEVICES=\$visible python3 -m meshserve.services.cli bench throughput \
+  CUDA_VISIBLE_DEVICES=\$visible python3 -m "$MESHSERVE_CLI" bench throughput \
     --model "$MODEL_8B" --device "$DEVICE" \
     --no-progress --output-json "$OUT/tput_dp\$i.json" ${THROUGHPUT[*]} $FLAGS_8B \
     --num-shards 2 --shard-index \$i &
@@ -176,7 +111,7 @@ for mesh in mesh_dp mesh_tp2; do
   [ "$mesh" = mesh_tp2 ] && placement=(--tensor-parallel-size 2)
   # shellcheck disable=SC2086
   gpu_step "$mesh" "$MESH_LIMIT_S" env SWEEP=" " PYSPY_S=0 SHAREGPT_PROMPTS="$SHAREGPT_PROMPTS" \
-    LATENCY_LEN="$LAT_LEN" LATENCY_PROMPTS=4 bash loadtest/gpu_mesh.sh "$MESH_MODEL" \
+    LATENCY_LEN="$LAT_LEN" LATENCY_PROMPTS=4 bash loadtest/gpu/mesh_run.sh "$MESH_MODEL" \
     "$OUT/$mesh" --device "$DEVICE" "${placement[@]}" $FLAGS_8B
 done
 
@@ -191,28 +126,23 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 
-
 def load(name):
     path = out / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
-
 def ms(seconds):
     return "n/a" if seconds is None else f"{seconds * 1e3:.2f} ms"
-
 
 def times(x):
     return "n/a" if x is None else f"{x:.2f} x"
 
-
 def tpot(result):
     return result["tpot_s"]["avg"] if result and result.get("tpot_s") else None
 
-
-r = {n: load(n) for n in ("check", "lat_tp1", "lat_tp2", "lat_tp2_unfused", "lat_tp2_nccl",
+r = {n: load(n) for n in ("tensor_parallel", "lat_tp1", "lat_tp2", "lat_tp2_unfused", "lat_tp2_nccl",
                           "lat70_tp2", "tput_tp2", "tput_dp0", "tput_dp1", "probe")}
 rows = ["| figure | value | note |", "|---|---|---|"]
-check = r["check"]
+check = r["tensor_parallel"]
 if check:
     rows.append(f"| TP=2 vs TP=1, tiny model fp32 | {check['identical_tokens']}/"
                 f"{check['requests']} requests identical | max logprob diff "

@@ -1,7 +1,8 @@
 """Structured outputs on a GPU: the overlapped loop's constrained steps and xgrammar's
 Triton masking kernel, checked where CI cannot (it has no GPU).
 
-    python loadtest/gpu_structured_check.py --out check.json
+Run by `bash loadtest/gpu.sh tests` and by the part `structured` (step `check`); the
+figures go to $GPU_TEST_OUT/structured.json.
 
 1. The masking kernel on the device gives the same logits as the CPU path, on a batch
    where only some rows are constrained.
@@ -11,16 +12,12 @@ Triton masking kernel, checked where CI cannot (it has no GPU).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gpu_record import record
 from tiny_models import build_tiny_model
 from transformers import AutoTokenizer
 
@@ -103,16 +100,7 @@ def generation_check(folder: Path) -> dict[str, object]:
             "kernel": kernel_check(engine)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--out", default="structured_check.json")
-    args = parser.parse_args()
-    folder = build_tiny_model(Path(tempfile.mkdtemp()), "llama", seed=11,
-                              max_position_embeddings=2048)
+def test_structured_outputs_on_gpu(tmp_path: Path) -> None:
+    folder = build_tiny_model(tmp_path, "llama", seed=11, max_position_embeddings=2048)
     result = {"device": torch.cuda.get_device_name(), **generation_check(folder)}
-    print(result, flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    record("structured", result)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The mesh under load, as a user runs it: `meshserve up` on a model, then `meshserve bench
-# serve` against its gateway. Called by gpu_suite.sh (PARTS=mesh) after the in-process runs
-# of the same prompts; usable alone:
+# serve` against its gateway. Run by the parts `mesh` (loadtest/gpu/suite.sh's mesh section,
+# after the in-process runs of the same prompts), `tp` and `fp8` (FP8_RUNS=mesh) of
+# loadtest/gpu.sh, in the environment its preamble set up (PYTHONPATH, MESHSERVE_CLI):
 #
-#     bash loadtest/gpu_mesh.sh MODEL_DIR OUT_DIR [engine flags...]
+#     bash loadtest/gpu/mesh_run.sh MODEL_DIR OUT_DIR [engine flags...]
 #
 # MODEL_DIR needs a tokenizer of the model's vocabulary (loadtest/make_tokenizer.py). Writes
 # into OUT_DIR:
@@ -37,7 +38,7 @@ PYSPY_S=${PYSPY_S:-12}
 NAME=mesh-model
 mkdir -p "$OUT_DIR/run"
 
-python3 -m meshserve.services.cli up --model "$MODEL" --served-model-name "$NAME" \
+python3 -m "${MESHSERVE_CLI:-meshserve.cli.main}" up --model "$MODEL" --served-model-name "$NAME" \
   --port "$PORT" --gateways "$GATEWAYS" --run-dir "$OUT_DIR/run" --startup-timeout-s 400 \
   --stop-grace-s 10 --step-trace "$OUT_DIR/worker_steps.jsonl" "${ENGINE[@]}" \
   >"$OUT_DIR/up.log" 2>&1 &
@@ -67,7 +68,7 @@ serve() {  # serve NAME FLAGS...: one `meshserve bench serve` run into OUT_DIR/N
   local name=$1
   shift
   echo "== bench serve $name: $*"
-  python3 -m meshserve.services.cli bench serve --base-url "http://127.0.0.1:$PORT" \
+  python3 -m "${MESHSERVE_CLI:-meshserve.cli.main}" bench serve --base-url "http://127.0.0.1:$PORT" \
     --model "$NAME" --model-config "$MODEL" --prompt-format token-ids --ignore-eos \
     --no-progress --num-warmup 8 --output-json "$OUT_DIR/$name.json" "$@"
 }

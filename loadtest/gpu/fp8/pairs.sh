@@ -1,29 +1,17 @@
-#!/usr/bin/env bash
+# FP8_RUNS entry `pairs` of part `fp8` (loadtest/gpu/fp8.sh; results in $OUT/fp8/pairs):
 # FP8 weights against bf16 on a host with 2 GPUs, each configuration on both GPUs at the same
 # time as the other (round 1: bf16 on GPU 0, fp8 on GPU 1; round 2 swapped), so both see the
 # same host and the GPUs' own differences cancel. Each run is `loadtest/fp8_bench.py run`
 # (single-stream TPOT 128 in / 128 out, ShareGPT-like throughput over NUM_PROMPTS, KV capacity,
 # logprobs), the Llama-3.1-8B shape with dummy weights.
-#     bash loadtest/gpu_fp8_pairs.sh      # from the repository root; results in $OUT
-#     FP8_FLAGS="--quantization fp8 --kv-cache-dtype fp8" ROUNDS=1 bash loadtest/gpu_fp8_pairs.sh
+#     FP8_RUNS=pairs bash loadtest/gpu.sh fp8
+#     FP8_FLAGS="--quantization fp8 --kv-cache-dtype fp8" ROUNDS=1 FP8_RUNS=pairs \
+#       bash loadtest/gpu.sh fp8
 # $OUT: r<round>_<label>.json and .log, summary_r1.md, summary_r2.md, env.txt.
-set -uo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d)}
-mkdir -p "$OUT"
-RUN_DIR=$(mktemp -d)
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# shellcheck source=loadtest/gpu_env.sh
-. "$REPO/loadtest/gpu_env.sh"
-gpu_env "$RUN_DIR"
-MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+MODEL_DIR=${MODEL_DIR:-$PWD/loadtest/models/llama-3.1-8b}
 NUM_PROMPTS=${NUM_PROMPTS:-800}
 ROUNDS=${ROUNDS:-2}
 read -r -a FP8_FLAGS <<<"${FP8_FLAGS:---quantization fp8}"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} >"$OUT/env.txt" 2>&1
 run() {  # run ROUND LABEL GPU EXTRA_FLAGS...
   local round=$1 label=$2 gpu=$3
   shift 3

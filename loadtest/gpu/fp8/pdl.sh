@@ -1,4 +1,4 @@
-#!/usr/bin/env bash
+# FP8_RUNS entry `pdl` of part `fp8` (loadtest/gpu/fp8.sh; results in $OUT/fp8/pdl):
 # Programmatic dependent launch (kernels/pdl.py) off and on, on a host with 2 GPUs, in one
 # call of at most 10 minutes:
 #   1. single-stream latency (128 in / 128 out) of the Llama-3.1-8B shape (dummy weights) at
@@ -11,14 +11,8 @@
 # summary.md (loadtest/fp8_bench.py's tables: each precision's PDL modes against PDL 0,
 # and FP8 against bf16 at each mode).
 #
-#     bash loadtest/gpu_pdl.sh            # from the repository root
-set -uo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-# shellcheck source=loadtest/gpu_env.sh
-. "$REPO/loadtest/gpu_env.sh"
-gpu_script_start
-MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+#     FP8_RUNS=pdl bash loadtest/gpu.sh fp8
+MODEL_DIR=${MODEL_DIR:-$PWD/loadtest/models/llama-3.1-8b}
 MODES=${MODES:-0 1 2}
 TPUT_MODES=${TPUT_MODES:-1}
 NUM_PROMPTS=${NUM_PROMPTS:-800}

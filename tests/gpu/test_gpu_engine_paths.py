@@ -10,23 +10,18 @@ eager and with decode CUDA graphs, the overlapped loop on and off), and checks:
   tie, not at a wrong answer); after a fork the contexts differ and nothing is compared;
 - the overlapped loop gives the same tokens and logprobs as the synchronous one, exactly.
 
-Prints one line per check and a last line "N passed, M failed"; exits 1 if any failed.
-
-    python loadtest/gpu_correctness.py --out $OUT/gpu_correctness.json
+One test per architecture; its figures go to $GPU_TEST_OUT/engine_paths_<arch>.json.
+Run by `bash loadtest/gpu.sh tests` and by the part `suite` (step `correctness`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import sys
-import tempfile
 from pathlib import Path
 
+import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gpu_record import record
 from tiny_models import build_tiny_model
 
 from meshserve.services.worker.engine.config import EngineConfig
@@ -91,55 +86,34 @@ def compare(ref: Outputs, got: Outputs, tol: float, exact_tokens: bool) -> dict[
             "max_abs_logprob_diff_on_shared_prefix": worst, "failures": failures}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    args = parser.parse_args()
-    results: dict[str, object] = {"gpu": torch.cuda.get_device_name(0),
-                                  "torch": torch.__version__,
-                                  "bounds": {"fp32_logprob": FP32_LOGPROB_TOL,
-                                             "bf16_logprob": BF16_LOGPROB_TOL, "top": TOP}}
-    passed = failed = 0
-    for arch, head_dim in (("llama", 64), ("qwen3", 128)):
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = build_tiny_model(Path(tmp), arch, seed=11, hidden_size=256,
-                                      num_attention_heads=8, num_key_value_heads=2,
-                                      head_dim=head_dim, intermediate_size=512,
-                                      num_hidden_layers=4, max_position_embeddings=1024)
-            rng = random.Random(3)
-            prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in LENGTHS]
-            cpu = run(folder, "cpu", "float32", True, prompts, args.max_tokens)
-            row: dict[str, object] = {}
-            runs: dict[str, Outputs] = {}
-            for name, dtype, eager, overlap in (
-                    ("cuda_eager_fp32", "float32", True, "on"),
-                    ("cuda_graphs_fp32", "float32", False, "on"),
-                    ("cuda_eager_bf16", "bfloat16", True, "on"),
-                    ("cuda_graphs_bf16", "bfloat16", False, "on"),
-                    ("cuda_graphs_bf16_sync", "bfloat16", False, "off")):
-                runs[name] = run(folder, "cuda", dtype, eager, prompts, args.max_tokens, overlap)
-                fp32 = dtype == "float32"
-                row[name] = compare(cpu, runs[name], FP32_LOGPROB_TOL if fp32 else
-                                    BF16_LOGPROB_TOL, exact_tokens=fp32)
-            row["overlapped_vs_sync_bf16"] = compare(runs["cuda_graphs_bf16_sync"],
-                                                     runs["cuda_graphs_bf16"], 0.0, True)
-            for name, figures in row.items():
-                assert isinstance(figures, dict)
-                ok = not figures["failures"]
-                passed += ok
-                failed += not ok
-                print(f"{arch} {name}: {'PASS' if ok else 'FAIL'} "
-                      f"identical={figures['identical_sequences']:.2f} "
-                      f"prefix={figures['mean_agreeing_prefix']:.2f} "
-                      f"max_dlogprob={figures['max_abs_logprob_diff_on_shared_prefix']:.4f}"
-                      + "".join(f"\n    {f}" for f in figures["failures"][:5]), flush=True)
-            results[arch] = row
-    print(f"{passed} passed, {failed} failed")
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
-    sys.exit(1 if failed else 0)
-
-
-if __name__ == "__main__":
-    main()
+@pytest.mark.parametrize("arch, head_dim", [("llama", 64), ("qwen3", 128)])
+def test_gpu_paths_match_cpu(arch: str, head_dim: int, tmp_path: Path) -> None:
+    max_tokens = 24
+    folder = build_tiny_model(tmp_path, arch, seed=11, hidden_size=256,
+                              num_attention_heads=8, num_key_value_heads=2,
+                              head_dim=head_dim, intermediate_size=512,
+                              num_hidden_layers=4, max_position_embeddings=1024)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in LENGTHS]
+    cpu = run(folder, "cpu", "float32", True, prompts, max_tokens)
+    row: dict[str, dict[str, object]] = {}
+    runs: dict[str, Outputs] = {}
+    for name, dtype, eager, overlap in (
+            ("cuda_eager_fp32", "float32", True, "on"),
+            ("cuda_graphs_fp32", "float32", False, "on"),
+            ("cuda_eager_bf16", "bfloat16", True, "on"),
+            ("cuda_graphs_bf16", "bfloat16", False, "on"),
+            ("cuda_graphs_bf16_sync", "bfloat16", False, "off")):
+        runs[name] = run(folder, "cuda", dtype, eager, prompts, max_tokens, overlap)
+        fp32 = dtype == "float32"
+        row[name] = compare(cpu, runs[name], FP32_LOGPROB_TOL if fp32 else BF16_LOGPROB_TOL,
+                            exact_tokens=fp32)
+    row["overlapped_vs_sync_bf16"] = compare(runs["cuda_graphs_bf16_sync"],
+                                             runs["cuda_graphs_bf16"], 0.0, True)
+    record(f"engine_paths_{arch}", {
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "bounds": {"fp32_logprob": FP32_LOGPROB_TOL, "bf16_logprob": BF16_LOGPROB_TOL,
+                   "top": TOP}, **row})
+    failures = [f"{name}: {failure}" for name, figures in row.items()
+                for failure in figures["failures"]]  # type: ignore[attr-defined]
+    assert not failures, "\n".join(failures[:20])

@@ -1,19 +1,13 @@
-#!/usr/bin/env bash
+# FP8_RUNS entry `mesh` of part `fp8` (loadtest/gpu/fp8.sh; results in $OUT/fp8/mesh):
 # FP8 through the whole mesh on one GPU: `meshserve up` on the Llama-3.1-8B shape (dummy
 # weights, a tokenizer of its vocabulary from loadtest/make_tokenizer.py) in bf16 and with
-# FP8 weights, FP8 LM head and FP8 KV cache, each measured by loadtest/gpu_mesh.sh (1000
+# FP8 weights, FP8 LM head and FP8 KV cache, each measured by loadtest/gpu/mesh_run.sh (1000
 # ShareGPT-like requests at once after a full-size warm-up burst, then LAT_PROMPTS single
 # streams of LAT_LEN in / LAT_LEN out), and the served figures tabled side by side.
 #
-#     bash loadtest/gpu_fp8_mesh.sh        # from the repository root; results in $OUT
+#     FP8_RUNS=mesh bash loadtest/gpu.sh fp8
 #
 # Steps (limits): tokenizer (60 s), mesh_bf16 and mesh_fp8 (240 s each). SKIP as elsewhere.
-set -uo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-# shellcheck source=loadtest/gpu_env.sh
-. "$REPO/loadtest/gpu_env.sh"
-gpu_script_start
 MODEL=$RUN_DIR/mesh8b
 LAT_LEN=${LAT_LEN:-128}
 LAT_PROMPTS=${LAT_PROMPTS:-4}
@@ -23,7 +17,7 @@ mesh() {  # mesh NAME ENGINE_FLAGS...
   local name=$1
   shift
   gpu_step "$name" 240 env SWEEP=" " PYSPY_S=0 LATENCY_LEN="$LAT_LEN" \
-    LATENCY_PROMPTS="$LAT_PROMPTS" bash loadtest/gpu_mesh.sh "$MODEL" "$OUT/$name" \
+    LATENCY_PROMPTS="$LAT_PROMPTS" bash loadtest/gpu/mesh_run.sh "$MODEL" "$OUT/$name" \
     --load-format dummy --max-model-len 4096 "$@"
 }
 mesh mesh_bf16

@@ -1,8 +1,8 @@
-#!/usr/bin/env bash
+# FP8_RUNS entry `base` of part `fp8` (loadtest/gpu/fp8.sh; results in $OUT/fp8/base):
 # FP8 weights and the FP8 KV cache against bf16 on one GPU, with the Llama-3.1-8B shape
 # (dummy weights; loadtest/models/llama-3.1-8b), in under 4 minutes:
 #
-#     bash loadtest/gpu_fp8.sh          # from the repository root; results in $OUT
+#     bash loadtest/gpu.sh fp8          # FP8_RUNS=base, the default
 #
 # Steps, each under `timeout` within a total budget (FP8_BUDGET_S, 240 s):
 #   check     loadtest/fp8_bench.py check: the FP8 GPU paths (the Triton skinny FP8 product,
@@ -19,32 +19,13 @@
 #             KV tokens per byte (2x), logprob differences from bf16 on the same dummy weights
 # $OUT gets env.txt, fp8.log (every step's output), check.json, kernels.json + kernels.md,
 # <run>.json, summary.md and summary.json. Knobs: MODEL_DIR, NUM_PROMPTS, ENGINE_FLAGS, FP8_BUDGET_S.
-# Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
-# folders are linked as the package `meshserve` (as gpu_suite.sh does).
-set -uo pipefail
 
-START=$SECONDS
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_fp8_out.XXXXXX")}
-RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_fp8.XXXXXX")
-trap 'rm -rf "$RUN_DIR"' EXIT
-mkdir -p "$OUT"
 : >"$OUT/fp8.log"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+START=$SECONDS
 BUDGET_S=${FP8_BUDGET_S:-240}
 NUM_PROMPTS=${NUM_PROMPTS:-800}
-MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+MODEL_DIR=${MODEL_DIR:-$PWD/loadtest/models/llama-3.1-8b}
 ENGINE_FLAGS=${ENGINE_FLAGS:---load-format dummy --max-model-len 4096}
-
-# shellcheck source=loadtest/gpu_env.sh
-. "$REPO/loadtest/gpu_env.sh"
-gpu_env "$RUN_DIR"
-
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} >"$OUT/env.txt" 2>&1
 
 log() { echo "$*" | tee -a "$OUT/fp8.log"; }
 
@@ -89,4 +70,4 @@ else
 fi
 grep -h '"ok"' "$OUT/check.json" 2>/dev/null | tail -1 | sed 's/^ */check: /'
 [[ -f "$OUT/kernels.md" ]] && cat "$OUT/kernels.md"
-log "== gpu_fp8 finished in $((SECONDS - START))s"
+log "== fp8 base finished in $((SECONDS - START))s"

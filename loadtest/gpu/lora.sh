@@ -1,5 +1,5 @@
-#!/usr/bin/env bash
-# Multi-LoRA serving on one GPU, in process, with the Llama-3.1-8B shape (dummy bf16 weights):
+# Part `lora` of loadtest/gpu.sh: multi-LoRA serving on one GPU, in process, with the
+# Llama-3.1-8B shape (dummy bf16 weights):
 #   check    the LoRA Triton kernels against the grouped torch reference at 8B shapes
 #   adapters 8 random PEFT adapters of rank 16 on all seven projections (ADAPTERS, RANK)
 #   base     an engine without LoRA: ShareGPT-like throughput (PROMPTS requests, ~200 in /
@@ -13,34 +13,17 @@
 #   summary  the table (summary.md) and every figure (lora.json), graph vs eager logits;
 #            target: adapters' output throughput >= 0.8 x the no-LoRA engine's
 #
-#     bash loadtest/gpu_lora.sh          # from the repository root; results in $OUT
-#     QUANTIZATION=fp8 bash loadtest/gpu_lora.sh   # the base weights in FP8, adapters in bf16
+#     bash loadtest/gpu.sh lora                     # results in $OUT/lora
+#     QUANTIZATION=fp8 bash loadtest/gpu.sh lora    # the base weights in FP8, adapters in bf16
 #
-# Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
-# folders are linked as the package `meshserve` (as gpu_suite.sh does). Every step runs under
-# `timeout`; the limits add up to 285 s (the steps took about 3 minutes on an H200).
-set -uo pipefail
+# Every step runs under `timeout`; the limits add up to 285 s (the steps took about 3 minutes
+# on an H200). Knobs: MODEL_DIR, ADAPTERS, RANK, PROMPTS, PASSES, QUANTIZATION.
 
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_lora_out.XXXXXX")}
-RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_lora.XXXXXX")
-trap 'rm -rf "$RUN_DIR"' EXIT
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# shellcheck source=loadtest/gpu_env.sh
-. "$REPO/loadtest/gpu_env.sh"
-gpu_env "$RUN_DIR"
-MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+MODEL_DIR=${MODEL_DIR:-$PWD/loadtest/models/llama-3.1-8b}
 ADAPTERS=${ADAPTERS:-8}
 RANK=${RANK:-16}
 PROMPTS=${PROMPTS:-800}  # two passes of 800 fit the limits (one of 1000 took ~20 s, H200)
 PASSES=${PASSES:-2}
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} >"$OUT/env.txt" 2>&1
-
 
 BENCH=(python3 loadtest/lora_bench.py)
 RUN=(run --model "$MODEL_DIR" --load-format dummy --dtype bfloat16 --max-model-len 2048

@@ -1,57 +1,46 @@
-#!/usr/bin/env bash
-# The GPU benchmark suite of meshserve in one command of at most 10 minutes, on one GPU:
-# kernel tests, the kernel micro-benchmarks, `meshserve bench` latency, throughput (ShareGPT-like,
-# fixed 1024/128, fixed 1000/1000) and an 8k-token prefill on a Llama-3.1-8B-shaped model with
-# dummy weights, and the transformers peer (loadtest/hf_peer_bench.py) on latency and one
-# throughput workload. Ends by printing a markdown table of the figures against DESIGN.md's
-# budgets.
-#
-#     bash loadtest/gpu_suite.sh                 # from the repository root; results in $OUT
-#
-# Needs no pip install of meshserve: carried wheels in .whl/ are installed to /tmp/site and
-# the repository's folders are linked as the package `meshserve` into a temporary folder put
-# on PYTHONPATH. Every step runs under `timeout` within a total budget (SUITE_BUDGET_S): a
-# step that cannot get its minimum is skipped, and the table says so.
+# Part `suite` of loadtest/gpu.sh (sourced in its subshell; `peer` and `mesh` source it too
+# with SUITE_SECTIONS set): the engine on one GPU in one call of at most 10 minutes, a
+# Llama-3.1-8B-shaped model with dummy weights. SUITE_SECTIONS (space-separated; the part
+# `suite` runs "engine"):
+#   engine  the GPU tests of the kernels and engine paths (tests/gpu), `meshserve bench`
+#           latency (overlapped loop on and off), throughput (ShareGPT-like, fixed 1024/128,
+#           fixed 1000/1000) and an 8k-token prefill
+#   peer    the transformers peer (loadtest/hf_peer_bench.py) on latency and one throughput
+#           workload, next to `meshserve bench` on the same ones
+#   mesh    the same prompts through `meshserve up` + `meshserve bench serve`
+#           (loadtest/gpu/mesh_run.sh) next to the in-process engine (loadtest/mesh_report.py)
+# Every step runs under `timeout` within a total budget (SUITE_BUDGET_S): a step that cannot
+# get its minimum is skipped, and the table says so. Ends by printing a markdown table of the
+# figures against DESIGN.md's budgets.
 #
 # What comes back in $OUT (at most a handful of files, so that all of them can be fetched):
 #   suite.log       every step's command, stdout and stderr, in order, written as it goes
 #   results.json    every step's status and JSON result, rewritten after each step
 #   kernels.json    the kernel micro-benchmarks (kernels/bench_kernels.py --out)
 #   steps.tar.gz    each step's own <step>.log and <step>.json
-#   mesh_gG.tar.xz  (PARTS=mesh) gpu_mesh.sh's files of the run with --gateways G
+#   mesh_gG.tar.xz  (mesh) mesh_run.sh's files of the run with --gateways G
 #   summary.md      the final table
-#   mesh_summary_gG.md (PARTS=mesh) the mesh with --gateways G against the in-process engine
+#   mesh_summary_gG.md (mesh) the mesh with --gateways G against the in-process engine
 #
-# Knobs (environment): PARTS ("engine"; "mesh" for the mesh against the engine, "engine mesh"
-# for both, which needs more than one call's 10 minutes), MESH_GATEWAYS ("1 2"),
-# SUITE_BUDGET_S (570), PEAK_TFLOPS (989: H100 SXM dense bf16; 989 also
-# for an H200), MODEL_DIR (a model folder to use instead of the Llama-3.1-8B-shaped config),
-# ENGINE_FLAGS, MESH_FLAGS (more `meshserve up` flags for the mesh runs only, e.g.
-# --no-kvstore), prompt counts SHAREGPT_PROMPTS (1000), SHORT_PROMPTS (500, 1024 in/128 out),
-# LONG_PROMPTS (256, 1000/1000), HF_PROMPTS (128, 1024/128), HF_BATCH_SIZES, HF_FLAGS,
-# lengths LATENCY_LEN (128), PREFILL_LEN (8192), SHORT_IN/SHORT_OUT, LONG_IN/LONG_OUT,
-# iterations LATENCY_ITERS (5), PREFILL_ITERS (3), and each step's limit T_<STEP> in seconds.
-set -uo pipefail
+# Knobs (environment): MESH_GATEWAYS ("1 2"), SUITE_BUDGET_S (570), PEAK_TFLOPS (989: H100 SXM
+# dense bf16; 989 also for an H200), MODEL_DIR (a model folder to use instead of the
+# Llama-3.1-8B-shaped config), ENGINE_FLAGS, MESH_FLAGS (more `meshserve up` flags for the
+# mesh runs only, e.g. --no-kvstore), prompt counts SHAREGPT_PROMPTS (1000), SHORT_PROMPTS
+# (500, 1024 in/128 out), LONG_PROMPTS (256, 1000/1000), HF_PROMPTS (128, 1024/128),
+# HF_BATCH_SIZES, HF_FLAGS, lengths LATENCY_LEN (128), PREFILL_LEN (8192), SHORT_IN/SHORT_OUT,
+# LONG_IN/LONG_OUT, iterations LATENCY_ITERS (5), PREFILL_ITERS (3), RUN_KERNEL_BENCH (set:
+# also kernels/bench_kernels.py), and each step's limit T_<STEP> in seconds.
 
 START=$SECONDS
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_suite_out.XXXXXX")}
-RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_suite.XXXXXX")
-trap 'rm -rf "$RUN_DIR"' EXIT
-mkdir -p "$OUT"
+SUITE_SECTIONS=${SUITE_SECTIONS:-engine}
+RUN_DIR=$(mktemp -d "$RUN_DIR/suite.XXXXXX")
 : >"$OUT/suite.log"
 : >"$RUN_DIR/steps.tsv"
 export OUT RUN_DIR PEAK_TFLOPS=${PEAK_TFLOPS:-989}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 BUDGET_S=${SUITE_BUDGET_S:-570}
-# Parts to run, space-separated: engine (kernels, correctness, in-process benchmarks, the
-# transformers peer) and/or mesh (the same prompts through `meshserve up` and
-# `meshserve bench serve`, next to the in-process engine; loadtest/gpu_mesh.sh).
-PARTS=${PARTS:-engine}
 MESH_GATEWAYS=${MESH_GATEWAYS:-1 2}
-want() { [[ " $PARTS " == *" $1 "* ]]; }
+want() { [[ " $SUITE_SECTIONS " == *" $1 "* ]]; }
 SHAREGPT_PROMPTS=${SHAREGPT_PROMPTS:-1000}
 SHORT_PROMPTS=${SHORT_PROMPTS:-500}
 SHORT_IN=${SHORT_IN:-1024}
@@ -72,26 +61,10 @@ ENGINE_FLAGS=${ENGINE_FLAGS:---load-format dummy --max-model-len $((PREFILL_LEN 
 
 log() { echo "$*" | tee -a "$OUT/suite.log"; }
 
-# ---- 1. packages: carried wheels, and meshserve importable without pip -------------------
-if compgen -G ".whl/*.whl" >/dev/null; then
-  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl; then
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-  else
-    log "!! installing the wheels of .whl/ failed"
-  fi
-fi
-PKGROOT=$RUN_DIR/pkgroot
-mkdir -p "$PKGROOT/meshserve"
-for folder in services kernels shared proto; do
-  ln -s "$REPO/$folder" "$PKGROOT/meshserve/$folder"
-done
-export PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
-
-# ---- 2. the model: a Llama-3.1-8B-shaped config.json (weights are dummy) -----------------
+# ---- 1. the model: a Llama-3.1-8B-shaped config.json (weights are dummy) -----------------
 MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}  # config.json only
 
-# ---- 3. the steps ----------------------------------------------------------------------------
+# ---- 2. the steps ----------------------------------------------------------------------------
 # step NAME LIMIT_S MIN_S COMMAND...: run COMMAND under `timeout` (at most LIMIT_S, and never
 # past the suite's budget), or skip it when less than MIN_S is left.
 step() {
@@ -123,7 +96,7 @@ bench() {  # bench NAME LIMIT MIN latency|throughput FLAGS...: `meshserve bench`
   local name=$1 limit=$2 min=$3
   shift 3
   # shellcheck disable=SC2086  # ENGINE_FLAGS is a list of flags
-  step "$name" "$limit" "$min" python3 -m meshserve.services.cli bench "$@" --model "$MODEL_DIR" \
+  step "$name" "$limit" "$min" python3 -m "$MESHSERVE_CLI" bench "$@" --model "$MODEL_DIR" \
     $ENGINE_FLAGS --no-progress --output-json "$RUN_DIR/$name.json"
 }
 
@@ -157,7 +130,7 @@ def figures(name, r):
     """(figures, budget check) of one step."""
     log = run / f"{name}.log"
     if name in ("kernel_check", "correctness") and log.is_file():
-        lines = [l for l in log.read_text().splitlines() if " passed, " in l]
+        lines = [l for l in log.read_text().splitlines() if " passed" in l]
         return (lines[-1] if lines else ""), ""
     if r is None:
         return "", ""
@@ -223,17 +196,17 @@ print(table)
 PY
 
 step preflight 60 10 python3 -c "
-import sys, torch, transformers
-import meshserve.services.bench
+import importlib, os, sys, torch, transformers
+importlib.import_module(os.environ['MESHSERVE_CLI'])
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers',
       transformers.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
 if want engine; then
   # The Triton kernels compiled on this GPU against the PyTorch references.
-  step kernel_check "${T_KERNEL_CHECK:-60}" 20 python3 loadtest/gpu_kernel_check.py \
-    --out "$RUN_DIR/kernel_check.json"
+  step kernel_check "${T_KERNEL_CHECK:-60}" 20 env GPU_TEST_OUT="$RUN_DIR" python3 -m pytest \
+    -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py
   # Greedy outputs of the GPU path against the CPU path: float32 exact, bfloat16 within bounds.
-  step correctness "${T_CORRECTNESS:-90}" 30 python3 loadtest/gpu_correctness.py \
-    --out "$RUN_DIR/correctness.json"
+  step correctness "${T_CORRECTNESS:-90}" 30 env GPU_TEST_OUT="$RUN_DIR" python3 -m pytest \
+    -q -p no:cacheprovider tests/gpu/test_gpu_engine_paths.py
   if [ -n "${RUN_KERNEL_BENCH:-}" ]; then
     step kernels "${T_KERNELS:-35}" 20 python3 -m meshserve.kernels.bench_kernels \
       --out "$OUT/kernels.json"
@@ -256,6 +229,17 @@ if want engine; then
   bench prefill "${T_PREFILL:-40}" 20 latency --input-len "$PREFILL_LEN" --output-len 1 \
     --batch-size 1 --num-iters "$PREFILL_ITERS" --num-iters-warmup 1 \
     --max-num-batched-tokens "$PREFILL_LEN" --max-num-seqs 1 --enforce-eager
+fi
+if want peer; then
+  # The transformers peer next to `meshserve bench` on the same workloads (the latter run
+  # here when the engine section is not).
+  if ! want engine; then
+    bench latency "${T_LATENCY:-50}" 30 latency --input-len "$LATENCY_LEN" \
+      --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" \
+      --num-iters-warmup 2 --max-num-seqs 1
+    bench fixed_short "${T_SHORT:-55}" 30 throughput --input-len "$SHORT_IN" \
+      --output-len "$SHORT_OUT" --num-prompts "$SHORT_PROMPTS" --num-iters-warmup 1
+  fi
   hf_peer hf_latency "${T_HF_LATENCY:-90}" 40 latency --input-len "$LATENCY_LEN" \
     --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" --num-iters-warmup 2
   hf_peer hf_throughput "${T_HF_THROUGHPUT:-90}" 40 throughput --input-len "$SHORT_IN" \
@@ -268,7 +252,7 @@ if want mesh; then
     bench latency "${T_LATENCY:-50}" 30 latency --input-len "$LATENCY_LEN" \
       --output-len "$LATENCY_LEN" --batch-size 1 --num-iters "$LATENCY_ITERS" \
       --num-iters-warmup 2 --max-num-seqs 1
-    # A full-size warm-up batch first, as the mesh runs get one (gpu_mesh.sh): both sides
+    # A full-size warm-up batch first, as the mesh runs get one (mesh_run.sh): both sides
     # then time steady state, not the first compilation of each kernel variant.
     bench sharegpt "${T_SHAREGPT:-90}" 40 throughput --dataset sharegpt-like \
       --num-prompts "$SHAREGPT_PROMPTS" --num-iters-warmup 1 \
@@ -282,7 +266,7 @@ if want mesh; then
   for g in $MESH_GATEWAYS; do
     # shellcheck disable=SC2086  # ENGINE_FLAGS is a list of flags
     step "mesh_g$g" "${T_MESH:-300}" 150 env GATEWAYS="$g" SHAREGPT_PROMPTS="$SHAREGPT_PROMPTS" \
-      LATENCY_LEN="$LATENCY_LEN" bash loadtest/gpu_mesh.sh "$MESH_MODEL" "$RUN_DIR/mesh_g$g" \
+      LATENCY_LEN="$LATENCY_LEN" bash loadtest/gpu/mesh_run.sh "$MESH_MODEL" "$RUN_DIR/mesh_g$g" \
       $ENGINE_FLAGS ${MESH_FLAGS:-}
     step "mesh_report_g$g" 30 5 python3 loadtest/mesh_report.py --run-dir "$RUN_DIR" \
       --mesh-dir "$RUN_DIR/mesh_g$g" --out "$RUN_DIR/mesh_report_g$g.json" \
@@ -290,8 +274,8 @@ if want mesh; then
   done
 fi
 
-# ---- 4. the table, last ----------------------------------------------------------------------
-tar -czf "$OUT/steps.tar.gz" -C "$RUN_DIR" --exclude=./pkgroot --exclude=./mesh-model \
+# ---- 3. the table, last ----------------------------------------------------------------------
+tar -czf "$OUT/steps.tar.gz" -C "$RUN_DIR" --exclude=./mesh-model \
   --exclude='./mesh_g*' . || log "!! packing the steps' files failed"
 # Each mesh run's files (per-request latencies of every run) on their own, xz-packed.
 for dir in "$RUN_DIR"/mesh_g*/; do

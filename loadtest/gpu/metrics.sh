@@ -1,27 +1,19 @@
-#!/usr/bin/env bash
-# vLLM-named metrics of the mesh on a GPU, under load: `meshserve up` on a Llama-3.1-8B-shaped
+# Part `metrics` of loadtest/gpu.sh: vLLM-named metrics of the mesh on a GPU, under load: `meshserve up` on a Llama-3.1-8B-shaped
 # model (dummy weights), `meshserve bench serve` (1000 ShareGPT-like requests at once, then a
 # prefix-heavy run), each service's /metrics scraped before and after. Reports whether the
 # counters agree with what the benchmark received, the worker's vs the gateway's TTFT and
 # ITL (the mesh's share), queue/prefill/decode time, prefix-cache hit rate, preemptions, and
 # how long a /metrics and the merged /metrics/all scrape take while 1000 streams run.
 #
-#     bash loadtest/gpu_metrics.sh            # from the repository root; results in $OUT
+#     bash loadtest/gpu.sh metrics            # results in $OUT/metrics
 #
 # Writes $OUT/metrics.json (every figure, the scrapes' raw sums) and $OUT/metrics.md (the
 # table), and prints the table. Finishes in under 6 minutes (each step under `timeout`).
 # Knobs: MODEL_DIR (a model config folder; default loadtest/models/llama-3.1-8b),
 # PROMPTS (1000), PREFIX_PROMPTS (500), ENGINE_FLAGS, PREFIX_FLAGS (extra bench flags of the
 # prefix-heavy run), DURING_S (10: when the timed scrapes run, into the big run).
-set -uo pipefail
 
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_metrics_out.XXXXXX")}
-RUN=$(mktemp -d "${TMPDIR:-/tmp}/gpu_metrics.XXXXXX")
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+MODEL_DIR=${MODEL_DIR:-$PWD/loadtest/models/llama-3.1-8b}
 PROMPTS=${PROMPTS:-1000}
 PREFIX_PROMPTS=${PREFIX_PROMPTS:-500}
 ENGINE_FLAGS=${ENGINE_FLAGS:---load-format dummy --max-model-len 4096}
@@ -30,23 +22,13 @@ PORT=${PORT:-8124}
 PREFIX_FLAGS=${PREFIX_FLAGS:-}
 DURING_S=${DURING_S:-10}
 
-# Carried wheels to /tmp/site, the repository's folders as the package `meshserve`.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
-    PATH=/tmp/site/bin:$PATH
-fi
-mkdir -p "$RUN/pkgroot/meshserve"
-for folder in services kernels shared proto; do
-  ln -s "$REPO/$folder" "$RUN/pkgroot/meshserve/$folder"
-done
-export PYTHONPATH=$RUN/pkgroot${PYTHONPATH:+:$PYTHONPATH}
+RUN=$RUN_DIR
 
 timeout 60 python3 loadtest/make_tokenizer.py --config "$MODEL_DIR/config.json" \
   --out "$RUN/model" || { echo "making the tokenizer failed"; exit 1; }
 
 # shellcheck disable=SC2086  # ENGINE_FLAGS is a list of flags
-timeout 330 python3 -m meshserve.services.cli up --model "$RUN/model" --served-model-name m \
+timeout 330 python3 -m "$MESHSERVE_CLI" up --model "$RUN/model" --served-model-name m \
   --port "$PORT" --metrics-port "$METRICS_BASE" --run-dir "$RUN/run" --startup-timeout-s 240 \
   --stop-grace-s 5 $ENGINE_FLAGS >"$RUN/up.out" 2>"$RUN/up.err" &
 UP=$!
@@ -66,7 +48,7 @@ scrape() {  # scrape NAME: every service's metrics as JSON into $RUN/NAME.json
 serve() {  # serve NAME FLAGS...: one bench serve run into $RUN/NAME.json
   local name=$1
   shift
-  timeout 150 python3 -m meshserve.services.cli bench serve \
+  timeout 150 python3 -m "$MESHSERVE_CLI" bench serve \
     --base-url "http://127.0.0.1:$PORT" --model m --model-config "$RUN/model" \
     --prompt-format token-ids --no-progress --num-warmup 8 --output-json "$RUN/$name.json" "$@"
 }

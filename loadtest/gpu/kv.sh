@@ -1,17 +1,18 @@
-#!/usr/bin/env bash
-# The KV tier, routing and failover on one GPU, with the Llama-3.1-8B shape (dummy bf16
-# weights, a tokenizer of its vocabulary made by loadtest/make_tokenizer.py):
+# Part `kv` of loadtest/gpu.sh: the KV tier, routing and failover on one GPU, with the
+# Llama-3.1-8B shape (dummy bf16 weights, a tokenizer of its vocabulary made by
+# loadtest/make_tokenizer.py):
 #
-#     PARTS="transfer load failover" bash loadtest/gpu_kv.sh     # results in $OUT
-#     PARTS="routing" bash loadtest/gpu_kv.sh
-#     PARTS="routing" ROUTING_TAG=_nostore ROUTING_FLAGS=--no-kvstore bash loadtest/gpu_kv.sh
-#     PARTS="routing" ROUTING_TAG=_rate30 \
-#         ROUTING_ARGS="--concurrency 0 --request-rate 30" bash loadtest/gpu_kv.sh
+#     KV_PARTS="transfer load failover" bash loadtest/gpu.sh kv     # results in $OUT/kv
+#     KV_PARTS="routing" bash loadtest/gpu.sh kv
+#     KV_PARTS="routing" ROUTING_TAG=_nostore ROUTING_FLAGS=--no-kvstore bash loadtest/gpu.sh kv
+#     KV_PARTS="routing" ROUTING_TAG=_rate30 \
+#         ROUTING_ARGS="--concurrency 0 --request-rate 30" bash loadtest/gpu.sh kv
 #
 # ROUTING_ARGS go to kv_routing.py (e.g. "--policies kv-aware@64,round-robin"), ROUTING_FLAGS to the
 # launcher; every service's /metrics after each run lands in $OUT/routing<tag>_metrics/.
 #
-# Parts (each a step under `timeout`, its output in $OUT/<part>.log and .json):
+# KV_PARTS (default all four; each a step under `timeout`, its output in $OUT/<name>.log
+# and .json):
 #   transfer   loadtest/kvstore_transfer.py: the store's same-host put/get GB/s (shared
 #              memory and gRPC bytes) and host-to-device copy rates
 #   load       loadtest/kv_tier_load.py: TTFT of an 8k-token prompt recomputed against
@@ -20,33 +21,12 @@
 #              killed under 20 streams; every stream must complete; time to resumed tokens
 #   routing    loadtest/kv_routing.py: kv-aware against round-robin on prefix-heavy
 #              requests, two workers sharing the GPU, the kvstore on
-# Needs no pip install: the carried wheels of .whl/ go to /tmp/site and the repository's
-# folders are linked as the package `meshserve` (as gpu_suite.sh does).
-set -uo pipefail
 
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_kv_out.XXXXXX")}
-RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_kv.XXXXXX")
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-PARTS=${PARTS:-transfer load failover routing}
-want() { [[ " $PARTS " == *" $1 "* ]]; }
+KV_PARTS=${KV_PARTS:-transfer load failover routing}
+want() { [[ " $KV_PARTS " == *" $1 "* ]]; }
 
-# shellcheck source=loadtest/gpu_env.sh
-. "$REPO/loadtest/gpu_env.sh"
-gpu_env "$RUN_DIR"
-
-MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+MODEL_DIR=${MODEL_DIR:-$PWD/loadtest/models/llama-3.1-8b}
 MESH_MODEL=$RUN_DIR/mesh-model
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__version__, \
-'triton', triton.__version__, 'transformers', transformers.__version__, 'grpcio', \
-grpc.__version__)"
-  free -g; nproc
-} >"$OUT/env.txt" 2>&1
-
 STEP_TAIL=25  # lines of each step's log shown
 
 if want routing || want failover; then
@@ -80,4 +60,3 @@ if want routing; then
     --out "$OUT/routing${ROUTING_TAG:-}.json" -- --load-format dummy --device cuda \
     --max-model-len 4096 --kvstore-capacity-bytes $((32 << 30)) ${ROUTING_FLAGS:-}
 fi
-rm -rf "$RUN_DIR"

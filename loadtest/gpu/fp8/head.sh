@@ -1,4 +1,4 @@
-#!/usr/bin/env bash
+# FP8_RUNS entry `head` of part `fp8` (loadtest/gpu/fp8.sh; results in $OUT/fp8/head):
 # The FP8 LM head (--quantize-lm-head) on one GPU, Llama-3.1-8B shape with dummy weights:
 # single-stream TPOT and ShareGPT-like throughput of bf16, FP8 weights, and FP8 weights with
 # the LM head in FP8 too, alternated within one call (machines differ more than the
@@ -6,20 +6,14 @@
 # on a random model whose logits are not flat (loadtest/fp8_logprobs.py). SKIP="name ..."
 # leaves steps out; a call of at most 10 minutes takes a part of them, e.g.
 #     SKIP="tput_bf16_1 tput_fp8kv8_1 tput_fp8kv8_head_1 tput_bf16_2 tput_fp8kv8_2
-#           tput_fp8kv8_head_2" bash loadtest/gpu_fp8_head.sh
+#           tput_fp8kv8_head_2" FP8_RUNS=head bash loadtest/gpu.sh fp8
 #     SKIP="kernels logprobs lat_bf16 lat_fp8 lat_fp8_head lat_bf16_2 lat_fp8_head_2" \
-#         bash loadtest/gpu_fp8_head.sh
+#         FP8_RUNS=head bash loadtest/gpu.sh fp8
 # Steps (limits): kernels (120 s), logprobs (150 s), split_probe (every skinny launch
 # shape against the torch reference, 120 s), lat_* (110 s each), tput_* (180 s each;
 # two passes of the three configurations, alternated).
 # Results in $OUT: <step>.json/.log, steps.log, summary.md (fp8_bench.py's tables).
-set -uo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-# shellcheck source=loadtest/gpu_env.sh
-. "$REPO/loadtest/gpu_env.sh"
-gpu_script_start
-MODEL_DIR=${MODEL_DIR:-$REPO/loadtest/models/llama-3.1-8b}
+MODEL_DIR=${MODEL_DIR:-$PWD/loadtest/models/llama-3.1-8b}
 NUM_PROMPTS=${NUM_PROMPTS:-800}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
 

@@ -1,17 +1,19 @@
-"""Fresh-prefill attention (fused SDPA) against the paged Triton kernel on the GPU, and timed.
-
-    python loadtest/gpu_prefill_check.py
+"""Fresh-prefill attention (fused SDPA) against the paged Triton kernel on the GPU, and timed:
+an 8k-token prompt (32 query heads, 8 KV heads, head dim 128, bf16) within a relative error
+of 1e-2; the times go to $GPU_TEST_OUT/prefill_attention.json. Run by
+`bash loadtest/gpu.sh tests`.
 """
 
 from __future__ import annotations
 
 import torch
+from gpu_record import record
 
 from meshserve.kernels import triton_attention
 from meshserve.kernels.attention import AttentionMetadata, fresh_prefill_attention, write_kv
 
 
-def main() -> None:
+def test_fresh_prefill_matches_paged_kernel() -> None:
     torch.manual_seed(0)
     t, hq, hkv, d, bs = 8192, 32, 8, 128, 16
     q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -31,7 +33,8 @@ def main() -> None:
     b = triton_attention.paged_attention(q, kc, vc, meta, d**-0.5)
     rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
     print(f"fresh prefill vs paged kernel: relative difference {rel:.2e}")
-    assert rel < 1e-2
+    assert rel < 1e-2, f"fresh prefill vs paged kernel: relative difference {rel:.2e}"
+    times: dict[str, float] = {}
     for name, fn in (("fused sdpa", lambda: fresh_prefill_attention(q, k, v, meta, d**-0.5)),
                      ("paged triton", lambda: triton_attention.paged_attention(
                          q, kc, vc, meta, d**-0.5))):
@@ -44,8 +47,7 @@ def main() -> None:
             fn()
         end.record()
         torch.cuda.synchronize()
-        print(f"{name}: {start.elapsed_time(end) / 10:.3f} ms for {t} tokens")
+        times[name] = start.elapsed_time(end) / 10
+        print(f"{name}: {times[name]:.3f} ms for {t} tokens")
+    record("prefill_attention", {"tokens": t, "relative_difference": rel, "ms": times})
 
-
-if __name__ == "__main__":
-    main()

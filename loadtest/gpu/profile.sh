@@ -1,28 +1,16 @@
-#!/usr/bin/env bash
-# Where a single-stream decode step's device time goes, and the per-shape product times, on a
+# Part `profile` of loadtest/gpu.sh: where a single-stream decode step's device time goes, and the per-shape product times, on a
 # host with 2 GPUs (two single-GPU jobs run at once, one per GPU; a TP=2 profile after them):
-#     bash loadtest/gpu_step_profile.sh      # from the repository root; results in $OUT
+#     bash loadtest/gpu.sh profile      # results in $OUT/profile
 #     PROFILES="bf16:0:{} fp8:1:{\"quantization\":\"fp8\"}" KERNELS="tp1:1,8" \
-#       bash loadtest/gpu_step_profile.sh
+#       bash loadtest/gpu.sh profile
 # PROFILES: NAME:GPUS:ENGINE_JSON entries, each `loadtest/gpu_profile.py --parts graphs`
 # (plus host phases) on the Llama-3.1-8B shape; entries on one GPU run two at a time.
 # KERNELS: SHAPES:ROWS entries, each `loadtest/fp8_kernels_bench.py` (CUDA-graph times).
-set -uo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO" || exit 1
-OUT=${OUT:-$(mktemp -d)}
-RUN_DIR=$(mktemp -d)
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-# shellcheck source=loadtest/gpu_env.sh
-. "$REPO/loadtest/gpu_env.sh"
-gpu_env "$RUN_DIR"
-MODEL=${MODEL:-$REPO/loadtest/models/llama-3.1-8b}
+# PROFILE_PARTS: gpu_profile.py's --parts (graphs,host). MODEL: the model config folder.
+MODEL=${MODEL:-$PWD/loadtest/models/llama-3.1-8b}
 PROFILES=${PROFILES:-'bf16:0:{} fp8:1:{"quantization":"fp8"} tp2:0,1:{"tensor_parallel_size":2}'}
 KERNELS=${KERNELS:-}
-PARTS=${PARTS:-graphs,host}
-{ nvidia-smi --query-gpu=name,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} >"$OUT/env.txt" 2>&1
+PROFILE_PARTS=${PROFILE_PARTS:-graphs,host}
 kernels() {  # kernels SHAPES ROWS GPU
   CUDA_VISIBLE_DEVICES=$3 timeout -k 10 300 python3 loadtest/fp8_kernels_bench.py \
     --shapes "$1" --rows ${2//,/ } --out "$OUT/kernels_$1.json" >"$OUT/kernels_$1.log" 2>&1
@@ -30,7 +18,7 @@ kernels() {  # kernels SHAPES ROWS GPU
 }
 prof() {  # prof NAME GPUS ENGINE_JSON
   CUDA_VISIBLE_DEVICES=$2 timeout -k 10 300 python3 loadtest/gpu_profile.py --model "$MODEL" \
-    --parts "$PARTS" --engine "$3" --out "$OUT/$1" >"$OUT/$1.log" 2>&1
+    --parts "$PROFILE_PARTS" --engine "$3" --out "$OUT/$1" >"$OUT/$1.log" 2>&1
   echo "== $1 exit $?"
 }
 gpu=0

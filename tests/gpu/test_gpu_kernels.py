@@ -1,23 +1,21 @@
 """The Triton kernels on a real GPU against the PyTorch references (the CI runs the same
-cases under TRITON_INTERPRET=1 on CPU; this runs them compiled, on CUDA tensors).
-
-    python loadtest/gpu_kernel_check.py --out $OUT/gpu_kernels.json   # exit 1 on any failure
+cases under TRITON_INTERPRET=1 on CPU; this runs them compiled, on CUDA tensors), one test
+per case. Run by `bash loadtest/gpu.sh tests` and by the parts `suite` (step `kernel_check`)
+and `tp` (step `kernels`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import sys
-import traceback
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
-# The kernel tests and the helpers they import (tests/hopper_compile.py, tests/tiny_models.py).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernel_ops"))
+# The kernel tests' cases and checks (tests/kernel_ops/test_triton_kernels.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel_ops"))
 import test_triton_kernels as kt
 
 from meshserve.kernels import (
@@ -156,30 +154,11 @@ def linear_cases():
                 yield f"linear {dtype} {rows}x{k} @ {n}x{k}", check
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
+CASES: list[tuple[str, Callable[[], None]]] = [
+    *attention_cases(), *elementwise_cases(), *sampling_cases(), *linear_cases()]
+
+
+@pytest.mark.parametrize("check", [c for _, c in CASES], ids=[n for n, _ in CASES])
+def test_kernel_on_gpu(check: Callable[[], None]) -> None:
     assert triton_attention is not None
-    results = {}
-    for name, check in [*attention_cases(), *elementwise_cases(), *sampling_cases(),
-                        *linear_cases()]:
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 (report every failing case, not just the first)
-            results[name] = traceback.format_exc(limit=3)
-    failed = {k: v for k, v in results.items() if v != "ok"}
-    print(f"{len(results) - len(failed)} passed, {len(failed)} failed "
-          f"on {torch.cuda.get_device_name(0)}")
-    for name, why in failed.items():
-        print(f"FAILED {name}\n{why}")
-    if args.out:
-        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0),
-                                        "results": results}, indent=2))
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    check()
