@@ -23,15 +23,17 @@ from transformers import AutoTokenizer
 
 from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.structured_output import (
-    BitmaskApplier,
-    new_matcher,
-)
+from meshserve.services.worker.engine.structured_output import BitmaskApplier
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.structured_outputs import (
     StructuredKind,
     StructuredOutputs,
 )
+
+try:  # where the worker's structured-output package keeps it
+    from meshserve.services.worker.structured.grammars import new_matcher
+except ImportError:  # the engine module, before that package
+    from meshserve.services.worker.engine.structured_output import new_matcher
 
 SCHEMA = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 999},
