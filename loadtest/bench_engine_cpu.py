@@ -1,5 +1,7 @@
 """In-process engine throughput on CPU, next to transformers' `generate` in the same run.
 
+Driver part: none (a CPU benchmark, run by hand; figures in loadtest/reports/cpu/).
+
 Runs the same chat requests (greedy, fixed output length) through the meshserve
 engine at 1, 8 and 32 concurrent requests, and through transformers' `generate`
 one request at a time on the same weights; prints a table and writes JSON.

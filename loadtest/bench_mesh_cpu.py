@@ -1,6 +1,8 @@
 """The mesh tax on CPU: 32 concurrent streaming requests through the gateway, next to
 `run-batch` (the in-process engine) on the same requests, in one run.
 
+Driver part: none (a CPU benchmark, run by hand; figures in loadtest/reports/cpu/).
+
     python loadtest/bench_mesh_cpu.py --out loadtest/reports/mesh_cpu.json
 
 Both sides run the same chat requests with greedy sampling and a fixed output

@@ -1,5 +1,7 @@
 """A "copy model" for speculative-decoding benchmarks, and prompts that quote its output.
 
+Driver part: `spec` (through spec_bench.py).
+
 Dummy weights (uniform +-1e-3) give nearly flat logits: greedy argmax is decided by bf16
 rounding, so a verify pass of k + 1 tokens and a decode pass disagree and acceptance means
 nothing. The copy model rewrites an already-loaded model (same shapes, same kernels, same cost

@@ -3,6 +3,8 @@ out: what scheduling, input preparation, sampling bookkeeping and output deltas 
 engine thread per step (on a GPU this runs while the device works; past the device's step
 time it is the step time).
 
+Driver part: none (a CPU benchmark, run by hand; figures in loadtest/reports/).
+
     python loadtest/engine_host_step.py [--running 1000] [--steps 250] [--model DIR]
 
 Builds a tiny random model (tests/tiny_models.py) unless --model is given, adds --running

@@ -1,5 +1,7 @@
 """The fault matrix: `kill -9` each part of a running mesh under streaming load.
 
+Driver part: `kv` (KV_PARTS=failover); also the e2e and contract tests.
+
     python loadtest/fault_matrix.py [--model PATH] [--streams 20] [--max-tokens 96] \
         [--parts worker,tokenizer,scheduler,kvstore,redis] --out results.json
 

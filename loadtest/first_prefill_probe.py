@@ -1,6 +1,8 @@
 """What a prompt's first step costs on a GPU: fused-attention backends on new and repeated
 prompt lengths, and the kernels a fresh process compiles on its first batches.
 
+Driver part: none (a GPU probe cited by kernels/attention.py and the worker).
+
     python loadtest/first_prefill_probe.py --model PATH [--load-format dummy] --out probe.json
 
 One engine in this process (the worker's `build_engine`, 0.45 of the GPU). After the

@@ -1,5 +1,7 @@
 """FP8 against bf16 on one engine configuration at a time, in process (loadtest/gpu_fp8.sh).
 
+Driver part: `fp8` (every FP8_RUNS entry).
+
     python loadtest/fp8_bench.py run --label bf16 --out bf16.json -- --model M --load-format dummy
     python loadtest/fp8_bench.py run --label fp8 --out fp8.json -- --model M --load-format dummy \
         --quantization fp8

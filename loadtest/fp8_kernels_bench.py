@@ -1,5 +1,7 @@
 """Per-shape times of the bf16 and FP8 products for the Llama-3.1-8B layers (gpu_fp8.sh).
 
+Driver part: `fp8` (FP8_RUNS base, head, widen) and `profile`.
+
     python loadtest/fp8_kernels_bench.py --out kernels.json [--rows 1 8 16 64 256]
 
 For every layer shape (fused qkv, o, gate_up, down) and row count: the bf16 product

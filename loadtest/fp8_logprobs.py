@@ -3,6 +3,8 @@ not flat, on the GPU paths: the skinny Triton FP8 product (decode), per-token qu
 with `torch._scaled_mm` (prefill), attention over an FP8 cache, all inside the engine with
 CUDA graphs.
 
+Driver part: `fp8` (FP8_RUNS=head).
+
     python3 loadtest/fp8_logprobs.py --out fp8_logprobs.json [--device cuda] [--layers 4]
 
 The dummy-weight benchmarks (fp8_bench.py) give every token the same logprob, so they say

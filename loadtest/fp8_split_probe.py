@@ -1,6 +1,8 @@
 """Every skinny FP8 launch shape against the torch reference, eagerly, at a few row counts
 and weight shapes (a check of the split-K reduction outside the engine).
 
+Driver part: `fp8` (FP8_RUNS=head).
+
     python3 loadtest/fp8_split_probe.py --out probe.json
 """
 

@@ -1,5 +1,7 @@
 """Times the candidates for two hot operations of the 8B model on the GPU, to choose between them.
 
+Driver part: none (a GPU probe cited by kernels/linear.py and kernels/triton_attention.py).
+
 1. Skinny matrix products (decode of few sequences): cuBLAS through F.linear (default and
    cuBLASLt preferred) against the Triton kernel of `meshserve.kernels.triton_linear` over a
    grid of launch shapes, for the Llama-3.1-8B projections. Each candidate runs inside a CUDA

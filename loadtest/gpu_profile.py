@@ -1,5 +1,7 @@
 """Where a step's time goes on the GPU: kernel breakdowns and a step timeline.
 
+Driver part: `profile`.
+
 For the Llama-3.1-8B-shaped model of the GPU suite (dummy weights), prints:
 - single-stream decode: device time per step (CUDA graphs) against the step's wall time,
   and the kernels of one eager decode step, by total time;

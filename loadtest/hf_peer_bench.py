@@ -1,5 +1,7 @@
 """The workloads of `meshserve bench` through transformers' `generate`: the peer to compare with.
 
+Driver part: `peer`.
+
     python loadtest/hf_peer_bench.py latency --model DIR --input-len 128 --output-len 128 \
         --num-iters 5 --output-json hf_latency.json
     python loadtest/hf_peer_bench.py throughput --model DIR --num-prompts 256 \

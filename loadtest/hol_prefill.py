@@ -1,5 +1,7 @@
 """Short requests while one long prompt is prefilled on the same engine: TTFT and ITL.
 
+Driver part: none (run by hand on CPU or GPU; cited by docs/operations.md).
+
     python loadtest/hol_prefill.py --out loadtest/reports/cpu/hol_prefill.json   # SmolLM2, CPU
     python loadtest/hol_prefill.py --device cuda --out $OUT/hol_prefill.json     # 8B shape, GPU
 

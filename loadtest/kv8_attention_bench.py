@@ -1,5 +1,7 @@
 """Decode attention over a bf16 and an FP8 KV cache, on one CUDA GPU, across launch tiles.
 
+Driver part: `fp8` (FP8_RUNS=widen).
+
     python loadtest/kv8_attention_bench.py --out kv8_attention.json
 
 For each (sequences, context) case a cache of random keys and values is laid out with

@@ -1,5 +1,7 @@
 """KV-aware against round-robin routing on a prefix-heavy load, two workers, one JSON report.
 
+Driver part: `kv` (KV_PARTS=routing).
+
     python loadtest/kv_routing.py --out report.json [--model PATH] [--num-prompts 200] \
         [--concurrency 16 | --request-rate 8] [--prefix-tenants 32 --prefix-len 2048 ...] \
         [-- LAUNCHER FLAGS]

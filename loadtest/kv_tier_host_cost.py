@@ -1,5 +1,7 @@
 """Host-side costs of the KV tier per saved block, per probe and per engine step (CPU).
 
+Driver part: none (a CPU benchmark cited by docs/kvstore.md).
+
     python loadtest/kv_tier_host_cost.py
     python loadtest/kv_tier_host_cost.py --shape 32,2,16,8,128 --blocks 64 --out /tmp/cost.json
 

@@ -1,5 +1,7 @@
 """A long prompt's first token, recomputed against loaded from the kvstore.
 
+Driver part: `kv` (KV_PARTS=load).
+
     python loadtest/kv_tier_load.py --out loadtest/reports/cpu/kv_tier_load.json   # CPU, SmolLM2
     python loadtest/kv_tier_load.py --device cuda --prefix-len 8192 --out $OUT/kv_tier_load.json
 

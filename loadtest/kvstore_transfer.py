@@ -1,5 +1,7 @@
 """Same-host KV block transfer rates through the kvstore: shared region against bytes.
 
+Driver part: `kv` (KV_PARTS=transfer).
+
     python loadtest/kvstore_transfer.py --out loadtest/reports/cpu/kvstore_transfer.json
     python loadtest/kvstore_transfer.py --block-bytes 131072 --blocks 64 --out /tmp/kv.json
 

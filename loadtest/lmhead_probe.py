@@ -1,5 +1,7 @@
 """Host time of the LM head's product in the steps of a ShareGPT-like burst (diagnostic).
 
+Driver part: none (a GPU diagnostic cited by docs/operations.md).
+
     python3 loadtest/lmhead_probe.py MODEL_DIR [ENGINE_JSON] [MODE]     # on one GPU
 
 Builds an engine (dummy weights; ENGINE_JSON adds EngineConfig fields, e.g.

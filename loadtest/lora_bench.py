@@ -2,6 +2,8 @@
 adapters against the base model, and single-stream time per output token with and without
 an adapter.
 
+Driver part: `lora`.
+
     python loadtest/lora_bench.py adapters --model M --out /tmp/adapters --count 8 --rank 16
     python loadtest/lora_bench.py check    --model M --out check.json   # kernels vs reference
     python loadtest/lora_bench.py run --model M --load-format dummy --out base.json

@@ -1,5 +1,7 @@
 """A byte-level BPE tokenizer of a model config's exact vocabulary size, built offline.
 
+Driver part: `mesh`, `kv`, `tp`, `structured`, `metrics`, `fp8` (FP8_RUNS=mesh).
+
 Benchmarks run Llama-3.1-8B-shaped models with random weights (`--load-format dummy`) from
 a folder that holds only config.json (loadtest/models/llama-3.1-8b). Serving such a model
 through the mesh needs a tokenizer whose vocabulary has exactly `vocab_size` tokens, so that

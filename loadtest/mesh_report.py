@@ -1,5 +1,7 @@
 """The mesh against the in-process engine, figure by figure, from one gpu_suite.sh run.
 
+Driver part: `mesh`.
+
     python loadtest/mesh_report.py --run-dir RUN_DIR --out mesh_report.json --summary mesh.md
 
 Reads the in-process results (`sharegpt.json`: `meshserve bench throughput`, 1000

@@ -1,5 +1,7 @@
 """Scrapes of every service's metrics, and the report of loadtest/gpu_metrics.sh.
 
+Driver part: `metrics`.
+
     python loadtest/metrics_snapshot.py --up-output UP_OUT --out snap.json [--time-scrapes]
     python loadtest/metrics_snapshot.py --report --run-dir RUN --out metrics.json --summary t.md
 

@@ -1,5 +1,7 @@
 """Host time of the n-gram proposer per speculating sequence per step, by context length.
 
+Driver part: none (a CPU benchmark cited by docs/speculative.md).
+
     python loadtest/ngram_cost.py [--lengths 512 4096 16384] [--sequences 64]
 
 Each sequence proposes `num_speculative_tokens` drafts and answers `may_draft` (what a

@@ -1,5 +1,7 @@
 """An OTLP/gRPC trace receiver that writes each span it is sent as one JSON line.
 
+Driver part: `mesh` (VARIANTS=traced); also compose/smoke.sh.
+
 For hosts where no tracing backend can be had (no registry to pull Jaeger from): the
 services export to it exactly as they would to Jaeger's or a collector's OTLP port, and
 `compose/smoke.sh --trace-file FILE` reads what it wrote to find one request's trace

@@ -1,6 +1,8 @@
 """Speculative decoding on one engine: what a verify step costs and what single-stream TPOT
 becomes, with the acceptance rate behind every figure.
 
+Driver part: `spec`.
+
 One in-process engine (built with an n-gram --speculative-config, so it captures verify CUDA
 graphs and its runner verifies drafts) runs every mode in turn; only the proposer changes.
 By default its weights are first rewritten into a copy model (loadtest/copy_model.py): greedy

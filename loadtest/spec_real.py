@@ -1,6 +1,8 @@
 """n-gram speculation on a real model and real text (loadtest/spec_bench.py --real-model):
 acceptance as a model's own answers give it, where the answer quotes the prompt.
 
+Driver part: `spec` (through spec_bench.py --real-model).
+
 Two chat requests: rewrite a 37-line Python function with one variable renamed (the answer is
 mostly the function again), and summarise a short report quoting its key sentences. Each runs
 greedy without drafts and with n-gram drafts on one engine (the synchronous loop for both, so

@@ -1,6 +1,8 @@
 """Structured outputs' cost: a batch where half the requests follow a JSON schema against
 the same batch without any, and the grammar compile time of each schema.
 
+Driver part: `structured`.
+
     python loadtest/structured_bench.py --model /tmp/llama8b --load-format dummy \\
         --requests 256 --max-tokens 256 --out structured.json
 

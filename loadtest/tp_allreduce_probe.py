@@ -2,6 +2,8 @@
 down_proj: NCCL's `all_reduce` against PyTorch symmetric memory's one-shot and two-shot
 all-reduces, each captured 64 times in one CUDA graph (as a decode step replays them).
 
+Driver part: `tp` (step probe).
+
 Then what a step actually does with each sum, up to 64 rows: the sum, the residual add and
 RMSNorm, unfused (a copy into the symmetric buffer, the one-shot all-reduce, the add +
 RMSNorm kernel) against the fused kernel (kernels/triton_rank_sum_norm.py) at 64 call

@@ -1,6 +1,8 @@
 """Where a burst's requests spent their time before the engine, hop by hop, from the spans
 that every service exported (loadtest/otlp_sink.py's JSON lines).
 
+Driver part: `mesh` (VARIANTS=traced).
+
     python loadtest/trace_hops.py SPANS.jsonl [--skip S --count N] [--out hops.json]
 
 Takes N traces with a gateway `POST /v1/completions` span after the first S, in the order
