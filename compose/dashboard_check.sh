@@ -33,7 +33,7 @@ pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; wait || true; }
 trap cleanup EXIT
 
-"$PYTHON" -m meshserve.services.cli up "$MODEL" --served-model-name tiny --port 0 \
+"$PYTHON" -m meshserve.cli.main up "$MODEL" --served-model-name tiny --port 0 \
   --metrics-port "$METRICS_BASE" --run-dir "$WORK/run" "${EXTRA[@]}" >"$WORK/up.out" 2>"$WORK/up.err" &
 pids+=($!)
 for _ in $(seq 1 600); do

@@ -15,21 +15,21 @@ import logging
 
 from aiohttp import web
 
-from meshserve.services.gateway import middleware
-from meshserve.services.gateway.admission import Admission
-from meshserve.services.gateway.clients import MeshClients
+from meshserve.services.gateway.api import middleware
+from meshserve.services.gateway.api.embeddings import EmbeddingHandlers
+from meshserve.services.gateway.api.handlers import Handlers
+from meshserve.services.gateway.api.lora_admin import LoraAdmin
+from meshserve.services.gateway.api.service_handlers import ServiceHandlers
 from meshserve.services.gateway.config import GatewayConfig
-from meshserve.services.gateway.drain import Drain
-from meshserve.services.gateway.embeddings import EmbeddingHandlers
-from meshserve.services.gateway.handlers import Handlers
-from meshserve.services.gateway.lora_admin import LoraAdmin
+from meshserve.services.gateway.flow.admission import Admission
+from meshserve.services.gateway.flow.drain import Drain
+from meshserve.services.gateway.flow.orchestrator import Orchestrator
+from meshserve.services.gateway.links.clients import MeshClients
 from meshserve.services.gateway.merged_metrics import MergedMetrics, parse_targets
 from meshserve.services.gateway.metrics import GatewayMetrics
-from meshserve.services.gateway.orchestrator import Orchestrator
-from meshserve.services.gateway.response_store import ResponseStore
-from meshserve.services.gateway.responses import RESPONSES_URL
-from meshserve.services.gateway.responses_endpoint import ResponsesEndpoint
-from meshserve.services.gateway.service_handlers import ServiceHandlers
+from meshserve.services.gateway.responses.convert import RESPONSES_URL
+from meshserve.services.gateway.responses.endpoint import ResponsesEndpoint
+from meshserve.services.gateway.responses.store import ResponseStore
 from meshserve.shared.openai_embeddings import EMBEDDINGS_URL
 from meshserve.shared.openai_protocol import CHAT_COMPLETIONS_URL, COMPLETIONS_URL
 from meshserve.shared.telemetry import Telemetry

@@ -155,7 +155,7 @@ class GatewayConfig(ServiceConfig):
             return
         import importlib
 
-        known = getattr(importlib.import_module(f"meshserve.services.gateway.{module}"), table)
+        known = getattr(importlib.import_module(f"meshserve.services.gateway.parsers.{module}"), table)
         self.require(value in known, f"must be one of {', '.join(sorted(known))}, got "
                                      f"{value!r}", name)
 

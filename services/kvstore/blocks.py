@@ -43,7 +43,7 @@ class BlockMeta:
 
 
 @dataclass(frozen=True)
-class KVBlock:
+class StoredBlock:
     """The KV of one full block for every layer, packed: `data` is C-contiguous `shape`."""
 
     block_hash: BlockHash

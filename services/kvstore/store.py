@@ -29,10 +29,10 @@ from meshserve.services.kvstore.blocks import (
     Acquired,
     BlockMeta,
     HeldBlock,
-    KVBlock,
     PutOutcome,
     Reserved,
     ReserveOutcome,
+    StoredBlock,
     StoreStats,
 )
 from meshserve.services.kvstore.leases import LeaseTable, PinCounts
@@ -42,8 +42,8 @@ from meshserve.shared.errors import InvalidRequestError, UnavailableError
 from meshserve.shared.kv_dtype import KV_DTYPE_BYTES
 from meshserve.shared.kv_events import BlockRemoved, BlockStored, KVEvent
 
-__all__ = ["KV_DTYPE_BYTES", "Acquired", "BlockMeta", "HeldBlock", "KVBlock", "KVBlockStore",
-           "PutOutcome", "ReserveOutcome", "Reserved", "StoreStats"]
+__all__ = ["KV_DTYPE_BYTES", "Acquired", "BlockMeta", "HeldBlock", "KVBlockStore", "PutOutcome",
+           "ReserveOutcome", "Reserved", "StoreStats", "StoredBlock"]
 
 _Key = tuple[str, BlockHash]
 
@@ -98,7 +98,7 @@ class KVBlockStore:
 
     # -- the byte path -----------------------------------------------------------------
 
-    def put(self, namespace: str, block: KVBlock) -> PutOutcome:
+    def put(self, namespace: str, block: StoredBlock) -> PutOutcome:
         """Store one block (most recent), evicting least recent unpinned ones for room."""
         self._expire()
         key = (_checked(namespace), block.block_hash)
@@ -115,13 +115,13 @@ class KVBlockStore:
         self._hold(namespace, key, entry)
         return PutOutcome.STORED
 
-    def put_many(self, namespace: str, blocks: Sequence[KVBlock]) -> list[PutOutcome]:
+    def put_many(self, namespace: str, blocks: Sequence[StoredBlock]) -> list[PutOutcome]:
         """Store blocks given head first; outcomes in the same order."""
         outcomes = [self.put(namespace, block) for block in reversed(blocks)]
         return outcomes[::-1]
 
     def get_many(self, namespace: str, block_hashes: Sequence[BlockHash],
-                 prefix_only: bool = False) -> list[KVBlock]:
+                 prefix_only: bool = False) -> list[StoredBlock]:
         """Copies of the held blocks among `block_hashes`, in their order (made more recent).
 
         With `prefix_only`, stops at the first block not held. Counts hits and misses.
@@ -132,7 +132,7 @@ class KVBlockStore:
         finally:
             self.release(acquired.lease_id)
 
-    def read(self, lease_id: int, blocks: Sequence[HeldBlock]) -> list[KVBlock]:
+    def read(self, lease_id: int, blocks: Sequence[HeldBlock]) -> list[StoredBlock]:
         """Copies of blocks acquired under `lease_id`; UnavailableError once it expired
         (their slots may hold other blocks by now)."""
         if blocks and self._leases.get(lease_id) is None:
@@ -345,14 +345,14 @@ class KVBlockStore:
         assert self._region is not None and offset is not None
         self._region[offset:offset + len(data)] = data
 
-    def _copy(self, block: HeldBlock) -> KVBlock:
+    def _copy(self, block: HeldBlock) -> StoredBlock:
         meta = block.meta
         if block.offset is None:
             data = block.data
         else:
             assert self._region is not None
             data = bytes(self._region[block.offset:block.offset + meta.nbytes])
-        return KVBlock(meta.block_hash, data, meta.dtype, meta.shape, meta.parent_hash)
+        return StoredBlock(meta.block_hash, data, meta.dtype, meta.shape, meta.parent_hash)
 
     def _log(self, namespace: str, stored: bool, block_hash: BlockHash) -> None:
         self._changes.setdefault(namespace, []).append((stored, block_hash))

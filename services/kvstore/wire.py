@@ -9,10 +9,10 @@ from meshserve.proto.v1 import kvstore_pb2
 from meshserve.services.kvstore.blocks import (
     BlockMeta,
     HeldBlock,
-    KVBlock,
     PutOutcome,
     Reserved,
     ReserveOutcome,
+    StoredBlock,
 )
 from meshserve.shared.errors import InvalidRequestError
 
@@ -42,13 +42,13 @@ def dtype_from_proto(value: int, block_hash: bytes = b"") -> str:
     return dtype
 
 
-def block_from_proto(msg: kvstore_pb2.KVBlock) -> KVBlock:
-    return KVBlock(block_hash=msg.block_hash, data=msg.data,
+def block_from_proto(msg: kvstore_pb2.KVBlock) -> StoredBlock:
+    return StoredBlock(block_hash=msg.block_hash, data=msg.data,
                    dtype=dtype_from_proto(msg.dtype, msg.block_hash), shape=tuple(msg.shape),
                    parent_hash=msg.parent_hash)
 
 
-def block_to_proto(block: KVBlock) -> kvstore_pb2.KVBlock:
+def block_to_proto(block: StoredBlock) -> kvstore_pb2.KVBlock:
     return kvstore_pb2.KVBlock(block_hash=block.block_hash, parent_hash=block.parent_hash,
                                data=block.data, dtype=ENUM_BY_DTYPE[block.dtype],
                                shape=block.shape)

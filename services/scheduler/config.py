@@ -24,7 +24,8 @@ class SchedulerConfig(ServiceConfig):
                                        "worker is full (0: refuse at once)")
     max_queue_wait_s: float = option(120.0, "longest a request waits in the queue when neither "
                                             "it nor its call has a deadline")
-    # Kept equal to policy.POLICY_NAMES (a unit test checks; launcher.py spells them too).
+    # Kept equal to policy.POLICY_NAMES (a unit test checks; compose/local/launcher.py spells
+    # them too).
     routing: Literal["kv-aware", "round-robin", "least-loaded", "random"] = option(
         "kv-aware", "how a worker is picked: kv-aware (prefix blocks held against load), "
         "round-robin, least-loaded or random")

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from fake_openai_server import ERROR_MESSAGES, MODEL, FakeOpenAIServer
 
-from meshserve.services.bench_serve import datasets
-from meshserve.services.bench_serve.config import ServeConfig
-from meshserve.services.bench_serve.runner import run_benchmark
-from meshserve.services.bench_serve.workload import build_workload
-from meshserve.services.cli import main as cli_main
+from meshserve.bench.serve import datasets
+from meshserve.bench.serve.config import ServeConfig
+from meshserve.bench.serve.runner import run_benchmark
+from meshserve.bench.serve.workload import build_workload
+from meshserve.cli.main import main as cli_main
 
 VOCAB_500 = datasets.Vocabulary(500, frozenset())
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

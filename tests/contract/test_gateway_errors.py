@@ -317,7 +317,7 @@ async def test_an_unexpected_error_mid_stream_still_ends_with_an_error_event_and
 
 async def test_a_gateway_bug_after_the_first_byte_is_an_error_event_not_a_second_response(
         mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
-    from meshserve.services.gateway import handlers
+    from meshserve.services.gateway.api import handlers
 
     real = handlers.renderer_for
 

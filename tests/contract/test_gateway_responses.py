@@ -22,7 +22,7 @@ from test_gateway_fakes import (
 )
 
 from meshserve.services.gateway.app import Gateway
-from meshserve.services.gateway.response_store import response_key
+from meshserve.services.gateway.responses.store import response_key
 from meshserve.shared.telemetry import Telemetry
 
 TTL_S = 120.0

@@ -24,7 +24,7 @@ from dnslib import QTYPE, RR, A
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from meshserve.proto.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from meshserve.services.gateway.clients import MeshClients
+from meshserve.services.gateway.links.clients import MeshClients
 from meshserve.services.tokenizer.model import ServedModel
 from meshserve.services.tokenizer.service import SERVICE_NAME, TokenizerServicer
 from meshserve.shared.errors import UnavailableError

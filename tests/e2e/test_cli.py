@@ -21,11 +21,11 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from transformers import AutoModelForCausalLM
 
-from meshserve.services.launcher import LauncherConfig, start_stack
-from meshserve.services.offline_llm import GenerationItem, GenerationResult, OfflineLLM
+from meshserve.local.launcher import LauncherConfig, start_stack
+from meshserve.offline.llm import GenerationItem, GenerationResult, OfflineLLM
 from meshserve.services.tokenizer.loader import load_tokenizer
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -99,7 +99,7 @@ def test_run_batch_lines_naming_a_lora_adapter_run_with_it(tiny_llama_dir: Path,
 
 def reference(folder: Path) -> list[GenerationResult]:
     """The good lines' requests through OfflineLLM directly, in file order."""
-    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
+    engine = build_engine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
                                     num_kv_blocks=128, max_model_len=200))
     tokenizer = load_tokenizer(str(folder))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

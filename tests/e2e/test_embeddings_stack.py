@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tiny_models import build_tiny_model
 from transformers import AutoModel, AutoTokenizer
 
-from meshserve.services.launcher import LauncherConfig, start_stack
+from meshserve.local.launcher import LauncherConfig, start_stack
 
 MODEL = "tiny-embed"
 MAX_LEN = 48

@@ -29,10 +29,10 @@ import pytest
 from tiny_models import build_tiny_model
 from transformers import AutoTokenizer
 
+from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from meshserve.services.gateway.app import Gateway
 from meshserve.services.gateway.config import GatewayConfig
-from meshserve.services.launcher import LauncherConfig, Stack, start_stack
 from meshserve.shared.telemetry import Telemetry
 
 MODEL = "tiny"

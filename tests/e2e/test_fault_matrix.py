@@ -17,7 +17,7 @@ import pytest
 from loadtest_scripts import load_script
 from tiny_models import build_tiny_model
 
-from meshserve.services.launcher import LauncherConfig, Stack, start_stack
+from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 
 MODEL = "tiny"
 STREAMS = 20

@@ -11,9 +11,9 @@ import pytest
 from tiny_models import build_tiny_model
 from transformers import AutoTokenizer
 
-from meshserve.services.launcher import LauncherConfig, start_stack
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.local.launcher import LauncherConfig, start_stack
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.shared.sampling_params import SamplingParams
 
 API_KEY = "fp8-key"
@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_text(model_dir: Path) -> str:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
+    engine = build_engine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
                                     num_kv_blocks=64, quantization="fp8", kv_cache_dtype="fp8"))
     engine.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                    ignore_eos=True))

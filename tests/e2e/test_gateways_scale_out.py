@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshserve.services.launcher import LauncherConfig, Stack, start_stack
+from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 
 MAX_CONNECTIONS = 40  # new connections tried until both gateways served one (2**-39 to fail)
 

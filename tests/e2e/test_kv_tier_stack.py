@@ -21,7 +21,7 @@ import openai
 import pytest
 from tiny_models import build_tiny_model
 
-from meshserve.services.launcher import LauncherConfig, Stack, start_stack
+from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 
 MODEL = "tiny"
 BLOCK = 16

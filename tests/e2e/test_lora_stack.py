@@ -20,8 +20,8 @@ import pytest
 from lora_adapters import build_adapter, greedy, peft_model
 from tiny_models import build_tiny_model
 
+from meshserve.local.launcher import LauncherConfig, start_stack
 from meshserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from meshserve.services.launcher import LauncherConfig, start_stack
 
 MODEL = "tiny"
 MAX_NEW = 6

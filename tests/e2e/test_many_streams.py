@@ -21,11 +21,11 @@ import openai
 import pytest
 from tiny_models import build_tiny_model
 
+from meshserve.local.launcher import LauncherConfig, start_stack
+from meshserve.offline.llm import GenerationItem, OfflineLLM
 from meshserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from meshserve.services.launcher import LauncherConfig, start_stack
-from meshserve.services.offline_llm import GenerationItem, OfflineLLM
 from meshserve.services.tokenizer.loader import load_tokenizer
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.builder import build_engine
 from meshserve.shared.sampling_params import SamplingParams
 
 MODEL = "tiny"
@@ -81,7 +81,7 @@ def requests(model_dir: Path) -> list[list[int]]:
 def reference(config: LauncherConfig, model_dir: Path,
               requests: list[list[int]]) -> list[Output]:
     """Every prompt through the same engine in this process, all at once."""
-    engine = LLMEngine(config.engine_config())
+    engine = build_engine(config)
     llm = OfflineLLM(engine, load_tokenizer(model_dir))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS)
     results = llm.generate([GenerationItem(f"ref-{i}", p, params)

@@ -23,8 +23,8 @@ from otlp_receiver import OTLPReceiver
 from tiny_models import build_tiny_model
 from transformers import AutoTokenizer
 
+from meshserve.local.launcher import LauncherConfig, start_stack
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from meshserve.services.launcher import LauncherConfig, start_stack
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -72,7 +72,7 @@ def batch_reference(model_dir: Path, tmp_path: Path, bodies: list[tuple[str, dic
         for i, (url, body) in enumerate(bodies):
             f.write(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": url,
                                 "body": {"model": str(model_dir), **body}}) + "\n")
-    subprocess.run([sys.executable, "-m", "meshserve.services.cli", "run-batch", "-i", str(src),
+    subprocess.run([sys.executable, "-m", "meshserve.cli.main", "run-batch", "-i", str(src),
                     "-o", str(dst), "--model", str(model_dir), "--dtype", "float32",
                     "--device", "cpu", "--num-kv-blocks", "256"],
                    check=True, capture_output=True, timeout=300)

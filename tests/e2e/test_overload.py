@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from tiny_models import build_tiny_model
 
-from meshserve.services.launcher import LauncherConfig, Stack, start_stack
+from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 
 MODEL = "tiny"
 REQUESTS = 1000

@@ -14,8 +14,8 @@ import torch
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from meshserve.services.launcher import LauncherConfig, start_stack
-from meshserve.services.vllm_options import translate
+from meshserve.cli.vllm_options import translate
+from meshserve.local.launcher import LauncherConfig, start_stack
 
 MODEL = "tiny-spec"
 MAX_NEW = 24

@@ -13,7 +13,7 @@ import openai
 import pytest
 from tiny_models import build_tiny_model
 
-from meshserve.services.launcher import LauncherConfig, start_stack
+from meshserve.local.launcher import LauncherConfig, start_stack
 
 MODEL = "tiny-so"
 SCHEMAS: list[dict[str, Any]] = [

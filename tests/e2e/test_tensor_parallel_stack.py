@@ -22,10 +22,10 @@ import pytest
 from lora_adapters import build_adapter, greedy, peft_model
 from tiny_models import build_tiny_model
 
+from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
-from meshserve.services.launcher import LauncherConfig, Stack, start_stack
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.shared.sampling_params import SamplingParams
 
 MODEL = "tiny-tp"
@@ -61,7 +61,7 @@ def stack(model_dir: Path, adapters: dict[str, Path],
 
 
 def one_rank_tokens(model_dir: Path) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
+    engine = build_engine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
                                     num_kv_blocks=128, structured_outputs_backend="none"))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):

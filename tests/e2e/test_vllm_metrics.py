@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import build_tiny_model
 
-from meshserve.services.launcher import LauncherConfig, start_stack
+from meshserve.local.launcher import LauncherConfig, start_stack
 from meshserve.shared import vllm_metrics as vm
 
 MODEL = "tiny"

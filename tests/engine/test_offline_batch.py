@@ -19,8 +19,8 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from meshserve.services.offline_llm import GenerationItem, OfflineLLM
-from meshserve.services.run_batch import run_batch
+from meshserve.offline.llm import GenerationItem, OfflineLLM
+from meshserve.offline.run_batch import run_batch
 from meshserve.services.tokenizer.loader import Tokenizer
 from meshserve.services.worker.engine.request import RequestOutput
 from meshserve.shared.errors import ContextLengthError, InternalError, InvalidRequestError

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from meshserve.services import bench
-from meshserve.services.cli import main as cli_main
+from meshserve.bench import engine as bench
+from meshserve.cli.main import main as cli_main
 from meshserve.services.worker.models.loader import load_model_config, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshserve.services.bench_serve import datasets, metrics
-from meshserve.services.bench_serve.client import RequestOutput
-from meshserve.services.bench_serve.config import ServeConfig
-from meshserve.services.bench_serve.workload import build_workload, prefix_heavy_set
+from meshserve.bench.serve import datasets, metrics
+from meshserve.bench.serve.client import RequestResult
+from meshserve.bench.serve.config import ServeConfig
+from meshserve.bench.serve.workload import build_workload, prefix_heavy_set
 from meshserve.shared.block_hash import hash_blocks
 from meshserve.shared.errors import ConfigError
 
@@ -165,13 +165,13 @@ def test_text_prompts_keep_each_tenants_prefix_text(tmp_path: Path) -> None:
 
 # ----- prompt-cache figures --------------------------------------------------------------
 def test_cached_tokens_sum_and_fraction_by_hand() -> None:
-    def done(prompt: int, cached: int | None, usage_prompt: int | None = None) -> RequestOutput:
-        return RequestOutput(success=True, status=200, prompt_len=prompt, output_tokens=2,
+    def done(prompt: int, cached: int | None, usage_prompt: int | None = None) -> RequestResult:
+        return RequestResult(success=True, status=200, prompt_len=prompt, output_tokens=2,
                              ttft=0.1, latency=0.2, itl=[0.1], cached_tokens=cached,
                              usage_prompt_tokens=usage_prompt)
 
     outputs = [done(100, 0), done(100, 96), done(50, 32, usage_prompt=60),
-               RequestOutput(success=False, status=500, error="x", cached_tokens=None)]
+               RequestResult(success=False, status=500, error="x", cached_tokens=None)]
     r = metrics.run_result(outputs, 1.0)
     assert r["total_cached_tokens"] == 128
     assert r["cached_token_fraction"] == pytest.approx(128 / 260)  # the server's 60, not 50

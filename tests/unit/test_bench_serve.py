@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshserve.services.bench_serve import datasets, metrics, sharegpt
-from meshserve.services.bench_serve.client import RequestOutput, SseParser, error_message
-from meshserve.services.bench_serve.config import ServeConfig, normalize_argv, parse_goodput
-from meshserve.services.bench_serve.runner import arrival_offsets
-from meshserve.services.bench_serve.workload import build_workload
+from meshserve.bench.serve import datasets, metrics, sharegpt
+from meshserve.bench.serve.client import RequestResult, SseParser, error_message
+from meshserve.bench.serve.config import ServeConfig, normalize_argv, parse_goodput
+from meshserve.bench.serve.runner import arrival_offsets
+from meshserve.bench.serve.workload import build_workload
 from meshserve.shared.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ def test_random_lengths_stay_within_the_range_ratio() -> None:
 
 
 def test_sharegpt_like_prompts_are_those_of_bench_throughput(tiny_llama_dir: Path) -> None:
-    from meshserve.services import bench
+    from meshserve.bench import engine as bench
     from meshserve.services.worker.models.loader import load_model_config, resolve_model
 
     model_config = load_model_config(resolve_model(str(tiny_llama_dir), "dummy"))
@@ -201,8 +201,8 @@ def test_distribution_percentiles_by_hand() -> None:
 
 
 def out(ttft: float, latency: float, tokens: int, prompt: int = 10, ok: bool = True,
-        status: int | None = 200, error: str = "") -> RequestOutput:
-    return RequestOutput(success=ok, status=status, error=error, prompt_len=prompt,
+        status: int | None = 200, error: str = "") -> RequestResult:
+    return RequestResult(success=ok, status=status, error=error, prompt_len=prompt,
                          output_tokens=tokens, ttft=ttft, latency=latency,
                          itl=[(latency - ttft) / max(tokens - 1, 1)] * (tokens - 1))
 
@@ -271,10 +271,10 @@ def test_bad_flags_are_config_errors_naming_the_field(argv: list[str], param: st
 def test_the_package_and_its_flag_parsing_do_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "from meshserve.services.cli import main\n"
-        "from meshserve.services.bench_serve import cli, plot, report, runner\n"
-        "from meshserve.services.bench_serve.config import ServeConfig\n"
-        "from meshserve.services.bench_serve.workload import build_workload\n"
+        "from meshserve.cli.main import main\n"
+        "from meshserve.bench.serve import cli, plot, report, runner\n"
+        "from meshserve.bench.serve.config import ServeConfig\n"
+        "from meshserve.bench.serve.workload import build_workload\n"
         "c = ServeConfig.from_args(['--vocab-size', '100', '--num-prompts', '3'], strict_env=False)\n"
         "build_workload(c)\n"
         "assert main(['bench', 'serve', '--num-prompts', '0']) == 2\n"

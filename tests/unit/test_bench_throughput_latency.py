@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from meshserve.services import bench
-from meshserve.services.bench_serve.config import ServeConfig
-from meshserve.services.bench_serve.workload import build_workload
-from meshserve.services.cli import main as cli_main
+from meshserve.bench import engine as bench
+from meshserve.bench.serve.config import ServeConfig
+from meshserve.bench.serve.workload import build_workload
+from meshserve.cli.main import main as cli_main
 from meshserve.services.worker.engine.engine import LLMEngine
 
 LATENCY_FIELDS = {f"{stat}_{metric}_ms" for stat in ("mean", "median", "p90", "p99")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from meshserve.services.gateway.chat_output import (
+from meshserve.services.gateway.parsers.chat_output import (
     ChatOutputSettings,
     ChoiceOutput,
     merge_pieces,

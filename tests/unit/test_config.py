@@ -154,7 +154,7 @@ def test_mutable_defaults_are_refused() -> None:
 
 
 def test_a_flag_is_never_read_from_its_abbreviation() -> None:
-    from meshserve.services.launcher import LauncherConfig
+    from meshserve.local.launcher import LauncherConfig
 
     # `--tokenizer` is not `--tokenizers` (argparse would expand the prefix by default).
     with pytest.raises(ConfigError) as refused:
@@ -166,8 +166,8 @@ def test_a_flag_is_never_read_from_its_abbreviation() -> None:
 
 
 def test_the_model_may_come_first_as_vllm_serve_takes_it() -> None:
-    from meshserve.services.launcher import LauncherConfig
-    from meshserve.services.up import positional_model
+    from meshserve.cli.up import positional_model
+    from meshserve.local.launcher import LauncherConfig
 
     argv = positional_model(["org/model", "--port", "0"])
     assert argv == ["--model", "org/model", "--port", "0"]

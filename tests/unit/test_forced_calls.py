@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from meshserve.services.gateway.chat_output import ChatOutputSettings, ChoiceOutput
-from meshserve.services.gateway.forced_calls import NamedCall, RequiredCalls
+from meshserve.services.gateway.parsers.chat_output import ChatOutputSettings, ChoiceOutput
+from meshserve.services.gateway.parsers.forced_calls import NamedCall, RequiredCalls
 from meshserve.shared.tool_choice import ToolChoice
 
 ARRAYS = [

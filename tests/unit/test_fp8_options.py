@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.services.launcher import LauncherConfig
-from meshserve.services.up import positional_model
-from meshserve.services.vllm_options import translate
+from meshserve.cli.up import positional_model
+from meshserve.cli.vllm_options import translate
+from meshserve.local.launcher import LauncherConfig
 from meshserve.shared.errors import ConfigError, ModelLoadError
 from meshserve.shared.kv_dtype import block_nbytes, kv_cache_dtype_name
 from meshserve.shared.quantization import QuantConfig, quantization_of
@@ -19,12 +19,11 @@ def config_of(*argv: str) -> LauncherConfig:
 
 
 def test_vllm_spellings_of_fp8_reach_the_engine_config() -> None:
-    config = config_of("m", "-q", "fp8", "--kv-cache-dtype=fp8_e5m2").engine_config()
+    config = config_of("m", "-q", "fp8", "--kv-cache-dtype=fp8_e5m2")
     assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8_e5m2")
-    assert config_of("m", "--quantization=fp8", "--kv-cache-dtype", "fp8").engine_config(
-        ).kv_cache_dtype == "fp8"
-    assert config_of("m").engine_config().quantization is None
-    assert config_of("m", "--kv-cache-dtype", "auto").engine_config().kv_cache_dtype == "auto"
+    assert config_of("m", "--quantization=fp8", "--kv-cache-dtype", "fp8").kv_cache_dtype == "fp8"
+    assert config_of("m").quantization is None
+    assert config_of("m", "--kv-cache-dtype", "auto").kv_cache_dtype == "auto"
 
 
 @pytest.mark.parametrize(("argv", "supported"), [

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.services.gateway.admission import Admission
 from meshserve.services.gateway.config import GatewayConfig
-from meshserve.services.gateway.job import GenerationJob, PreparedPrompt, resolve_max_tokens
+from meshserve.services.gateway.flow.admission import Admission
+from meshserve.services.gateway.flow.job import GenerationJob, PreparedPrompt, resolve_max_tokens
 from meshserve.shared.errors import ConfigError, ContextLengthError, OverloadedError
 from meshserve.shared.openai_protocol import RequestOptions
 from meshserve.shared.sampling_params import SamplingParams

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from meshserve.local.launcher import LauncherConfig, Stack
+from meshserve.local.probes import port_taken
 from meshserve.services.gateway.config import GatewayConfig
-from meshserve.services.launcher import LauncherConfig, Stack
-from meshserve.services.launcher_probes import port_taken
 from meshserve.shared.errors import ConfigError, UnavailableError
 
 

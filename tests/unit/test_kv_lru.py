@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from meshserve.services.kvstore.store import KVBlock, KVBlockStore, PutOutcome
+from meshserve.services.kvstore.store import KVBlockStore, PutOutcome, StoredBlock
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.kv_events import BlockRemoved, BlockStored
 
@@ -17,9 +17,9 @@ def h(name: str) -> bytes:
     return hashlib.sha256(name.encode()).digest()
 
 
-def block(name: str, elements: int = 12) -> KVBlock:
+def block(name: str, elements: int = 12) -> StoredBlock:
     """A float16 block of `elements` values (2 bytes each)."""
-    return KVBlock(block_hash=h(name), data=bytes(2 * elements), dtype="float16",
+    return StoredBlock(block_hash=h(name), data=bytes(2 * elements), dtype="float16",
                    shape=(elements,))
 
 
@@ -110,13 +110,13 @@ def test_changes_are_logged_as_events_in_order() -> None:
 
 def test_blocks_are_validated() -> None:
     with pytest.raises(InvalidRequestError) as err:
-        KVBlock(block_hash=h("a"), data=bytes(10), dtype="float16", shape=(2, 3))
+        StoredBlock(block_hash=h("a"), data=bytes(10), dtype="float16", shape=(2, 3))
     assert err.value.param == "shape"
     with pytest.raises(InvalidRequestError) as err:
-        KVBlock(block_hash=h("a"), data=bytes(4), dtype="int4", shape=(4,))
+        StoredBlock(block_hash=h("a"), data=bytes(4), dtype="int4", shape=(4,))
     assert err.value.param == "dtype"
     with pytest.raises(InvalidRequestError) as err:
-        KVBlock(block_hash=b"short", data=bytes(4), dtype="float32", shape=(1,))
+        StoredBlock(block_hash=b"short", data=bytes(4), dtype="float32", shape=(1,))
     assert err.value.param == "block_hash"
     with pytest.raises(InvalidRequestError):
         KVBlockStore(capacity_bytes=0)

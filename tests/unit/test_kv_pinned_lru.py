@@ -9,10 +9,10 @@ import pytest
 
 from meshserve.services.kvstore.store import (
     BlockMeta,
-    KVBlock,
     KVBlockStore,
     PutOutcome,
     ReserveOutcome,
+    StoredBlock,
 )
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.kv_events import BlockRemoved, BlockStored
@@ -39,9 +39,9 @@ def meta(name: str, elements: int = 32) -> BlockMeta:
     return BlockMeta(h(name), "float16", (elements,))
 
 
-def block(name: str, elements: int = 32) -> KVBlock:
+def block(name: str, elements: int = 32) -> StoredBlock:
     data = hashlib.shake_256(name.encode()).digest(2 * elements)
-    return KVBlock(block_hash=h(name), data=data, dtype="float16", shape=(elements,))
+    return StoredBlock(block_hash=h(name), data=data, dtype="float16", shape=(elements,))
 
 
 def make_store(slots: int = 4, clock: FakeClock | None = None

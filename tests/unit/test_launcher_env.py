@@ -1,6 +1,6 @@
 """What environment `meshserve up` gives each child service."""
 
-from meshserve.services.launcher import child_env
+from meshserve.local.launcher import child_env
 
 
 def test_services_get_sleeping_openmp_threads_unless_told_otherwise() -> None:

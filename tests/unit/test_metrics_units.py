@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from meshserve.local.launcher import LauncherConfig, Stack, child_env
 from meshserve.services.gateway.merged_metrics import merge, parse_targets
-from meshserve.services.launcher import LauncherConfig, Stack, child_env
 from meshserve.services.worker.engine.request import RequestOutput
 from meshserve.services.worker.request_stream import SequenceTimes
 from meshserve.services.worker.vllm_metrics import (

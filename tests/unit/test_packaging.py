@@ -50,10 +50,11 @@ def test_every_package_folder_is_installed() -> None:
     text = (ROOT / "pyproject.toml").read_text()
     listed = set(re.findall(r'^\s+"(meshserve(?:\.\w+)*)",$', text, flags=re.MULTILINE))
     roots = {"services": "meshserve.services", "kernels": "meshserve.kernels",
-             "shared": "meshserve.shared", "proto": "meshserve.proto"}
+             "shared": "meshserve.shared", "proto": "meshserve.proto",
+             "compose/cli": "meshserve.cli", "compose/local": "meshserve.local",
+             "compose/offline": "meshserve.offline", "loadtest/bench": "meshserve.bench"}
     folders = {
-        ".".join([roots[init.relative_to(ROOT).parts[0]],
-                  *init.relative_to(ROOT).parts[1:-1]])
+        ".".join([roots[root], *init.relative_to(ROOT / root).parts[:-1]])
         for root in roots for init in (ROOT / root).rglob("__init__.py")}
     assert folders, "no package folder found"
     assert folders - listed == set()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from meshserve.services.gateway.reasoning_parsers import (
+from meshserve.services.gateway.parsers.reasoning_parsers import (
     REASONING_PARSERS,
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from openai.types.responses import response_create_params
 
-from meshserve.services.gateway.responses import (
+from meshserve.services.gateway.responses.convert import (
     UNSUPPORTED_RESPONSE_FIELDS,
     chat_body,
     input_messages,

@@ -11,8 +11,8 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 
-from meshserve.services.gateway.response_events import ResponseEvents
-from meshserve.services.gateway.response_objects import (
+from meshserve.services.gateway.responses.events import ResponseEvents
+from meshserve.services.gateway.responses.objects import (
     assistant_message,
     input_items,
     pending_response,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshserve.services.launcher import LauncherConfig, Stack
+from meshserve.local.launcher import LauncherConfig, Stack
 from meshserve.services.scheduler.config import SchedulerConfig
 from meshserve.services.scheduler.policy import (
     POLICY_NAMES,

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from meshserve.services.launcher import LauncherConfig
-from meshserve.services.up import positional_model
-from meshserve.services.vllm_options import translate
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.cli.up import positional_model
+from meshserve.cli.vllm_options import translate
+from meshserve.local.launcher import LauncherConfig
+from meshserve.services.worker.config import EngineConfig
 from meshserve.shared.errors import ConfigError, InvalidRequestError
 from meshserve.shared.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -75,13 +75,13 @@ def test_vllm_serve_spelling_reaches_the_engine_config(tmp_path: Path) -> None:
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     config = LauncherConfig.from_args(
         translate(positional_model(["m", "--speculative-config", spec])), environ={})
-    assert config.engine_config().speculative == SpeculativeConfig("ngram", 3)
+    assert config.speculative == SpeculativeConfig("ngram", 3)
     # As a --config YAML mapping, the way vLLM's files write it.
     yaml_file = tmp_path / "serve.yaml"
     yaml_file.write_text("speculative-config:\n  method: ngram\n  num_speculative_tokens: 2\n")
     from_file = LauncherConfig.from_args(translate(positional_model(["m", "--config", str(yaml_file)])),
                                          environ={})
-    assert from_file.engine_config().speculative == SpeculativeConfig("ngram", 2)
+    assert from_file.speculative == SpeculativeConfig("ngram", 2)
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         LauncherConfig.from_args(positional_model(["m", "--speculative-config",
                                                   '{"method": "ngram"}']),

@@ -7,7 +7,7 @@ import threading
 
 from prometheus_client import generate_latest
 
-from meshserve.services.supervisor import RestartPolicy, Supervisor
+from meshserve.local.supervisor import RestartPolicy, Supervisor
 
 
 @dataclasses.dataclass

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from meshserve.services.bench import ThroughputConfig
-from meshserve.services.cli import main as cli_main
+from meshserve.bench.engine import ThroughputConfig
+from meshserve.cli.main import main as cli_main
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.shared.errors import ConfigError
 

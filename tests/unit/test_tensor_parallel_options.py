@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshserve.services.launcher import LauncherConfig, _worker_devices
+from meshserve.local.launcher import LauncherConfig, _worker_devices
 from meshserve.services.worker.config import WorkerConfig, short_flags
 from meshserve.shared.errors import ConfigError
 
@@ -17,7 +17,7 @@ def test_the_worker_takes_tp_in_vllms_short_spelling() -> None:
         "--port", "9"]
     config = WorkerConfig.from_args(short_flags(["-tp", "2"]), environ={})
     assert config.tensor_parallel_size == 2
-    assert config.engine_config().tensor_parallel_size == 2
+    assert config.tensor_parallel_size == 2
     with pytest.raises(ConfigError, match="tensor-parallel-size"):
         WorkerConfig.from_args(["--tensor-parallel-size", "0"], environ={})
 
@@ -71,15 +71,15 @@ def test_cpu_ranks_and_a_disabled_custom_all_reduce_sum_through_torch_distribute
 
 
 def test_disable_custom_all_reduce_reaches_the_engine_config() -> None:
-    from meshserve.services.worker.config import EngineOptions
+    from meshserve.services.worker.config import EngineConfig
 
-    options = EngineOptions.from_args(["--disable-custom-all-reduce"])
-    assert options.engine_config().disable_custom_all_reduce is True
-    assert EngineOptions.from_args([]).engine_config().disable_custom_all_reduce is False
+    options = EngineConfig.from_args(["--disable-custom-all-reduce"])
+    assert options.disable_custom_all_reduce is True
+    assert EngineConfig.from_args([]).disable_custom_all_reduce is False
 
 
 def test_lora_with_tensor_parallelism_is_accepted() -> None:
-    from meshserve.services.worker.engine.config import EngineConfig
+    from meshserve.services.worker.config import EngineConfig
 
     # Each rank holds its part of every adapter (tests/engine/test_tensor_parallel_lora.py).
     config = EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2, max_loras=2)
@@ -87,7 +87,7 @@ def test_lora_with_tensor_parallelism_is_accepted() -> None:
 
 
 def test_a_draft_model_that_is_the_target_at_tp_or_with_lora_is_refused_by_name() -> None:
-    from meshserve.services.worker.engine.config import EngineConfig
+    from meshserve.services.worker.config import EngineConfig
     from meshserve.shared.errors import InvalidRequestError
 
     draft = '{"model": "d", "num_speculative_tokens": 3}'

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from meshserve.services.gateway.tool_parsers import (
+from meshserve.services.gateway.parsers.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,

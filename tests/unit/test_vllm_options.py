@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from meshserve.services.launcher import LauncherConfig
-from meshserve.services.up import positional_model
-from meshserve.services.vllm_options import translate
+from meshserve.cli.up import positional_model
+from meshserve.cli.vllm_options import translate
+from meshserve.local.launcher import LauncherConfig
 from meshserve.shared.config import human_int
 from meshserve.shared.errors import ConfigError
 from meshserve.shared.lora_config import LoraModule, parse_lora_modules

@@ -1,0 +1,1 @@
+"""The `meshserve` command: its subcommands, `up` / `serve`, and vLLM flag translation."""

@@ -1,0 +1,1 @@
+"""The local stack of `meshserve up`: one process per service on this machine, supervised."""

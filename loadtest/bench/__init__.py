@@ -1,0 +1,1 @@
+"""Benchmarks: `meshserve bench latency|throughput` (engine.py) and `bench serve` (serve/)."""

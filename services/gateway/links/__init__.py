@@ -1,0 +1,1 @@
+"""Links to the other services: channels, stubs and the data-plane streams."""

@@ -1,0 +1,1 @@
+"""Output parsers: model text -> reasoning, content and tool calls."""
