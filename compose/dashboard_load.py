@@ -13,6 +13,7 @@ import threading
 import time
 
 import openai
+from openai.types import CompletionUsage
 
 _PREFIX = " ".join(f"shared{i}" for i in range(48))  # several full KV blocks
 
@@ -20,21 +21,23 @@ _PREFIX = " ".join(f"shared{i}" for i in range(48))  # several full KV blocks
 def _one(client: openai.OpenAI, model: str, i: int) -> int:
     """One request of the mix; the tokens it produced."""
     kind = i % 4
+    usage: CompletionUsage | None
     if kind == 0:
-        answer = client.completions.create(model=model, prompt=f"{_PREFIX} question {i}",
-                                           max_tokens=8, temperature=0.0)
+        usage = client.completions.create(model=model, prompt=f"{_PREFIX} question {i}",
+                                          max_tokens=8, temperature=0.0).usage
     elif kind == 1:
-        answer = client.completions.create(model=model, prompt=f"number {i}", max_tokens=6,
-                                           n=2, temperature=0.7)
+        usage = client.completions.create(model=model, prompt=f"number {i}", max_tokens=6,
+                                          n=2, temperature=0.7).usage
     elif kind == 2:
         stream = client.completions.create(model=model, prompt=f"stream {i}", max_tokens=12,
                                            stream=True, stream_options={"include_usage": True})
-        usage = [c.usage for c in stream if c.usage is not None]
-        return usage[-1].completion_tokens if usage else 0
+        usages = [c.usage for c in stream if c.usage is not None]
+        usage = usages[-1] if usages else None
     else:
-        answer = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=10)
-    return answer.usage.completion_tokens if answer.usage else 0
+        usage = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"hello {i}"}],
+            max_tokens=10).usage
+    return usage.completion_tokens if usage else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,11 +76,11 @@ def _agrees(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: 
     except Exception as error:  # noqa: BLE001 - Triton raises several kinds of errors
         log.warning("fp8 launch shape %s failed: %s", config, error)
         return False
-    error = ((got - reference).norm() / reference.norm().clamp(min=1e-30)).item()
-    if not error <= 1e-2:  # also false for NaN
+    difference = ((got - reference).norm() / reference.norm().clamp(min=1e-30)).item()
+    if not difference <= 1e-2:  # also false for NaN
         log.warning("fp8 launch shape %s left aside: relative difference %.3g (N=%d K=%d, "
                     "%d rows, max |x| %.3g, |y| %.3g against the fallback's %.3g)", config,
-                    error, weight.shape[0], weight.shape[1], x.shape[0],
+                    difference, weight.shape[0], weight.shape[1], x.shape[0],
                     x.abs().max().item(), got.norm().item(), reference.norm().item())
         return False
     return True

@@ -48,7 +48,8 @@ def sampling_defaults(model_folder: Path | None, mode: str = "auto",
         if not isinstance(extra, dict):
             raise ModelLoadError("--override-generation-config must be a JSON object",
                                  param="override_generation_config")
-        values.update({_FIELDS.get(k, k): v for k, v in extra.items()})
+        fields: dict[str, Any] = extra  # a JSON object's keys are strings
+        values.update({_FIELDS.get(key, key): value for key, value in fields.items()})
     return values
 
 
