@@ -19,6 +19,17 @@ if _TESTS_DIR not in sys.path:  # helper modules such as tiny_models import by p
 pytest_plugins = ["conftest_redis"]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test carries its layer's marker, named after its folder (tests/unit -> unit, ...),
+    so that `pytest -m unit` or `-m "not e2e and not gpu"` runs layers apart."""
+    from layer_markers import folder_marker
+
+    for item in items:
+        marker = folder_marker(item.path)
+        if marker is not None:
+            item.add_marker(marker)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama folder (weights, configs, tokenizer), built once per session."""
