@@ -14,12 +14,11 @@ measures (it would launch outside the graph) and takes the fallback table `fp8_c
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
-from meshserve.kernels.triton_attention import WIDEN_ENV
+from meshserve.kernels import knobs
 from meshserve.kernels.triton_fp8_linear import (
     CANDIDATES,
     Fp8Config,
@@ -37,8 +36,8 @@ measured: dict[tuple[int, int, bool], dict[Fp8Config, float]] = {}
 
 def candidates(rows: int) -> list[Fp8Config]:
     """The launch shapes that can run `rows` rows (the FMA tiles take one); those that
-    widen FP8 by integer instructions only with MESHSERVE_FP8_WIDEN=bits."""
-    cvt_only = os.environ.get(WIDEN_ENV, "cvt") != "bits"
+    widen FP8 by integer instructions only with `--fp8-widen bits`."""
+    cvt_only = knobs.current().fp8_widen != "bits"
     return [c for c in CANDIDATES
             if (c.mode != "fma" or rows == 1) and not (cvt_only and c.widen == "bits")]
 

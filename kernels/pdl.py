@@ -13,8 +13,8 @@ Each kernel here takes a `PDL` constexpr and calls `pdl_prologue(PDL)` before it
 anything an earlier kernel may have written (the skinny products read their first weight
 chunk before it: no step writes weights); launch sites splat `launch_options(device)` into
 the launch. PDL values:
-  0  off (CPUs, the interpreter, GPUs before sm_90, a Triton without GDC, MESHSERVE_PDL=0)
-  1  wait for the kernel before (MESHSERVE_PDL=1)
+  0  off (CPUs, the interpreter, GPUs before sm_90, a Triton without GDC, --pdl 0)
+  1  wait for the kernel before (--pdl 1)
   2  wait, then let the next kernel be dispatched at once (`griddepcontrol.launch_dependents`),
      so it is already resident when this one ends (the default where PDL works). The next
      kernel is dispatched only once every program of this one runs, so its waiting programs
@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from meshserve.kernels import knobs
+
 try:  # Triton 3.4 and later
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -51,7 +53,6 @@ except ImportError:  # pragma: no cover - an older Triton: PDL stays off
         pass
 
 
-ENV = "MESHSERVE_PDL"
 MODES = (0, 1, 2)
 
 
@@ -66,11 +67,8 @@ def pdl_prologue(PDL: tl.constexpr):
 
 
 def requested_mode() -> int:
-    """MESHSERVE_PDL's mode (default 2); an unknown value is an error, not a silent off."""
-    raw = os.environ.get(ENV, "2").strip()
-    if raw not in {str(m) for m in MODES}:
-        raise ValueError(f"{ENV} must be one of {', '.join(map(str, MODES))}, got {raw!r}")
-    return int(raw)
+    """The mode the process's kernel knobs ask for (the worker's --pdl; default 2)."""
+    return knobs.current().pdl
 
 
 @functools.cache
@@ -84,19 +82,20 @@ def _launcher_takes_pdl() -> bool:
 
 
 @functools.cache
-def _mode_for(device_index: int) -> int:
+def _mode_for(device_index: int, requested: int) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1" or not _HAVE_GDC or not _launcher_takes_pdl():
         return 0
     if torch.cuda.get_device_capability(device_index) < (9, 0):
         return 0
-    return requested_mode()
+    return requested
 
 
 def mode(device: torch.device) -> int:
     """The PDL mode of kernels launched on `device` (0 on anything but a Hopper-class GPU)."""
     if device.type != "cuda":
         return 0
-    return _mode_for(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _mode_for(index, requested_mode())
 
 
 def launch_options(device: torch.device) -> dict[str, object]:

@@ -24,7 +24,7 @@ conversions through float32. bf16 queries are scaled by 2^-8 on the way (folded 
 softmax scale) so that they stay finite; the probabilities are rounded to float16 instead of
 bfloat16 (finer), and every sum is float32. The values are widened in registers before their
 transposed product (see the loop). An e4m3 cache widens with Hopper's conversion instruction
-(`cvt.rn.f16x2.e4m3x2`, one per two elements) or, with MESHSERVE_FP8_WIDEN=bits, integer
+(`cvt.rn.f16x2.e4m3x2`, one per two elements) or, with `--fp8-widen bits` (kernels/knobs.py), integer
 instructions (`meshserve.kernels.fp8_widen`: the values times 2^-8, the 2^8 folded into the
 softmax scale for keys and multiplied back in float16 for values, both exact), the same
 results bit for bit; e5m2 is the high byte of a float16 and widens by a byte move. On an H100
@@ -41,7 +41,6 @@ can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from meshserve.kernels import fp8_widen, pdl
+from meshserve.kernels import fp8_widen, knobs, pdl
 from meshserve.kernels.attention import FP8_KV_DTYPES, AttentionMetadata
 from meshserve.kernels.fp8_widen import e4m3_to_f16_scaled
 from meshserve.kernels.pdl import pdl_prologue
@@ -97,10 +96,6 @@ FLOAT32_TILES = AttentionTiles(block_m=16, tile_n=16, num_warps=4, num_stages=2)
 # exact in float32, and finite in float16 for any |q| < 65504 * 2^8.
 F16_Q_SHIFT = 8
 # How an e4m3 cache widens to float16 (module docstring): "bits" or "cvt".
-WIDEN_ENV = "MESHSERVE_FP8_WIDEN"
-E4M3_WIDEN = os.environ.get(WIDEN_ENV, "cvt")
-if E4M3_WIDEN not in ("bits", "cvt"):
-    raise ValueError(f"{WIDEN_ENV} must be bits or cvt, got {E4M3_WIDEN!r}")
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype, decode_only: bool) -> AttentionTiles:
@@ -238,7 +233,7 @@ def paged_attention(
     q_shift = F16_Q_SHIFT if f16_dots and query.dtype == torch.bfloat16 else 0
     # e4m3 widened by bits reads as the value times 2^-8: keys' 2^8 joins the softmax
     # scale, values' is a float16 multiplication (v_scale) in the loop.
-    bits = f16_dots and k_cache.dtype == torch.float8_e4m3fn and E4M3_WIDEN == "bits"
+    bits = f16_dots and k_cache.dtype == torch.float8_e4m3fn and knobs.current().fp8_widen == "bits"
     k_shift = fp8_widen.SHIFT if bits else 0
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,

@@ -18,7 +18,7 @@ conversion instruction, and with `widen="bits"`, integer instructions that give 
 times 2^-8 exactly (`meshserve.kernels.fp8_widen`; the 2^8 joins the row's scale), for when
 the conversions' narrow pipe, not memory, would bound the kernel. On an H100 the integer
 widening was 4-8% slower on every Llama-3.1-8B shape (loadtest/reports/fp8/README.md), so the
-tuner measures it only with MESHSERVE_FP8_WIDEN=bits.
+tuner measures it only with `--fp8-widen bits`.
 
 One program owns BLOCK_N output rows of w over 1/SPLIT_K of K and streams them in BLOCK_K
 chunks (BLOCK_K FP8 bytes per row, loaded 16 bytes per thread). A weight with few rows (q/k/v
@@ -111,7 +111,7 @@ _SHAPES = (
     Fp8Config(block_n=128, block_k=128, num_warps=8, num_stages=4, mode="f16t", split_k=4),
 )
 # Each shape with both widenings (Hopper's FP8 conversion and the integer one), but "bf16";
-# `fp8_tuning` offers the integer one only when MESHSERVE_FP8_WIDEN=bits asks for it.
+# `fp8_tuning` offers the integer one only when `--fp8-widen bits` asks for it.
 CANDIDATES = tuple(c for shape in _SHAPES for c in (
     (shape,) if shape.mode == "bf16" else (shape, replace(shape, widen="bits"))))
 """Launch shapes `meshserve.kernels.fp8_tuning` measures (the FMA ones for one row only)."""

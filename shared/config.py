@@ -197,7 +197,9 @@ class Config:
                 parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                     default=argparse.SUPPRESS, help=help_text)
                 continue
-            choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+            # Flags arrive as strings: a Literal of ints (0, 1, 2) is offered as "0", "1", "2".
+            choices = ([str(c) for c in typing.get_args(tp)]
+                       if typing.get_origin(tp) is Literal else None)
             parser.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=help_text,
                                 metavar=f.name.upper(), choices=choices)
 

@@ -18,9 +18,10 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.kv_publisher import KVEventPublisher
 from meshserve.services.worker.service import WorkerServicer
@@ -62,7 +63,7 @@ def engine_config(folder: Path) -> EngineConfig:
 
 @pytest.fixture
 async def worker(tiny_llama_dir: Path, redis_url: str) -> AsyncIterator[Harness]:
-    engine = LLMEngine(engine_config(tiny_llama_dir))
+    engine = build_engine(engine_config(tiny_llama_dir))
     redis = connect(redis_url)  # a clean database (the redis_url fixture empties it)
     index = KVIndex(redis, NAMESPACE)
     publisher = KVEventPublisher(index, WORKER_ID)
@@ -97,22 +98,22 @@ async def worker(tiny_llama_dir: Path, redis_url: str) -> AsyncIterator[Harness]
 
 
 def reference(folder: Path, prompt: list[int], params: SamplingParams,
-              warm: list[int] | None = None) -> dict[int, list[RequestOutput]]:
+              warm: list[int] | None = None) -> dict[int, list[SequenceOutput]]:
     """Run one request alone through an in-process engine (after `warm`, if given)."""
-    engine = LLMEngine(engine_config(folder))
+    engine = build_engine(engine_config(folder))
     if warm is not None:
         engine.add_request("warm", warm, SamplingParams(temperature=0.0, max_tokens=1))
         while engine.has_unfinished_requests():
             engine.step()
     engine.add_request("ref", prompt, params)
-    outputs: dict[int, list[RequestOutput]] = {}
+    outputs: dict[int, list[SequenceOutput]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs.setdefault(out.index, []).append(out)
     return outputs
 
 
-def ref_tokens(outputs: list[RequestOutput]) -> list[int]:
+def ref_tokens(outputs: list[SequenceOutput]) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]
 
 

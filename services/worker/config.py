@@ -1,28 +1,39 @@
-"""The worker's configuration: the engine's options plus how the worker joins the mesh.
+"""The worker's configuration: the engine's config plus how the worker joins the mesh.
 
-`EngineOptions` holds one field per `EngineConfig` field (with help text, as flags
-`--max-num-seqs` and variables `MESHSERVE_MAX_NUM_SEQS`) and builds the
-EngineConfig from them by EngineConfig's own field names, so a field added to the
-engine without a flag here fails at import, not silently. `run-batch` and
-`meshserve up` reuse these options; `WorkerConfig` adds the service's settings.
+`EngineConfig` is the one configuration of a model replica: every field is a flag
+(`--max-num-seqs`) and an environment variable (`MESHSERVE_MAX_NUM_SEQS`), each default
+is written here once, and every check raises ConfigError naming the field. The engine,
+`run-batch`, `meshserve bench` and `meshserve up` (which hands the changed fields on to
+its workers as flags) all take it; `WorkerConfig` adds the service's settings. The kernel
+knobs (`pdl`, `fp8_widen`, `tp_fused_norm`) are engine fields too, so that every worker
+process, tensor-parallel followers included, gets them from its own config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from collections.abc import Sequence
 from typing import Literal
 
-from meshserve.services.worker.engine.config import EngineConfig, GiB
+from meshserve.kernels.knobs import KernelKnobs
 from meshserve.services.worker.runner_config import RunnerOptions
 from meshserve.shared.config import Config, ServiceConfig, option
 from meshserve.shared.errors import ConfigError, InvalidRequestError
+from meshserve.shared.lora_config import parse_lora_modules
+from meshserve.shared.speculative_config import SpeculativeConfig, parse_speculative_config
+
+GiB = 1 << 30
+# Most prompt tokens one request prefills in a step shared with decodes, when unset.
+CPU_PREFILL_CHUNK_CAP = 256
+GPU_PREFILL_CHUNK_CAP = 2048
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineOptions(Config):
-    """How the model replica runs (every EngineConfig field, as flags and environment)."""
+class EngineConfig(Config):
+    """How one model replica runs. `None` fields are derived from the model or the device."""
 
     model: str | None = option(None, "model folder, .gguf file or hub id (unset: the default "
                                      "model, SmolLM2-135M-Instruct)")
@@ -105,28 +116,140 @@ class EngineOptions(Config):
               "adds its id to the name) when the engine stops")
     num_threads: int | None = option(None, "CPU threads for torch (unset: torch's default); "
                                            "`meshserve up` gives each worker a share of the cores")
+    pdl: Literal[0, 1, 2] = option(
+        2, "kernels: programmatic dependent launch on Hopper-class GPUs (0 off, 1 each kernel "
+           "waits for the one before, 2 also lets the next one be dispatched early); "
+           "elsewhere always off")
+    fp8_widen: Literal["cvt", "bits"] = option(
+        "cvt", "kernels: how FP8 e4m3 values widen to float16, by the conversion instruction "
+               "(cvt) or by integer instructions (bits, also offered to the FP8 GEMM tuner)")
+    tp_fused_norm: bool = option(
+        True, "kernels: at tensor parallelism, sum over ranks, add the residual and RMS-norm "
+              "in one kernel (off: the sum, then the norm)")
 
     def validate(self) -> None:
         super().validate()
-        self.require(self.num_threads is None or self.num_threads > 0,
-                     f"must be positive, got {self.num_threads}", "num_threads")
-        try:
-            self.engine_config()
-        except InvalidRequestError as exc:  # EngineConfig's own checks, as a config error
-            raise ConfigError(f"{type(self).__name__}.{exc.param}: {exc.message}",
-                              param=exc.param) from None
+        require = self.require
+        require(self.block_size in (8, 16, 32, 64, 128),
+                f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}",
+                "block_size")
+        require(self.kv_cache_memory > 0, "--kv-cache-memory must be positive", "kv_cache_memory")
+        require(0.0 < self.gpu_memory_utilization <= 1.0,
+                "--gpu-memory-utilization must be in (0, 1]", "gpu_memory_utilization")
+        for name in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "num_threads"):
+            value = getattr(self, name)
+            require(value is None or value > 0,
+                    f"--{name.replace('_', '-')} must be positive, got {value}", name)
+        require(self.long_prefill_token_threshold is None
+                or self.long_prefill_token_threshold >= 0,
+                "--long-prefill-token-threshold must be >= 0", "long_prefill_token_threshold")
+        require(self.max_model_len is None or self.max_model_len > 1,
+                "--max-model-len must be at least 2", "max_model_len")
+        require(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be at least 1",
+                "tensor_parallel_size")
+        self._validate_lora()
+        self._validate_speculation()
 
-    def engine_config(self) -> EngineConfig:
-        """The EngineConfig these options describe."""
-        return EngineConfig(**{name: getattr(self, name) for name in _ENGINE_FIELDS})
+    def _validate_lora(self) -> None:
+        require = self.require
+        require(self.max_loras > 0, "--max-loras must be positive", "max_loras")
+        require(self.max_lora_rank in _LORA_RANKS,
+                f"--max-lora-rank must be one of {', '.join(map(str, _LORA_RANKS))}, got "
+                f"{self.max_lora_rank}", "max_lora_rank")
+        require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                "--max-cpu-loras must be at least --max-loras", "max_cpu_loras")
+        require(self.enable_lora or not self.lora_modules,
+                "--lora-modules needs --enable-lora", "lora_modules")
+        try:
+            parse_lora_modules(self.lora_modules)
+        except InvalidRequestError as exc:
+            raise ConfigError(f"{type(self).__name__}.lora_modules: {exc.message}",
+                              param="lora_modules") from None
+
+    def _validate_speculation(self) -> None:
+        if self.speculative_config is None:
+            return
+        try:
+            self.speculative  # noqa: B018 (parsed to validate)
+        except ConfigError as exc:
+            raise ConfigError(f"{type(self).__name__}.speculative_config: {exc.message}",
+                              param="speculative_config") from None
+        # At tensor parallelism rank 0 holds the whole draft: the target's own weights as
+        # draft would put the whole target there. With LoRA they would run the target's
+        # adapter hooks with the target step's row grouping (another draft has no hooks:
+        # it drafts as its base model, and the verify pass applies each row's adapter).
+        self.require(not (self.draft_is_target and self.tensor_parallel_size > 1),
+                     "a draft model that is the target model itself does not work with "
+                     "--tensor-parallel-size above 1 (rank 0 would hold the whole target); "
+                     "name a smaller draft model", "speculative_config")
+        self.require(not (self.draft_is_target and self.enable_lora),
+                     "a draft model that is the target model itself does not work with "
+                     "--enable-lora (another draft model, or n-gram speculation, does)",
+                     "speculative_config")
+
+    # ----- derived values ---------------------------------------------------------
+    @property
+    def kernel_knobs(self) -> KernelKnobs:
+        """The kernels' process-wide settings these options ask for."""
+        return KernelKnobs(pdl=self.pdl, fp8_widen=self.fp8_widen)
+
+    @property
+    def draft_is_target(self) -> bool:
+        """Whether the speculative config's draft model is the target model's own folder."""
+        spec = self.speculative
+        return (spec is not None and spec.model is not None
+                and os.path.realpath(spec.model) == os.path.realpath(self.model or ""))
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config (None: no speculation)."""
+        if self.speculative_config is None:
+            return None
+        return parse_speculative_config(self.speculative_config)
+
+    def seqs_limit(self, gpu_memory_bytes: int = 0, gpu_name: str = "") -> int:
+        """The cap on running sequences. Unset, it is 1024 on a GPU of 70 GiB or more other
+        than an A100 (H100, H200: room for that many sequences' KV, and decode batches that
+        large keep the GPU busy) and 256 elsewhere, as vLLM's defaults are."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        if gpu_memory_bytes >= 70 * GiB and "a100" not in gpu_name.lower():
+            return 1024
+        return 256
+
+    def prefill_chunk_cap(self, on_gpu: bool = False) -> int:
+        """Most prompt tokens one request prefills in a step shared with decodes (0: none).
+
+        Unset: GPU_PREFILL_CHUNK_CAP on a GPU and CPU_PREFILL_CHUNK_CAP on a CPU. Measured
+        on an H100 with the 8B shape (loadtest/reports/README.md), a 16k-token prompt beside
+        64 decodes took the decodes' p99 ITL from 370-400 ms uncapped to 116 ms at 2048 for
+        5% more TTFT of the long prompt; on a 2-core CPU a 2048-token step holds every
+        decode back for seconds.
+        """
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return GPU_PREFILL_CHUNK_CAP if on_gpu else CPU_PREFILL_CHUNK_CAP
+
+    def batched_tokens(self, max_model_len: int, on_gpu: bool = False) -> int:
+        """The per-step token budget. Without chunked prefill a whole prompt must fit one step.
+
+        Unset, it is 8192 on a GPU (big prefill chunks keep the tensor cores busy) and 2048
+        on a CPU (smaller steps keep decode latency down), as vLLM's defaults do.
+        """
+        if self.max_num_batched_tokens is not None:
+            self.require(self.enable_chunked_prefill or self.max_num_batched_tokens >= max_model_len,
+                         f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at "
+                         f"least the context length ({max_model_len}) when chunked prefill is off",
+                         "max_num_batched_tokens")
+            return self.max_num_batched_tokens
+        default = 8192 if on_gpu else 2048
+        return default if self.enable_chunked_prefill else max(default, max_model_len)
 
     def engine_flags(self, *, only_changed: bool = True) -> list[str]:
-        """These engine options as command-line flags (those differing from the defaults).
-
-        Used to hand the same engine settings to worker processes.
-        """
+        """The engine fields as command-line flags (those differing from the defaults):
+        how `meshserve up` hands the same engine settings to its worker processes."""
         flags: list[str] = []
-        for f in dataclasses.fields(EngineOptions):
+        for f in dataclasses.fields(EngineConfig):
             value = getattr(self, f.name)
             if only_changed and value == f.default:
                 continue
@@ -150,13 +273,8 @@ def short_flags(argv: Sequence[str]) -> list[str]:
     return out
 
 
-_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
-_missing = sorted(set(_ENGINE_FIELDS) - {f.name for f in dataclasses.fields(EngineOptions)})
-assert not _missing, f"EngineOptions lacks EngineConfig fields: {_missing}"
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WorkerConfig(RunnerOptions, EngineOptions, ServiceConfig):
+class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
     """One worker: a model replica served as the gRPC Worker service (generating, or
     pooling under --runner pooling)."""
 

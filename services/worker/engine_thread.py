@@ -29,13 +29,14 @@ from typing import Any
 
 from meshserve.services.worker.engine.device import make_current
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.request import Request, RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput, SequenceState
 from meshserve.services.worker.request_stream import (
     RequestStream,
     SequenceTimes,
     StepTiming,
 )
 from meshserve.services.worker.step_trace import StepRecord, device_fields
+from meshserve.services.worker.structured.hook import StructuredOutputsHook
 from meshserve.shared.errors import InternalError, InvalidRequestError, MeshError
 from meshserve.shared.kv_events import KVEvent
 from meshserve.shared.sampling_params import SamplingParams
@@ -92,7 +93,7 @@ _Command = _Add | _Abort | _Compiled | object
 class _StepBatch:
     """One step's results, handed to the event loop in one call."""
 
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[SequenceOutput] = field(default_factory=list)
     times: dict[str, SequenceTimes] = field(default_factory=dict)
     errors: list[tuple[str, MeshError]] = field(default_factory=list)
     kv: KVEventBatch | None = None
@@ -114,6 +115,9 @@ class EngineThread:
         """`on_kv_events` and `on_fatal` are called on the event loop; `epoch`,
         `on_kv_events` and `on_fatal` may be set until `start()`."""
         self.engine = engine
+        structured = engine.hook(StructuredOutputsHook)
+        assert structured is not None, "an engine built without its structured-outputs hook"
+        self._grammars = structured.grammars  # compiles ahead of admission, off this thread
         self.epoch = epoch
         self.on_kv_events = on_kv_events
         self.on_fatal = on_fatal
@@ -125,7 +129,7 @@ class EngineThread:
         self._routes: dict[str, _Route] = {}
         self._streams: dict[str, tuple[RequestStream, list[str]]] = {}
         # Engine-thread side: the sequences of each engine request, for their timestamps.
-        self._sequences: dict[str, list[Request]] = {}
+        self._sequences: dict[str, list[SequenceState]] = {}
         # Engine requests whose first-token time has been read (see _step).
         self._first_timed: set[str] = set()
         self._pending_errors: list[tuple[str, MeshError]] = []
@@ -143,7 +147,7 @@ class EngineThread:
         self.step_trace: list[StepRecord] | None = None
         # Called on the event loop with each delivered step's outputs and the timestamps
         # read with them (the worker's vLLM metrics; services/worker/vllm_metrics.py).
-        self.on_step: Callable[[list[RequestOutput], Mapping[str, SequenceTimes]],
+        self.on_step: Callable[[list[SequenceOutput], Mapping[str, SequenceTimes]],
                                None] | None = None
         self._added_since_step = 0
         self.failure: BaseException | None = None
@@ -357,7 +361,7 @@ class EngineThread:
                     self._first_timed.discard(command.engine_id)
 
     def _add(self, command: _Add) -> None:
-        params, grammars = command.params, self.engine.grammars
+        params, grammars = command.params, self._grammars
         # Grammars compile and bad words tokenize off this thread; the request joins the
         # engine when they are ready (a cached grammar is ready at once), and the others
         # run meanwhile.
@@ -447,16 +451,11 @@ class EngineThread:
             batch.kv = KVEventBatch(self.epoch, self._kv_seq, tuple(events))
 
     def _snapshot(self) -> WorkerLoad:
-        scheduler = self.engine.scheduler
-        running, waiting = list(scheduler.running), list(scheduler.waiting)
-        pending = active = 0
-        for seq in running + waiting:
-            pending += max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
-            active += seq.num_tokens
-        free, total = self.engine.kv.num_free_blocks, self.engine.kv.num_blocks
+        load = self.engine.load()
         return WorkerLoad(
-            num_running=len(running), num_waiting=len(waiting),
-            num_pending_prefill_tokens=pending, num_used_blocks=total - free,
-            num_free_blocks=free, num_total_blocks=total,
+            num_running=load.num_running, num_waiting=load.num_waiting,
+            num_pending_prefill_tokens=load.num_pending_prefill_tokens,
+            num_used_blocks=load.num_total_blocks - load.num_free_blocks,
+            num_free_blocks=load.num_free_blocks, num_total_blocks=load.num_total_blocks,
             max_running=self.engine.max_num_seqs,
-            snapshot_unix_ns=time.time_ns(), num_active_tokens=active)
+            snapshot_unix_ns=time.time_ns(), num_active_tokens=load.num_active_tokens)

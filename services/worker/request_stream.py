@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from meshserve.services.worker.engine.request import Request, RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput, SequenceState
 from meshserve.shared.errors import MeshError
 from meshserve.shared.logprobs import TokenLogprobs
 
@@ -38,7 +38,7 @@ class SequenceTimes:
     num_preemptions: int
 
     @classmethod
-    def of(cls, sequences: Sequence[Request]) -> SequenceTimes:
+    def of(cls, sequences: Sequence[SequenceState]) -> SequenceTimes:
         """The earliest timestamps over a request's n sequences, and their preemptions."""
         scheduled = [s.first_scheduled_time for s in sequences if s.first_scheduled_time]
         tokens = [s.first_token_time for s in sequences if s.first_token_time]
@@ -90,7 +90,7 @@ class SequenceDelta:
     num_output_tokens: int = 0
     first: bool = False
 
-    def merge(self, out: RequestOutput) -> None:
+    def merge(self, out: SequenceOutput) -> None:
         """Append one engine delta of this sequence."""
         self.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
@@ -155,7 +155,7 @@ class RequestStream:
     def all_finished(self, indices: Iterable[int]) -> bool:
         return all(i not in self._live for i in indices)
 
-    def push(self, out: RequestOutput, offset: int, times: SequenceTimes | None) -> None:
+    def push(self, out: SequenceOutput, offset: int, times: SequenceTimes | None) -> None:
         """Take an engine delta of sample `out.index` of the prompt at `offset`."""
         index = offset + out.index
         if index not in self._live:

@@ -33,7 +33,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.request_stream import SequenceTimes
 from meshserve.shared import vllm_metrics as vm
@@ -173,7 +173,7 @@ class WorkerVllmMetrics:
         if params.max_tokens:
             self.params_max_tokens.observe(params.max_tokens)
 
-    def observe_step(self, outputs: list[RequestOutput],
+    def observe_step(self, outputs: list[SequenceOutput],
                      times: Mapping[str, SequenceTimes]) -> None:
         """One delivered engine step (EngineThread.on_step, on the event loop)."""
         now = time.monotonic()
@@ -204,7 +204,7 @@ class WorkerVllmMetrics:
         if prompt + generated:
             self.iteration_tokens.observe(prompt + generated)
 
-    def _finished(self, out: RequestOutput, times: SequenceTimes | None, now: float) -> None:
+    def _finished(self, out: SequenceOutput, times: SequenceTimes | None, now: float) -> None:
         """A sequence finished: its request-level histograms."""
         self.success[out.finish_reason or "abort"].inc()
         self.prompt_len.observe(out.num_prompt_tokens)
@@ -236,14 +236,13 @@ def metrics_url_of(advertised: str, metrics_port: int | None) -> str:
 def vllm_metrics_of(engine: LLMEngine, thread: EngineThread, model_name: str,
                     registry: CollectorRegistry) -> WorkerVllmMetrics:
     """The worker's vLLM metrics over its engine, fed by `thread` from now on."""
-    scheduler, config = engine.scheduler, engine.config
-    cache_info = {"block_size": str(engine.kv.block_size),
-                  "num_gpu_blocks": str(engine.kv.num_blocks),
+    config = engine.config
+    cache_info = {"block_size": str(engine.block_size),
+                  "num_gpu_blocks": str(engine.num_kv_blocks),
                   "enable_prefix_caching": str(config.enable_prefix_caching),
                   "gpu_memory_utilization": str(config.gpu_memory_utilization)}
     metrics = WorkerVllmMetrics(
         registry, model_name, engine.max_model_len, load=lambda: thread.load,
-        totals=lambda: (scheduler.num_preemptions, scheduler.prefix_cache_queries,
-                        scheduler.prefix_cache_hits), cache_info=cache_info)
+        totals=engine.cache_counters, cache_info=cache_info)
     thread.on_step = metrics.observe_step
     return metrics

@@ -12,7 +12,9 @@ import torch
 from meshserve.services.kvstore.config import KVStoreConfig
 from meshserve.services.kvstore.service import KVStoreService
 from meshserve.services.worker.engine.kv_copy import gather_blocks
-from meshserve.services.worker.engine.kv_tier import (
+from meshserve.services.worker.kv_transfer import KVTransfer
+from meshserve.services.worker.kvstore_client import KVStoreClient
+from meshserve.services.worker.tier.kv_tier import (
     LoadDone,
     LoadJob,
     ProbeDone,
@@ -20,8 +22,6 @@ from meshserve.services.worker.engine.kv_tier import (
     SaveJob,
     TransferDone,
 )
-from meshserve.services.worker.kv_transfer import KVTransfer
-from meshserve.services.worker.kvstore_client import KVStoreClient
 
 NS = "tiny:bfloat16"
 LAYERS, BLOCK_SIZE, HEADS, DIM, NUM_BLOCKS = 2, 4, 2, 8, 8

@@ -18,10 +18,10 @@ import torch
 from worker_harness import Harness
 
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.embed_batcher import EmbedBatcher
 from meshserve.services.worker.embed_service import PoolingServicer
 from meshserve.services.worker.embedder import Embedder
-from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.pooler import finish
 from meshserve.shared.grpc_client import GrpcClient, wait_until_serving
 from meshserve.shared.grpc_server import GrpcServer

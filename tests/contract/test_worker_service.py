@@ -39,7 +39,7 @@ from meshserve.proto.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput
 from meshserve.services.worker.registration import Registration
 from meshserve.shared.block_hash import hash_blocks
 from meshserve.shared.grpc_client import GrpcClient
@@ -257,7 +257,7 @@ async def test_engine_failure_is_fatal(worker: Harness) -> None:
     failures: list[BaseException] = []
     worker.thread.on_fatal = failures.append
 
-    def broken_step() -> list[RequestOutput]:
+    def broken_step() -> list[SequenceOutput]:
         raise RuntimeError("device lost")
 
     worker.engine.step = broken_step  # type: ignore[method-assign]

@@ -13,9 +13,10 @@ import pytest
 from engine_outputs import drain, tokens
 from tiny_models import build_tiny_model
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.request import PENDING_TOKEN, RequestOutput
+from meshserve.services.worker.engine.sequence import PENDING_TOKEN, SequenceOutput
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ def make_engine(folder: Path, async_scheduling: str, **overrides: object) -> LLM
     cfg = {"model": str(folder), "dtype": "float32", "device": "cpu", "num_kv_blocks": 256,
            "max_model_len": 256, "async_scheduling": async_scheduling}
     cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    return build_engine(EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
 class Recorder:
@@ -139,7 +140,7 @@ def test_abort_while_a_step_is_on_the_device_frees_everything(folder: Path) -> N
     for i in range(4):
         engine.add_request(f"r{i}", [rng.randrange(3, 200) for _ in range(30)], SamplingParams(
             temperature=0.8, max_tokens=30, ignore_eos=True, n=2 if i == 0 else 1))
-    outs: list[RequestOutput] = []
+    outs: list[SequenceOutput] = []
     for _ in range(4):
         outs.extend(engine.step())
     aborted = engine.sequences("r0") + engine.sequences("r2")

@@ -10,8 +10,8 @@ import pytest
 from tiny_models import build_tiny_model
 from transformers import AutoTokenizer
 
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.sampler import banned_tokens
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -25,7 +25,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def greedy(folder: Path, bad_words: tuple[str, ...] = (), async_scheduling: str = "off"
            ) -> list[int]:
-    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
+    engine = build_engine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
                                     num_kv_blocks=128, async_scheduling=async_scheduling))
     engine.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=40,
                                                    ignore_eos=True, bad_words=bad_words))

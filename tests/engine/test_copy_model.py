@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from engine_features import speculation_of
 from test_engine_vs_hf import make_engine, run_all, tokens_of
 from tiny_models import build_tiny_model
 
@@ -61,8 +62,8 @@ def test_greedy_follows_the_chain_with_and_without_ngram(folder: Path,
         results[name] = tokens_of(run_all(engine, [prompt], params)["r0"])
         assert results[name] == answer[:MAX_NEW], name
         if spec is not None:
-            assert engine.spec is not None
-            drafts, drafted, accepted, _ = engine.spec.stats.snapshot()
+            assert speculation_of(engine) is not None
+            drafts, drafted, accepted, _ = speculation_of(engine).stats.snapshot()
             rate = accepted / drafted
             if corrupt_every:
                 # Per 8 tokens: a step without drafts after the replaced token, one accepting

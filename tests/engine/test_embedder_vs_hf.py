@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel
 
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.embed_batcher import EmbedBatcher
 from meshserve.services.worker.embedder import Embedder
-from meshserve.services.worker.engine.config import EngineConfig
 from meshserve.services.worker.engine.pooler import finish
 from meshserve.shared.errors import ContextLengthError
 

@@ -9,9 +9,10 @@ import pytest
 from engine_outputs import drain, tokens
 from tiny_models import build_tiny_model
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput
 from meshserve.shared.errors import ContextLengthError, InvalidRequestError
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -25,7 +26,7 @@ def make_engine(folder: Path, **overrides: object) -> LLMEngine:
     cfg = {"model": str(folder), "dtype": "float32", "device": "cpu", "num_kv_blocks": 512,
                "max_model_len": 256}
     cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    return build_engine(EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
 def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -75,7 +76,7 @@ def test_free_blocks_return_after_finish_and_abort_at_any_point(folder: Path, as
     for i in range(6):
         engine.add_request(f"r{i}", prompt(rng, 40 + i, vocab), params)
     engine.add_request("waiting", prompt(rng, 70, vocab), SamplingParams(n=2, max_tokens=8))
-    seen: list[RequestOutput] = []
+    seen: list[SequenceOutput] = []
     seen.extend(engine.step())  # r0 prefilled, r1 mid-prefill (chunked), the rest waiting
     assert engine.kv.num_free_blocks < baseline
     engine.abort_request("r1")
@@ -84,7 +85,7 @@ def test_free_blocks_return_after_finish_and_abort_at_any_point(folder: Path, as
     for _ in range(3):
         seen.extend(engine.step())
     engine.abort_request("r0")  # decoding
-    outputs: dict[tuple[str, int], list[RequestOutput]] = {}
+    outputs: dict[tuple[str, int], list[SequenceOutput]] = {}
     for out in seen:
         outputs.setdefault((out.request_id, out.index), []).append(out)
     for key, later in drain(engine).items():

@@ -15,9 +15,10 @@ import torch
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput
 from meshserve.shared.sampling_params import SamplingParams
 
 MAX_NEW = 10
@@ -52,13 +53,13 @@ def make_engine(folder: Path, **overrides: object) -> LLMEngine:
     cfg = {"model": str(folder), "dtype": "float32", "device": "cpu", "block_size": 16,
                "num_kv_blocks": 256}
     cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    return build_engine(EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
 def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-            stagger: bool = False) -> dict[str, list[RequestOutput]]:
+            stagger: bool = False) -> dict[str, list[SequenceOutput]]:
     """Run requests to completion; with `stagger`, add each after the previous one's first step."""
-    outputs: dict[str, list[RequestOutput]] = {}
+    outputs: dict[str, list[SequenceOutput]] = {}
     pending = list(enumerate(prompts))
     while pending or engine.has_unfinished_requests():
         if pending:
@@ -72,7 +73,7 @@ def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
     return outputs
 
 
-def tokens_of(outs: list[RequestOutput]) -> list[int]:
+def tokens_of(outs: list[SequenceOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
@@ -174,7 +175,7 @@ def test_n_sequences_share_the_prompt_blocks(arch_setup) -> None:
     free_at_start = engine.kv.num_free_blocks
     params = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=6, ignore_eos=True)
     engine.add_request("fan", prompts[6], params)  # 90 tokens: 5 full blocks
-    finals: dict[int, RequestOutput] = {}
+    finals: dict[int, SequenceOutput] = {}
     seqs: dict[int, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_features import speculation_of
 from safetensors.torch import load_file, save_file
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
@@ -28,7 +29,8 @@ from meshserve.kernels.fp8_linear import (
     quantize_per_channel,
     quantize_per_tensor,
 )
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.models.quant_fp8 import Fp8Linear, weight_bytes
 from meshserve.shared.errors import ModelLoadError
@@ -82,7 +84,7 @@ def engine_run(folder: Path, prompts: list[list[int]], **overrides: object
                ) -> tuple[LLMEngine, list[tuple[list[int], list[float]]]]:
     cfg: dict[str, object] = {"model": str(folder), "dtype": "float32", "device": "cpu",
                               "num_kv_blocks": 64, **overrides}
-    engine = LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    engine = build_engine(EngineConfig(**cfg))  # type: ignore[arg-type]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
@@ -279,7 +281,7 @@ def test_lora_adapters_on_fp8_weights_match_peft_on_the_rounded_weights(
     adapters = [build_adapter(folder, tmp_path / "a0", seed=10, rank=8),
                 build_adapter(folder, tmp_path / "a1", seed=11, rank=4,
                               targets=["q_proj", "v_proj", "down_proj"])]
-    engine = LLMEngine(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64,
         quantization="fp8", enable_lora=True, max_loras=2,
         lora_modules=",".join(f"a{i}={p}" for i, p in enumerate(adapters))))
@@ -332,7 +334,7 @@ def test_fp8_kv_cache_holds_twice_the_tokens_of_bf16(tiny, kv_dtype: str) -> Non
     memory = 1 << 20
 
     def blocks(**kw: object) -> int:
-        engine = LLMEngine(EngineConfig(model=str(folder), dtype="bfloat16", device="cpu",
+        engine = build_engine(EngineConfig(model=str(folder), dtype="bfloat16", device="cpu",
                                         kv_cache_memory=memory, **kw))  # type: ignore[arg-type]
         return engine.kv.num_blocks
 
@@ -447,7 +449,7 @@ def test_ngram_speculation_on_fp8_weights_keeps_the_greedy_tokens(tiny) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
     def run(**overrides: object) -> tuple[LLMEngine, list[int]]:
-        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
+        engine = build_engine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
                                         num_kv_blocks=64, quantization="fp8",
                                         **overrides))  # type: ignore[arg-type]
         engine.add_request("r", prompts[2][:6] * 5, params)
@@ -459,6 +461,6 @@ def test_ngram_speculation_on_fp8_weights_keeps_the_greedy_tokens(tiny) -> None:
     _, plain = run()
     spec_engine, spec = run(speculative_config=ngram)
     assert spec == plain and len(spec) == 40
-    assert spec_engine.spec is not None
-    _, drafted, accepted, _ = spec_engine.spec.stats.snapshot()
+    assert speculation_of(spec_engine) is not None
+    _, drafted, accepted, _ = speculation_of(spec_engine).stats.snapshot()
     assert drafted > 0 and accepted > 0

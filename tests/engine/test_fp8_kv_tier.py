@@ -16,7 +16,6 @@ from tiny_models import build_tiny_model
 
 from meshserve.services.worker.__main__ import kv_namespace
 from meshserve.services.worker.engine.kv_copy import gather_blocks, scatter_blocks
-from meshserve.services.worker.kv_transfer import KVTransfer
 from meshserve.services.worker.kvstore_client import Reservation
 
 
@@ -57,10 +56,9 @@ def test_fp8_kv_blocks_saved_by_one_engine_are_loaded_by_another(folder: Path) -
     reference, _ = run(make_engine(folder, None, kv_cache_dtype="fp8")[0], prompt)
     engines = []
     for rid in ("a", "b"):
-        engine = make_engine(folder, None, kv_cache_dtype="fp8")[0]
-        transfer = KVTransfer(lambda: Fp8Client(store), engine.runner.kv_caches, retry_s=0.0)
-        transfer.start()
-        engine.attach_kv_tier(transfer, max_save_backlog_bytes=1 << 30)
+        engine, transfer = make_engine(folder, None, client=lambda: Fp8Client(store),
+                                       kv_cache_dtype="fp8")
+        assert transfer is not None
         out, cached = run(engine, prompt, rid)
         assert out == reference
         engines.append((engine, transfer, cached))

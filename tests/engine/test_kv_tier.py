@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from engine_features import tier_of
 from engine_outputs import drain, tokens
 from tiny_models import build_tiny_model
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import KVTierPlan, build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.kv_copy import KVCaches
 from meshserve.services.worker.kv_transfer import KVTransfer
 from meshserve.services.worker.kvstore_client import KVStoreUnavailable, Lease, Reservation
 from meshserve.shared.sampling_params import SamplingParams
@@ -94,17 +98,28 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tier"), "llama", seed=5)
 
 
-def make_engine(folder: Path, store: MemoryStore | None, **overrides: object
+def make_engine(folder: Path, store: MemoryStore | None, *,
+                client: Callable[[], Any] | None = None, backlog: int = 1 << 30,
+                retry_s: float = 0.0, **overrides: object
                 ) -> tuple[LLMEngine, KVTransfer | None]:
+    """An engine over the tiny model; with a store (or a `client` factory), its KV tier
+    moves blocks through a started KVTransfer over that client."""
     cfg = {"model": str(folder), "dtype": "float32", "device": "cpu", "num_kv_blocks": 64,
            "block_size": BLOCK, "max_model_len": 256, **overrides}
-    engine = LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
-    if store is None:
-        return engine, None
-    transfer = KVTransfer(lambda: MemoryClient(store), engine.runner.kv_caches, retry_s=0.0)
-    transfer.start()
-    engine.attach_kv_tier(transfer, max_save_backlog_bytes=1 << 30)
-    return engine, transfer
+    config = EngineConfig(**cfg)  # type: ignore[arg-type]
+    if client is None and store is not None:
+        client = lambda: MemoryClient(store)
+    if client is None:
+        return build_engine(config), None
+    made: list[KVTransfer] = []
+
+    def transport(kv_caches: KVCaches) -> KVTransfer:
+        made.append(KVTransfer(client, kv_caches, retry_s=retry_s))
+        return made[0]
+
+    engine = build_engine(config, kv_tier=KVTierPlan(transport, backlog))
+    made[0].start()
+    return engine, made[0]
 
 
 def run(engine: LLMEngine, prompt: list[int], rid: str = "r") -> tuple[list[int], int]:
@@ -141,8 +156,8 @@ def test_blocks_saved_by_one_engine_are_loaded_by_another(folder: Path,
     assert second_transfer is not None
     out_b, cached_b = run(second, prompt, "b")
     assert out_b == reference, "KV loaded from the store gave different tokens"
-    assert second.kv_tier is not None
-    assert second.kv_tier.stats.loaded_blocks == 5
+    assert tier_of(second) is not None
+    assert tier_of(second).stats.loaded_blocks == 5
     assert second_transfer.stats.loaded_blocks == 5
     assert cached_b == 5 * BLOCK
     assert store.leases == 0, "every lease was released"
@@ -163,7 +178,7 @@ def test_a_store_that_is_away_costs_only_recomputation(folder: Path) -> None:
     prompt = [rng.randrange(3, 200) for _ in range(4 * BLOCK + 1)]
     reference, _ = run(make_engine(folder, None)[0], prompt)
     engine, transfer = make_engine(folder, store)
-    assert transfer is not None and engine.kv_tier is not None
+    assert transfer is not None and tier_of(engine) is not None
     run(engine, prompt, "warm")
     wait_saved(transfer, store, 4)
     store.up = False
@@ -171,7 +186,7 @@ def test_a_store_that_is_away_costs_only_recomputation(folder: Path) -> None:
     assert other_transfer is not None
     out, cached = run(other, prompt, "x")
     assert out == reference and cached == 0
-    assert other.kv_tier is not None and other.kv_tier.stats.loaded_blocks == 0
+    assert tier_of(other) is not None and tier_of(other).stats.loaded_blocks == 0
     # The store comes back: once reconnected, the blocks load again (the local cache,
     # which computed them meanwhile, is cleared so that only the store has them).
     store.up = True
@@ -181,17 +196,16 @@ def test_a_store_that_is_away_costs_only_recomputation(folder: Path) -> None:
     assert other.kv.pool.reset_prefix_cache()
     again, cached = run(other, prompt, "y")
     assert again == reference
-    assert other.kv_tier.stats.loaded_blocks == 4 and cached == 4 * BLOCK
+    assert tier_of(other).stats.loaded_blocks == 4 and cached == 4 * BLOCK
     transfer.stop()
     other_transfer.stop()
 
 
 def test_saves_past_the_backlog_are_dropped_not_waited_for(folder: Path) -> None:
     store = MemoryStore()
-    engine, transfer = make_engine(folder, None)
-    transfer = KVTransfer(lambda: MemoryClient(store), engine.runner.kv_caches)
-    transfer.start()
-    tier = engine.attach_kv_tier(transfer, max_save_backlog_bytes=1)  # nothing fits
+    engine, transfer = make_engine(folder, store, backlog=1, retry_s=2.0)  # nothing fits
+    tier = tier_of(engine)
+    assert tier is not None and transfer is not None
     rng = random.Random(3)
     out, _ = run(engine, [rng.randrange(3, 200) for _ in range(3 * BLOCK + 2)])
     assert len(out) == 12
@@ -208,12 +222,12 @@ def test_a_request_the_router_saw_no_store_blocks_for_does_not_ask_the_store(
     run(first, prompt)
     assert first_transfer is not None and first_transfer.flush(10)
     second, second_transfer = make_engine(folder, store)
-    assert second.kv_tier is not None and second_transfer is not None
+    assert tier_of(second) is not None and second_transfer is not None
     second.add_request("told", prompt, SamplingParams(temperature=0.0, max_tokens=2),
                        store_lookup=False)
     (outputs,) = drain(second).values()
     assert outputs[-1].num_cached_tokens == 0
-    assert second.kv_tier.stats.probes == 0 and store.acquired == 0
+    assert tier_of(second).stats.probes == 0 and store.acquired == 0
     first_transfer.stop()
     second_transfer.stop()
 
@@ -244,12 +258,8 @@ def test_the_engine_serves_others_while_a_prompts_blocks_are_on_their_way(
     first_transfer.stop()
 
     gate = threading.Event()
-    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", device="cpu",
-                                    num_kv_blocks=64, block_size=BLOCK, max_model_len=256))
-    transfer = KVTransfer(lambda: GatedClient(store, gate), engine.runner.kv_caches,
-                          retry_s=0.0)
-    transfer.start()
-    engine.attach_kv_tier(transfer, max_save_backlog_bytes=1 << 30)
+    engine, transfer = make_engine(folder, None, client=lambda: GatedClient(store, gate))
+    assert transfer is not None
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     engine.add_request("loaded", stored, params)
     # The router saw none of its blocks in the store: it does not wait for the store.
@@ -272,5 +282,5 @@ def test_the_engine_serves_others_while_a_prompts_blocks_are_on_their_way(
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
     assert outputs["loaded"] == reference, "KV loaded from the store gave different tokens"
-    assert engine.kv_tier is not None and engine.kv_tier.stats.loaded_blocks == 5
+    assert tier_of(engine) is not None and tier_of(engine).stats.loaded_blocks == 5
     transfer.stop()

@@ -13,7 +13,8 @@ import torch
 from tiny_models import build_tiny_model
 
 from meshserve.kernels.linear import SKINNY_MAX_ROWS
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.models.llama import LOGITS_ROW_BUCKET, padded_logit_rows
 from meshserve.shared.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ def test_padded_row_counts() -> None:
 
 
 def run(folder: Path, pad: bool) -> tuple[LLMEngine, dict[str, tuple[list[int], list[float]]]]:
-    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
+    engine = build_engine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
                                     num_kv_blocks=128, max_num_seqs=80))
     assert engine.runner.model.pad_logit_rows is False  # off on CPUs
     engine.runner.model.pad_logit_rows = pad

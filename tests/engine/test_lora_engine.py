@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_features import lora_of, speculation_of
 from lora_adapters import build_adapter, peft_model
 from test_engine_vs_hf import GREEDY, hf_greedy, make_engine, tokens_of
 from tiny_models import build_tiny_model
@@ -105,18 +106,18 @@ def test_qwen2_adapter_matches_peft(tmp_path: Path) -> None:
 def test_runtime_add_and_remove(llama: tuple[Path, list[Path]], tmp_path: Path) -> None:
     base, adapters = llama
     engine = make_engine(base, enable_lora=True)
-    assert engine.lora is not None
+    assert lora_of(engine) is not None
     with pytest.raises(NotFoundError):
         engine.add_request("x", [5, 6, 7], GREEDY, lora_id=lora_id_for("late"))
-    engine.lora.add(LoraModule("late", str(adapters[1])))
+    lora_of(engine).add(LoraModule("late", str(adapters[1])))
     prompt = _prompts(1, 400, seed=3)[0]
     got = _run(engine, [(prompt, lora_id_for("late"))])
     assert got[0] == hf_greedy(peft_model(base, adapters[1]), prompt, MAX_NEW)
     with pytest.raises(InvalidRequestError, match="already loaded"):
-        engine.lora.add(LoraModule("late", str(adapters[1])))
+        lora_of(engine).add(LoraModule("late", str(adapters[1])))
     # Removed while a request with it waits: that request still runs with it.
     engine.add_request("queued", prompt, GREEDY, lora_id=lora_id_for("late"))
-    engine.lora.remove("late")
+    lora_of(engine).remove("late")
     with pytest.raises(NotFoundError):
         engine.add_request("y", prompt, GREEDY, lora_id=lora_id_for("late"))
     queued: list[int] = []
@@ -124,16 +125,16 @@ def test_runtime_add_and_remove(llama: tuple[Path, list[Path]], tmp_path: Path) 
         queued += [t for out in engine.step() for t in out.new_token_ids]
     assert queued == got[0]
     with pytest.raises(NotFoundError, match="adapter_config.json"):
-        engine.lora.add(LoraModule("missing", str(tmp_path / "nowhere")))
-    assert [m.name for m in engine.lora.served()] == []
+        lora_of(engine).add(LoraModule("missing", str(tmp_path / "nowhere")))
+    assert [m.name for m in lora_of(engine).served()] == []
 
 
 def test_rank_above_the_limit_is_refused(llama: tuple[Path, list[Path]]) -> None:
     base, adapters = llama
     engine = make_engine(base, enable_lora=True, max_lora_rank=8)
-    assert engine.lora is not None
+    assert lora_of(engine) is not None
     with pytest.raises(InvalidRequestError, match="max-lora-rank"):
-        engine.lora.add(LoraModule("big", str(adapters[2])))  # rank 16
+        lora_of(engine).add(LoraModule("big", str(adapters[2])))  # rank 16
 
 
 def test_steps_without_adapter_rows_skip_the_lora_kernels(
@@ -148,12 +149,12 @@ def test_steps_without_adapter_rows_skip_the_lora_kernels(
     base, adapters = llama
     module = LoraModule("ad0", str(adapters[0]))
     engine = make_engine(base, enable_lora=True, lora_modules=f"{module.name}={module.path}")
-    assert engine.lora is not None
+    assert lora_of(engine) is not None
     runner = CudaGraphRunner(engine.runner.model, engine.runner.kv_caches,
                              max_num_seqs=engine.max_num_seqs,
                              max_blocks_per_seq=engine.kv.blocks_needed(engine.max_model_len),
                              max_model_len=engine.max_model_len, hidden_size=64,
-                             device=engine.device, lora=engine.lora.stack)
+                             device=engine.device, lora=lora_of(engine).stack)
     decode_keys = runner.keys()  # (bucket, tokens per sequence)
     assert {(b, q, flag) for b, q in decode_keys for flag in (True, False)} == set(
         runner.capture_keys())
@@ -214,6 +215,6 @@ def test_ngram_speculation_with_adapters_keeps_each_models_tokens(
             got[out.request_id] += out.new_token_ids
     for i, prompt in enumerate(prompts):
         assert got[f"r{i}"] == hf_greedy(references[i], prompt, 40), f"request {i}"
-    assert engine.spec is not None
-    _, drafted, accepted, _ = engine.spec.stats.snapshot()
+    assert speculation_of(engine) is not None
+    _, drafted, accepted, _ = speculation_of(engine).stats.snapshot()
     assert drafted > 0 and accepted > 0

@@ -19,15 +19,15 @@ from tiny_models import LLAMA3_ROPE, build_tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from meshserve.kernels.attention import AttentionMetadata
-from meshserve.services.worker.models.config import ModelConfig
-from meshserve.services.worker.models.llama import CausalLM
-from meshserve.services.worker.models.loader import (
+from meshserve.services.worker.loader import (
     ModelSource,
     load_model,
     load_model_config,
     resolve_dtype,
     resolve_model,
 )
+from meshserve.services.worker.models.config import ModelConfig
+from meshserve.services.worker.models.llama import CausalLM
 from meshserve.shared import default_model
 from meshserve.shared.default_model import DEFAULT_MODEL_NAME, GGUF_NAME
 from meshserve.shared.errors import ModelLoadError

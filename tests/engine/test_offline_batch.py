@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast
 from meshserve.offline.llm import GenerationItem, OfflineLLM
 from meshserve.offline.run_batch import run_batch
 from meshserve.services.tokenizer.loader import Tokenizer
-from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput
 from meshserve.shared.errors import ContextLengthError, InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
@@ -110,7 +110,7 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) and not self.lose_requests
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[SequenceOutput]:
         outputs = []
         for request_id, request in list(self.requests.items()):
             for index, seq in enumerate(request.seqs):
@@ -122,8 +122,8 @@ class FakeEngine:
         return outputs
 
     def _advance(self, request_id: str, request: FakeRequest, index: int,
-                 seq: FakeSeq) -> RequestOutput:
-        out = RequestOutput(request_id, request_id, index, [],
+                 seq: FakeSeq) -> SequenceOutput:
+        out = SequenceOutput(request_id, request_id, index, [],
                             num_prompt_tokens=len(request.prompt), num_cached_tokens=2)
         if request.params.prompt_logprobs is not None and not request.sent_prompt_logprobs:
             out.prompt_logprobs = [None] + [TokenLogprobs(t, -1.0, 1, [(t, -1.0)])

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from tiny_models import build_tiny_model
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.cuda_graphs import PiecewiseGraphRunner, token_buckets
-from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.shared.sampling_params import SamplingParams
 
 
@@ -32,7 +32,7 @@ def test_pieces_give_the_eager_outputs(tmp_path: Path, arch: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     results = []
     for piecewise in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
+        engine = build_engine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
                                         num_kv_blocks=128, max_num_batched_tokens=48,
                                         async_scheduling="on"))
         used = []

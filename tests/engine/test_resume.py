@@ -14,7 +14,8 @@ import pytest
 from engine_outputs import drain, tokens
 from tiny_models import build_tiny_model
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.sampling_params import SamplingParams
@@ -42,7 +43,7 @@ def make_engine(folder: Path, **overrides: object) -> LLMEngine:
     cfg = {"model": str(folder), "dtype": "float32", "device": "cpu", "num_kv_blocks": 256,
            "max_model_len": 256}
     cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    return build_engine(EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
 def a_prompt(seed: int, size: int, vocab: int) -> list[int]:

@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from meshserve.services.tokenizer.loader import load_tokenizer
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -22,7 +23,7 @@ MAX_NEW = 16
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model=None, dtype="float32", device="cpu",
+    return build_engine(EngineConfig(model=None, dtype="float32", device="cpu",
                                   max_num_batched_tokens=64))
 
 

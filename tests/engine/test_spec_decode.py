@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_features import speculation_of
 from test_engine_vs_hf import hf_greedy, make_engine, run_all, tokens_of
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
@@ -80,8 +81,8 @@ def test_greedy_is_identical_with_and_without_drafts(setup, method: str,
         assert outputs[f"r{i}"][-1].finish_reason == "length"
         assert outputs[f"r{i}"][-1].num_output_tokens == MAX_NEW
     assert engine.kv.num_free_blocks == free_at_start, "rejected drafts' blocks leaked"
-    assert engine.spec is not None
-    drafts, drafted, accepted, _per_pos = engine.spec.stats.snapshot()
+    assert speculation_of(engine) is not None
+    drafts, drafted, accepted, _per_pos = speculation_of(engine).stats.snapshot()
     assert drafts > 0 and accepted <= drafted
     if method == "draft-same" and engine_setup != "tiny-cache-preempts":
         assert accepted == drafted, "the target's own greedy drafts are always accepted"
@@ -89,7 +90,7 @@ def test_greedy_is_identical_with_and_without_drafts(setup, method: str,
         steps = sum(len(outputs[f"r{i}"]) for i in range(len(prompts)))
         assert accepted > 0 and steps < len(prompts) * MAX_NEW, "drafts must save steps"
     if method.startswith("draft"):  # a CPU engine has no graphs: every draft step is eager
-        paths = engine.spec.proposer.paths  # type: ignore[attr-defined]
+        paths = speculation_of(engine).proposer.paths  # type: ignore[attr-defined]
         assert set(paths) == {"eager"} and paths["eager"] > 0
 
 
@@ -102,7 +103,7 @@ def test_overlapped_loop_keeps_steps_without_drafts_in_flight(setup) -> None:
     fresh = rng.sample(range(3, 400), 12)  # no repeated token in it
     for prompt, max_new in ((fresh, 6), (prompts[0], MAX_NEW)):
         engine = make_engine(folder, speculative_config=NGRAM, async_scheduling="on")
-        assert engine.async_scheduling and engine.spec is not None
+        assert engine.async_scheduling and speculation_of(engine) is not None
         engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=max_new,
                                                        ignore_eos=True))
         tokens: list[int] = []
@@ -112,7 +113,7 @@ def test_overlapped_loop_keeps_steps_without_drafts_in_flight(setup) -> None:
                 tokens += out.new_token_ids
             overlapped += engine._in_flight is not None
         assert tokens == hf_greedy(hf, prompt, max_new)
-        drafts, _, accepted, _ = engine.spec.stats.snapshot()
+        drafts, _, accepted, _ = speculation_of(engine).stats.snapshot()
         if prompt is fresh:
             # Until a token repeats, no n-gram matches: the loop overlaps as without drafts.
             first_repeat = next((i for i in range(len(tokens))
@@ -127,34 +128,34 @@ def test_a_sequence_that_drafted_lately_is_waited_for(setup) -> None:
     """After a rejected draft the sequence ends in a token the text did not hold (no
     n-gram match), yet the next token usually matches again: for RECENT_DRAFT_STEPS steps
     the engine reads its step before scheduling, as it does when the known tokens match."""
-    from meshserve.services.worker.engine.request import NEVER_DRAFTED, RequestStatus
+    from meshserve.services.worker.engine.sequence import NEVER_DRAFTED, SequenceStatus
     from meshserve.services.worker.spec.decoder import RECENT_DRAFT_STEPS
 
     folder, _, _, _, _ = setup
     engine = make_engine(folder, speculative_config=NGRAM, async_scheduling="on")
-    assert engine.spec is not None
+    assert speculation_of(engine) is not None
     rng = random.Random(12)
     engine.add_request("r", rng.sample(range(3, 400), 10), GREEDY)  # no repeated token
     seq = engine.sequences("r")[0]
-    seq.status = RequestStatus.RUNNING
+    seq.status = SequenceStatus.RUNNING
     assert seq.steps_since_drafts == NEVER_DRAFTED
-    assert not engine.spec.waits_for([seq])
+    assert not speculation_of(engine).waits_for([seq])
     for since in range(RECENT_DRAFT_STEPS + 2):
         seq.steps_since_drafts = since
-        assert engine.spec.waits_for([seq]) == (since <= RECENT_DRAFT_STEPS), since
+        assert speculation_of(engine).waits_for([seq]) == (since <= RECENT_DRAFT_STEPS), since
     seq.steps_since_drafts = NEVER_DRAFTED
     seq.prompt_token_ids.append(seq.prompt_token_ids[3])  # now the last token repeats
-    assert engine.spec.waits_for([seq])
+    assert speculation_of(engine).waits_for([seq])
     seq.grammar = object()  # a constrained sequence never drafts: never waited for
-    assert not engine.spec.waits_for([seq])
+    assert not speculation_of(engine).waits_for([seq])
 
 
 def test_counters_are_consistent(setup) -> None:
     folder, _, _, prompts, _ = setup
     engine = make_engine(folder, speculative_config=NGRAM)
     run_all(engine, prompts, GREEDY)
-    assert engine.spec is not None
-    drafts, drafted, accepted, per_pos = engine.spec.stats.snapshot()
+    assert speculation_of(engine) is not None
+    drafts, drafted, accepted, per_pos = speculation_of(engine).stats.snapshot()
     assert drafted <= 4 * drafts and accepted <= drafted
     assert sum(per_pos) == accepted
     assert len(per_pos) <= 4 and per_pos[0] <= drafts
@@ -265,8 +266,8 @@ def test_sampling_keeps_the_target_distribution(setup) -> None:
     joint = joint_first_two(hf, prompt, top_k)
     engine = make_engine(folder, speculative_config=NGRAM, seed=3, max_num_seqs=500,
                          max_num_batched_tokens=16 * 500, num_kv_blocks=1100)
-    assert engine.spec is not None
-    engine.spec.proposer = LikeliestSecond(joint)
+    assert speculation_of(engine) is not None
+    speculation_of(engine).proposer = LikeliestSecond(joint)
     # max_tokens 3 leaves room for one draft after the first token: t2 is an accepted
     # draft or its correction.
     params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
@@ -282,8 +283,8 @@ def test_sampling_keeps_the_target_distribution(setup) -> None:
     stat = ((observed - expected) ** 2 / expected).sum()
     p_value = float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2.0), stat / 2))
     assert p_value > 1e-3, f"chi-square {float(stat):.1f} over {len(cells)} cells"
-    assert engine.spec is not None
-    drafts, drafted, accepted, _ = engine.spec.stats.snapshot()
+    assert speculation_of(engine) is not None
+    drafts, drafted, accepted, _ = speculation_of(engine).stats.snapshot()
     assert drafts > 0 and 0 < accepted < drafted, "both acceptance and correction must occur"
 
 
@@ -293,12 +294,12 @@ def test_constrained_requests_do_not_speculate(setup) -> None:
     engine.add_request("plain", prompts[0], GREEDY)
     engine.step()  # prefill
     seq = engine.sequences("plain")[0]
-    assert engine.spec is not None and engine.spec.num_drafts_for(seq) == 4
+    assert speculation_of(engine) is not None and speculation_of(engine).num_drafts_for(seq) == 4
     seq.grammar = object()  # any matcher: the sequence is constrained
-    assert engine.spec.num_drafts_for(seq) == 0
+    assert speculation_of(engine).num_drafts_for(seq) == 0
     seq.grammar = None
     seq.max_tokens = seq.num_output_tokens + 2  # room for one draft and the bonus token
-    assert engine.spec.num_drafts_for(seq) == 1
+    assert speculation_of(engine).num_drafts_for(seq) == 1
 
 
 def test_penalties_and_min_tokens_see_the_drafts_before_each_position(setup) -> None:
@@ -311,7 +312,7 @@ def test_penalties_and_min_tokens_see_the_drafts_before_each_position(setup) -> 
     for i in range(len(prompts)):
         assert tokens_of(spec[f"r{i}"]) == tokens_of(plain[f"r{i}"]), f"prompt {i}"
         assert spec[f"r{i}"][-1].finish_reason == plain[f"r{i}"][-1].finish_reason
-    assert engine.spec is not None and engine.spec.stats.snapshot()[2] > 0
+    assert speculation_of(engine) is not None and speculation_of(engine).stats.snapshot()[2] > 0
 
 
 def test_seeded_sampling_repeats_with_drafts(setup) -> None:

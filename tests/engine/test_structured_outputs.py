@@ -14,17 +14,19 @@ from typing import Any
 
 import jsonschema
 import pytest
+from engine_features import grammars_of
 from tiny_models import build_tiny_model
 from transformers import AutoTokenizer
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.structured_output import (
+from meshserve.services.worker.engine_thread import EngineThread
+from meshserve.services.worker.structured.grammars import (
     choice_grammar,
     new_matcher,
     strict_json_strings,
 )
-from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.structured_outputs import StructuredKind, StructuredOutputs
@@ -70,7 +72,7 @@ def tokenizer(folder: Path) -> Any:
 def make_engine(folder: Path, **overrides: object) -> LLMEngine:
     config = {"model": str(folder), "device": "cpu", "dtype": "float32",
               "num_kv_blocks": 1024, "max_model_len": 2048, **overrides}
-    return LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]
+    return build_engine(EngineConfig(**config))  # type: ignore[arg-type]
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
@@ -218,13 +220,13 @@ def test_choice_grammar_escapes_quotes_and_newlines() -> None:
 def test_the_engine_serves_others_while_a_grammar_compiles(folder: Path, tokenizer: Any) -> None:
     engine = make_engine(folder)
     release = threading.Event()
-    original = engine.grammars._compile
+    original = grammars_of(engine)._compile
 
     def held_compile(spec: StructuredOutputs) -> Any:
         assert release.wait(30), "the test never released the compile"
         return original(spec)
 
-    engine.grammars._compile = held_compile  # type: ignore[method-assign]
+    grammars_of(engine)._compile = held_compile  # type: ignore[method-assign]
 
     async def scenario() -> tuple[list[int], list[int], str]:
         thread = EngineThread(engine)

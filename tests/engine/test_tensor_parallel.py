@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_features import speculation_of
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput
 from meshserve.services.worker.parallel.ranks import RankGroup
 from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.logprobs import TokenLogprobs
@@ -34,13 +36,13 @@ def make_engine(folder: Path, tp: int, **overrides: object) -> LLMEngine:
                               "num_kv_blocks": 64, "tensor_parallel_size": tp,
                               "structured_outputs_backend": "none"}
     cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    return build_engine(EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
-def run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[RequestOutput]]:
+def run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[SequenceOutput]]:
     """All prompts to completion, the second one added after the first step (a batch that
     mixes a prefill with a decode)."""
-    outputs: dict[str, list[RequestOutput]] = {}
+    outputs: dict[str, list[SequenceOutput]] = {}
     engine.add_request("r0", prompts[0], PARAMS)
     pending = [(f"r{i}", p) for i, p in enumerate(prompts[1:], start=1)]
     while pending or engine.has_unfinished_requests():
@@ -51,11 +53,11 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[RequestOu
     return outputs
 
 
-def tokens(outs: list[RequestOutput]) -> list[int]:
+def tokens(outs: list[SequenceOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
-def logprobs(outs: list[RequestOutput]) -> list[TokenLogprobs]:
+def logprobs(outs: list[SequenceOutput]) -> list[TokenLogprobs]:
     return [lp for o in outs for lp in (o.new_logprobs or []) if lp is not None]
 
 
@@ -180,8 +182,8 @@ def test_ngram_speculation_at_two_ranks_matches_one_rank_without_it(llama: Path)
     prompts = [loop * 5, loop * 3 + [rng.randrange(3, 448) for _ in range(7)]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 
-    def generate(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
-        outputs: dict[str, list[RequestOutput]] = {}
+    def generate(engine: LLMEngine) -> dict[str, list[SequenceOutput]]:
+        outputs: dict[str, list[SequenceOutput]] = {}
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, params)
         while engine.has_unfinished_requests():
@@ -194,8 +196,8 @@ def test_ngram_speculation_at_two_ranks_matches_one_rank_without_it(llama: Path)
         engine = make_engine(llama, 2, speculative_config=ngram, async_scheduling=loop_mode)
         try:
             two = generate(engine)
-            assert engine.spec is not None
-            _, drafted, accepted, _ = engine.spec.stats.snapshot()
+            assert speculation_of(engine) is not None
+            _, drafted, accepted, _ = speculation_of(engine).stats.snapshot()
         finally:
             engine.close()
         assert drafted > 0 and accepted > 0, loop_mode

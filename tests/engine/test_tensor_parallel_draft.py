@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_features import speculation_of
 from lora_adapters import build_adapter, greedy, peft_model
 from test_engine_vs_hf import hf_greedy, run_all, tokens_of
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.shared.lora_config import LoraModule
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ def test_two_ranks_with_a_draft_model_keep_the_targets_greedy_tokens(
     target, twin, other = models
     spec = json.dumps({"model": str(twin if draft == "twin" else other),
                        "num_speculative_tokens": 3})
-    engine = LLMEngine(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=str(target), dtype="float32", device="cpu", num_kv_blocks=96,
         tensor_parallel_size=2, structured_outputs_backend="none", speculative_config=spec,
         async_scheduling=async_scheduling, max_num_batched_tokens=32))
@@ -49,9 +50,9 @@ def test_two_ranks_with_a_draft_model_keep_the_targets_greedy_tokens(
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (6, 29, 13)]
     try:
-        assert engine.ranks is not None and engine.spec is not None
+        assert engine.ranks is not None and speculation_of(engine) is not None
         outputs = run_all(engine, prompts, GREEDY)
-        drafts, drafted, accepted, _ = engine.spec.stats.snapshot()
+        drafts, drafted, accepted, _ = speculation_of(engine).stats.snapshot()
     finally:
         engine.close()
     for i, prompt in enumerate(prompts):
@@ -71,7 +72,7 @@ def test_lora_adapters_with_a_draft_model(models: tuple[Path, Path, Path], tmp_p
     target, twin, _ = models
     adapter = build_adapter(target, tmp_path / "a", seed=40, rank=8)
     module = LoraModule("ad", str(adapter))
-    engine = LLMEngine(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=str(target), dtype="float32", device="cpu", num_kv_blocks=96,
         tensor_parallel_size=tp, structured_outputs_backend="none", enable_lora=True,
         lora_modules=f"{module.name}={module.path}", max_num_batched_tokens=32,
@@ -88,8 +89,8 @@ def test_lora_adapters_with_a_draft_model(models: tuple[Path, Path, Path], tmp_p
         while engine.has_unfinished_requests():
             for out in engine.step():
                 got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        assert engine.spec is not None
-        _, drafted, accepted, _ = engine.spec.stats.snapshot()
+        assert speculation_of(engine) is not None
+        _, drafted, accepted, _ = speculation_of(engine).stats.snapshot()
     finally:
         engine.close()
     for i, prompt in enumerate(prompts):

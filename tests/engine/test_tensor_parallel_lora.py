@@ -12,14 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_features import lora_of
 from lora_adapters import build_adapter, greedy, peft_model
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.loader import load_model_config, resolve_model
 from meshserve.services.worker.lora.weights import load_lora_weights, shard_lora_weights
-from meshserve.services.worker.models.loader import load_model_config, resolve_model
 from meshserve.services.worker.parallel.config import ParallelConfig, ShardPlan
 from meshserve.shared.lora_config import LoraModule
 from meshserve.shared.sampling_params import SamplingParams
@@ -34,7 +36,7 @@ def _engine(base: Path, tp: int, **overrides: object) -> LLMEngine:
                               "structured_outputs_backend": "none", "enable_lora": True,
                               "max_num_batched_tokens": 64}
     cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
+    return build_engine(EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
 def _run(engine: LLMEngine, requests: list[tuple[list[int], int | None]]) -> list[list[int]]:
@@ -63,8 +65,8 @@ def test_two_ranks_serve_adapters_as_peft_does(tmp_path: Path, kv_heads: int) ->
     engine = _engine(base, 2, max_loras=1, lora_modules=f"{one.name}={one.path}",
                      async_scheduling="on")
     try:
-        assert engine.lora is not None and engine.ranks is not None
-        engine.lora.add(two)  # at run time, as the gateway's load_lora_adapter does
+        assert lora_of(engine) is not None and engine.ranks is not None
+        lora_of(engine).add(two)  # at run time, as the gateway's load_lora_adapter does
         hf_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
         references = [hf_base, peft_model(base, first), peft_model(base, second)]
         ids = [None, one.lora_id, two.lora_id]

@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+from engine_features import speculation_of
 from test_engine_vs_hf import make_engine, run_all, tokens_of
 from tiny_models import build_tiny_model
 
@@ -84,4 +85,4 @@ def test_verify_steps_through_the_graph_runner_give_the_same_tokens(tmp_path,
     assert all(key is not None for key in keys)
     if num_prompts == 3:  # three sequences run in the bucket of four: one padding sequence
         assert any(key[0] == 4 for key in verify)
-    assert engine.spec is not None and engine.spec.stats.snapshot()[2] > 0  # drafts accepted
+    assert speculation_of(engine) is not None and speculation_of(engine).stats.snapshot()[2] > 0  # drafts accepted

@@ -8,6 +8,7 @@ import contextlib
 import gc
 from pathlib import Path
 
+from engine_features import grammars_of
 from tiny_models import build_tiny_model
 
 from meshserve.services.worker.__main__ import WorkerProcess, build_engine
@@ -29,7 +30,7 @@ async def test_the_grammar_preload_is_frozen_before_the_worker_serves(
             worker = WorkerProcess(config, build_engine(config), telemetry)
             try:
                 await worker.start()
-                tokenizer = worker.engine.grammars._tokenizer
+                tokenizer = grammars_of(worker.engine)._tokenizer
                 assert tokenizer is not None, "the grammar preload has not loaded the tokenizer"
                 assert gc.is_tracked(tokenizer)
                 assert not any(o is tokenizer for o in gc.get_objects()), \

@@ -24,8 +24,8 @@ import torch
 from gpu_record import record
 from tiny_models import build_tiny_model
 
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -39,7 +39,7 @@ Outputs = dict[str, list[TokenLogprobs]]
 
 def run(folder: Path, device: str, dtype: str, eager: bool, prompts: list[list[int]],
         max_tokens: int, async_scheduling: str = "auto") -> Outputs:
-    engine = LLMEngine(EngineConfig(model=str(folder), device=device, dtype=dtype,
+    engine = build_engine(EngineConfig(model=str(folder), device=device, dtype=dtype,
                                     enforce_eager=eager, num_kv_blocks=512,
                                     max_num_batched_tokens=256, max_num_seqs=16,
                                     async_scheduling=async_scheduling))

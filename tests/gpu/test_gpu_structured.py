@@ -17,11 +17,13 @@ import re
 from pathlib import Path
 
 import torch
+from engine_features import grammars_of
 from gpu_record import record
 from tiny_models import build_tiny_model
 from transformers import AutoTokenizer
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.structured_output import BitmaskApplier
 from meshserve.shared.sampling_params import SamplingParams
@@ -33,7 +35,7 @@ from meshserve.shared.structured_outputs import (
 try:  # where the worker's structured-output package keeps it
     from meshserve.services.worker.structured.grammars import new_matcher
 except ImportError:  # the engine module, before that package
-    from meshserve.services.worker.engine.structured_output import new_matcher
+    from meshserve.services.worker.structured.grammars import new_matcher
 
 SCHEMA = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -44,7 +46,7 @@ SCHEMA = {"type": "object", "properties": {
 
 def kernel_check(engine: LLMEngine) -> dict[str, object]:
     spec = StructuredOutputs.json_schema(SCHEMA)
-    grammar = engine.grammars.compile(spec)
+    grammar = grammars_of(engine).compile(spec)
     vocab = engine.model_config.vocab_size
     matchers = [new_matcher(grammar, []), None, new_matcher(grammar, []), None]
     matchers[2].accept_string('{"id": 1')  # a different state from row 0
@@ -60,7 +62,7 @@ def kernel_check(engine: LLMEngine) -> dict[str, object]:
 
 
 def generation_check(folder: Path) -> dict[str, object]:
-    engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32",
+    engine = build_engine(EngineConfig(model=str(folder), device="cuda", dtype="float32",
                                     num_kv_blocks=2048, max_model_len=2048,
                                     async_scheduling="on"))
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -14,8 +14,8 @@ import torch
 from gpu_record import record
 from tiny_models import build_tiny_model
 
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.shared.sampling_params import SamplingParams
 
 Tokens = dict[str, list[int]]
@@ -24,7 +24,7 @@ Logprobs = dict[str, list[float]]
 
 def run(folder: Path, prompts: list[list[int]], tp: int) -> tuple[Tokens, Logprobs, bool]:
     """Greedy tokens and chosen-token logprobs per request, and whether CUDA graphs ran."""
-    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=512,
+    engine = build_engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=512,
                                     max_num_seqs=8, tensor_parallel_size=tp))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
     for i, p in enumerate(prompts):

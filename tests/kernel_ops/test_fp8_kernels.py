@@ -26,7 +26,7 @@ import triton.language as tl
 from hopper_compile import compile_launches
 from triton.runtime import interpreter as triton_interpreter
 
-from meshserve.kernels import fp8_widen, triton_attention, triton_fp8_linear, triton_rotary
+from meshserve.kernels import fp8_widen, knobs, triton_attention, triton_fp8_linear, triton_rotary
 from meshserve.kernels.attention import (
     AttentionMetadata,
     decode_attention_reference,
@@ -45,6 +45,7 @@ from meshserve.kernels.fp8_linear import (
     quantize_per_token,
     scaled_mm,
 )
+from meshserve.kernels.knobs import KernelKnobs
 from meshserve.kernels.rotary import RotaryEmbedding, apply_rotary
 
 INTERPRETED = isinstance(triton_fp8_linear._skinny_fp8_kernel, triton_interpreter.InterpretedFunction)
@@ -388,11 +389,13 @@ def test_triton_attention_over_an_fp8_cache_with_16_bit_queries(
     if q_dtype == torch.bfloat16:
         query[1, 2] *= 3e5  # |q| > 65504: overflows float16 unless scaled
     query = query.to(q_dtype)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(triton_attention, "E4M3_WIDEN", "cvt")
+    previous = knobs.use(KernelKnobs(fp8_widen="cvt"))
+    try:
         cvt = triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.25)
-        patch.setattr(triton_attention, "E4M3_WIDEN", "bits")
+        knobs.use(KernelKnobs(fp8_widen="bits"))
         got = triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.25)
+    finally:
+        knobs.use(previous)
     ref = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(), meta, 0.25)
     assert got.dtype == q_dtype and torch.isfinite(got).all()
     assert torch.allclose(got.float(), ref, atol=2e-2, rtol=1e-2), (got.float() - ref).abs().max()
@@ -513,12 +516,14 @@ def test_tuning_offers_one_row_tiles_only_for_one_row_and_falls_back_off_the_gpu
 
     assert {c.mode for c in fp8_tuning.candidates(1)} == {"fma", "bf16", "f16", "f16t"}
     assert {c.mode for c in fp8_tuning.candidates(5)} == {"bf16", "f16", "f16t"}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv(triton_attention.WIDEN_ENV, raising=False)
+    previous = knobs.use(KernelKnobs(fp8_widen="cvt"))
+    try:
         assert {c.widen for c in fp8_tuning.candidates(1)} == {"cvt"}
         assert len(fp8_tuning.candidates(5)) < len(triton_fp8_linear.CANDIDATES)
-        patch.setenv(triton_attention.WIDEN_ENV, "bits")  # widening by bits offered too
+        knobs.use(KernelKnobs(fp8_widen="bits"))  # widening by bits offered too
         assert {c.widen for c in fp8_tuning.candidates(1)} == {"cvt", "bits"}
+    finally:
+        knobs.use(previous)
     assert all(c.block_k % 16 == 0 and c.block_n >= 4 for c in triton_fp8_linear.CANDIDATES)
     q, scale = quantize_per_channel(_weights(48, 64))
     for rows in (1, 7):

@@ -24,6 +24,7 @@ from test_triton_kernels import in_interpreter, outside_interpreter
 from tiny_models import build_tiny_model
 
 from meshserve.kernels import triton_lora
+from meshserve.services.worker.loader import load_model_config, resolve_model
 from meshserve.services.worker.lora.stack import LoraProjection, LoraStack
 from meshserve.services.worker.lora.weights import (
     LoraWeights,
@@ -31,7 +32,6 @@ from meshserve.services.worker.lora.weights import (
     module_shapes,
 )
 from meshserve.services.worker.models.config import ModelConfig
-from meshserve.services.worker.models.loader import load_model_config, resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK = 4

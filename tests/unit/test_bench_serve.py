@@ -49,7 +49,7 @@ def test_random_lengths_stay_within_the_range_ratio() -> None:
 
 def test_sharegpt_like_prompts_are_those_of_bench_throughput(tiny_llama_dir: Path) -> None:
     from meshserve.bench import engine as bench
-    from meshserve.services.worker.models.loader import load_model_config, resolve_model
+    from meshserve.services.worker.loader import load_model_config, resolve_model
 
     model_config = load_model_config(resolve_model(str(tiny_llama_dir), "dummy"))
     config = ServeConfig(dataset="sharegpt-like", model_config=tiny_llama_dir, num_prompts=40,

@@ -2,15 +2,15 @@
 
 from meshserve.services.worker.engine.block_pool import BlockPool
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.engine.request import Request
+from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.shared.block_hash import hash_blocks
 from meshserve.shared.kv_events import BlockRemoved, BlockStored
 from meshserve.shared.sampling_params import SamplingParams
 
 
-def make_request(rid: str, tokens: list[int], **params: object) -> Request:
+def make_request(rid: str, tokens: list[int], **params: object) -> SequenceState:
     sp = SamplingParams(max_tokens=8, **params)  # type: ignore[arg-type]
-    return Request(rid, tokens, sp, max_tokens=8)
+    return SequenceState(rid, tokens, sp, max_tokens=8)
 
 
 def test_new_blocks_come_from_the_head_of_the_free_list() -> None:
@@ -95,7 +95,7 @@ def test_cache_salt_separates_identical_prompts() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = make_request("a", list(range(9)))
     assert kv.allocate_slots(a, 9)
-    salted = Request("b", list(range(9)), SamplingParams(max_tokens=4), max_tokens=4,
+    salted = SequenceState("b", list(range(9)), SamplingParams(max_tokens=4), max_tokens=4,
                      extra_keys=(("salt", "tenant-2"),))
     assert kv.get_computed_blocks(salted) == []
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.services.worker.engine.config import EngineConfig, GiB
-from meshserve.shared.errors import InvalidRequestError
+from meshserve.services.worker.config import EngineConfig, GiB
+from meshserve.shared.errors import ConfigError
 
 
 @pytest.mark.parametrize(("memory", "name", "want"), [
@@ -21,5 +21,5 @@ def test_max_num_seqs_default_follows_the_device(memory: int, name: str, want: i
 
 def test_an_explicit_max_num_seqs_wins() -> None:
     assert EngineConfig(max_num_seqs=64).seqs_limit(80 * GiB, "NVIDIA H100") == 64
-    with pytest.raises(InvalidRequestError, match="max-num-seqs"):
+    with pytest.raises(ConfigError, match="max-num-seqs"):
         EngineConfig(max_num_seqs=0)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.kv_sizing import (
     PIECEWISE_MAX_TOKENS,
     gpu_memory_and_name,

@@ -1,21 +1,21 @@
 """Local scheduler: step composition, chunked prefill, preemption order and policies."""
 
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.engine.request import Request, RequestStatus
-from meshserve.services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from meshserve.services.worker.engine.sequence import SequenceState, SequenceStatus
+from meshserve.services.worker.engine.step_scheduler import StepScheduler, StepSchedulerConfig
 from meshserve.shared.sampling_params import SamplingParams
 
 
-def req(rid: str, n_tokens: int, *, arrival: float, priority: int = 0, base: int = 0) -> Request:
+def req(rid: str, n_tokens: int, *, arrival: float, priority: int = 0, base: int = 0) -> SequenceState:
     tokens = [base + i for i in range(n_tokens)]
-    return Request(rid, tokens, SamplingParams(max_tokens=64), max_tokens=64,
+    return SequenceState(rid, tokens, SamplingParams(max_tokens=64), max_tokens=64,
                    arrival_time=arrival, priority=priority)
 
 
 def make(budget: int, blocks: int = 64, *, chunked: bool = True, policy: str = "fcfs",
-         max_seqs: int = 8, long_prefill: int = 0) -> Scheduler:
+         max_seqs: int = 8, long_prefill: int = 0) -> StepScheduler:
     kv = KVCacheManager(blocks, block_size=4, enable_caching=False)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+    return StepScheduler(StepSchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                                      enable_chunked_prefill=chunked, policy=policy,
                                      long_prefill_token_threshold=long_prefill), kv)
 
@@ -24,7 +24,7 @@ def composition(out) -> list[tuple[str, int]]:
     return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
 
 
-def run_step(sched: Scheduler, out, token: int = 7) -> None:
+def run_step(sched: StepScheduler, out, token: int = 7) -> None:
     """Advance and append a token to every request that finished its prompt, as the engine does."""
     for s in out.scheduled:
         completes = s.completes_prompt
@@ -111,7 +111,7 @@ def test_preemption_takes_the_latest_running_request_and_requeues_it_first() -> 
     out = sched.schedule()
     assert composition(out) == [("a", 1)]
     assert out.preempted == [b]
-    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.status == SequenceStatus.PREEMPTED and b.num_computed_tokens == 0
     assert [r.request_id for r in sched.waiting] == ["b", "c"]  # b keeps its place before c
     assert sched.kv.num_free_blocks == 4 - 3
 
@@ -155,9 +155,9 @@ def test_finish_frees_blocks_wherever_the_request_is() -> None:
     assert [r.request_id for r in sched.running] == ["a", "b"]
     assert [r.request_id for r in sched.waiting] == ["c"]
     assert sched.kv.num_free_blocks == 8 - 4
-    sched.finish(c, RequestStatus.FINISHED_ABORTED)  # waiting
-    sched.finish(a, RequestStatus.FINISHED_ABORTED)  # running
+    sched.finish(c, SequenceStatus.FINISHED_ABORTED)  # waiting
+    sched.finish(a, SequenceStatus.FINISHED_ABORTED)  # running
     assert sched.kv.num_free_blocks == 8 - 2
-    sched.finish(b, RequestStatus.FINISHED_STOPPED)
+    sched.finish(b, SequenceStatus.FINISHED_STOPPED)
     assert sched.kv.num_free_blocks == 8 and sched.num_unfinished == 0
-    assert c.status == RequestStatus.FINISHED_ABORTED
+    assert c.status == SequenceStatus.FINISHED_ABORTED

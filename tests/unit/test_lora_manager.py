@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 from tiny_models import build_tiny_model
 
+from meshserve.services.worker.loader import load_model_config, resolve_model
 from meshserve.services.worker.lora.manager import LoraManager
 from meshserve.services.worker.lora.stack import LoraStack
 from meshserve.services.worker.models.config import ModelConfig
-from meshserve.services.worker.models.loader import load_model_config, resolve_model
 from meshserve.shared.errors import InvalidRequestError, NotFoundError
 from meshserve.shared.lora_config import LoraModule, lora_id_for
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshserve.local.launcher import LauncherConfig, Stack, child_env
 from meshserve.services.gateway.merged_metrics import merge, parse_targets
-from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput
 from meshserve.services.worker.request_stream import SequenceTimes
 from meshserve.services.worker.vllm_metrics import (
     WeightedHistogram,
@@ -36,8 +36,8 @@ def value(registry: CollectorRegistry, name: str, **extra: str) -> float:
 
 
 def out(request_id: str, tokens: list[int], count: int, *, index: int = 0,
-        reason: str | None = None, prompt: int = 5) -> RequestOutput:
-    return RequestOutput(request_id, request_id, index, tokens, finish_reason=reason,
+        reason: str | None = None, prompt: int = 5) -> SequenceOutput:
+    return SequenceOutput(request_id, request_id, index, tokens, finish_reason=reason,
                          num_prompt_tokens=prompt, num_output_tokens=count)
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from meshserve.services.worker.engine import engine as engine_module
-from meshserve.services.worker.engine.engine import settled_heap
+from meshserve.services.worker import heap as engine_module
+from meshserve.services.worker.heap import settled_heap
 
 
 def test_the_heap_is_frozen_for_the_run_and_released_after() -> None:
@@ -45,7 +45,7 @@ def test_a_long_collection_is_logged_and_a_short_or_asked_for_one_is_not(
 
 
 def test_waiting_for_the_grammar_preload_ends_when_it_ends_or_at_the_timeout() -> None:
-    from meshserve.services.worker.engine.structured_output import GrammarCompiler
+    from meshserve.services.worker.structured.grammars import GrammarCompiler
 
     gate = threading.Event()
 

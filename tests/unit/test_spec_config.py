@@ -10,7 +10,7 @@ from meshserve.cli.up import positional_model
 from meshserve.cli.vllm_options import translate
 from meshserve.local.launcher import LauncherConfig
 from meshserve.services.worker.config import EngineConfig
-from meshserve.shared.errors import ConfigError, InvalidRequestError
+from meshserve.shared.errors import ConfigError
 from meshserve.shared.speculative_config import SpeculativeConfig, parse_speculative_config
 
 
@@ -67,7 +67,7 @@ def test_engine_config_validates_the_json() -> None:
     config = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
     assert config.speculative == SpeculativeConfig("ngram", 2)
     assert EngineConfig().speculative is None
-    with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
         EngineConfig(speculative_config='{"method": "ngram"}')
 
 

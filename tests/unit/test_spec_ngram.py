@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from meshserve.services.worker.engine.request import Request, RequestStatus
+from meshserve.services.worker.engine.sequence import SequenceState, SequenceStatus
 from meshserve.services.worker.spec.decoder import NgramBatchProposer
 from meshserve.services.worker.spec.ngram import NgramProposer, TokenHistory
 from meshserve.shared.sampling_params import SamplingParams
@@ -92,12 +92,12 @@ def test_a_history_reads_only_new_tokens_and_restarts_when_shorter() -> None:
 def test_the_batch_proposer_follows_each_sequence_and_forgets_finished_ones() -> None:
     config = SpeculativeConfig("ngram", 3, prompt_lookup_max=2, prompt_lookup_min=1)
     proposer = NgramBatchProposer(config)
-    loop = Request("a", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(), max_tokens=20)
-    other = Request("b", [5, 6, 7], SamplingParams(), max_tokens=20)
+    loop = SequenceState("a", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(), max_tokens=20)
+    other = SequenceState("b", [5, 6, 7], SamplingParams(), max_tokens=20)
     assert proposer.propose_batch([loop, other], [3, 3]) == [[3, 1, 2], []]
     loop.output_token_ids.extend([3, 9, 1])  # the sequence grows: drafts follow it
     assert proposer.propose_batch([loop], [3]) == [[2, 3, 9]]
     assert proposer.may_draft(loop) and not proposer.may_draft(other)
-    other.status = RequestStatus.FINISHED_STOPPED
+    other.status = SequenceStatus.FINISHED_STOPPED
     proposer.propose_batch([loop], [2])
     assert set(proposer._histories) == {"a"}

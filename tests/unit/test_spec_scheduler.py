@@ -4,18 +4,18 @@ its drafts, cut to the budget, and drafts never cost another sequence its blocks
 from __future__ import annotations
 
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.engine.request import Request
-from meshserve.services.worker.engine.scheduler import Scheduler, SchedulerConfig
+from meshserve.services.worker.engine.sequence import SequenceState
+from meshserve.services.worker.engine.step_scheduler import StepScheduler, StepSchedulerConfig
 from meshserve.shared.sampling_params import SamplingParams
 
 
-def two_decoding(num_blocks: int, budget: int = 64) -> tuple[Scheduler, Request, Request]:
+def two_decoding(num_blocks: int, budget: int = 64) -> tuple[StepScheduler, SequenceState, SequenceState]:
     """Two sequences with 3-token prompts (one 4-token block each) and one output token."""
     kv = KVCacheManager(num_blocks, block_size=4, enable_caching=False)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), kv)
+    scheduler = StepScheduler(StepSchedulerConfig(max_num_batched_tokens=budget), kv)
     params = SamplingParams(temperature=0.0, max_tokens=20)
-    a = Request("a", [1, 2, 3], params, max_tokens=20)
-    b = Request("b", [4, 5, 6], params, max_tokens=20)
+    a = SequenceState("a", [1, 2, 3], params, max_tokens=20)
+    b = SequenceState("b", [4, 5, 6], params, max_tokens=20)
     scheduler.add(a)
     scheduler.add(b)
     scheduler.advance(scheduler.schedule())

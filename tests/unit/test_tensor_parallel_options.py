@@ -88,14 +88,14 @@ def test_lora_with_tensor_parallelism_is_accepted() -> None:
 
 def test_a_draft_model_that_is_the_target_at_tp_or_with_lora_is_refused_by_name() -> None:
     from meshserve.services.worker.config import EngineConfig
-    from meshserve.shared.errors import InvalidRequestError
+    from meshserve.shared.errors import ConfigError
 
     draft = '{"model": "d", "num_speculative_tokens": 3}'
     # Another model as draft is whole on rank 0 (tests/engine/test_tensor_parallel_draft.py).
     assert EngineConfig(model="m", speculative_config=draft,
                         tensor_parallel_size=2).speculative is not None
     itself = '{"model": "m", "num_speculative_tokens": 3}'
-    with pytest.raises(InvalidRequestError, match="the target model itself") as no:
+    with pytest.raises(ConfigError, match="the target model itself") as no:
         EngineConfig(model="m", speculative_config=itself, tensor_parallel_size=2)
     assert no.value.param == "speculative_config"
     assert EngineConfig(model="m", speculative_config=itself).speculative is not None
@@ -111,6 +111,6 @@ def test_a_draft_model_that_is_the_target_at_tp_or_with_lora_is_refused_by_name(
                         enable_lora=True).speculative is not None
     assert EngineConfig(model="m", speculative_config=draft,
                         enable_lora=True).speculative is not None
-    with pytest.raises(InvalidRequestError, match="--enable-lora") as no:
+    with pytest.raises(ConfigError, match="--enable-lora") as no:
         EngineConfig(model="m", speculative_config=itself, enable_lora=True)
     assert no.value.param == "speculative_config"

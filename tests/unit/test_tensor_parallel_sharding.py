@@ -9,14 +9,14 @@ import torch
 from safetensors import safe_open
 from tiny_models import build_tiny_model
 
-from meshserve.services.worker.models.llama import RMSNorm
-from meshserve.services.worker.models.loader import (
+from meshserve.services.worker.loader import (
     _iter_checkpoint,
     checkpoint_files,
     load_model,
     load_model_config,
     resolve_model,
 )
+from meshserve.services.worker.models.llama import RMSNorm
 from meshserve.services.worker.parallel.config import ParallelConfig, ShardPlan
 from meshserve.services.worker.parallel.layers import SummingNorm, VocabParallelEmbedding
 from meshserve.shared.errors import ModelLoadError

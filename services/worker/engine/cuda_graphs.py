@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from meshserve.kernels.attention import AttentionMetadata, paged_attention
-from meshserve.services.worker.lora.stack import LoraStack
+from meshserve.services.worker.engine.hooks import AdapterStack
 from meshserve.services.worker.models.llama import CausalLM, DecoderLayer
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], *, max_num_seqs: int,
                  max_blocks_per_seq: int, max_model_len: int, hidden_size: int,
                  device: torch.device, verify_lens: tuple[int, ...] = (),
-                 lora: LoraStack | None = None) -> None:
+                 lora: AdapterStack | None = None) -> None:
         self.model = model
         self.lora = lora
         self.kv_caches = kv_caches

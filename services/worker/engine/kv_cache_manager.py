@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshserve.services.worker.engine.block_pool import BlockPool, KVBlock
-from meshserve.services.worker.engine.request import Request
+from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.shared.block_hash import hash_blocks
 
 
@@ -35,7 +35,7 @@ class KVCacheManager:
         """The request's block table (the manager's own list: read it, do not change it)."""
         return self._ids.get(request_id, [])
 
-    def _update_hashes(self, request: Request) -> None:
+    def _update_hashes(self, request: SequenceState) -> None:
         """Extend the request's chained block hashes over its newly full blocks."""
         known = len(request.block_hashes)
         num_known = request.num_known_tokens  # pending tokens have no id yet
@@ -45,7 +45,7 @@ class KVCacheManager:
                 request.token_ids(0, num_known), self.block_size, request.extra_keys, parent,
                 known))
 
-    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+    def get_computed_blocks(self, request: SequenceState) -> list[KVBlock]:
         """Longest run of leading blocks already cached for this request's tokens.
 
         At least one token is always left to compute: its logits give the next
@@ -64,7 +64,7 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+        self, request: SequenceState, num_new_tokens: int, computed: list[KVBlock] | None = None
     ) -> bool:
         """Make room for `num_new_tokens` more tokens; False (and no change) if blocks run out.
 
@@ -98,7 +98,7 @@ class KVCacheManager:
         self._cache_new_full_blocks(request, total, len(computed))
         return True
 
-    def _cache_new_full_blocks(self, request: Request, num_tokens: int, num_hits: int) -> None:
+    def _cache_new_full_blocks(self, request: SequenceState, num_tokens: int, num_hits: int) -> None:
         if not self.enable_caching:
             return
         rid = request.request_id
@@ -118,13 +118,13 @@ class KVCacheManager:
             request.block_hashes[start - 1] if start else None,
         )
 
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: SequenceState) -> None:
         """Index the request's full computed blocks whose token ids have just become known
         (a block holding a pending token waits for its id)."""
         if request.request_id in self._blocks:
             self._cache_new_full_blocks(request, request.num_computed_tokens, 0)
 
-    def trim(self, request: Request, num_tokens: int) -> None:
+    def trim(self, request: SequenceState, num_tokens: int) -> None:
         """Release the request's blocks beyond its first `num_tokens` tokens (rejected
         drafts' slots); those blocks hold no indexed (full, known) tokens."""
         held = self._blocks.get(request.request_id)
@@ -137,7 +137,7 @@ class KVCacheManager:
         del self._ids[request.request_id][keep:]
         self.pool.free_blocks(reversed(extra))
 
-    def free(self, request: Request) -> None:
+    def free(self, request: SequenceState) -> None:
         """Release every block the request holds (its tail first in eviction order)."""
         blocks = self._blocks.pop(request.request_id, [])
         self._ids.pop(request.request_id, None)

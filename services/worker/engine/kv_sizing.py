@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.model_runner import (
     kv_cache_bytes_per_block,
     profile_activation_bytes,

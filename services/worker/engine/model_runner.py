@@ -13,8 +13,13 @@ from meshserve.services.worker.engine.cuda_graphs import (
     CudaGraphRunner,
     PiecewiseGraphRunner,
 )
+from meshserve.services.worker.engine.hooks import (
+    AdapterSlots,
+    DraftVerifier,
+    PendingVerification,
+    Verified,
+)
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.engine.request import Request
 from meshserve.services.worker.engine.sampler import (
     HostCopy,
     PendingSample,
@@ -23,12 +28,11 @@ from meshserve.services.worker.engine.sampler import (
     logprob_entries,
     logprob_table,
 )
-from meshserve.services.worker.engine.scheduler import SchedulerOutput
-from meshserve.services.worker.lora.manager import LoraManager
+from meshserve.services.worker.engine.sequence import SequenceState
+from meshserve.services.worker.engine.step_scheduler import SchedulerOutput
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM, padded_logit_rows
 from meshserve.services.worker.parallel.broadcast import StepPlan, StepSync
-from meshserve.services.worker.spec.verify import PendingVerify, Verified, Verifier
 from meshserve.shared.errors import InternalError
 from meshserve.shared.logprobs import TokenLogprobs
 
@@ -38,9 +42,9 @@ class StepResult:
     """What the model produced in one step."""
 
     # (sequence, its token, that token's logprobs) for every sequence that sampled
-    sampled: list[tuple[Request, int, TokenLogprobs | None]] = field(default_factory=list)
+    sampled: list[tuple[SequenceState, int, TokenLogprobs | None]] = field(default_factory=list)
     # (sequence, first prompt position scored, logprobs from that position on)
-    prompt_logprobs: list[tuple[Request, int, list[TokenLogprobs | None]]] = field(
+    prompt_logprobs: list[tuple[SequenceState, int, list[TokenLogprobs | None]]] = field(
         default_factory=list)
     # Speculating sequences' accepted drafts and correction/bonus token (spec/verify.py)
     verified: list[Verified] = field(default_factory=list)
@@ -54,9 +58,9 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_rows: list[int]  # row in [T] of the last token of each request that samples
-    sample_requests: list[Request]
+    sample_requests: list[SequenceState]
     # Requests wanting prompt logprobs, with the rows whose logits score their next prompt token.
-    prompt_rows: list[tuple[Request, list[int]]]
+    prompt_rows: list[tuple[SequenceState, list[int]]]
     # Rows whose token was sampled by the previous step and is still on the device, and
     # where that step's sampled tokens hold it.
     pending_rows: list[int] = field(default_factory=list)
@@ -64,13 +68,13 @@ class StepInputs:
     # The host lists, kept for the other tensor-parallel ranks (None without them).
     plan: StepPlan | None = None
     # Speculating sequences and the rows of their [last token + drafts] queries.
-    verify_requests: list[Request] = field(default_factory=list)
+    verify_requests: list[SequenceState] = field(default_factory=list)
     verify_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
 class _PromptScores:
-    request: Request
+    request: SequenceState
     first_position: int
     table: HostCopy  # logprob_table's rows, on their way to the host
     leading_none: bool  # position 0 has no logprob (nothing precedes it)
@@ -80,7 +84,7 @@ class LaunchedStep:
     """A step queued on the device: its sampled tokens stay there for the next step's
     inputs, and `result()` waits for them on the host (the one wait of a step)."""
 
-    def __init__(self, scheduled: SchedulerOutput, sample_requests: list[Request],
+    def __init__(self, scheduled: SchedulerOutput, sample_requests: list[SequenceState],
                  sample: PendingSample | None, prompt_scores: list[_PromptScores]) -> None:
         self.scheduled = scheduled
         self.sample_requests = sample_requests
@@ -90,7 +94,7 @@ class LaunchedStep:
         self.sample_index = {id(r): i for i, r in enumerate(sample_requests)}
         # [S, V] float32 logits of a step whose sampling is not queued yet.
         self.logits: torch.Tensor | None = None
-        self.verify: PendingVerify | None = None  # speculating sequences' verify pass
+        self.verify: PendingVerification | None = None  # speculating sequences' verify pass
 
     @property
     def sample_deferred(self) -> bool:
@@ -160,9 +164,12 @@ class ModelRunner:
     """Owns the model, its KV cache tensors and the sampler."""
 
     def __init__(self, model: CausalLM, config: ModelConfig, kv: KVCacheManager,
-                 dtype: torch.dtype, device: torch.device, sync: StepSync | None = None,
-                 ) -> None:
-        """`sync`: hands each step to the other tensor-parallel ranks (None: no others)."""
+                 dtype: torch.dtype, device: torch.device, sync: StepSync | None = None, *,
+                 sampler: Sampler | None = None, adapters: AdapterSlots | None = None,
+                 verifier: DraftVerifier | None = None) -> None:
+        """`sync`: hands each step to the other tensor-parallel ranks (None: no others).
+        `adapters`: multi-LoRA serving's slots (None: off); `verifier`: speculation's verify
+        pass (None: no drafts are scheduled); `sampler`: shared with the verifier."""
         self.model = model
         self.config = config
         self.kv = kv
@@ -179,11 +186,11 @@ class ModelRunner:
                               device=device)
         self.kv_caches = [(storage[layer, 0], storage[layer, 1])
                           for layer in range(config.num_hidden_layers)]
-        self.sampler = Sampler(config.vocab_size, device)
+        self.sampler = sampler or Sampler(config.vocab_size, device)
         self.graphs: CudaGraphRunner | None = None
         self.pieces: PiecewiseGraphRunner | None = None
-        self.lora: LoraManager | None = None  # set when multi-LoRA serving is on
-        self.verifier: Verifier | None = None  # set when the engine speculates
+        self.lora = adapters
+        self.verifier = verifier
         self.last_path = ""  # how the last forward ran: graph, verify_graph, piecewise, eager
         # cuBLAS's first LM-head product of each row count stalls the host: few counts.
         model.pad_logit_rows = device.type == "cuda"
@@ -317,11 +324,11 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        sample_requests: list[Request] = []
-        prompt_rows: list[tuple[Request, list[int]]] = []
+        sample_requests: list[SequenceState] = []
+        prompt_rows: list[tuple[SequenceState, list[int]]] = []
         pending_rows: list[int] = []
         pending_sources: list[int] = []
-        verify_requests: list[Request] = []
+        verify_requests: list[SequenceState] = []
         verify_rows: list[int] = []
         for s in out.scheduled:
             r, n = s.request, s.num_new_tokens
@@ -438,7 +445,7 @@ class ModelRunner:
         return scores
 
 
-def _row(request: Request) -> SamplingRow:
+def _row(request: SequenceState) -> SamplingRow:
     eos = () if request.params.ignore_eos else tuple(request.eos_token_ids)
     stop_ids = eos + tuple(request.params.stop_token_ids)
     return SamplingRow(

@@ -7,29 +7,29 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from meshserve.services.worker.engine.request import Request, RequestOutput, RequestStatus
+from meshserve.services.worker.engine.sequence import SequenceOutput, SequenceState, SequenceStatus
 from meshserve.services.worker.engine.structured_output import accept_tokens
 
 log = logging.getLogger(__name__)
 
 
-def stop_status(seq: Request, token: int, count: int, max_model_len: int,
-                ) -> RequestStatus | None:
+def stop_status(seq: SequenceState, token: int, count: int, max_model_len: int,
+                ) -> SequenceStatus | None:
     """How the sequence finishes with `token` as its output token number `count`, or None
     if it goes on."""
     params = seq.params
     if count >= params.min_tokens:
         if token in params.stop_token_ids:
             seq.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
+            return SequenceStatus.FINISHED_STOPPED
         if not params.ignore_eos and token in seq.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
+            return SequenceStatus.FINISHED_STOPPED
     if count >= seq.max_tokens or seq.num_prompt_tokens + count >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH
+        return SequenceStatus.FINISHED_LENGTH
     return None
 
 
-def accept_grammar_tokens(sampled: Sequence[tuple[Request, int, Any]]) -> dict[int, bool]:
+def accept_grammar_tokens(sampled: Sequence[tuple[SequenceState, int, Any]]) -> dict[int, bool]:
     """Feed each constrained sequence's new token to its grammar, in one batch; by
     sequence identity, whether the grammar took it."""
     rows = [(seq, token) for seq, token, _ in sampled
@@ -40,19 +40,19 @@ def accept_grammar_tokens(sampled: Sequence[tuple[Request, int, Any]]) -> dict[i
     return {id(seq): ok for (seq, _), ok in zip(rows, taken, strict=True)}
 
 
-def grammar_status(seq: Request, token: int, accepted: bool) -> RequestStatus | None:
+def grammar_status(seq: SequenceState, token: int, accepted: bool) -> SequenceStatus | None:
     """FINISHED_STOPPED once the sequence's grammar is complete (or, which the mask
     prevents, has rejected `token`)."""
     if not accepted:
         log.warning("%s: grammar rejected token %d; finishing the sequence",
                     seq.request_id, token)
-        return RequestStatus.FINISHED_STOPPED
+        return SequenceStatus.FINISHED_STOPPED
     matcher: Any = seq.grammar
-    return RequestStatus.FINISHED_STOPPED if matcher.is_terminated() else None
+    return SequenceStatus.FINISHED_STOPPED if matcher.is_terminated() else None
 
 
-def delta_output(seq: Request, tokens: list[int], logprobs: object = None,
-                 count: int | None = None) -> RequestOutput:
+def delta_output(seq: SequenceState, tokens: list[int], logprobs: object = None,
+                 count: int | None = None) -> SequenceOutput:
     """The delta of `tokens`, which end at output token number `count` (default: the last
     known one)."""
     if count is None:
@@ -60,7 +60,7 @@ def delta_output(seq: Request, tokens: list[int], logprobs: object = None,
     prompt_logprobs = None
     if seq.params.prompt_logprobs is not None and count == len(tokens) == 1:
         prompt_logprobs = seq.prompt_logprobs or [None]
-    return RequestOutput(
+    return SequenceOutput(
         request_id=seq.group_id,
         group_id=seq.group_id,
         index=seq.index,

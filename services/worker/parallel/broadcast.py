@@ -10,11 +10,10 @@ sampling that produces them, so no rank waits on its host for the device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from meshserve.services.worker.lora.weights import LoraWeights
 
 
 @dataclass
@@ -35,7 +34,9 @@ class StepPlan:
     # Multi-LoRA: (slot or -1, rows) per sequence, and adapters rank 0 put into slots for
     # this step (slot, whole adapter; each rank takes its part).
     lora_groups: list[tuple[int, int]] = field(default_factory=list)
-    lora_writes: list[tuple[int, LoraWeights]] = field(default_factory=list)
+    # The writes are the LoRA feature's own objects (lora/weights.py LoraWeights), carried
+    # through without this layer knowing them.
+    lora_writes: list[tuple[int, Any]] = field(default_factory=list)
 
 
 class StepSync:

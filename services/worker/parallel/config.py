@@ -32,6 +32,9 @@ class ParallelConfig:
     rank: int = 0
     # Small sums over GPU ranks by the one-shot all-reduce (--disable-custom-all-reduce: NCCL).
     custom_all_reduce: bool = True
+    # With the one-shot all-reduce: sum, residual add and RMSNorm in one kernel
+    # (--no-tp-fused-norm: the sum, then the norm).
+    fused_norm: bool = True
 
     def __post_init__(self) -> None:
         assert self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}"

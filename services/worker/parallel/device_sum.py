@@ -13,13 +13,12 @@ Every such sum in a decoder layer is followed by the residual add and RMSNorm, s
 norms ask for all three at once (`add_rms_norm`). On GPUs with symmetric memory a batch of up
 to FUSED_MAX_BYTES per sum takes one kernel for it (kernels/triton_rank_sum_norm.py) instead
 of a copy, an all-reduce and the norm; everything else sums first and then normalises.
-MESHSERVE_TP_FUSED_NORM=0 turns the fused kernel off (to compare).
+`--no-tp-fused-norm` turns the fused kernel off (to compare).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,6 @@ ONE_SHOT_MAX_BYTES = 1 << 20
 # with more sites or ranks, fewer rows per site.
 FUSED_MAX_BYTES = 1 << 19
 FUSED_BUFFER_BYTES = 1 << 28
-FUSED_ENV = "MESHSERVE_TP_FUSED_NORM"
 
 
 class DeviceSum:
@@ -51,11 +49,11 @@ class DeviceSum:
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype, one_shot: bool, *,
-               hidden_size: int = 0, sites: int = 0) -> DeviceSum:
+               hidden_size: int = 0, sites: int = 0, fused_norm: bool = True) -> DeviceSum:
         """Every rank calls it at the same point (the buffers' rendezvous is collective).
 
         `sites`: how many norms ask for `add_rms_norm` (numbered 0..sites-1), each with rows
-        of `hidden_size`; the fused kernel needs two or more."""
+        of `hidden_size`; the fused kernel needs two or more, and `fused_norm`."""
         if not one_shot or device.type != "cuda":
             return cls()
         try:
@@ -72,7 +70,7 @@ class DeviceSum:
         log.info("tensor-parallel sums up to %d KB take the one-shot all-reduce",
                  ONE_SHOT_MAX_BYTES >> 10)
         fused = None
-        if sites >= 2 and os.environ.get(FUSED_ENV, "1") != "0":
+        if sites >= 2 and fused_norm:
             fused = FusedSumNorm.create(device, dtype, hidden_size, sites, group_name)
         return cls(buffer, group_name, fused)
 

@@ -117,4 +117,5 @@ def bind_device_sum(model: CausalLM, plan: ShardPlan, device: torch.device,
     rank_sum: RankSum = model.rank_sum
     rank_sum.device_sum = DeviceSum.create(device, dtype, plan.parallel.custom_all_reduce,
                                            hidden_size=model.config.hidden_size,
-                                           sites=rank_sum.sites)
+                                           sites=rank_sum.sites,
+                                           fused_norm=plan.parallel.fused_norm)

@@ -1,7 +1,7 @@
 """Starting the ranks of a tensor-parallel worker and watching them.
 
 Rank 0 is the worker process itself. It starts ranks 1..N-1 as child processes
-(`python -m meshserve.services.worker.parallel.follower`), hands each its `RankSpec` on
+(`python -m meshserve.services.worker.follower`), hands each its `RankSpec` on
 stdin and keeps that pipe open for the follower's life: a follower exits as soon as the
 pipe reaches EOF, which happens when rank 0 exits, is killed or stops the group, so no
 rank outlives the worker. A follower that fails is fatal for the worker: a watcher thread
@@ -24,13 +24,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.parallel.broadcast import StepSync
 from meshserve.services.worker.parallel.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 
-FOLLOWER_MODULE = "meshserve.services.worker.parallel.follower"
+FOLLOWER_MODULE = "meshserve.services.worker.follower"
 # Collectives of the model (and joining the group) fail after this long.
 _COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 # The followers wait for rank 0's next step for as long as the worker is idle.

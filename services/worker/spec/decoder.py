@@ -10,9 +10,9 @@ from typing import Protocol
 
 import numpy as np
 
-from meshserve.services.worker.engine.request import NEVER_DRAFTED, Request, RequestStatus
+from meshserve.services.worker.engine.hooks import StepHook, Verified
+from meshserve.services.worker.engine.sequence import NEVER_DRAFTED, SequenceState, SequenceStatus
 from meshserve.services.worker.spec.ngram import NgramProposer, TokenHistory
-from meshserve.services.worker.spec.verify import Verified
 from meshserve.shared.speculative_config import SpeculativeConfig
 
 # A sequence that had drafts this many steps ago or fewer is waited for (`waits_for`).
@@ -20,11 +20,11 @@ RECENT_DRAFT_STEPS = 2
 
 
 class Proposer(Protocol):
-    def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+    def propose_batch(self, requests: list[SequenceState], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] draft tokens to follow requests[i]'s tokens, for each request."""
         ...
 
-    def may_draft(self, request: Request) -> bool:
+    def may_draft(self, request: SequenceState) -> bool:
         """Whether `request`, whose last tokens are still on the device, is likely to get
         drafts once they are read (judged from the tokens on the host)."""
         ...
@@ -58,8 +58,9 @@ class SpecStats:
                     list(self.accepted_per_pos))
 
 
-class SpecDecoder:
-    """Sets each eligible decoding sequence's drafts before the step is scheduled."""
+class SpecDecoder(StepHook):
+    """Sets each eligible decoding sequence's drafts before the step is scheduled (the
+    engine's step hook of speculative decoding)."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer,
                  max_model_len: int) -> None:
@@ -68,7 +69,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecStats()
 
-    def num_drafts_for(self, request: Request) -> int:
+    def num_drafts_for(self, request: SequenceState) -> int:
         """How many drafts the sequence may verify this step (0: it does not speculate).
 
         Constrained sequences (structured outputs) never speculate: their grammar would
@@ -76,7 +77,7 @@ class SpecDecoder:
         still prefilling or with a token on the device. The count stops where the
         accepted run plus its bonus token would pass max_tokens or the context length.
         """
-        if (request.status != RequestStatus.RUNNING or request.grammar is not None
+        if (request.status != SequenceStatus.RUNNING or request.grammar is not None
                 or request.num_pending or request.is_prefilling
                 or request.num_computed_tokens != request.num_tokens - 1):
             return 0
@@ -84,7 +85,7 @@ class SpecDecoder:
         room_ctx = self.max_model_len - request.num_tokens - 1
         return max(0, min(self.config.num_speculative_tokens, room_out, room_ctx))
 
-    def waits_for(self, requests: Sequence[Request]) -> bool:
+    def waits_for(self, requests: Sequence[SequenceState]) -> bool:
         """Whether the engine should read the step in flight (which sampled `requests`)
         before scheduling the next one: some of them could speculate then.
 
@@ -98,15 +99,15 @@ class SpecDecoder:
                                                or self.proposer.may_draft(r))
                    for r in requests)
 
-    def _may_speculate(self, request: Request) -> bool:
+    def _may_speculate(self, request: SequenceState) -> bool:
         """`num_drafts_for`'s conditions that do not depend on the pending tokens."""
-        return (request.status == RequestStatus.RUNNING and request.grammar is None
+        return (request.status == SequenceStatus.RUNNING and request.grammar is None
                 and request.max_tokens - request.num_output_tokens > 1
                 and self.max_model_len - request.num_tokens > 1)
 
-    def propose(self, running: Sequence[Request]) -> None:
+    def propose(self, running: Sequence[SequenceState]) -> None:
         """Draft for every running sequence that may (clearing stale drafts of others)."""
-        chosen: list[Request] = []
+        chosen: list[SequenceState] = []
         ks: list[int] = []
         for request in running:
             request.spec_token_ids = []
@@ -127,6 +128,16 @@ class SpecDecoder:
         if verified.num_drafts:
             self.stats.record(verified.num_drafts, verified.num_accepted)
 
+    # ----- the step hook ----------------------------------------------------------
+    def must_read_first(self, sampled: Sequence[SequenceState]) -> bool:
+        return self.waits_for(sampled)
+
+    def before_schedule(self, running: Sequence[SequenceState]) -> None:
+        self.propose(running)
+
+    def record_verified(self, verified: Verified) -> None:
+        self.record(verified)
+
 
 class NgramBatchProposer:
     """The n-gram proposer over each sequence's whole token history."""
@@ -136,20 +147,20 @@ class NgramBatchProposer:
                                     config.prompt_lookup_max)
         # Each sequence's known tokens, appended to step by step (by id, with the request
         # they belong to: a finished request's history is dropped at the next batch).
-        self._histories: dict[str, tuple[Request, TokenHistory]] = {}
+        self._histories: dict[str, tuple[SequenceState, TokenHistory]] = {}
 
-    def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+    def propose_batch(self, requests: list[SequenceState], ks: list[int]) -> list[list[int]]:
         self._histories = {rid: entry for rid, entry in self._histories.items()
                            if not entry[0].is_finished}
         return [self._ngram.propose(self._tokens(r, r.num_tokens), k)
                 for r, k in zip(requests, ks, strict=True)]
 
-    def may_draft(self, request: Request) -> bool:
+    def may_draft(self, request: SequenceState) -> bool:
         """Whether the tokens on the host already end in an n-gram seen before: repetitive
         text stays repetitive from one token to the next far more often than not."""
         return bool(self._ngram.propose(self._tokens(request, request.num_known_tokens), 1))
 
-    def _tokens(self, request: Request, length: int) -> np.ndarray:
+    def _tokens(self, request: SequenceState, length: int) -> np.ndarray:
         entry = self._histories.get(request.request_id)
         if entry is None or entry[0] is not request:
             entry = self._histories[request.request_id] = (request, TokenHistory())

@@ -19,8 +19,8 @@ import torch
 from meshserve.services.worker.engine.cuda_graphs import CaptureReport
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.model_runner import ModelRunner
-from meshserve.services.worker.engine.request import Request, RequestStatus
-from meshserve.services.worker.engine.scheduler import ScheduledRequest, SchedulerOutput
+from meshserve.services.worker.engine.sequence import SequenceState, SequenceStatus
+from meshserve.services.worker.engine.step_scheduler import ScheduledSequence, SchedulerOutput
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
 from meshserve.shared.sampling_params import SamplingParams
@@ -35,11 +35,11 @@ class DraftModelProposer:
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
         self.runner = ModelRunner(model, config, self.kv, dtype, device)
-        self._shadows: dict[str, Request] = {}  # sequence id -> its shadow in the draft cache
-        self._owners: dict[str, Request] = {}
+        self._shadows: dict[str, SequenceState] = {}  # sequence id -> its shadow in the draft cache
+        self._owners: dict[str, SequenceState] = {}
         self.paths: Counter[str] = Counter()  # forward path of each draft step (runner's)
 
-    def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+    def propose_batch(self, requests: list[SequenceState], ks: list[int]) -> list[list[int]]:
         self._forget_stopped()
         shadows = [self._shadow(r) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
@@ -54,23 +54,23 @@ class DraftModelProposer:
                 shadows[i].prompt_token_ids.append(token)
         return drafts
 
-    def may_draft(self, request: Request) -> bool:
+    def may_draft(self, request: SequenceState) -> bool:
         """Always: the draft model proposes for every sequence that may speculate."""
         del request
         return True
 
     def _forget_stopped(self) -> None:
         for rid, owner in list(self._owners.items()):
-            if owner.status != RequestStatus.RUNNING:
+            if owner.status != SequenceStatus.RUNNING:
                 self.kv.free(self._shadows.pop(rid))
                 del self._owners[rid]
 
-    def _shadow(self, request: Request) -> Request:
+    def _shadow(self, request: SequenceState) -> SequenceState:
         """The request's shadow, its KV kept where its tokens agree with the request's."""
         tokens = request.all_token_ids
         shadow = self._shadows.get(request.request_id)
         if shadow is None:
-            shadow = Request(request.request_id, [], _GREEDY, max_tokens=1)
+            shadow = SequenceState(request.request_id, [], _GREEDY, max_tokens=1)
             self._shadows[request.request_id] = shadow
             self._owners[request.request_id] = request
         agree = _common_prefix(shadow.prompt_token_ids, tokens)
@@ -79,7 +79,7 @@ class DraftModelProposer:
         self.kv.trim(shadow, shadow.num_computed_tokens)
         return shadow
 
-    def _allocate(self, shadow: Request) -> bool:
+    def _allocate(self, shadow: SequenceState) -> bool:
         """Room for the shadow's uncomputed tokens; without it the sequence stops drafting
         this step (its shadow is computed again from the start when room comes back)."""
         num_new = shadow.num_tokens - shadow.num_computed_tokens
@@ -97,9 +97,9 @@ class DraftModelProposer:
                 self.runner.capture_piecewise_graphs(piecewise_tokens))
 
     @torch.inference_mode()
-    def _step(self, shadows: list[Request]) -> list[int]:
+    def _step(self, shadows: list[SequenceState]) -> list[int]:
         """One forward of the shadows' uncomputed tokens; each one's greedy next token."""
-        out = SchedulerOutput([ScheduledRequest(s, s.num_tokens - s.num_computed_tokens)
+        out = SchedulerOutput([ScheduledSequence(s, s.num_tokens - s.num_computed_tokens)
                                for s in shadows])
         inputs = self.runner.prepare(out)
         hidden = self.runner.forward(inputs)  # [T, H]: a graph replay where one fits

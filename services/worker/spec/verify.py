@@ -9,12 +9,10 @@ raw logits' (as the sampler's), for the tokens finally emitted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from meshserve.services.worker.engine.request import Request
+from meshserve.services.worker.engine.hooks import Verified
 from meshserve.services.worker.engine.sampler import (
     HostCopy,
     Sampler,
@@ -23,30 +21,16 @@ from meshserve.services.worker.engine.sampler import (
     logprob_entries,
     logprob_table,
 )
+from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.services.worker.spec.rejection import RejectionSampler, accepted_lengths
 from meshserve.shared.logprobs import TokenLogprobs
-
-
-@dataclass
-class Verified:
-    """One speculating sequence's outcome: the tokens it emits (accepted drafts, then the
-    correction or bonus token), their logprobs where asked, and how many drafts it had."""
-
-    request: Request
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-    num_drafts: int
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.token_ids) - 1
 
 
 class PendingVerify:
     """The verify pass queued on the device; `read()` waits for it (one host copy, plus one
     for logprobs when any sequence asked)."""
 
-    def __init__(self, requests: list[Request], drafts: list[list[int]], tokens: Tensor,
+    def __init__(self, requests: list[SequenceState], drafts: list[list[int]], tokens: Tensor,
                  accepted: Tensor, logprobs: list[tuple[int, HostCopy]]) -> None:
         self._requests = requests
         self._drafts = drafts
@@ -82,7 +66,7 @@ class Verifier:
         self.rejection = rejection
 
     @torch.inference_mode()
-    def launch(self, logits: Tensor, requests: list[Request]) -> PendingVerify:
+    def launch(self, logits: Tensor, requests: list[SequenceState]) -> PendingVerify:
         """logits: [R, V] float32, the k_i + 1 rows of each request in order (its drafts are
         `request.spec_token_ids`)."""
         drafts = [list(r.spec_token_ids) for r in requests]
@@ -111,7 +95,7 @@ class Verifier:
         return PendingVerify(requests, drafts, out.token_ids, out.accepted, tables)
 
 
-def _position_row(request: Request, drafts: list[int], j: int) -> SamplingRow:
+def _position_row(request: SequenceState, drafts: list[int], j: int) -> SamplingRow:
     """The sampling row of the position after the first `j` drafts (as if they were output).
 
     The output is copied only where a processor reads its tokens (penalties, bad words) or

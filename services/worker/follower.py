@@ -18,12 +18,13 @@ import threading
 
 import torch
 
+from meshserve.services.worker.builder import build_engine
 from meshserve.services.worker.engine.device import resolve_device
-from meshserve.services.worker.engine.engine import LLMEngine, settle_heap
+from meshserve.services.worker.heap import settle_heap
 from meshserve.services.worker.parallel.config import ParallelConfig
 from meshserve.services.worker.parallel.ranks import RankSpec, join_group
 
-log = logging.getLogger("meshserve.services.worker.parallel")
+log = logging.getLogger("meshserve.services.worker.follower")
 
 
 def _exit_when_rank0_leaves() -> None:
@@ -35,16 +36,17 @@ def run(spec: RankSpec) -> None:
     """Join, build the engine and follow rank 0's steps until told to stop."""
     torch.set_num_threads(spec.num_threads)
     parallel = ParallelConfig(world_size=spec.world_size, rank=spec.rank,
-                              custom_all_reduce=not spec.config.disable_custom_all_reduce)
+                              custom_all_reduce=not spec.config.disable_custom_all_reduce,
+                              fused_norm=spec.config.tp_fused_norm)
     device = resolve_device(spec.config.device, spec.rank)
     sync = join_group(parallel, device, spec.port)
     # Grammars are compiled and applied by rank 0 only.
     config = dataclasses.replace(spec.config, structured_outputs_backend="none")
-    engine = LLMEngine(config, parallel=parallel, sync=sync)
+    engine = build_engine(config, parallel=parallel, sync=sync)
     settle_heap(engine)
     log.info("tensor-parallel rank %d of %d ready on %s", spec.rank, spec.world_size, device)
     while (plan := sync.receive()) is not None:
-        engine.runner.follow(plan)
+        engine.follow(plan)
 
 
 def main() -> int:

@@ -8,11 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.engine.request import Request, RequestStatus
+from meshserve.services.worker.engine.sequence import SequenceState, SequenceStatus
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class StepSchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
@@ -33,8 +33,8 @@ class SchedulerConfig:
 
 
 @dataclass
-class ScheduledRequest:
-    request: Request
+class ScheduledSequence:
+    request: SequenceState
     num_new_tokens: int
 
     @property
@@ -45,8 +45,8 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[SequenceState] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +57,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler:
+class StepScheduler:
     """Decides each step which requests run and how many of their tokens.
 
     Running requests go first (decodes, then unfinished prefills, each in the
@@ -68,38 +68,39 @@ class Scheduler:
     blocks last; FCFS never lets a later request jump a blocked earlier one.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: StepSchedulerConfig, kv: KVCacheManager, *,
+                 store_gate: Callable[[SequenceState, int], bool] | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: list[Request] = []  # sorted by _rank
-        self.running: list[Request] = []
+        self.waiting: list[SequenceState] = []  # sorted by _rank
+        self.running: list[SequenceState] = []
         self._arrivals = 0
         self._order: dict[str, tuple[int, float, int]] = {}
         # The KV tier's hold on admission: given a waiting request and its local prefix
         # hits (blocks), whether it waits for blocks from the store (others go meanwhile).
-        self.store_gate: Callable[[Request, int], bool] | None = None
+        self.store_gate = store_gate
         # Totals since start for the worker's metrics (read from another thread: plain ints).
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at first admission
         self.prefix_cache_hits = 0  # of them, found in the prefix cache
 
     # ----- queue management -------------------------------------------------
-    def _rank(self, request: Request) -> tuple[int, float, int]:
+    def _rank(self, request: SequenceState) -> tuple[int, float, int]:
         return self._order[request.request_id]
 
-    def add(self, request: Request) -> None:
+    def add(self, request: SequenceState) -> None:
         priority = request.priority if self.config.policy == "priority" else 0
         self._order[request.request_id] = (priority, request.arrival_time, self._arrivals)
         self._arrivals += 1
         self._enqueue(request)
 
-    def _enqueue(self, request: Request) -> None:
+    def _enqueue(self, request: SequenceState) -> None:
         keys = [self._rank(r) for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, self._rank(request)), request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: SequenceState, status: SequenceStatus) -> None:
         """Remove a request wherever it is and free its blocks."""
-        if request.status == RequestStatus.RUNNING:
+        if request.status == SequenceStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
@@ -116,8 +117,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Decodes first: a prompt being prefilled in chunks never holds them back.
-        decoding: list[Request] = []
-        prefilling: list[Request] = []
+        decoding: list[SequenceState] = []
+        prefilling: list[SequenceState] = []
         for r in self.running:
             (prefilling if r.is_prefilling else decoding).append(r)
         budget = self._schedule_running(out, budget, decoding)
@@ -135,11 +136,11 @@ class Scheduler:
         return min(num_new, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,
-                          requests: list[Request]) -> int:
+                          requests: list[SequenceState]) -> int:
         for request in requests:
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if request.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             if self._at_length_limit(request):
                 continue  # its last token is still on the device: it finishes when read
@@ -155,11 +156,11 @@ class Scheduler:
                 drafts.clear()
                 if not self._allocate_or_preempt(request, num_new, out):
                     continue
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(ScheduledSequence(request, num_new))
             budget -= num_new
         return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, request: SequenceState, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request, num_new):
             victim = max(self.running, key=self._rank)
             self._preempt(victim, out)
@@ -167,10 +168,10 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: SequenceState, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
-        request.status = RequestStatus.PREEMPTED
+        request.status = SequenceStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -204,29 +205,29 @@ class Scheduler:
                 break
             self.waiting.remove(request)
             self.running.append(request)
-            request.status = RequestStatus.RUNNING
+            request.status = SequenceStatus.RUNNING
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
                 request.first_scheduled_time = time.monotonic()
                 if self.kv.enable_caching:
                     self.prefix_cache_queries += request.num_tokens
                     self.prefix_cache_hits += num_computed
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(ScheduledSequence(request, num_new))
             budget -= num_new
 
-    def _lora_fits(self, request: Request) -> bool:
+    def _lora_fits(self, request: SequenceState) -> bool:
         """Whether the request's adapter is running already or a slot is left for it."""
         if request.lora_id is None:
             return True
         running = {r.lora_id for r in self.running if r.lora_id is not None}
         return request.lora_id in running or len(running) < self.config.max_loras
 
-    def _at_length_limit(self, request: Request) -> bool:
+    def _at_length_limit(self, request: SequenceState) -> bool:
         return (request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.config.max_model_len)
 
     @staticmethod
-    def _leader_done(leader: Request) -> bool:
+    def _leader_done(leader: SequenceState) -> bool:
         return leader.is_finished or leader.prompt_done
 
     # ----- after the step ------------------------------------------------------

@@ -11,7 +11,7 @@ from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -24,17 +24,17 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED  # asked several times per sequence per step: no lookups
 
 
-_FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED)
+_FINISHED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+             SequenceStatus.FINISHED_ABORTED)
 
 
 # Stands in the output for a token sampled by a step still running on the device.
 PENDING_TOKEN = -1
-# `Request.steps_since_drafts` of a sequence that never had drafts.
+# `SequenceState.steps_since_drafts` of a sequence that never had drafts.
 NEVER_DRAFTED = 1 << 30
 
 
-class Request:
+class SequenceState:
     """One sequence: a prompt and the tokens generated for it so far.
 
     `num_computed_tokens` counts tokens whose KV is in the cache (prefix-cache
@@ -59,7 +59,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         max_tokens: int,
         extra_keys: tuple[object, ...] = (),
-        leader: Request | None = None,
+        leader: SequenceState | None = None,
         lora_id: int | None = None,
     ) -> None:
         self.request_id = request_id
@@ -77,7 +77,7 @@ class Request:
         self.lora_id = lora_id  # the LoRA adapter the sequence runs with (None: the base)
         # A sibling whose prompt blocks this one waits to share (n > 1).
         self.leader = leader
-        self.status = RequestStatus.WAITING
+        self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_pending = 0  # trailing PENDING_TOKEN entries of output_token_ids
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache, set once
@@ -153,12 +153,12 @@ class Request:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.value}, "
+        return (f"SequenceState({self.request_id!r}, status={self.status.value}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
 
 
 @dataclass
-class RequestOutput:
+class SequenceOutput:
     """What one engine step produced for one sequence: a delta, never the whole history."""
 
     request_id: str

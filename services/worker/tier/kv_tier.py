@@ -22,10 +22,15 @@ from typing import Protocol
 
 import torch
 
+from meshserve.services.worker.engine.hooks import StepHook
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.kv_copy import KVCaches, gather_blocks
-from meshserve.services.worker.engine.request import Request
+from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.shared.block_hash import BlockHash
+
+# Longest wait for the store when a step has nothing else to run; new requests arriving
+# meanwhile are admitted at the next step, so this bounds their extra wait.
+IDLE_WAIT_S = 0.002
 
 
 @dataclass
@@ -124,15 +129,16 @@ class TierStats:
 
 @dataclass
 class _Loading:
-    request: Request
+    request: SequenceState
     start: int
     """Index of the first loaded block in the request's block hashes."""
     local: list = field(default_factory=list)  # local prefix hits, held during the load
     blocks: list = field(default_factory=list)  # fresh blocks the load fills
 
 
-class KVTier:
-    """Saves newly indexed blocks and loads store-held prompt blocks at admission."""
+class KVTier(StepHook):
+    """Saves newly indexed blocks and loads store-held prompt blocks at admission; runs in
+    the engine through its step hooks (and the scheduler's admission gate, `holds_back`)."""
 
     def __init__(self, kv: KVCacheManager, kv_caches: KVCaches, transport: KVTransport, *,
                  max_save_backlog_bytes: int) -> None:
@@ -142,7 +148,7 @@ class KVTier:
         self.max_save_backlog_bytes = max_save_backlog_bytes
         self.on_cuda = kv_caches[0][0].device.type == "cuda"
         self.stats = TierStats()
-        self._probing: dict[str, tuple[Request, int]] = {}  # id -> (request, first block)
+        self._probing: dict[str, tuple[SequenceState, int]] = {}  # id -> (request, first block)
         self._loading: dict[str, _Loading] = {}
         kv.pool.track_new_cached()
 
@@ -152,7 +158,7 @@ class KVTier:
         return bool(self._probing or self._loading)
 
     # ----- admission (the local scheduler asks) ---------------------------------------
-    def holds_back(self, request: Request, num_local_blocks: int) -> bool:
+    def holds_back(self, request: SequenceState, num_local_blocks: int) -> bool:
         """Whether `request` waits for the store before admission (a probe or load is on).
 
         Called with the request's local prefix hits; starts a probe the first time the
@@ -174,6 +180,17 @@ class KVTier:
         return True
 
     # ----- every step -------------------------------------------------------------
+    def step_begins(self) -> None:
+        self.poll()
+
+    def step_ends(self, idle: bool) -> bool:
+        """Queue the step's new blocks for the store; with nothing else to do, wait a
+        little for the store instead of spinning."""
+        queued = self.save_new_blocks() > 0
+        if idle and self.busy:
+            self.wait(IDLE_WAIT_S)
+        return queued
+
     def poll(self) -> None:
         """Apply finished probes (start their loads) and loads (index their blocks)."""
         for done in self.transport.take_done():
