@@ -165,7 +165,7 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
     return LLMEngine(EngineParts(
         config=config, parallel=parallel, device=device, source=source,
         model_config=model_config, dtype=loaded.dtype, kv_dtype=loaded.kv_dtype,
-        max_model_len=loaded.max_model_len, max_num_seqs=max_num_seqs, kv=kv,
+        max_model_len=loaded.max_model_len, max_num_seqs=max_num_seqs, kv=kv, quant=quant,
         scheduler=scheduler, runner=runner,
         validator=RequestValidator(model_config.vocab_size, loaded.max_model_len, num_blocks,
                                    config.block_size),

@@ -17,7 +17,7 @@ from meshserve.services.worker.builder import build_engine
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.sequence import PENDING_TOKEN, SequenceOutput
-from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.errors import ConfigError
 from meshserve.shared.sampling_params import SamplingParams
 
 
@@ -179,7 +179,7 @@ def test_penalised_sequences_wait_for_their_history(folder: Path) -> None:
 
 
 def test_async_scheduling_option_is_checked() -> None:
-    with pytest.raises(InvalidRequestError, match="async-scheduling"):
+    with pytest.raises(ConfigError, match="async_scheduling"):
         EngineConfig(async_scheduling="sometimes")
 
 

@@ -371,7 +371,7 @@ def test_a_pooling_worker_embeds_with_fp8_weights(tiny) -> None:
 
 def test_gguf_weights_are_dequantized_with_a_warning_and_fp8_requantizes_them(
         caplog: pytest.LogCaptureFixture) -> None:
-    from meshserve.services.worker.models import loader
+    from meshserve.services.worker import loader
 
     source = loader.resolve_model(None, "auto")  # the default model: SmolLM2-135M, a GGUF file
     assert source.format == "gguf"
@@ -387,7 +387,7 @@ def test_gguf_weights_are_dequantized_with_a_warning_and_fp8_requantizes_them(
 
 def test_fp8_layers_keep_the_forward_hooks_of_the_layers_they_replace(tiny) -> None:
     """Hooks others put on a projection (tensor parallelism's all-reduce) survive the swap."""
-    from meshserve.services.worker.models import loader
+    from meshserve.services.worker import loader
     from meshserve.services.worker.models.quant_fp8 import quantize_online
 
     folder, _ = tiny

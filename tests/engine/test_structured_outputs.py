@@ -190,7 +190,7 @@ def test_a_length_bounded_string_admits_no_control_character_or_surrogate(
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}}}
     assert strict_json_strings(schema)["properties"]["s"] == {
         "type": "string", "pattern": '^[^\\x00-\\x1f"\\\\\\ud800-\\udfff]{0,4}$'}
-    grammar = make_engine(folder).grammars.compile(StructuredOutputs.json_schema(schema))
+    grammar = grammars_of(make_engine(folder)).compile(StructuredOutputs.json_schema(schema))
     for text, fits in [(b'{"s": "ab\xc3\xa9"}', True), (b'{"s": "abcde"}', False),
                        (b'{"s": "a\x08"}', False), (b'{"s": "a\tb"}', False),
                        (b'{"s": "\xed\xa5\xb6"}', False)]:
@@ -206,7 +206,7 @@ def test_a_structural_tag_constrains_only_what_follows_its_trigger(folder: Path,
                                                    "maximum": 9}},
             "required": ["n"], "additionalProperties": False}}]}
     spec = StructuredOutputs(StructuredKind.STRUCTURAL_TAG, json.dumps(tag))
-    grammar = make_engine(folder).grammars.compile(spec)
+    grammar = grammars_of(make_engine(folder)).compile(spec)
     for text, fits in [("free text <f>{\"n\": 3}</f> more", True),
                        ("<f>{\"n\": 12}</f>", False), ("no tags at all", True)]:
         matcher = new_matcher(grammar, [])

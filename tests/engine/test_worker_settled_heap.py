@@ -11,9 +11,9 @@ from pathlib import Path
 from engine_features import grammars_of
 from tiny_models import build_tiny_model
 
-from meshserve.services.worker.__main__ import WorkerProcess, build_engine
+from meshserve.services.worker.__main__ import WorkerProcess, load_engine
 from meshserve.services.worker.config import WorkerConfig
-from meshserve.services.worker.engine import engine as engine_module
+from meshserve.services.worker import heap as engine_module
 from meshserve.shared.service_main import service_telemetry
 
 
@@ -27,7 +27,7 @@ async def test_the_grammar_preload_is_frozen_before_the_worker_serves(
     assert gc.get_freeze_count() == 0
     try:
         async with service_telemetry("worker", config) as telemetry:
-            worker = WorkerProcess(config, build_engine(config), telemetry)
+            worker = WorkerProcess(config, load_engine(config), telemetry)
             try:
                 await worker.start()
                 tokenizer = grammars_of(worker.engine)._tokenizer

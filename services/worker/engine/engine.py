@@ -57,6 +57,7 @@ from meshserve.shared.block_hash import extra_keys_for
 from meshserve.shared.errors import InvalidRequestError, NotFoundError
 from meshserve.shared.kv_events import KVEvent
 from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.quantization import QuantConfig
 from meshserve.shared.sampling_params import SamplingParams
 
 HookT = TypeVar("HookT", bound=StepHook)
@@ -79,6 +80,7 @@ class EngineParts:
     scheduler: StepScheduler
     runner: ModelRunner
     validator: RequestValidator
+    quant: QuantConfig | None = None  # the weights' quantization (None: unquantized)
     hooks: tuple[StepHook, ...] = ()
     ranks: RankGroup | None = None  # the tensor-parallel followers this process started
     graph_report: CaptureReport | None = None
@@ -114,6 +116,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.validator = parts.validator
+        self.quant = parts.quant
         self.hooks = parts.hooks
         self.graph_report = parts.graph_report
         self.piecewise_report = parts.piecewise_report
