@@ -30,8 +30,10 @@ PARTS_HELP="
   structured  structured outputs: GPU check, then the half-json_schema batch
   metrics     vLLM-named metrics of the mesh under load, scraped around the benchmark
   profile     where a decode step's device time goes (2 GPUs; loadtest/gpu_profile.py)
-  tests       the GPU correctness tests: pytest -q tests/gpu"
-PARTS=(suite peer mesh kv lora spec fp8 tp structured metrics profile tests)
+  tests       the GPU correctness tests: pytest -q tests/gpu
+  ab          the suite's latency, ShareGPT-like throughput and 8k prefill on a baseline
+              tree (BASE_TREE) and on this tree, side by side"
+PARTS=(suite peer mesh kv lora spec fp8 tp structured metrics profile tests ab)
 
 usage() {
   echo "usage: bash loadtest/gpu.sh PART [PART...]   (results in \$OUT/PART/)"
