@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from meshserve.services.scheduler.policy import DEFAULT_KVSTORE_BLOCK_WEIGHT, DEFAULT_PREFILL_WEIGHT
 from meshserve.shared.config import ServiceConfig, option
 
 DEFAULT_PORT = 50052
@@ -29,10 +30,10 @@ class SchedulerConfig(ServiceConfig):
     routing: Literal["kv-aware", "round-robin", "least-loaded", "random"] = option(
         "kv-aware", "how a worker is picked: kv-aware (prefix blocks held against load), "
         "round-robin, least-loaded or random")
-    prefill_weight: float = option(32.0, "weight of a prompt block to prefill against a context "
+    prefill_weight: float = option(DEFAULT_PREFILL_WEIGHT, "weight of a prompt block to prefill against a context "
                                          "block of a sequence already on the worker, in the "
                                          "kv-aware routing cost")
-    kvstore_block_weight: float = option(0.25, "cost of a prompt block the kvstore holds, as a "
+    kvstore_block_weight: float = option(DEFAULT_KVSTORE_BLOCK_WEIGHT, "cost of a prompt block the kvstore holds, as a "
                                                "fraction of one to compute, in the kv-aware "
                                                "routing cost")
     max_waiting_per_worker: int = option(4, "sequences a worker may queue locally beyond its "

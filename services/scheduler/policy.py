@@ -130,13 +130,20 @@ class RoutingPolicy(ABC):
         return {c.worker_id: (i - turn) % n for i, c in enumerate(open_)}
 
 
+# The kv-aware policy's weights, written once (the scheduler's config takes them as its
+# defaults): a prompt block to prefill weighs 32 context blocks (measured on an H100,
+# docs/routing.md), a block the kvstore holds a quarter of one to compute.
+DEFAULT_PREFILL_WEIGHT = 32.0
+DEFAULT_KVSTORE_BLOCK_WEIGHT = 0.25
+
+
 class KVAwarePolicy(RoutingPolicy):
     """The open worker of least cost (module doc); ties: fewest running, then rotate."""
 
     name = "kv-aware"
 
-    def __init__(self, prefill_weight: float = 32.0, max_waiting: int = 0,
-                 kvstore_block_weight: float = 0.25) -> None:
+    def __init__(self, prefill_weight: float = DEFAULT_PREFILL_WEIGHT, max_waiting: int = 0,
+                 kvstore_block_weight: float = DEFAULT_KVSTORE_BLOCK_WEIGHT) -> None:
         super().__init__(max_waiting)
         if prefill_weight < 0:
             raise ConfigError(f"prefill_weight must be >= 0, got {prefill_weight}",
@@ -217,7 +224,8 @@ class RandomPolicy(RoutingPolicy):
         return self._random.choice(open_) if open_ else None
 
 
-def make_policy(name: str, *, prefill_weight: float = 1.0, kvstore_block_weight: float = 0.25,
+def make_policy(name: str, *, prefill_weight: float = DEFAULT_PREFILL_WEIGHT,
+                kvstore_block_weight: float = DEFAULT_KVSTORE_BLOCK_WEIGHT,
                 max_waiting: int = 0, seed: int | None = None) -> RoutingPolicy:
     """The policy called `name` (one of POLICY_NAMES); the weights matter to kv-aware only."""
     if name == "kv-aware":
