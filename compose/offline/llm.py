@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from meshserve.services.tokenizer.detokenizer import TextStream
 from meshserve.services.tokenizer.loader import Tokenizer
-from meshserve.services.worker.engine.request import RequestOutput
+from meshserve.services.worker.engine.sequence import SequenceOutput as EngineOutput
 from meshserve.shared.errors import InternalError, InvalidRequestError, NotFoundError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
@@ -35,7 +35,7 @@ class EngineLike(Protocol):
 
     def abort_request(self, request_id: str) -> None: ...
 
-    def step(self) -> list[RequestOutput]: ...
+    def step(self) -> list[EngineOutput]: ...
 
     def has_unfinished_requests(self) -> bool: ...
 
@@ -54,7 +54,7 @@ class GenerationItem:
 
 
 @dataclass
-class SequenceOutput:
+class CompletedSequence:
     """One of the n sequences of a request, once finished."""
 
     index: int
@@ -75,7 +75,7 @@ class GenerationResult:
 
     request_id: str
     prompt_token_ids: list[int]
-    sequences: list[SequenceOutput] = field(default_factory=list)
+    sequences: list[CompletedSequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     error: InvalidRequestError | NotFoundError | None = None
@@ -97,14 +97,14 @@ class _Tracker:
         n = item.params.n
         want_logprobs = item.params.logprobs is not None
         self.result = GenerationResult(item.request_id, list(item.prompt_token_ids), [
-            SequenceOutput(i, logprobs=[] if want_logprobs else None) for i in range(n)])
+            CompletedSequence(i, logprobs=[] if want_logprobs else None) for i in range(n)])
         self.streams = [TextStream(tokenizer, item.params, item.prompt_token_ids)
                         for _ in range(n)]
         self.parts: list[list[str]] = [[] for _ in range(n)]
         self.live = n
         self.needs_abort = False  # a sequence stopped on a stop string the engine never saw
 
-    def apply(self, out: RequestOutput) -> bool:
+    def apply(self, out: EngineOutput) -> bool:
         """Take one sequence delta; True when this made the whole item finished."""
         result = self.result
         if out.prompt_logprobs is not None and result.prompt_logprobs is None:
@@ -129,7 +129,7 @@ class _Tracker:
             self._finish(seq, out.finish_reason, out.stop_reason)
         return self.live == 0
 
-    def _finish(self, seq: SequenceOutput, reason: str | None, stop_reason: int | str | None
+    def _finish(self, seq: CompletedSequence, reason: str | None, stop_reason: int | str | None
                 ) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.text = "".join(self.parts[seq.index])

@@ -353,7 +353,7 @@ class EngineThread:
             elif isinstance(command, _Compiled):
                 self._compiled(command)
             elif isinstance(command, _Abort):
-                if command.indices is None and self._compiling.pop(command.engine_id, None):
+                if command.indices is None and self._compiling.pop(command.engine_id, None) is not None:
                     continue  # its grammar was still compiling: it never reaches the engine
                 self.engine.abort_request(command.engine_id, command.indices)
                 if not self.engine.sequences(command.engine_id):

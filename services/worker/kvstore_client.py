@@ -277,7 +277,7 @@ class KVStoreClient:
         lease = Lease([b.block_hash for b in response.blocks], [], response.lease_id)
         elsewhere = {b.block_hash for b in response.blocks if not b.in_region}
         # Blocks not of the slot size are on the store's heap: read them by Get (pinned).
-        received = {b.block_hash: b.data for b in self._get(list(elsewhere))} \
+        by_hash = {b.block_hash: b.data for b in self._get(list(elsewhere))} \
             if elsewhere else {}
         for block in response.blocks:
             if block.in_region:
@@ -285,8 +285,8 @@ class KVStoreClient:
                 lease.views.append(
                     self._region[block.offset:block.offset + nbytes].toreadonly())
                 lease.offsets.append(block.offset)
-            elif block.block_hash in received:
-                lease.views.append(memoryview(received[block.block_hash]))
+            elif block.block_hash in by_hash:
+                lease.views.append(memoryview(by_hash[block.block_hash]))
                 lease.offsets.append(None)
             else:  # cannot happen while pinned; keep the lease a gap-free prefix anyway
                 break

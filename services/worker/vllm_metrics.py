@@ -58,7 +58,8 @@ class WeightedHistogram:
 
     def cumulative(self) -> list[tuple[str, float]]:
         """(le, cumulative count) pairs as the text format writes them, +Inf last."""
-        out, total = [], 0
+        out: list[tuple[str, float]] = []
+        total = 0
         for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             total += count
             out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))

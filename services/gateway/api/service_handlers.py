@@ -116,9 +116,9 @@ class ServiceHandlers:
         """GET /health: 200 when the scheduler and a tokenizer are SERVING and a worker is
         registered; 503 with what is missing otherwise, and 503 while the gateway drains."""
         if self._drain.draining:
-            body = openai_error_body("the gateway is shutting down", "service_unavailable_error",
-                                     code="unavailable")
-            return web.Response(status=503, body=bodies.dumps(body), content_type="application/json",
+            error = openai_error_body("the gateway is shutting down",
+                                      "service_unavailable_error", code="unavailable")
+            return web.Response(status=503, body=bodies.dumps(error), content_type="application/json",
                                 headers={"Retry-After": str(self._config.retry_after_s)})
         report = await self._clients.health(self._config.health_timeout_s)
         if report.ok:

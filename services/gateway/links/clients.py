@@ -271,8 +271,9 @@ class MeshClients:
         """Check the scheduler, every tokenizer replica and the worker registry at once."""
         checks = [_serving(self._scheduler_channel, SCHEDULER_SERVICE, timeout_s)]
         checks += [_serving(c, TOKENIZER_SERVICE, timeout_s) for c in self._tokenizer_channels]
-        results = await asyncio.gather(*checks, self._count_workers(timeout_s))
-        scheduler, *tokenizers, (num_workers, redis_lost) = results
+        serving, (num_workers, redis_lost) = await asyncio.gather(
+            asyncio.gather(*checks), self._count_workers(timeout_s))
+        scheduler, *tokenizers = serving
         return HealthReport(bool(scheduler),
                             dict(zip(self.tokenizer_addresses, map(bool, tokenizers),
                                      strict=True)),

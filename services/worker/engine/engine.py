@@ -29,7 +29,7 @@ import torch
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.cuda_graphs import CaptureReport
 from meshserve.services.worker.engine.device_timeline import DeviceTimeline
-from meshserve.services.worker.engine.hooks import Admission, StepHook, Verified
+from meshserve.services.worker.engine.hooks import NewRequest, StepHook, Verified
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.kv_copy import KVCaches
 from meshserve.services.worker.engine.model_runner import LaunchedStep, ModelRunner, StepResult
@@ -245,18 +245,18 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = make_generator(params.seed, self.device, index)
             sequences.append(seq)
-        self._admit(sequences, Admission(request_id, params, lora_id, grammar, bad_words_ids))
+        self._admit(sequences, NewRequest(request_id, params, lora_id, grammar, bad_words_ids))
         self._groups[request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)
 
-    def _admit(self, sequences: list[SequenceState], admission: Admission) -> None:
+    def _admit(self, sequences: list[SequenceState], request: NewRequest) -> None:
         """Every hook admits the sequences, or the request is refused and what the hooks
         before the refusing one took is given back."""
         admitted: list[StepHook] = []
         try:
             for hook in self.hooks:
-                hook.admit(sequences, admission)
+                hook.admit(sequences, request)
                 admitted.append(hook)
         except BaseException:
             for hook in admitted:

@@ -5,7 +5,7 @@ decoding. Speculative decoding, LoRA adapters, structured outputs and the KV tie
 add a `StepHook` that the builder hands to the engine; the engine calls every hook at the
 same fixed points of each request's life and of each step:
 
-    add_request:  admit(sequences, admission)       set per-sequence state, or refuse
+    add_request:  admit(sequences, request)         set per-sequence state, or refuse
     _finish:      release(sequence)                 the sequence is done (any reason)
     step:         step_begins()                     before anything else of the step
                   must_read_first(sampled) -> bool  read the step in flight before scheduling
@@ -34,7 +34,7 @@ from meshserve.shared.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class Admission:
+class NewRequest:
     """What a request brought besides its tokens, for the hooks' `admit`."""
 
     request_id: str
@@ -65,7 +65,7 @@ class StepHook:
     """A feature's part in the engine loop. Every method does nothing here; a feature
     overrides those it needs. Hooks run on the engine's thread, in the order given."""
 
-    def admit(self, sequences: Sequence[SequenceState], admission: Admission) -> None:
+    def admit(self, sequences: Sequence[SequenceState], request: NewRequest) -> None:
         """A request's sequences before they are queued: set their state for this feature,
         or raise a MeshError to refuse the request (nothing of it is queued then)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshserve.services.worker.engine.hooks import Admission, StepHook
+from meshserve.services.worker.engine.hooks import NewRequest, StepHook
 from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.services.worker.lora.manager import LoraManager
 
@@ -17,9 +17,9 @@ class LoraHook(StepHook):
     def __init__(self, manager: LoraManager) -> None:
         self.manager = manager
 
-    def admit(self, sequences: Sequence[SequenceState], admission: Admission) -> None:
-        if admission.lora_id is not None:  # NotFoundError when the adapter is not served
-            self.manager.acquire(admission.lora_id, len(sequences))
+    def admit(self, sequences: Sequence[SequenceState], request: NewRequest) -> None:
+        if request.lora_id is not None:  # NotFoundError when the adapter is not served
+            self.manager.acquire(request.lora_id, len(sequences))
 
     def release(self, sequence: SequenceState) -> None:
         if sequence.lora_id is not None:

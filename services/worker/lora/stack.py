@@ -67,7 +67,7 @@ class LoraStack:
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hook every adaptable projection of a Llama-family `CausalLM`."""
-        for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr]
+        for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr,arg-type]
             layer.self_attn.qkv_proj.lora = LoraProjection(self, i, "qkv_proj")
             layer.self_attn.o_proj.lora = LoraProjection(self, i, "o_proj")
             layer.mlp.gate_up_proj.lora = LoraProjection(self, i, "gate_up_proj")

@@ -37,6 +37,8 @@ class Fp8Linear(nn.Module):
     weight_scale: float32 [N] (per channel; a per-tensor scale repeated) or, with `block`
     (bn, bk), [ceil(N/bn), ceil(K/bk)]."""
 
+    weight_scale: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None,
                  block: tuple[int, int] | None = None) -> None:
         super().__init__()

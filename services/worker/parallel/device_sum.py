@@ -126,9 +126,10 @@ class FusedSumNorm:
                 return None
             buffer = symm_mem.empty(sites * world * rows * hidden_size, dtype=dtype,
                                     device=device)
-            buffers = symm_mem.rendezvous(buffer, group_name)
+            # torch types the group as GroupName, a str at run time
+            buffers = symm_mem.rendezvous(buffer, group_name)  # type: ignore[arg-type]
             flags = symm_mem.empty(sites * rows * world, dtype=torch.int32, device=device)
-            flag_handle = symm_mem.rendezvous(flags, group_name)
+            flag_handle = symm_mem.rendezvous(flags, group_name)  # type: ignore[arg-type]
             flags.zero_()
             failure = None
         except Exception as exc:  # noqa: BLE001 - the unfused sums always work

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from meshserve.services.worker.engine.hooks import Admission, StepHook
+from meshserve.services.worker.engine.hooks import NewRequest, StepHook
 from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.services.worker.structured.grammars import GrammarCompiler, new_matcher
 from meshserve.shared.errors import InvalidRequestError
@@ -20,12 +20,12 @@ class StructuredOutputsHook(StepHook):
     def __init__(self, grammars: GrammarCompiler) -> None:
         self.grammars = grammars
 
-    def admit(self, sequences: Sequence[SequenceState], admission: Admission) -> None:
-        params = admission.params
-        grammar = admission.grammar
+    def admit(self, sequences: Sequence[SequenceState], request: NewRequest) -> None:
+        params = request.params
+        grammar = request.grammar
         if params.structured is not None and grammar is None:
             grammar = self.grammars.compile(params.structured)
-        bad_words_ids = admission.bad_words_ids
+        bad_words_ids = request.bad_words_ids
         if params.bad_words and bad_words_ids is None:
             bad_words_ids = self.grammars.bad_word_ids(params.bad_words)
         for seq in sequences:
