@@ -16,7 +16,7 @@ import torch
 
 from meshserve.bench import engine as bench
 from meshserve.cli.main import main as cli_main
-from meshserve.services.worker.models.loader import load_model_config, resolve_model
+from meshserve.services.worker.loader import load_model_config, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # A small fixed KV cache: the CPU default would allocate 4 GiB.
