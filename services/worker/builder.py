@@ -135,22 +135,14 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
                                      batched_tokens)
     spec = config.speculative  # verify steps take k+1 logit rows per sequence
     runner.warm_logits(max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
+    tier = _tier(config, kv_tier, kv, runner, parallel)
     grammars = GrammarCompiler(
         lambda: tokenizer_folder(source), vocab_size=model_config.vocab_size,
         eos_token_ids=model_config.eos_token_ids, backend=config.structured_outputs_backend)
-    hooks: list[StepHook] = [StructuredOutputsHook(grammars)]
-    if speculate:
-        assert spec is not None
-        # Drafts are proposed from host tokens: a step that speculates runs after the one
-        # before it is read, and is read before the next is scheduled (engine.step).
-        hooks.append(build_spec_decoder(spec, loaded.draft, shape=DraftShape(
-            num_blocks, config.block_size, loaded.dtype, device, max_num_seqs,
-            loaded.max_model_len, batched_tokens, cuda_graphs=graphs is not None)))
-    tier = _tier(config, kv_tier, kv, runner, parallel)
-    if tier is not None:
-        hooks.append(tier)
-    if lora is not None:  # last: an adapter is taken only once every other hook admitted
-        hooks.append(LoraHook(lora))
+    draft_shape = DraftShape(num_blocks, config.block_size, loaded.dtype, device, max_num_seqs,
+                             loaded.max_model_len, batched_tokens, cuda_graphs=graphs is not None)
+    hooks = _hooks(config, grammars, loaded.draft if speculate else None, draft_shape, tier,
+                   lora, speculate)
     scheduler = StepScheduler(StepSchedulerConfig(
         max_num_batched_tokens=batched_tokens,
         max_num_seqs=max_num_seqs,
@@ -169,7 +161,24 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
         scheduler=scheduler, runner=runner,
         validator=RequestValidator(model_config.vocab_size, loaded.max_model_len, num_blocks,
                                    config.block_size),
-        hooks=tuple(hooks), ranks=ranks, graph_report=graphs, piecewise_report=pieces))
+        hooks=hooks, ranks=ranks, graph_report=graphs, piecewise_report=pieces))
+
+
+def _hooks(config: EngineConfig, grammars: GrammarCompiler, draft: DraftModel | None,
+           draft_shape: DraftShape, tier: KVTier | None, lora: LoraManager | None,
+           speculate: bool) -> tuple[StepHook, ...]:
+    """The features' step hooks, in the order the engine calls them."""
+    hooks: list[StepHook] = [StructuredOutputsHook(grammars)]
+    if speculate:
+        assert config.speculative is not None
+        # Drafts are proposed from host tokens: a step that speculates runs after the one
+        # before it is read, and is read before the next is scheduled (engine.step).
+        hooks.append(build_spec_decoder(config.speculative, draft, shape=draft_shape))
+    if tier is not None:
+        hooks.append(tier)
+    if lora is not None:  # last: an adapter is taken only once every other hook admitted
+        hooks.append(LoraHook(lora))
+    return tuple(hooks)
 
 
 def _load(config: EngineConfig, source: ModelSource, model_config: ModelConfig,
