@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from meshserve.services.tokenizer.loader import load_tokenizer
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -105,7 +106,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu"))
+    engine = build_engine(EngineConfig(model=args.model, dtype="float32", device="cpu"))
     tokenizer = load_tokenizer(engine.source)
     prompts = build_prompts(tokenizer, args.requests)
     run_engine(engine, prompts[:2], 4, 2)  # warm up

@@ -30,12 +30,12 @@ import aiohttp
 import orjson
 import torch
 
-from meshserve.services.launcher import LauncherConfig, start_stack
-from meshserve.services.offline_llm import OfflineLLM
-from meshserve.services.run_batch import run_batch
+from meshserve.local.launcher import LauncherConfig, start_stack
+from meshserve.offline.llm import OfflineLLM
+from meshserve.offline.run_batch import run_batch
 from meshserve.services.tokenizer.loader import load_tokenizer
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple terms.",
@@ -89,7 +89,7 @@ async def through_gateway(base_url: str, model: str, convs, max_tokens: int) -> 
 
 
 def in_process(model: str | None, convs, max_tokens: int, workdir: Path) -> dict:
-    engine = LLMEngine(EngineConfig(model=model, dtype="float32", device="cpu"))
+    engine = build_engine(EngineConfig(model=model, dtype="float32", device="cpu"))
     llm = OfflineLLM(engine, load_tokenizer(engine.source))
     src, dst = workdir / "in.jsonl", workdir / "out.jsonl"
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.shared.sampling_params import SamplingParams
 
 
@@ -44,7 +44,7 @@ def main() -> None:
 
             model = build_tiny_model(Path(tmp) / "m", "llama", seed=1, num_hidden_layers=1,
                                      max_position_embeddings=4096)
-        engine = LLMEngine(EngineConfig(
+        engine = build_engine(EngineConfig(
             model=str(model), dtype="float32", device="cpu", num_kv_blocks=40000,
             max_num_seqs=args.running, max_num_batched_tokens=8192))
         hidden = engine.model_config.hidden_size
@@ -54,7 +54,7 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
         for i in range(args.running):
             engine.add_request(f"r{i}", [rng.randrange(10, 200) for _ in range(100)], params)
-        while engine.scheduler.waiting or len(engine.scheduler.running) < args.running:
+        while (load := engine.load()).num_waiting or load.num_running < args.running:
             engine.step()
         for _ in range(5):
             engine.step()

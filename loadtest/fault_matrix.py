@@ -39,8 +39,8 @@ from typing import Any
 import aiohttp
 import grpc
 
+from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from meshserve.services.launcher import LauncherConfig, Stack, start_stack
 
 PARTS = ("worker", "tokenizer", "scheduler", "kvstore", "redis")
 _PROBE_INTERVAL_S = 0.1

@@ -9,10 +9,11 @@ Driver part: `fp8` (every FP8_RUNS entry).
     python loadtest/fp8_bench.py check --out check.json
 
 `run` builds one engine from the engine flags after `--` and measures, with `meshserve bench`'s
-own functions (services/bench.py): single-stream latency (TPOT, against the weight-read floor),
-ShareGPT-like offline throughput, the KV cache's capacity in tokens and bytes per token, and
-the logprobs of a fixed set of token prompts scored position by position (prompt logprobs:
-every configuration sees the same contexts, so the figures compare position for position).
+own functions (loadtest/bench/engine.py): single-stream latency (TPOT, against the
+weight-read floor), ShareGPT-like offline throughput, the KV cache's capacity in tokens and
+bytes per token, and the logprobs of a fixed set of token prompts scored position by position
+(prompt logprobs: every configuration sees the same contexts, so the figures compare position
+for position).
 `report` compares every run with the first (the bf16 baseline) and writes a markdown table.
 `check` runs the FP8 GPU paths (Triton skinny product, `_scaled_mm`, attention over an FP8
 cache) against their torch references and times the FP8 and bf16 products of one MLP shape.
@@ -35,7 +36,7 @@ KV_CAPACITY_TARGET = 2.0  # fp8 KV tokens per KV byte = 2 x bf16
 
 def run(args: argparse.Namespace, engine_flags: list[str]) -> dict[str, Any]:
     """Every measurement of one engine configuration."""
-    from meshserve.services.bench import (
+    from meshserve.bench.engine import (
         LatencyConfig,
         ThroughputConfig,
         bench_latency,
@@ -43,8 +44,7 @@ def run(args: argparse.Namespace, engine_flags: list[str]) -> dict[str, Any]:
         environment_info,
         model_info,
     )
-    from meshserve.services.worker.engine.engine import LLMEngine
-
+    from meshserve.services.worker.builder import build_engine
     # Three untimed runs: every kernel shape compiles (and the FP8 launch shapes are measured)
     # before timing; the table reports the median of the timed runs.
     common = [*engine_flags, "--no-progress", "--num-iters-warmup", "3"]
@@ -55,18 +55,18 @@ def run(args: argparse.Namespace, engine_flags: list[str]) -> dict[str, Any]:
         [*common, "--dataset", "sharegpt-like", "--num-prompts", str(max(args.num_prompts, 1))],
         strict_env=False)
     started = time.perf_counter()
-    engine = LLMEngine(latency.engine_config())
+    engine = build_engine(latency)
     built_s = time.perf_counter() - started
-    model = model_info(engine.runner.model, engine.source.name, engine.model_config.architecture)
-    kv = engine.runner.kv_caches[0][0]
+    model = model_info(engine.model, engine.source.name, engine.model_config.architecture)
+    kv = engine.kv_caches[0][0]
     result: dict[str, Any] = {
         "label": args.label, "engine_flags": engine_flags, "build_s": built_s,
         "environment": environment_info(engine.device), "model": model,
         "quantization": None if engine.quant is None else vars(engine.quant),
-        "kv_cache": {"dtype": str(kv.dtype), "blocks": engine.kv.num_blocks,
-                     "tokens": engine.kv.num_blocks * engine.kv.block_size,
+        "kv_cache": {"dtype": str(kv.dtype), "blocks": engine.num_kv_blocks,
+                     "tokens": engine.num_kv_blocks * engine.block_size,
                      "bytes_per_token": 2 * kv[0, 0].numel() * kv.element_size()
-                     * len(engine.runner.kv_caches)}}
+                     * len(engine.kv_caches)}}
     result["logprobs"] = score_prompts(engine, args.logprob_prompts, args.logprob_len)
     result["latency"] = bench_latency(engine, latency)
     from meshserve.kernels import fp8_tuning
@@ -95,7 +95,7 @@ def allocator_stats(device: Any) -> dict[str, int]:
 
 def score_prompts(engine: Any, count: int, length: int) -> dict[str, list[list[float]]]:
     """Per prompt and position: the logprob of the prompt's own token and the top-1 logprob."""
-    from meshserve.services.bench import random_prompts
+    from meshserve.bench.engine import random_prompts
     from meshserve.shared.sampling_params import SamplingParams
 
     prompts = random_prompts([length] * count, engine.model_config, seed=1234)
@@ -201,9 +201,11 @@ def _check_launch_shapes(q: Any, scale: Any, g: Any) -> dict[str, Any]:
 def _check_fp8_attention(g: Any, device: Any) -> dict[str, Any]:
     """Paged attention over an FP8 cache against float32 attention over its widened values,
     and the two widenings of e4m3 against each other (the same bits)."""
+    import dataclasses
+
     import torch
 
-    from meshserve.kernels import triton_attention
+    from meshserve.kernels import knobs
     from meshserve.kernels.attention import AttentionMetadata, paged_attention
 
     k_cache = torch.randn(8, 16, 8, 128, generator=g, device=device).to(torch.float8_e4m3fn)
@@ -215,14 +217,14 @@ def _check_fp8_attention(g: Any, device: Any) -> dict[str, Any]:
             [0, 1, 2], **i32), seq_lens=torch.tensor([40, 17], **i32),
         block_tables=torch.tensor([[3, 1, 6], [0, 5, 0]], **i32), max_query_len=1,
         max_seq_len=40, query_lens_cpu=[1, 1], seq_lens_cpu=[40, 17])
-    widen = triton_attention.E4M3_WIDEN
+    previous = knobs.current()  # the process's kernel knobs (--fp8-widen), put back after
     try:
-        triton_attention.E4M3_WIDEN = "cvt"
+        knobs.use(dataclasses.replace(previous, fp8_widen="cvt"))
         by_cvt = paged_attention(query, k_cache, v_cache, meta, 128**-0.5).float()
-        triton_attention.E4M3_WIDEN = "bits"
+        knobs.use(dataclasses.replace(previous, fp8_widen="bits"))
         got = paged_attention(query, k_cache, v_cache, meta, 128**-0.5).float()
     finally:
-        triton_attention.E4M3_WIDEN = widen
+        knobs.use(previous)
     ref = paged_attention(query.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu(),
                           _on_cpu(meta), 128**-0.5)
     return {"attention_bits_equal_cvt": bool(torch.equal(got, by_cvt)),

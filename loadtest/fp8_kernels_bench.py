@@ -109,9 +109,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON; a .md table beside it")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64, 256])
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="tp1")
+    parser.add_argument("--fp8-widen", choices=["cvt", "bits"], default="cvt",
+                        help="the engine's --fp8-widen: with bits the tuner also measures "
+                             "the launch shapes that widen e4m3 by integer instructions")
     args = parser.parse_args(argv)
     import torch
 
+    from meshserve.kernels import knobs
+
+    knobs.use(knobs.KernelKnobs(fp8_widen=args.fp8_widen))
     if not torch.cuda.is_available():
         print("fp8_kernels_bench: no CUDA device")
         return 1

@@ -49,11 +49,11 @@ def score(folder: Path, device: str, prompts: int, length: int, **overrides: Any
     import torch
     from fp8_bench import score_prompts
 
-    from meshserve.services.worker.engine.config import EngineConfig
-    from meshserve.services.worker.engine.engine import LLMEngine
+    from meshserve.services.worker.builder import build_engine
+    from meshserve.services.worker.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(model=str(folder), device=device, num_kv_blocks=512,
-                                    **overrides))
+    engine = build_engine(EngineConfig(model=str(folder), device=device, num_kv_blocks=512,
+                                       **overrides))
     try:
         return score_prompts(engine, prompts, length)
     finally:

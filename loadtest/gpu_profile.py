@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from meshserve.services.bench import random_prompts, sharegpt_like_lengths
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.bench.engine import random_prompts, sharegpt_like_lengths
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -55,7 +56,7 @@ def engine_for(model: str, **overrides: Any) -> LLMEngine:
     config = {"model": model, "load_format": "dummy", "max_model_len": 2048,
               **ENGINE_OVERRIDES}
     config.update(overrides)
-    return LLMEngine(EngineConfig(**config))
+    return build_engine(EngineConfig(**config))
 
 
 def single_stream(model: str, report: dict[str, Any], text: list[str],
@@ -124,7 +125,7 @@ def host_phases(model: str, report: dict[str, Any], text: list[str]) -> None:
 
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.runner, "prepare", "launch: prepare inputs")
-    timed(engine.runner, "_forward", "launch: graph replay")
+    timed(engine.runner, "forward", "launch: graph replay")
     timed(engine.runner.sampler, "sample_async", "launch: sampler")
     timed(engine.runner, "launch", "launch (all)")
     class_result = model_runner.LaunchedStep.result

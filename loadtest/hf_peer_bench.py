@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from meshserve.services.bench import (
+from meshserve.bench.engine import (
     environment_info,
     latency_report,
     measure_copy_bandwidth,
@@ -51,8 +51,8 @@ from meshserve.services.bench import (
     throughput_report,
     write_json,
 )
+from meshserve.services.worker.loader import load_model_config, resolve_model
 from meshserve.services.worker.models.config import ModelConfig
-from meshserve.services.worker.models.loader import load_model_config, resolve_model
 
 _DUMMY_RANGE = 1e-3
 _BATCH_SIZES = "256,128,64,32,16,8,4,2,1"

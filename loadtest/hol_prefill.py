@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             model=model, load_format="dummy" if gpu and args.model is None else "auto",
             dtype="bfloat16" if gpu else "float32", device=args.device,
             max_model_len=long_len + 1024, long_prefill_token_threshold=threshold)
-        engine = LLMEngine(config)
+        engine = build_engine(config)
         vocab = engine.model_config.vocab_size
         run(engine, vocab, decodes=2, long_len=min(long_len, 512), arrival_s=arrival_s,
             seed=99)  # warm-up: compile and allocate outside the timed trials
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         for trial in trials:
             print(json.dumps({"long_prefill_token_threshold": threshold, **trial}), flush=True)
         results.append({"long_prefill_token_threshold": threshold,
-                        "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
+                        "max_num_batched_tokens": engine.max_num_batched_tokens,
                         "trials": trials})
         del engine
         if gpu:

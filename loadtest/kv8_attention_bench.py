@@ -19,6 +19,7 @@ default tiles' bf16 result against the FP8 one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from meshserve.kernels import triton_attention
+from meshserve.kernels import knobs, triton_attention
 from meshserve.kernels.attention import AttentionMetadata, decode_attention_reference
 from meshserve.kernels.triton_attention import AttentionTiles
 
@@ -61,7 +62,7 @@ def case(num_seqs: int, context: int, device: torch.device) -> dict[str, Any]:
     caches = (("bf16", (k16, v16), "bits"), ("fp8", (k8, v8), "cvt"),
               ("fp8bits", (k8, v8), "bits"))
     for cache, (k, v), widen in caches:
-        triton_attention.E4M3_WIDEN = widen
+        knobs.use(dataclasses.replace(knobs.current(), fp8_widen=widen))
         kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * k.element_size()
         for tiles in TILES:
             def run(k=k, v=v, tiles=tiles) -> torch.Tensor:
@@ -75,9 +76,9 @@ def case(num_seqs: int, context: int, device: torch.device) -> dict[str, Any]:
                          "kv_gb_per_s": kv_bytes / us / 1e3})
     # Correctness: FP8 against the widened FP8 values, the two widenings against each other,
     # bf16 default against FP8 default.
-    triton_attention.E4M3_WIDEN = "cvt"
+    knobs.use(dataclasses.replace(knobs.current(), fp8_widen="cvt"))
     cvt_out = triton_attention.paged_attention(query, k8, v8, meta, scale).float()
-    triton_attention.E4M3_WIDEN = "bits"
+    knobs.use(dataclasses.replace(knobs.current(), fp8_widen="bits"))
     fp8_out = triton_attention.paged_attention(query, k8, v8, meta, scale).float()
     wide = decode_attention_reference(query.float(), k8.float(), v8.float(), meta, scale)
     bf16_out = triton_attention.paged_attention(query, k16, v16, meta, scale).float()

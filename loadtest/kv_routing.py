@@ -45,11 +45,11 @@ from typing import Any, Self
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshserve.services.bench_serve.config import ServeConfig
-from meshserve.services.bench_serve.datasets import facts_of
-from meshserve.services.bench_serve.runner import run_benchmark
-from meshserve.services.bench_serve.workload import Workload, build_workload
-from meshserve.services.launcher import LauncherConfig, Stack, start_stack
+from meshserve.bench.serve.config import ServeConfig
+from meshserve.bench.serve.datasets import facts_of
+from meshserve.bench.serve.runner import run_benchmark
+from meshserve.bench.serve.workload import Workload, build_workload
+from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 from meshserve.shared.errors import ConfigError, MeshError
 from meshserve.shared.model_config import read_model_files
 from meshserve.shared.model_source import resolve_model

@@ -36,9 +36,9 @@ from kvstore_transfer import kvstore
 
 from meshserve.services.worker import kv_transfer
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.engine.kv_tier import KVTier, ProbeDone, ProbeJob, SaveJob
 from meshserve.services.worker.kv_transfer import KVTransfer
 from meshserve.services.worker.kvstore_client import KVStoreClient
+from meshserve.services.worker.tier.kv_tier import KVTier, ProbeDone, ProbeJob, SaveJob
 
 NAMESPACE = "cost:bfloat16"
 

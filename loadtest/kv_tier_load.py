@@ -31,11 +31,13 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import KVTierPlan, build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.kv_tier import KVTier
+from meshserve.services.worker.engine.kv_copy import KVCaches
 from meshserve.services.worker.kv_transfer import KVTransfer
 from meshserve.services.worker.kvstore_client import KVStoreClient
+from meshserve.services.worker.tier.kv_tier import KVTier
 from meshserve.shared.sampling_params import SamplingParams
 
 _LLAMA_8B = Path(__file__).resolve().parent / "models" / "llama-3.1-8b"
@@ -133,16 +135,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def reset_prefix_cache(engine: LLMEngine) -> None:
+    """Forget the engine's own prefix cache (the engine idle), so that the next request's
+    blocks come from the store. No engine fact does this: the KV cache manager's pool."""
+    assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+
+
 def _warm_up(engine: LLMEngine, transfer: KVTransfer) -> None:
     ttft(engine, "warm", [11] * 64, 2)
     # One small save and load first: the first load of a process pays one-time costs
     # (measured once at 0.86 s for 8k tokens on an H100, against 0.06 s after).
-    warm = [13] * (4 * engine.kv.block_size + 1)
+    warm = [13] * (4 * engine.block_size + 1)
     ttft(engine, "warm-save", warm, 1)
     drain_saves(transfer)
-    assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+    reset_prefix_cache(engine)
     ttft(engine, "warm-load", warm, 1)
-    assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+    reset_prefix_cache(engine)
 
 
 def _trial(engine: LLMEngine, transfer: KVTransfer, tier: KVTier, name: str,
@@ -150,13 +158,13 @@ def _trial(engine: LLMEngine, transfer: KVTransfer, tier: KVTier, name: str,
     """Time to first token of `prompt` computed, then loaded back from the tier."""
     computed_s, computed = ttft(engine, f"c{name}", prompt, max_tokens)
     drain_saves(transfer)
-    assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+    reset_prefix_cache(engine)
     before = (tier.stats.loaded_blocks, transfer.stats.loaded_bytes,
               transfer.stats.load_seconds)
     loaded_s, loaded = ttft(engine, f"l{name}", prompt, max_tokens)
     blocks = tier.stats.loaded_blocks - before[0]
     assert loaded == computed, f"trial {name}: loaded KV gave different tokens"
-    assert engine.kv.pool.reset_prefix_cache(), "engine not idle"
+    reset_prefix_cache(engine)
     return {
         "ttft_recompute_ms": computed_s * 1000, "ttft_loaded_ms": loaded_s * 1000,
         "ratio": loaded_s / computed_s, "loaded_blocks": blocks,
@@ -178,13 +186,22 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     store, address = start_kvstore(args.capacity_bytes, args.out.with_suffix(".kvstore.log"))
     try:
-        engine = LLMEngine(config)
+        made: list[KVTransfer] = []
+
+        def transport(kv_caches: KVCaches) -> KVTransfer:
+            # The client is made when the transfer starts (below), once the engine is built
+            # and `namespace` (its dtype) is known.
+            made.append(KVTransfer(lambda: KVStoreClient(address, namespace), kv_caches))
+            return made[0]
+
+        engine = build_engine(config, kv_tier=KVTierPlan(transport, 64 << 30))
         namespace = f"bench@{str(engine.dtype).removeprefix('torch.')}"
-        transfer = KVTransfer(lambda: KVStoreClient(address, namespace), engine.runner.kv_caches)
+        transfer = made[0]
         transfer.start()
         if not transfer.available:
             raise RuntimeError(f"cannot reach the kvstore at {address}")
-        tier = engine.attach_kv_tier(transfer, max_save_backlog_bytes=64 << 30)
+        tier = engine.hook(KVTier)
+        assert tier is not None
         vocab = engine.model_config.vocab_size
         _warm_up(engine, transfer)
         rng = random.Random(0)
@@ -195,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(trials[-1]), flush=True)
         block_bytes = transfer.stats.loaded_bytes // max(tier.stats.loaded_blocks, 1)
         result = {
-            "prefix_len": prefix_len, "block_size": engine.kv.block_size,
+            "prefix_len": prefix_len, "block_size": engine.block_size,
             "block_bytes": block_bytes, "shared_memory": transfer._client.shared_memory
             if transfer._client is not None else False,
             "trials": trials,

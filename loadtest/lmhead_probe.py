@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from meshserve.services.bench import random_prompts, sharegpt_like_lengths
-from meshserve.services.worker.engine.config import EngineConfig
-from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.bench.engine import random_prompts, sharegpt_like_lengths
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.models import llama
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -35,8 +35,8 @@ def main(argv: list[str]) -> int:
     model = argv[0]
     overrides = json.loads(argv[1]) if len(argv) > 1 else {}
     mode = argv[2] if len(argv) > 2 else "none"
-    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", max_model_len=2048,
-                                    **overrides))
+    engine = build_engine(EngineConfig(model=model, load_format="dummy", max_model_len=2048,
+                                       **overrides))
     lengths = sharegpt_like_lengths(800, 0, engine.max_model_len)
     prompts = random_prompts([i for i, _ in lengths], engine.model_config, 0)
     for i, (p, (_, out)) in enumerate(zip(prompts, lengths, strict=True)):

@@ -50,9 +50,11 @@ from typing import Any
 
 import torch
 
-from meshserve.services.bench import random_prompts, sharegpt_like_lengths, throughput_report
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.bench.engine import random_prompts, sharegpt_like_lengths, throughput_report
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.lora.hook import LoraHook
 from meshserve.shared.lora_config import TARGET_MODULES, lora_id_for
 from meshserve.shared.sampling_params import SamplingParams
 
@@ -140,12 +142,12 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
                    for i in range(args.count)]
         lora = {"enable_lora": True, "max_loras": args.count, "max_lora_rank": args.rank,
                 "lora_modules": json.dumps(modules)}
-    return LLMEngine(EngineConfig(model=args.model, load_format=args.load_format,
-                                  dtype=args.dtype, max_model_len=args.max_model_len,
-                                  structured_outputs_backend="none",
-                                  device=args.device, num_kv_blocks=args.num_kv_blocks,
-                                  enforce_eager=args.enforce_eager,
-                                  quantization=args.quantization, **lora))
+    return build_engine(EngineConfig(model=args.model, load_format=args.load_format,
+                                     dtype=args.dtype, max_model_len=args.max_model_len,
+                                     structured_outputs_backend="none",
+                                     device=args.device, num_kv_blocks=args.num_kv_blocks,
+                                     enforce_eager=args.enforce_eager,
+                                     quantization=args.quantization, **lora))
 
 
 def _throughput(engine: LLMEngine, prompts: list[list[int]], outputs: list[int],
@@ -198,7 +200,7 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]], loras: list[int | None]
 def first_logits(engine: LLMEngine, prompt: list[int], lora: int | None,
                  tag: str) -> torch.Tensor:
     """Logits [V] (float32, on the host) of the first generated position of `prompt`."""
-    model = engine.runner.model
+    model = engine.model
     compute = model.compute_logits
     seen: list[torch.Tensor] = []
 
@@ -283,12 +285,13 @@ def run(args: argparse.Namespace) -> None:
     engine = _engine(args)
     config = engine.model_config
     ids = [lora_id_for(f"lora{i}") for i in range(args.count)] if args.adapters else []
+    lora = engine.hook(LoraHook)
     report: dict[str, Any] = {"command": vars(args), "environment": {
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
         else platform.processor(), "torch": torch.__version__,
         "cuda_graphs": engine.graph_report is not None,
-        "lora_slot_mib": None if engine.lora is None else round(
-            engine.lora._stack.num_bytes / 2**20, 1)}}
+        "lora_slot_mib": None if lora is None else round(
+            lora.manager.stack.num_bytes / 2**20, 1)}}
     if args.consistency_only:
         assert ids, "--consistency-only needs --adapters"
         report["consistency"], logits = consistency(engine, ids,

@@ -209,7 +209,7 @@ def build(run_dir: Path, mesh_dir: Path) -> dict[str, Any]:
 
 def plot_sweep(mesh_dir: Path, path: Path) -> None:
     """The sweep's PNG, drawn as `meshserve bench serve --plot` draws a sweep."""
-    from meshserve.services.bench_serve.plot import require_matplotlib, write_plot
+    from meshserve.bench.serve.plot import require_matplotlib, write_plot
 
     require_matplotlib()
     points = [serve_result(load(p)) for p in sorted(

@@ -18,7 +18,7 @@ import json
 import random
 import time
 
-from meshserve.services.worker.engine.request import Request
+from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.services.worker.spec.decoder import NgramBatchProposer
 from meshserve.services.worker.spec.ngram import NgramProposer
 from meshserve.shared.sampling_params import SamplingParams
@@ -36,7 +36,7 @@ def main() -> None:
     results = []
     for length in args.lengths:
         proposer = NgramBatchProposer(config)
-        requests = [Request(f"r{i}", [rng.randrange(32000) for _ in range(length)],
+        requests = [SequenceState(f"r{i}", [rng.randrange(32000) for _ in range(length)],
                             SamplingParams(), max_tokens=args.steps + 1)
                     for i in range(args.sequences)]
         proposer.propose_batch(requests, [4] * len(requests))  # the first step reads it all

@@ -57,11 +57,12 @@ import torch
 from copy_model import make_copy_model, quoting_prompt
 from spec_real import real_model_run
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine.request import Request
+from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.services.worker.spec.decoder import SpecDecoder
-from meshserve.services.worker.spec.setup import build_draft_proposer
+from meshserve.services.worker.spec.setup import DraftShape, build_draft_proposer
 from meshserve.shared.errors import MeshError
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.speculative_config import SpeculativeConfig
@@ -74,10 +75,10 @@ class FixedProposer:
         self.vocab = vocab
         self.rng = random.Random(seed)
 
-    def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+    def propose_batch(self, requests: list[SequenceState], ks: list[int]) -> list[list[int]]:
         return [[self.rng.randrange(self.vocab) for _ in range(k)] for k in ks]
 
-    def may_draft(self, request: Request) -> bool:
+    def may_draft(self, request: SequenceState) -> bool:
         del request
         return True
 
@@ -89,14 +90,14 @@ class OracleProposer:
         self.prompt_len = prompt_len
         self.output = output
 
-    def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+    def propose_batch(self, requests: list[SequenceState], ks: list[int]) -> list[list[int]]:
         out = []
         for request, k in zip(requests, ks, strict=True):
             done = request.num_tokens - self.prompt_len
             out.append(self.output[done : done + k])
         return out
 
-    def may_draft(self, request: Request) -> bool:
+    def may_draft(self, request: SequenceState) -> bool:
         del request
         return True
 
@@ -153,6 +154,20 @@ def step_times(engine: LLMEngine, batch: int, warmup: int, iters: int
     return times[len(times) // 2] * 1e3, dict(paths)
 
 
+def use_spec(engine: LLMEngine, spec: SpecDecoder | None) -> None:
+    """Swap the engine's speculation hook for `spec` (None: no speculation), between
+    requests. The engine has no setter for this: a benchmark-only swap of the hook tuple
+    (the engine was built with n-gram speculation, so its runner verifies and has verify
+    graphs; only the proposer changes). The hook keeps its place in the tuple."""
+    hooks = list(engine.hooks)
+    at = next((i for i, hook in enumerate(hooks) if isinstance(hook, SpecDecoder)), None)
+    if at is not None:
+        del hooks[at]
+    if spec is not None:
+        hooks.insert(len(hooks) if at is None else at, spec)
+    engine.hooks = tuple(hooks)
+
+
 def _sync(engine: LLMEngine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -167,10 +182,11 @@ def verify_cost(engine: LLMEngine, fixed: SpecDecoder, args: argparse.Namespace,
     paths: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
     for round_ in range(args.rounds + 1):
         for batch in args.batch_sizes:
-            engine.spec, engine.async_scheduling = None, False
+            use_spec(engine, None)
+            engine.async_scheduling = False
             iters = args.iters if round_ else 3
             plain, plain_paths = step_times(engine, batch, args.warmup, iters)
-            engine.spec = fixed
+            use_spec(engine, fixed)
             verify, verify_paths = step_times(engine, batch, args.warmup, iters)
             if round_:
                 rounds[batch].append((plain, verify))
@@ -203,7 +219,7 @@ def acceptance(spec: SpecDecoder | None, before: tuple[int, int, int, list[int]]
 
 def run_mode(engine: LLMEngine, spec: SpecDecoder | None, asynchronous: bool,
              prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
-    engine.spec = spec
+    use_spec(engine, spec)
     engine.async_scheduling = asynchronous
     single_stream(engine, prompt, 16)  # warm-up of this mode's shapes
     before = spec.stats.snapshot() if spec is not None else (0, 0, 0, [])
@@ -241,8 +257,10 @@ def single_stream_modes(engine: LLMEngine, ngram: SpecDecoder, successor: list[i
     results["single_stream_partial"] = {m: _without_tokens(r) for m, r in modes.items()}
     _save(args, results)
     if not args.skip_draft:
-        draft = build_draft_proposer(engine, engine.runner.model, engine.model_config,
-                                     args.draft_blocks)
+        draft = build_draft_proposer(engine.model, engine.model_config, DraftShape(
+            args.draft_blocks, engine.block_size, engine.dtype, engine.device,
+            engine.max_num_seqs, engine.max_model_len, engine.max_num_batched_tokens,
+            cuda_graphs=engine.graph_report is not None))
         same = SpecDecoder(SpeculativeConfig("draft_model", k, model=args.model), draft,
                            engine.max_model_len)
         modes["draft_same"] = run_mode(engine, same, True, full, n)
@@ -267,16 +285,16 @@ def single_stream_modes(engine: LLMEngine, ngram: SpecDecoder, successor: list[i
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     spec_json = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 1})
-    engine = LLMEngine(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=args.model, load_format=args.load_format, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=max(args.batch_sizes),
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks, speculative_config=spec_json))
-    ngram = engine.spec
+    ngram = engine.hook(SpecDecoder)
     assert ngram is not None
     vocab = engine.model_config.vocab_size
     if args.copy_model:
-        successor = make_copy_model(engine.runner.model, seed=args.seed)
+        successor = make_copy_model(engine.model, seed=args.seed)
     else:  # raw weights: the same prompts, whatever the model makes of them
         successor = list(range(vocab))
         random.Random(args.seed).shuffle(successor)

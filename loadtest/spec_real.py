@@ -16,8 +16,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.spec.decoder import SpecDecoder
 
 FUNCTION = '''def summarize_orders(orders, tax_rate, currency="EUR"):
     """Totals per customer, with tax, skipping cancelled orders."""
@@ -92,9 +94,9 @@ def real_model_run(model: str, device: str, k: int, max_tokens: int,
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(source))
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": k,
                        "prompt_lookup_max": 4, "prompt_lookup_min": 1})
-    engine = LLMEngine(EngineConfig(model=model, device=device, max_model_len=2048,
-                                    max_num_seqs=8, speculative_config=spec))
-    ngram = engine.spec
+    engine = build_engine(EngineConfig(model=model, device=device, max_model_len=2048,
+                                       max_num_seqs=8, speculative_config=spec))
+    ngram = engine.hook(SpecDecoder)
     out: dict[str, Any] = {"model": model, "device": _device(engine), "k": k,
                            "max_tokens": max_tokens, "prompts": {}}
     for name, text in PROMPTS.items():

@@ -26,8 +26,11 @@ from typing import Any
 
 import torch
 
-from meshserve.services.worker.engine.config import EngineConfig
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.structured.grammars import GrammarCompiler
+from meshserve.services.worker.structured.hook import StructuredOutputsHook
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.structured_outputs import StructuredKind, StructuredOutputs
 
@@ -73,15 +76,15 @@ COMPILE_SCHEMAS: dict[str, dict[str, Any]] = {
 
 def main() -> None:
     args = _parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format,
-                                    device=args.device, dtype=args.dtype,
-                                    max_num_seqs=args.requests))
+    engine = build_engine(EngineConfig(model=args.model, load_format=args.load_format,
+                                       device=args.device, dtype=args.dtype,
+                                       max_num_seqs=args.requests))
     report: dict[str, Any] = {"command": vars(args), "environment": _environment(engine)}
     report["compile_ms"] = _compile_times(engine)
     print("compile ms:", report["compile_ms"], flush=True)
     specs = [StructuredOutputs.json_schema(s) for s in RUN_SCHEMAS]
     for spec in specs:
-        engine.grammars.compile(spec)
+        _grammars(engine).compile(spec)
     rng = random.Random(0)
     low = min(1000, engine.model_config.vocab_size // 4)
     prompts = [[rng.randrange(low, engine.model_config.vocab_size - 512)
@@ -125,19 +128,27 @@ def _run(engine: LLMEngine, prompts: list[list[int]], constraints: list[Structur
             "output_tok_s": round(tokens / elapsed, 1)}
 
 
+def _grammars(engine: LLMEngine) -> GrammarCompiler:
+    """The engine's grammar compiler (its structured-outputs hook's)."""
+    hook = engine.hook(StructuredOutputsHook)
+    assert hook is not None, "the engine has no structured outputs"
+    return hook.grammars
+
+
 def _compile_times(engine: LLMEngine) -> dict[str, float]:
     """Milliseconds to compile each schema on a fresh cache (the first entry, a trivial
     regex, includes loading the tokenizer and xgrammar's vocabulary scan)."""
+    grammars = _grammars(engine)
     times: dict[str, float] = {}
     started = time.perf_counter()
-    engine.grammars.compile(StructuredOutputs(StructuredKind.REGEX, "[a-z]+"))
+    grammars.compile(StructuredOutputs(StructuredKind.REGEX, "[a-z]+"))
     times["first_use_tokenizer_scan"] = round((time.perf_counter() - started) * 1e3, 1)
     for name, schema in COMPILE_SCHEMAS.items():
         started = time.perf_counter()
-        engine.grammars.compile(StructuredOutputs.json_schema(schema))
+        grammars.compile(StructuredOutputs.json_schema(schema))
         times[name] = round((time.perf_counter() - started) * 1e3, 1)
         started = time.perf_counter()
-        engine.grammars.compile(StructuredOutputs.json_schema(schema))
+        grammars.compile(StructuredOutputs.json_schema(schema))
         times[f"{name}_cached"] = round((time.perf_counter() - started) * 1e3, 3)
     return times
 

@@ -50,9 +50,7 @@ gpu_env() {
   PKGROOT=$run_dir/pkgroot
   gpu_pkgroot "$PKGROOT" >/dev/null || echo "!! linking the package meshserve failed" >&2
   export PKGROOT PYTHONPATH=$PKGROOT${PYTHONPATH:+:$PYTHONPATH}
-  MESHSERVE_CLI=meshserve.cli.main
-  [ -e "$PKGROOT/meshserve/cli/main.py" ] || MESHSERVE_CLI=meshserve.services.cli
-  export MESHSERVE_CLI
+  export MESHSERVE_CLI=meshserve.cli.main
 }
 
 # `gpu_envinfo FILE`: the GPUs, driver, torch, triton and transformers versions into FILE.

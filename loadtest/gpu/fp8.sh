@@ -4,7 +4,7 @@
 # own knobs (listed at the top of each file):
 #   base   check, kernels, bf16 / fp8 / fp8 + FP8 KV cache runs and their table (< 4 minutes)
 #   head   the FP8 LM head (--quantize-lm-head) against bf16 and FP8 weights, alternated
-#   widen  the integer widening of e4m3 (MESHSERVE_FP8_WIDEN=bits) against the conversion
+#   widen  the integer widening of e4m3 (--fp8-widen bits) against the conversion
 #   mesh   bf16 and all-FP8 through `meshserve up` (loadtest/gpu/mesh_run.sh)
 #   pairs  bf16 and FP8 at once on 2 GPUs, swapped between rounds
 #   pdl    programmatic dependent launch off and on (2 GPUs)

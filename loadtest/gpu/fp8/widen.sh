@@ -1,6 +1,6 @@
 # FP8_RUNS entry `widen` of part `fp8` (loadtest/gpu/fp8.sh; results in $OUT/fp8/widen):
 # FP8 products and attention on one GPU: the integer widening of e4m3 (kernels/fp8_widen.py,
-# MESHSERVE_FP8_WIDEN=bits) against Hopper's conversion instruction (the default), and FP8
+# --fp8-widen bits) against Hopper's conversion instruction (the default), and FP8
 # against bf16, single stream and ShareGPT-like. Each step's limit is below; a call of at most
 # 10 minutes takes a part of them (SKIP="name ..." leaves steps out), e.g.
 #     SKIP="tput_bf16 tput_fp8 tput_fp8kv8" FP8_RUNS=widen bash loadtest/gpu.sh fp8
@@ -13,7 +13,7 @@
 #              widenings (150 s with a cold Triton cache)
 #   attention  kv8_attention_bench.py: decode attention over bf16 / FP8 (cvt) / FP8 (bits) (60 s)
 #   lat_*      fp8_bench.py run, single-stream latency only: bf16, FP8 weights, FP8 weights
-#              with MESHSERVE_FP8_WIDEN=bits (40 s each)
+#              with --fp8-widen bits (MESHSERVE_FP8_WIDEN=bits; 40 s each)
 #   tput_*     fp8_bench.py run, latency and NUM_PROMPTS ShareGPT-like requests: bf16, FP8
 #              weights, FP8 weights + FP8 KV cache (170 s each)
 # Results in $OUT: <step>.json/.log, steps.log, summary.md (fp8_bench.py's tables).
@@ -31,7 +31,7 @@ engine() {  # engine NAME LIMIT PROMPTS [ENV=VALUE...] -- ENGINE_FLAGS...
     --load-format dummy --max-model-len "$MAX_MODEL_LEN" "$@"
 }
 gpu_step check 120 python3 loadtest/fp8_bench.py check --out "$OUT/check.json"
-gpu_step kernels 200 env MESHSERVE_FP8_WIDEN=bits python3 loadtest/fp8_kernels_bench.py --rows 1 8 \
+gpu_step kernels 200 python3 loadtest/fp8_kernels_bench.py --fp8-widen bits --rows 1 8 \
   --out "$OUT/kernels.json"
 gpu_step attention 150 python3 loadtest/kv8_attention_bench.py --cases 768x640,256x2048 \
   --out "$OUT/attention.json"
