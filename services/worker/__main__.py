@@ -7,7 +7,8 @@ tiny request (warm-up) -> wait for the grammar preload, settle the heap (gc.free
 On SIGTERM / SIGINT: NOT_SERVING, deregister, refuse new calls, let in-flight
 requests finish within --drain-grace-s (then abort them), stop the engine, flush
 KV events and clear this worker's entries from the block index. A device or
-engine failure is fatal: NOT_SERVING, deregister, exit 1.
+engine failure is fatal: NOT_SERVING, deregister, exit 1. The failure, drain and
+registration steps, shared with the pooling worker, live in lifecycle.py.
 """
 
 from __future__ import annotations
@@ -20,35 +21,39 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-import grpc
 import redis.asyncio as aioredis
 import torch
 from prometheus_client import Gauge
 from redis.exceptions import RedisError
 
-from meshserve.proto.v1 import common_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from meshserve.proto.v1 import worker_pb2_grpc
+from meshserve.services.worker.builder import KVTierPlan, build_engine
 from meshserve.services.worker.config import WorkerConfig, short_flags
-from meshserve.services.worker.engine.engine import LLMEngine, settle_heap
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.kv_copy import KVCaches
 from meshserve.services.worker.engine_thread import EngineThread
+from meshserve.services.worker.heap import settle_heap
 from meshserve.services.worker.kv_publisher import KVEventPublisher
 from meshserve.services.worker.kv_transfer import KVTransfer
 from meshserve.services.worker.kvstore_client import KVStoreClient
+from meshserve.services.worker.lifecycle import ProcessLifecycle, run_process
 from meshserve.services.worker.lora.control import LoraControl, with_loras
-from meshserve.services.worker.registration import Registration
-from meshserve.services.worker.service import WorkerServicer, worker_info_pb, worker_load_pb
+from meshserve.services.worker.lora.hook import LoraHook
+from meshserve.services.worker.service import WorkerServicer
+from meshserve.services.worker.spec.decoder import SpecDecoder
 from meshserve.services.worker.spec_metrics import register_spec_metrics
 from meshserve.services.worker.step_trace import write_step_trace
+from meshserve.services.worker.tier.kv_tier import KVTier
 from meshserve.services.worker.vllm_metrics import metrics_url_of, vllm_metrics_of
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.generation_config import sampling_defaults
-from meshserve.shared.grpc_client import GrpcClient
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.kv_events import AllBlocksCleared
 from meshserve.shared.kv_index import KVIndex
 from meshserve.shared.model_source import tokenizer_folder
 from meshserve.shared.redis_server import connect
 from meshserve.shared.sampling_params import SamplingParams
-from meshserve.shared.service_main import in_daemon_thread, run_service, service_telemetry
+from meshserve.shared.service_main import in_daemon_thread, run_service
 from meshserve.shared.telemetry import Telemetry
 from meshserve.shared.worker_registry import WorkerInfo, WorkerRegistry
 
@@ -56,7 +61,7 @@ SERVICE_NAME = "meshserve.v1.Worker"
 _log = logging.getLogger("meshserve.services.worker")
 
 
-def build_engine(config: WorkerConfig) -> LLMEngine:
+def load_engine(config: WorkerConfig, kv_tier: KVTierPlan | None = None) -> LLMEngine:
     """Load the model and size the KV cache (blocking; can take minutes for large models)."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
@@ -65,10 +70,10 @@ def build_engine(config: WorkerConfig) -> LLMEngine:
                                       "load_format": config.load_format,
                                       "device": config.device, "dtype": config.dtype,
                                       "torch_threads": torch.get_num_threads()})
-    engine = LLMEngine(config.engine_config())
+    engine = build_engine(config, kv_tier=kv_tier)
     _log.info("engine built", extra={
         "model": engine.source.name, "dtype": str(engine.dtype), "device": str(engine.device),
-        "max_model_len": engine.max_model_len, "num_kv_blocks": engine.kv.num_blocks,
+        "max_model_len": engine.max_model_len, "num_kv_blocks": engine.num_kv_blocks,
         "seconds": round(time.monotonic() - started, 2)})
     return engine
 
@@ -142,7 +147,7 @@ def _load_gauges(telemetry: Telemetry, thread: EngineThread) -> None:
 
 def _tier_metrics(telemetry: Telemetry, transfer: KVTransfer, engine: LLMEngine) -> None:
     """Prometheus counters of the KV tier, read at scrape time."""
-    tier = engine.kv_tier
+    tier = engine.hook(KVTier)
     assert tier is not None
     for name, help_text, read in (
             ("kvstore_saved_blocks", "KV blocks written to the kvstore",
@@ -167,75 +172,97 @@ def _tier_metrics(telemetry: Telemetry, transfer: KVTransfer, engine: LLMEngine)
               ).set_function(read)
 
 
-def attach_kvstore(config: WorkerConfig, engine: LLMEngine, namespace: str) -> KVTransfer | None:
-    """Connect the engine to the kvstore (blocking: the first connection attempt), or None
-    when no store is configured or offloading is off."""
-    if not config.kvstore_address or not config.kv_offload:
-        return None
-    if engine.parallel.enabled:
-        _log.warning("the KV tier is off: it does not yet work with --tensor-parallel-size > 1 "
-                     "(docs/tensor_parallel.md)")
-        return None
-    address = config.kvstore_address
-    transfer = KVTransfer(
-        lambda: KVStoreClient(address, namespace, shm=config.kvstore_shm),
-        engine.runner.kv_caches)
-    transfer.start()
-    engine.attach_kv_tier(transfer, config.kv_offload_backlog_bytes)
-    return transfer
+class KVStoreLink:
+    """The worker's connection to the kvstore, the shared KV tier: built into the engine
+    (`plan`), started once the engine's KV namespace is known (`start`)."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.address = config.kvstore_address or ""
+        self.shm = config.kvstore_shm
+        self.backlog_bytes = config.kv_offload_backlog_bytes
+        self.namespace = ""  # set by `start`, before the first client connects
+        self.transfer: KVTransfer | None = None
+
+    @staticmethod
+    def wanted(config: WorkerConfig) -> bool:
+        """Whether a store is configured, offloading is on, and the engine can use it."""
+        if not config.kvstore_address or not config.kv_offload:
+            return False
+        if config.tensor_parallel_size > 1:
+            _log.warning("the KV tier is off: it does not yet work with --tensor-parallel-size "
+                         "> 1 (docs/tensor_parallel.md)")
+            return False
+        return True
+
+    def plan(self) -> KVTierPlan:
+        return KVTierPlan(self._transport, self.backlog_bytes)
+
+    def _transport(self, kv_caches: KVCaches) -> KVTransfer:
+        self.transfer = KVTransfer(
+            lambda: KVStoreClient(self.address, self.namespace, shm=self.shm), kv_caches)
+        return self.transfer
+
+    def start(self, namespace: str) -> KVTransfer:
+        """Start moving blocks (blocking: the first connection attempt)."""
+        assert self.transfer is not None, "the engine was built without this link's plan"
+        self.namespace = namespace
+        self.transfer.start()
+        return self.transfer
 
 
 class WorkerProcess:
     """The pieces of one running worker, wired together (see the module doc)."""
 
-    def __init__(self, config: WorkerConfig, engine: LLMEngine, telemetry: Telemetry) -> None:
+    # Declared here: `life` reads them through callbacks made before they are set.
+    thread: EngineThread
+    info: WorkerInfo
+
+    def __init__(self, config: WorkerConfig, engine: LLMEngine, telemetry: Telemetry,
+                 kvstore: KVStoreLink | None = None) -> None:
         self.config = config
         self.engine = engine
+        self.kvstore = kvstore
         self.telemetry = telemetry
-        self.failure: BaseException | None = None
-        self.draining = False
-        self.thread = EngineThread(engine, on_fatal=self._on_fatal)
+        self.server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
+                                 telemetry=telemetry, grace_s=config.drain_grace_s,
+                                 reuse_port=config.reuse_port)
+        # Failure, drain and scheduler membership: shared with the pooling worker.
+        self.life = ProcessLifecycle(config, self.server, lambda: self.thread.load,
+                                     lambda: self.info)
+        self.thread = EngineThread(engine, on_fatal=self.life.on_fatal)
         if config.step_trace:
             self.thread.step_trace = []
             engine.time_device()
         names = config.model_names(engine.source.name)
         self.info = WorkerInfo(  # address and epoch are set once the port is bound
             worker_id="pending", address="pending", model_names=tuple(names),
-            block_size=engine.kv.block_size, max_model_len=engine.max_model_len,
-            num_total_blocks=engine.kv.num_blocks,
+            block_size=engine.block_size, max_model_len=engine.max_model_len,
+            num_total_blocks=engine.num_kv_blocks,
             kv_namespace=kv_namespace(names[0], engine),
             sampling_defaults_json=_sampling_defaults(config, engine),
             tensor_parallel_size=engine.parallel.world_size)
-        self.info = with_loras(self.info, engine.lora)
+        lora = engine.hook(LoraHook)
+        self.info = with_loras(self.info, lora.manager if lora is not None else None)
         self.servicer = WorkerServicer(self.thread, self.info, tracer=telemetry.tracer,
                                        registry=telemetry.registry,
-                                       draining=lambda: self.draining)
-        self.servicer.lora = LoraControl(engine.lora, self._update_info)
-        self.server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
-                                 telemetry=telemetry, grace_s=config.drain_grace_s,
-                                 reuse_port=config.reuse_port)
+                                       draining=lambda: self.life.draining)
+        self.servicer.lora = LoraControl(lora.manager if lora is not None else None,
+                                         self._update_info)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.server)
         self.redis = connect(config.redis_url, client_name="worker") if config.redis_url else None
         self.publisher: KVEventPublisher | None = None
-        self.registration: Registration | None = None
-        self._scheduler_channel: grpc.aio.Channel | None = None
         self.transfer: KVTransfer | None = None
         _load_gauges(telemetry, self.thread)
         self.vllm_metrics = vllm_metrics_of(engine, self.thread, names[0],
                                             telemetry.registry)
         self.servicer.on_params = self.vllm_metrics.observe_params
-        register_spec_metrics(telemetry.registry, engine.spec, names[0])
+        register_spec_metrics(telemetry.registry, engine.hook(SpecDecoder), names[0])
 
     async def _update_info(self, update: Callable[[WorkerInfo], WorkerInfo]) -> None:
         """Change the worker's info (its LoRA adapters) and tell the scheduler."""
         self.info = self.servicer.info = update(self.info)
-        if self.registration is not None:
-            await self.registration.announce()
-
-    def _on_fatal(self, error: BaseException) -> None:
-        self.failure = error
-        asyncio.get_running_loop().create_task(self.server.set_serving(False))
-        self.server.request_stop()
+        if self.life.registration is not None:
+            await self.life.registration.announce()
 
     async def start(self) -> None:
         """Listen, take an identity and an epoch, start the engine, warm up, go SERVING."""
@@ -255,9 +282,10 @@ class WorkerProcess:
             self.publisher = KVEventPublisher(index, worker_id)
             self.publisher.start()
             self.thread.on_kv_events = self.publisher.put
-        self.transfer = await in_daemon_thread(
-            lambda: attach_kvstore(self.config, self.engine, self.info.namespace), "kv-connect")
-        if self.transfer is not None:
+        if self.kvstore is not None:
+            kvstore, namespace = self.kvstore, self.info.namespace
+            self.transfer = await in_daemon_thread(lambda: kvstore.start(namespace),
+                                                   "kv-connect")
             _tier_metrics(self.telemetry, self.transfer, self.engine)
         self.thread.start()
         await warm_up(self.thread)
@@ -269,32 +297,12 @@ class WorkerProcess:
         await self.server.set_serving()
         _log.info("worker serving", extra={"worker_id": worker_id, "epoch": epoch,
                                            "address": self.info.address, "port": port})
-        if self.config.scheduler_address:
-            channel = self._scheduler_channel = GrpcClient().channel(
-                self.config.scheduler_address)
-            self.registration = Registration(
-                scheduler_pb2_grpc.SchedulerStub(channel), lambda: worker_info_pb(self.info),
-                self._load_pb, interval_s=self.config.heartbeat_interval_s)
-            self.registration.start()
-
-    def _load_pb(self) -> common_pb2.WorkerLoad:
-        return worker_load_pb(self.thread.load, self.info.worker_id, self.info.epoch,
-                              self.draining)
+        self.life.register()
 
     async def run_until_stopped(self) -> None:
         """Serve until SIGTERM (or a fatal error), deregistering as the drain starts."""
-        leave = asyncio.ensure_future(self._leave_on_drain())
-        try:
-            await self.server.wait_for_termination()
-        finally:
-            await leave
-
-    async def _leave_on_drain(self) -> None:
-        await self.server.drain_started.wait()
-        self.draining = True
-        self.servicer.wake_sessions()  # idle sessions end; busy ones after their last request
-        if self.registration is not None:
-            await self.registration.stop(deregister=True)
+        # Idle sessions end as the drain starts; busy ones after their last request.
+        await self.life.run_until_stopped(on_drain=self.servicer.wake_sessions)
 
     async def close(self) -> None:
         """Stop the engine, flush KV events, clear our index entries, close connections."""
@@ -318,8 +326,7 @@ class WorkerProcess:
             await self.publisher.index.clear_holder(self.info.worker_id, self.info.epoch)
         if self.redis is not None:
             await self.redis.aclose()
-        if self._scheduler_channel is not None:
-            await self._scheduler_channel.close()
+        await self.life.close()
 
 
 async def serve(config: WorkerConfig) -> int:
@@ -328,18 +335,11 @@ async def serve(config: WorkerConfig) -> int:
         from meshserve.services.worker.pooling_process import serve_pooling
 
         return await serve_pooling(config, claim_epoch)
-    async with service_telemetry("worker", config) as telemetry:
-        engine = await in_daemon_thread(lambda: build_engine(config), "worker-load")
-        worker = WorkerProcess(config, engine, telemetry)
-        try:
-            await worker.start()
-            await worker.run_until_stopped()
-        finally:
-            await worker.close()
-        if worker.failure is not None:
-            _log.error("worker stopped after an engine failure: %r", worker.failure)
-            return 1
-        return 0
+    kvstore = KVStoreLink(config) if KVStoreLink.wanted(config) else None
+    return await run_process(
+        config, lambda: load_engine(config, kvstore.plan() if kvstore is not None else None),
+        lambda engine, telemetry: WorkerProcess(config, engine, telemetry, kvstore),
+        "worker stopped after an engine failure: %r")
 
 
 def main(argv: list[str] | None = None) -> int:

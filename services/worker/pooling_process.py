@@ -16,21 +16,17 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-import grpc
 import redis.asyncio as aioredis
 import torch
 
-from meshserve.proto.v1 import common_pb2, scheduler_pb2_grpc, worker_pb2_grpc
+from meshserve.proto.v1 import worker_pb2_grpc
 from meshserve.services.worker.config import WorkerConfig
 from meshserve.services.worker.embed_batcher import EmbedBatcher
 from meshserve.services.worker.embed_service import PoolingServicer
 from meshserve.services.worker.embedder import Embedder
-from meshserve.services.worker.registration import Registration
-from meshserve.services.worker.service import worker_info_pb, worker_load_pb
-from meshserve.shared.grpc_client import GrpcClient
+from meshserve.services.worker.lifecycle import ProcessLifecycle, run_process
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.redis_server import connect
-from meshserve.shared.service_main import in_daemon_thread, service_telemetry
 from meshserve.shared.telemetry import Telemetry
 from meshserve.shared.worker_registry import RUNNER_POOLING, WorkerInfo
 
@@ -45,7 +41,7 @@ def build_embedder(config: WorkerConfig) -> Embedder:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     started = time.monotonic()
-    embedder = Embedder(config.engine_config(), config.pooler_config)
+    embedder = Embedder(config, config.pooler_config)
     _log.info("embedder built", extra={
         "model": embedder.source.name, "dtype": str(embedder.dtype),
         "device": str(embedder.device), "max_model_len": embedder.max_model_len,
@@ -59,14 +55,22 @@ def build_embedder(config: WorkerConfig) -> Embedder:
 class PoolingWorkerProcess:
     """The pieces of one running pooling worker, wired together (module doc)."""
 
+    # Declared here: `life` reads them through callbacks made before they are set.
+    batcher: EmbedBatcher
+    info: WorkerInfo
+
     def __init__(self, config: WorkerConfig, embedder: Embedder, telemetry: Telemetry,
                  claim_epoch: ClaimEpoch) -> None:
         """`claim_epoch`: the generating worker's own rule for a fresh epoch."""
         self.config = config
         self._claim_epoch = claim_epoch
-        self.failure: BaseException | None = None
-        self.draining = False
-        self.batcher = EmbedBatcher(embedder, on_fatal=self._on_fatal)
+        self.server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
+                                 telemetry=telemetry, grace_s=config.drain_grace_s,
+                                 reuse_port=config.reuse_port)
+        # Failure, drain and scheduler membership: shared with the generating worker.
+        self.life = ProcessLifecycle(config, self.server, lambda: self.batcher.load,
+                                     lambda: self.info)
+        self.batcher = EmbedBatcher(embedder, on_fatal=self.life.on_fatal)
         names = config.model_names(embedder.source.name)
         self.info = WorkerInfo(  # address and epoch are set once the port is bound
             worker_id="pending", address="pending", model_names=tuple(names),
@@ -74,18 +78,8 @@ class PoolingWorkerProcess:
             embedding_size=embedder.hidden_size,
             kv_namespace=f"{names[0]}@pooling")
         self.servicer = PoolingServicer(self.batcher, self.info, registry=telemetry.registry,
-                                        draining=lambda: self.draining)
-        self.server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
-                                 telemetry=telemetry, grace_s=config.drain_grace_s,
-                                 reuse_port=config.reuse_port)
+                                        draining=lambda: self.life.draining)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server.server)
-        self.registration: Registration | None = None
-        self._scheduler_channel: grpc.aio.Channel | None = None
-
-    def _on_fatal(self, error: BaseException) -> None:
-        self.failure = error
-        asyncio.get_running_loop().create_task(self.server.set_serving(False))
-        self.server.request_stop()
 
     async def start(self) -> None:
         """Listen, take an identity and an epoch, start the thread, warm up, go SERVING."""
@@ -110,31 +104,11 @@ class PoolingWorkerProcess:
         await self.server.set_serving()
         _log.info("pooling worker serving", extra={"worker_id": worker_id, "epoch": epoch,
                                                    "address": self.info.address, "port": port})
-        if self.config.scheduler_address:
-            channel = self._scheduler_channel = GrpcClient().channel(
-                self.config.scheduler_address)
-            self.registration = Registration(
-                scheduler_pb2_grpc.SchedulerStub(channel), lambda: worker_info_pb(self.info),
-                self._load_pb, interval_s=self.config.heartbeat_interval_s)
-            self.registration.start()
-
-    def _load_pb(self) -> common_pb2.WorkerLoad:
-        return worker_load_pb(self.batcher.load, self.info.worker_id, self.info.epoch,
-                              self.draining)
+        self.life.register()
 
     async def run_until_stopped(self) -> None:
         """Serve until SIGTERM (or a fatal error), deregistering as the drain starts."""
-        leave = asyncio.ensure_future(self._leave_on_drain())
-        try:
-            await self.server.wait_for_termination()
-        finally:
-            await leave
-
-    async def _leave_on_drain(self) -> None:
-        await self.server.drain_started.wait()
-        self.draining = True
-        if self.registration is not None:
-            await self.registration.stop(deregister=True)
+        await self.life.run_until_stopped()
 
     async def close(self) -> None:
         """Stop the embedding thread and close the scheduler channel."""
@@ -145,21 +119,13 @@ class PoolingWorkerProcess:
                     await self.batcher.wait_stopped()
             except TimeoutError:
                 _log.warning("embedding thread did not stop within 10s")
-        if self._scheduler_channel is not None:
-            await self._scheduler_channel.close()
+        await self.life.close()
 
 
 async def serve_pooling(config: WorkerConfig, claim_epoch: ClaimEpoch) -> int:
     """Run a pooling worker until stopped and drained; the process exit code."""
-    async with service_telemetry("worker", config) as telemetry:
-        embedder = await in_daemon_thread(lambda: build_embedder(config), "worker-load")
-        worker = PoolingWorkerProcess(config, embedder, telemetry, claim_epoch)
-        try:
-            await worker.start()
-            await worker.run_until_stopped()
-        finally:
-            await worker.close()
-        if worker.failure is not None:
-            _log.error("pooling worker stopped after a failure: %r", worker.failure)
-            return 1
-        return 0
+    return await run_process(
+        config, lambda: build_embedder(config),
+        lambda embedder, telemetry: PoolingWorkerProcess(config, embedder, telemetry,
+                                                         claim_epoch),
+        "pooling worker stopped after a failure: %r")
