@@ -41,8 +41,8 @@ from meshserve.bench.serve.datasets import (  # noqa: F401 (the bench's names)
     SHAREGPT_SIGMA,
     sharegpt_like_lengths,
 )
-from meshserve.services.worker.config import EngineOptions, short_flags
-from meshserve.services.worker.engine.request import Request
+from meshserve.services.worker.config import EngineConfig, short_flags
+from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.services.worker.step_trace import StepRecord, device_fields, write_step_trace
 from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, MeshError
@@ -65,7 +65,7 @@ _USAGE = ("usage: meshserve bench {latency,throughput,serve} [FLAGS]   "
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BenchOptions(EngineOptions):
+class BenchOptions(EngineConfig):
     """Flags every benchmark has, beside the engine's."""
 
     # option() returns a dataclasses.field (the default is None), not a shared mutable value.
@@ -276,10 +276,10 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
     graphs it captured (None on CPU or with --enforce-eager): buckets, capture seconds and
     memory."""
     graphs = engine.graph_report
-    return {"kv_cache_blocks": engine.kv.num_blocks, "block_size": engine.kv.block_size,
+    return {"kv_cache_blocks": engine.num_kv_blocks, "block_size": engine.block_size,
             "async_scheduling": engine.async_scheduling, "max_num_seqs": engine.max_num_seqs,
             "tensor_parallel_size": engine.parallel.world_size,
-            "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
+            "max_num_batched_tokens": engine.max_num_batched_tokens,
             "cuda_graphs": dataclasses.asdict(graphs) if graphs is not None else None,
             "piecewise_cuda_graphs": (dataclasses.asdict(engine.piecewise_report)
                                       if engine.piecewise_report is not None else None)}
@@ -331,7 +331,7 @@ def bench_latency(engine: LLMEngine, config: LatencyConfig) -> dict[str, Any]:
             bar.update(1)
     return latency_report(e2es, ttfts, input_len=config.input_len, output_len=config.output_len,
                           batch_size=size, model_config=engine.model_config,
-                          weight_bytes=model_info(engine.runner.model, "", "")["weight_bytes"],
+                          weight_bytes=model_info(engine.model, "", "")["weight_bytes"],
                           copy_bandwidth=measure_copy_bandwidth(engine.device))
 
 
@@ -347,7 +347,7 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
     prompts = random_prompts([i for i, _ in lengths], engine.model_config, config.seed)
     share = slice(config.shard_index, None, config.num_shards)
     lengths, prompts = lengths[share], prompts[share]
-    sequences: list[Request] = []
+    sequences: list[SequenceState] = []
     times = TokenTimes()
     if config.step_trace:
         engine.time_device()
@@ -366,10 +366,10 @@ def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, A
             steps += 1
             step_s += now + started - before
             if config.step_trace:
-                scheduler = engine.scheduler
+                load = engine.load()
                 trace.append(StepRecord(
-                    now + started, now + started - before, len(scheduler.running),
-                    len(scheduler.waiting), len(prompts) if steps == 1 else 0, len(outputs),
+                    now + started, now + started - before, load.num_running,
+                    load.num_waiting, len(prompts) if steps == 1 else 0, len(outputs),
                     sum(len(out.new_token_ids) for out in outputs), **device_fields(engine)))
             for out in outputs:
                 times.add(out.request_id, len(out.new_token_ids), out.finished, now)
@@ -466,12 +466,13 @@ def main(argv: Sequence[str]) -> int:
         return 2
     import torch
 
-    from meshserve.services.worker.engine.engine import LLMEngine, settled_heap
+    from meshserve.services.worker.builder import build_engine
+    from meshserve.services.worker.heap import settled_heap
 
     try:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        engine = LLMEngine(config.engine_config())
+        engine = build_engine(config)
         with settled_heap(engine):
             figures = (bench_latency(engine, config) if isinstance(config, LatencyConfig)
                        else bench_throughput(engine, config))  # type: ignore[arg-type]
@@ -480,7 +481,7 @@ def main(argv: Sequence[str]) -> int:
         return 1
     result = {"benchmark": kind, "backend": "meshserve", "config": config.as_dict(),
               "environment": {**environment_info(engine.device), "engine": engine_info(engine)},
-              "model": model_info(engine.runner.model, engine.source.name,
+              "model": model_info(engine.model, engine.source.name,
                                   engine.model_config.architecture), **figures}
     print(summary(kind, result))
     write_json(config.output_json, result)
