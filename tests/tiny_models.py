@@ -22,9 +22,12 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -36,11 +39,21 @@ CHATML_TEMPLATE = (
 )
 TOKENIZER_VOCAB = 450
 CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-                  "mistral": MistralConfig}
+                  "mistral": MistralConfig, "qwen3_moe": Qwen3MoeConfig,
+                  "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig}
 TINY_DIMS: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+}
+# Mixture-of-experts defaults per architecture (overrides win): 8 / 4 experts, top-2, experts
+# of intermediate 32; Qwen3-MoE keeps layer 0 dense, Qwen2-MoE has a shared expert.
+MOE_DIMS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True, "num_hidden_layers": 3, "mlp_only_layers": [0]},
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
 }
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -93,7 +106,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_model(dir: Path, arch: str = "llama", *, seed: int = 0,
                      vocab_size: int | None = None, shards: int = 1,
                      tie_word_embeddings: bool = False, **overrides: Any) -> Path:
-    """Write a tiny random model folder for `arch` in {llama, qwen2, qwen3, mistral}.
+    """Write a tiny random model folder for `arch` in {llama, qwen2, qwen3, mistral,
+    qwen3_moe, qwen2_moe, mixtral} (the last three with MOE_DIMS).
 
     `overrides` go into the transformers config (e.g. head_dim=24, rope_scaling=LLAMA3_ROPE).
     Returns `dir`.
@@ -106,7 +120,7 @@ def build_tiny_model(dir: Path, arch: str = "llama", *, seed: int = 0,
     vocab = vocab_size or 64 * math.ceil(len(tokenizer) / 64)
     assert vocab >= len(tokenizer), f"vocab_size {vocab} < tokenizer size {len(tokenizer)}"
     config = CONFIG_CLASSES[arch](**{
-        **TINY_DIMS, "vocab_size": vocab, "tie_word_embeddings": tie_word_embeddings,
+        **TINY_DIMS, **MOE_DIMS.get(arch, {}), "vocab_size": vocab, "tie_word_embeddings": tie_word_embeddings,
         "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": eos_id, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshserve.kernels.rotary import compute_inv_freq, rope_type_of
-from meshserve.services.worker.models.registry import check_supported
+from meshserve.services.worker.models.registry import MOE_ARCHITECTURES, check_supported
 from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.model_config import (
     architecture_of,
@@ -51,11 +51,30 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str | None  # the checkpoint's dtype name, e.g. "bfloat16"
     sliding_window: int | None = None
+    # Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral); num_experts 0: a dense model.
+    num_experts: int = 0  # routed experts per sparse layer (Mixtral: num_local_experts)
+    num_experts_per_tok: int = 0  # top k
+    moe_intermediate_size: int = 0  # each expert's intermediate size (Mixtral: intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1 (Mixtral: always)
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not one of these (dense MLP layers)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
 
     @property
     def max_model_len(self) -> int:
         """Longest context served (`meshserve.shared.model_config.context_length`)."""
         return context_length(self.max_position_embeddings, self.sliding_window)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return any(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` runs experts (else the dense MLP of
+        intermediate_size), as transformers' Qwen2-MoE / Qwen3-MoE decoder layers choose."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -98,6 +117,7 @@ class ModelConfig:
             bos_token_id=bos_token_id(cfg, generation_config),
             torch_dtype=_dtype_name(cfg),
             sliding_window=sliding_window_of(architecture, cfg),
+            **_moe_options(architecture, cfg, source),
         )
         config.validate(source)
         return config
@@ -117,6 +137,20 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ModelLoadError(f"{source}: head_dim {self.head_dim} must be even for RoPE",
                                  param="head_dim")
+        if self.num_experts > 0:
+            self._validate_moe(source)
+
+    def _validate_moe(self, source: str) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(
+                f"{source}: num_experts_per_tok {self.num_experts_per_tok} must be in "
+                f"1..{self.num_experts} (the number of experts)", param="num_experts_per_tok")
+        if self.moe_intermediate_size <= 0:
+            raise ModelLoadError(f"{source}: moe_intermediate_size must be positive, got "
+                                 f"{self.moe_intermediate_size}", param="moe_intermediate_size")
+        if self.decoder_sparse_step <= 0:
+            raise ModelLoadError(f"{source}: decoder_sparse_step must be positive, got "
+                                 f"{self.decoder_sparse_step}", param="decoder_sparse_step")
 
 
 def _check_mlp(cfg: dict[str, Any], source: str) -> None:
@@ -148,14 +182,42 @@ def _rope(cfg: dict[str, Any], head_dim: int,
     return theta, scaling
 
 
-def _attention_options(architecture: str, cfg: dict[str, Any]) -> dict[str, bool]:
+def _attention_options(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:
     configured_bias = bool(cfg.get("attention_bias", False))
-    if architecture == "Qwen2ForCausalLM":  # q/k/v always carry a bias, o_proj never does
-        return {"attention_bias": True, "o_proj_bias": False, "qk_norm": False}
-    if architecture == "MistralForCausalLM":
+    if architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        # q/k/v always carry a bias (Qwen2-MoE: qkv_bias, true by default), o_proj never does
+        qkv_bias = architecture == "Qwen2ForCausalLM" or bool(cfg.get("qkv_bias", True))
+        return {"attention_bias": qkv_bias, "o_proj_bias": False, "qk_norm": False}
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return {"attention_bias": False, "o_proj_bias": False, "qk_norm": False}
     return {"attention_bias": configured_bias, "o_proj_bias": configured_bias,
-            "qk_norm": architecture == "Qwen3ForCausalLM"}
+            "qk_norm": architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")}
+
+
+def _moe_options(architecture: str, cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of `ModelConfig` (none for a dense architecture)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    mixtral = architecture == "MixtralForCausalLM"
+    # Published Qwen configs say num_experts; transformers 5 writes num_local_experts for all.
+    experts = next((cfg[f] for f in ("num_local_experts", "num_experts")
+                    if cfg.get(f) is not None), None)
+    if experts is None:
+        raise ModelLoadError(f"{source}: required field 'num_local_experts' (or 'num_experts') "
+                             "is missing", param="num_local_experts" if mixtral else "num_experts")
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 2),
+        "moe_intermediate_size": int(cfg["intermediate_size"] if mixtral
+                                     else cfg.get("moe_intermediate_size") or 0),
+        "norm_topk_prob": mixtral or bool(cfg.get("norm_topk_prob", False)),
+        "decoder_sparse_step": 1 if mixtral else int(cfg.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": () if mixtral else tuple(
+            int(i) for i in cfg.get("mlp_only_layers") or ()),
+        "shared_expert_intermediate_size": int(
+            cfg.get("shared_expert_intermediate_size") or 0)
+        if architecture == "Qwen2MoeForCausalLM" else 0,
+    }
 
 
 def _dtype_name(cfg: dict[str, Any]) -> str | None:

@@ -25,6 +25,8 @@ from meshserve.services.worker.models.config import ModelConfig
 from meshserve.shared.errors import ModelLoadError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [N, bs, Hkv, D]
+# (config, layer index) -> that layer's MLP; mixtures of experts hand one in (models/moe.py).
+MlpFactory = Callable[[ModelConfig, int], nn.Module]
 
 # The LM head's rows (past SKINNY_MAX_ROWS, on a GPU) are padded to a multiple of this
 # (`CausalLM.compute_logits`).
@@ -121,10 +123,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if mlp is None else mlp  # [T, H] -> [T, H]
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -152,10 +154,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, None if mlp_factory is None else mlp_factory(config, i))
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.head_dim,
                                           config.max_position_embeddings, config.rope_theta,
@@ -178,10 +182,10 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """A decoder-only language model over a paged KV cache."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, mlp_factory)
         # Tied models read the embedding matrix directly (no shared Parameter, so moving the
         # module between devices can never untie it).
         self.lm_head: nn.Module | None = (
@@ -244,7 +248,10 @@ class CausalLM(nn.Module):
                                          f"(not a parameter of {self.config.architecture})",
                                          param=name)
                 param_name, offset, rows = targets[name]
-                dest = params[param_name].data.narrow(0, offset, rows)
+                param = params[param_name].data
+                if param.dim() == 3:  # stacked experts [E, R, C]: rows count over all experts
+                    param = param.flatten(0, 1)
+                dest = param.narrow(0, offset, rows)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                                          f"expected {tuple(dest.shape)}", param=name)

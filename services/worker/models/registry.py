@@ -19,12 +19,28 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "CausalLM"),
     "Qwen2ForCausalLM": ("llama", "CausalLM"),
     "Qwen3ForCausalLM": ("llama", "CausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
 }
+
+# The mixtures of experts among them (services/worker/models/moe.py).
+MOE_ARCHITECTURES: tuple[str, ...] = (
+    "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# Hugging Face model types of those, as a config without `architectures` (a GGUF file's,
+# exported by transformers) names them: MoE weights load from safetensors folders only.
+_MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
+
 def check_supported(architecture: str, source: str) -> None:
     """Raise ModelLoadError unless `architecture` is one meshserve runs."""
+    if architecture in _MOE_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{source}: mixture-of-experts model type {architecture!r} without 'architectures' "
+            f"(as a GGUF file's config) is not supported yet; load {', '.join(MOE_ARCHITECTURES)} from a Hugging Face "
+            "safetensors folder", param="architectures")
     if architecture not in _MODELS:
         raise ModelLoadError(
             f"{source}: architecture {architecture!r} is not supported; supported architectures: "

@@ -66,6 +66,11 @@ class ShardPlan:
 
     def __post_init__(self) -> None:
         n, m = self.parallel.world_size, self.model
+        if n > 1 and m.is_moe:
+            raise ModelLoadError(f"--tensor-parallel-size {n}: tensor parallelism of "
+                                 f"mixture-of-experts models ({m.architecture}) is not "
+                                 "supported yet; run it with --tensor-parallel-size 1",
+                                 param="tensor_parallel_size")
         if m.num_attention_heads % n:
             raise ModelLoadError(f"--tensor-parallel-size {n} must divide the model's "
                                  f"{m.num_attention_heads} attention heads",

@@ -1,0 +1,187 @@
+"""The mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers.
+
+Tiny random MoE folders are written by transformers itself (tests/tiny_models.py, MOE_DIMS:
+a dense layer 0 for Qwen3-MoE, a shared expert for Qwen2-MoE); transformers' greedy
+`generate` and log-softmax on the same weights are the reference, through the whole engine:
+batched requests, prefix-cache hits and preemption. Then what is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine_vs_hf import (
+    GREEDY,
+    MAX_NEW,
+    PROMPT_LENGTHS,
+    hf_greedy,
+    make_engine,
+    run_all,
+    tokens_of,
+)
+from test_models import PagedRunner, hf_logits, load, token_ids
+from tiny_models import build_tiny_model
+from transformers import AutoModelForCausalLM
+
+from meshserve.services.worker.loader import ModelSource, load_model, load_model_config
+from meshserve.services.worker.models.moe import SparseMoeBlock
+from meshserve.shared.errors import ModelLoadError
+from meshserve.shared.sampling_params import SamplingParams
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def moe_setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    arch = request.param
+    folder = build_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rng = random.Random(7)
+    vocab = hf.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    # Two prompts that share a 48- and a 32-token prefix with the 64-token one.
+    prompts.append(prompts[5][:48] + [rng.randrange(3, vocab) for _ in range(9)])
+    prompts.append(prompts[5][:32] + [rng.randrange(3, vocab) for _ in range(20)])
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    return arch, folder, hf, prompts, expected
+
+
+def test_model_logits_match_transformers(moe_setup) -> None:
+    arch, folder, _, _, _ = moe_setup
+    model = load(folder)
+    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
+    assert sparse == ([False, True, True] if arch == "qwen3_moe" else [True, True])
+    ids = token_ids(20, seed=3)
+    runner = PagedRunner(model)
+    got = torch.cat(runner.step([(0, ids[:13], 0)]) + runner.step([(0, ids[13:], 13)]))
+    torch.testing.assert_close(got, hf_logits(folder, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_batched_with_prefix_hits_matches_transformers(moe_setup) -> None:
+    _, folder, _, prompts, expected = moe_setup
+    engine = make_engine(folder, max_num_batched_tokens=40)
+    free_at_start = engine.kv.num_free_blocks
+    outputs = run_all(engine, prompts, GREEDY, stagger=True)
+    for i, want in enumerate(expected):
+        assert tokens_of(outputs[f"r{i}"]) == want, f"prompt {i} (len {len(prompts[i])})"
+    cached = {i: outputs[f"r{i}"][-1].num_cached_tokens for i in (7, 8)}
+    assert cached == {7: 48, 8: 32}, "later requests should reuse the shared prefix blocks"
+    assert engine.kv.num_free_blocks == free_at_start
+
+
+def test_preemption_keeps_outputs_equal(moe_setup) -> None:
+    _, folder, _, prompts, expected = moe_setup
+    engine = make_engine(folder, num_kv_blocks=10, max_num_batched_tokens=64)
+    preempted: set[str] = set()
+    original = engine.scheduler._preempt
+
+    def spy(request, out):  # type: ignore[no-untyped-def]
+        preempted.add(request.request_id)
+        original(request, out)
+
+    engine.scheduler._preempt = spy  # type: ignore[method-assign]
+    outputs = run_all(engine, prompts, GREEDY)
+    assert preempted, "a 10-block cache must force preemption"
+    for i, want in enumerate(expected):
+        assert tokens_of(outputs[f"r{i}"]) == want, f"prompt {i} after preemption"
+    assert engine.kv.num_free_blocks == 10
+
+
+def test_logprobs_match_transformers(moe_setup) -> None:
+    _, folder, hf, prompts, _ = moe_setup
+    engine = make_engine(folder, max_num_batched_tokens=48)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    outputs = run_all(engine, prompts[2:6], params)
+    for j, prompt in enumerate(prompts[2:6]):
+        outs = outputs[f"r{j}"]
+        generated = tokens_of(outs)
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt + generated])).logits[0], -1)
+        lps = [lp for o in outs for lp in (o.new_logprobs or [])]
+        assert len(lps) == len(generated) == MAX_NEW
+        for k, lp in enumerate(lps):
+            row = ref[len(prompt) - 1 + k]
+            assert abs(lp.logprob - row[generated[k]].item()) < 1e-4
+            assert [t for t, _ in lp.top] == torch.topk(row, 5).indices.tolist()
+
+
+def test_stacked_expert_tensors_load_like_per_expert_ones(moe_setup, tmp_path: Path) -> None:
+    """Checkpoints holding [E, 2I, H] / [E, H, I] stacks (transformers' in-memory names)."""
+    _, folder, hf, _, _ = moe_setup
+    from safetensors.torch import save_file
+
+    copy = Path(shutil.copytree(folder, tmp_path / "stacked"))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    (copy / "model.safetensors").unlink()
+    save_file(state, str(copy / "model.safetensors"))
+    ids = token_ids(9, seed=5)
+    got = PagedRunner(load(copy)).step([(0, ids, 0)])[0]
+    torch.testing.assert_close(got, hf_logits(folder, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_missing_and_unexpected_expert_tensors_are_named(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = build_tiny_model(tmp_path / "mixtral", "mixtral")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    tensors["model.layers.1.block_sparse_moe.experts.4.w3.weight"] = tensors.pop(name)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"experts\.4\.w3"):
+        load(folder)
+    del tensors["model.layers.1.block_sparse_moe.experts.4.w3.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing tensors.*experts\.3\.w3"):
+        load(folder)
+
+
+def test_dummy_weights_load_and_run(tmp_path: Path) -> None:
+    folder = build_tiny_model(tmp_path / "qwen2_moe", "qwen2_moe")
+    (folder / "model.safetensors").unlink()
+    model = load(folder, load_format="dummy")
+    logits = PagedRunner(model).step([(0, token_ids(5, seed=1), 0)])[0]
+    assert torch.isfinite(logits).all()
+
+
+def test_lora_on_a_moe_model_is_refused(tmp_path: Path) -> None:
+    folder = build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    with pytest.raises(ModelLoadError, match="LoRA.*Qwen3MoeForCausalLM"):
+        make_engine(folder, enable_lora=True)
+
+
+def test_fp8_checkpoint_and_gguf_of_a_moe_model_are_refused(tmp_path: Path) -> None:
+    from meshserve.shared.quantization import quantization_of
+
+    folder = build_tiny_model(tmp_path / "mixtral", "mixtral")
+    source = ModelSource(str(folder), folder, "hf", None)
+    config = load_model_config(source)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    quant = quantization_of(cfg, None, "config.json")
+    assert quant is not None and quant.from_checkpoint
+    with pytest.raises(ModelLoadError, match="FP8 checkpoints of mixture-of-experts.*Mixtral"):
+        load_model(source, config, torch.float32, CPU, "auto", quant=quant)
+    gguf = ModelSource(str(folder), folder / "x.gguf", "gguf", folder / "x.gguf")
+    with pytest.raises(ModelLoadError, match="GGUF files of mixture-of-experts.*Mixtral"):
+        load_model(gguf, config, torch.float32, CPU, "auto")
+
+
+def test_online_fp8_leaves_the_experts_in_the_model_dtype(tmp_path: Path) -> None:
+    from meshserve.shared.quantization import quantization_of
+
+    folder = build_tiny_model(tmp_path / "qwen2_moe", "qwen2_moe")
+    source = ModelSource(str(folder), folder, "hf", None)
+    model = load_model(source, load_model_config(source), torch.float32, CPU, "auto",
+                       quant=quantization_of({}, "fp8", "flags"))
+    block = model.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock) and block.shared_expert is not None
+    assert block.experts.w13.dtype == block.gate.weight.dtype == torch.float32
+    assert type(block.shared_expert.gate_up_proj).__name__ == "Fp8Linear"
+    assert torch.isfinite(PagedRunner(model).step([(0, token_ids(5, seed=2), 0)])[0]).all()
