@@ -31,10 +31,13 @@ MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
 
 
 class SourceLike(Protocol):
-    """Where a model lives (`meshserve.shared.model_source.ModelSource`)."""
+    """Where a model lives (`meshserve.shared.model_source.ModelSource`, a frozen dataclass:
+    the members are read-only)."""
 
-    path: Path
-    gguf_file: Path | None
+    @property
+    def path(self) -> Path: ...
+    @property
+    def gguf_file(self) -> Path | None: ...
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ RESERVE_STATUS = MappingProxyType({
 })
 
 
-def dtype_from_proto(value: int, block_hash: bytes = b"") -> str:
+def dtype_from_proto(value: kvstore_pb2.KVDType, block_hash: bytes = b"") -> str:
     dtype = DTYPE_BY_ENUM.get(value)
     if dtype is None:
         raise InvalidRequestError(f"block {block_hash.hex()[:16]}: dtype must be set "

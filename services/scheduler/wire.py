@@ -22,7 +22,7 @@ _RUNNER_ENUMS = {RUNNER_GENERATE: common_pb2.RUNNER_GENERATE,
                  RUNNER_POOLING: common_pb2.RUNNER_POOLING}
 
 
-def runner_name(value: int) -> str:
+def runner_name(value: common_pb2.Runner) -> str:
     """The registry's name of a proto Runner value (an unknown value is generate's)."""
     return _RUNNER_NAMES.get(value, RUNNER_GENERATE)
 

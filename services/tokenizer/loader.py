@@ -43,12 +43,17 @@ def _bad(message: str, param: str) -> InvalidRequestError:
 
 
 class ModelSourceLike(Protocol):
-    """Where a model lives (see `meshserve.shared.model_source.ModelSource`)."""
+    """Where a model lives (see `meshserve.shared.model_source.ModelSource`, a frozen
+    dataclass: the members are read-only)."""
 
-    name: str
-    path: Path
-    format: str
-    gguf_file: Path | None
+    @property
+    def name(self) -> str: ...
+    @property
+    def path(self) -> Path: ...
+    @property
+    def format(self) -> str: ...
+    @property
+    def gguf_file(self) -> Path | None: ...
 
 
 class Tokenizer:

@@ -85,7 +85,8 @@ class KVTransfer:
         self.stats = TransferStats()
         # Probes, loads and control first: a request waits on them; saves wait on nobody.
         self._urgent: collections.deque[object] = collections.deque()
-        self._saves: collections.deque[SaveJob] = collections.deque()
+        # Save jobs, and flush's callbacks queued behind them.
+        self._saves: collections.deque[SaveJob | Callable[[], object]] = collections.deque()
         self._wake = threading.Condition()
         self._done: list[TransferDone] = []
         self._cond = threading.Condition()
@@ -262,7 +263,8 @@ class KVTransfer:
             firsts = [job.hashes[0] for job in probes if job.hashes]
             first_held = iter(client.held(firsts) if len(firsts) > 1 else [True] * len(firsts))
             for job in probes:
-                lease = client.acquire(job.hashes) if job.hashes and next(first_held) else None
+                held = bool(job.hashes) and next(first_held)  # no hashes: none asked
+                lease = client.acquire(job.hashes) if held else None
                 self._answer(job, lease)
                 answered += 1
         finally:

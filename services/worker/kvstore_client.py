@@ -341,11 +341,11 @@ def _check_block(hashes: Sequence[bytes], parents: Sequence[bytes], dtype: str,
         raise ValueError(f"block shape {shape} must be non-empty and positive")
 
 
-def _dtype_enum(dtype: str) -> kvstore_pb2.KVDType.ValueType:
+def _dtype_enum(dtype: str) -> kvstore_pb2.KVDType:
     return kvstore_pb2.KVDType.Value("KV_DTYPE_" + dtype.upper())
 
 
-def _dtype_name(value: kvstore_pb2.KVDType.ValueType) -> str:
+def _dtype_name(value: kvstore_pb2.KVDType) -> str:
     return kvstore_pb2.KVDType.Name(value).removeprefix("KV_DTYPE_").lower()
 
 

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -186,7 +187,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """worker.queue / worker.prefill / worker.decode spans under `context` (default:
         the current span)."""
         end = times.finished if times.finished is not None else time.monotonic()
-        attributes = {
+        attributes: dict[str, AttributeValue] = {
             "gen_ai.request.id": request.request_id, "gen_ai.request.n": params.n,
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p,

@@ -209,7 +209,7 @@ class WorkerSession:
         indices: list[int] = []
         num_tokens: list[int] = []
         token_ids: list[int] = []
-        reasons: list[int] = []
+        reasons: list[common_pb2.FinishReason] = []
         details: list[worker_pb2.EntryDetail] = []
         done: list[worker_pb2.RequestDone] = []
         for handle, entry in dirty.items():

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,15 @@ class StepRecord:
     """Device time of the KV tier's gathers after those steps."""
 
 
-def device_fields(engine: Any) -> dict[str, float]:
+class DeviceFields(TypedDict, total=False):
+    """StepRecord's device-time fields, as keyword arguments (`**device_fields(engine)`)."""
+
+    device_busy_s: float
+    device_idle_s: float
+    tier_s: float
+
+
+def device_fields(engine: Any) -> DeviceFields:
     """The StepRecord fields of the engine's device time since the last call (none when
     the engine does not time its device)."""
     if engine.timeline is None:

@@ -16,6 +16,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Sequence
+from typing import TypedDict
 
 from aiohttp import web
 from opentelemetry.trace import Tracer
@@ -37,6 +38,13 @@ from meshserve.shared.openai_embeddings import (
     parse_embedding_request,
 )
 from meshserve.shared.telemetry import inject_headers
+
+
+class _PoolerOptions(TypedDict, total=False):
+    """EmbedRequest's pooler fields the client set (as keyword arguments)."""
+
+    dimensions: int
+    normalize: bool
 
 
 class EmbeddingHandlers:
@@ -155,7 +163,7 @@ class EmbeddingHandlers:
     async def _call(self, route: scheduler_pb2.RouteResponse, request_id: str,
                     inputs: list[list[int]], parsed: EmbeddingRequest,
                     deadline: float) -> worker_pb2.EmbedResponse:
-        options: dict[str, int | bool] = {}  # unset fields: the worker's pooler config
+        options: _PoolerOptions = {}  # unset fields: the worker's pooler config
         if parsed.dimensions is not None:
             options["dimensions"] = parsed.dimensions
         if parsed.normalize is not None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
@@ -22,9 +23,10 @@ from meshserve.shared.openai_bodies import dumps
 from meshserve.shared.status import http_error, openai_error_body
 from meshserve.shared.telemetry import extract_context
 
+if TYPE_CHECKING:  # aiohttp's types of a middleware (the Protocol web.Application takes)
+    from aiohttp.typedefs import Handler, Middleware
+
 _log = logging.getLogger(__name__)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 # Paths that answer probes and scrapers: no span (they would drown the traces), no auth.
 _OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/metrics/all"})
 # Status proxies log for a request whose client went away before the answer.
@@ -40,7 +42,8 @@ def endpoint_of(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
-def error_response(status: int, body: dict[str, object], retry_after_s: int) -> web.Response:
+def error_response(status: int, body: Mapping[str, object],
+                   retry_after_s: int) -> web.Response:
     """A JSON error answer; 429 and 503 tell the client when to retry."""
     headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
     return web.Response(status=status, body=dumps(body), content_type="application/json",

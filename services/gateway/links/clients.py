@@ -290,8 +290,9 @@ class MeshClients:
 
     async def close(self) -> None:
         """Close every channel (in-flight calls are cancelled)."""
-        streams = [*self._worker_links.values(), *(s for s in self._detok_streams if s),
-                   *([self._routes] if self._routes is not None else [])]
+        streams: list[WorkerLink | DetokenizeStream | RouteStream] = [
+            *self._worker_links.values(), *(s for s in self._detok_streams if s),
+            *([self._routes] if self._routes is not None else [])]
         await asyncio.gather(*(s.aclose() for s in streams))
         self._worker_links.clear()
         channels = [*self._tokenizer_channels, self._scheduler_channel,

@@ -12,6 +12,7 @@ and gate/up into `gate_up_proj` (one matmul each); `load_weights` does the fusin
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -153,10 +154,19 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class TokenEmbedding(Protocol):
+    """The model's token embedding: nn.Embedding, or tensor parallelism's slice of it
+    (services/worker/parallel/layers.py's VocabParallelEmbedding)."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: TokenEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, None if mlp_factory is None else mlp_factory(config, i))
             for i in range(config.num_hidden_layers))
@@ -181,6 +191,10 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """A decoder-only language model over a paged KV cache."""
+
+    # Tensor parallelism's sums over ranks, set by shard_modules (parallel/layers.py's
+    # RankSum; models imports no parallel module). A declaration only: unsharded, none.
+    rank_sum: object
 
     def __init__(self, config: ModelConfig, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()

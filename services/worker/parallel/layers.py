@@ -100,11 +100,14 @@ def shard_modules(model: CausalLM, plan: ShardPlan) -> None:
     # The norms that add a row-parallel output to the residual stream, in the order a
     # forward pass reaches them. Layer 0's input norm adds nothing (the embedding's lookup
     # is summed where it is made).
-    for index, layer in enumerate(model.model.layers):
+    layers: list[DecoderLayer] = []
+    for layer in model.model.layers:
         assert isinstance(layer, DecoderLayer), f"no tensor-parallel plan for {type(layer)}"
+        layers.append(layer)
+    for index, layer in enumerate(layers):
         layer.post_attention_layernorm = SummingNorm(layer.post_attention_layernorm, rank_sum)
-        if index + 1 < len(model.model.layers):
-            following = model.model.layers[index + 1]
+        if index + 1 < len(layers):
+            following = layers[index + 1]
             following.input_layernorm = SummingNorm(following.input_layernorm, rank_sum)
     if len(model.model.layers):
         model.model.norm = SummingNorm(model.model.norm, rank_sum)
@@ -114,7 +117,8 @@ def bind_device_sum(model: CausalLM, plan: ShardPlan, device: torch.device,
                     dtype: torch.dtype) -> None:
     """Give the model's sums over ranks the one-shot all-reduce where it can run (every rank
     calls this at the same point, once the model has storage on `device`)."""
-    rank_sum: RankSum = model.rank_sum
+    rank_sum = model.rank_sum
+    assert isinstance(rank_sum, RankSum), "shard_modules gives the model its RankSum"
     rank_sum.device_sum = DeviceSum.create(device, dtype, plan.parallel.custom_all_reduce,
                                            hidden_size=model.config.hidden_size,
                                            sites=rank_sum.sites,
