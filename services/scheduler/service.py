@@ -40,9 +40,13 @@ SERVICE_NAME = "meshserve.v1.Scheduler"
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """meshserve.v1.Scheduler over a Router."""
 
-    def __init__(self, router: Router, config: SchedulerConfig) -> None:
+    def __init__(self, router: Router, config: SchedulerConfig, *,
+                 tracer: trace.Tracer | None = None) -> None:
         self._router = router
         self._config = config
+        # The service's own tracer (Telemetry's), not the global one: each route's span
+        # goes to the exporters of the telemetry the service was started with.
+        self._tracer = tracer or trace.get_tracer("meshserve.scheduler")
 
     async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
                              context: grpc.aio.ServicerContext
@@ -87,7 +91,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                scheduler_pb2.RouteSessionRequest],
                            context: grpc.aio.ServicerContext) -> None:
         session = RouteSession(self._router, wait_s=lambda r: self._wait_s(r, None),
-                               tracer=trace.get_tracer("meshserve.scheduler"))
+                               tracer=self._tracer)
         reader = asyncio.ensure_future(session.read(request_iterator))
         try:
             async for response in session.responses(reader):
@@ -154,8 +158,9 @@ class SchedulerService:
         server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
                             telemetry=telemetry, grace_s=config.drain_grace_s,
                             reuse_port=config.reuse_port)
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(router, config),
-                                                            server.server)
+        servicer = SchedulerServicer(
+            router, config, tracer=telemetry.tracer if telemetry is not None else None)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server.server)
         try:
             port = await server.start()
             await wait_for_redis(redis_client, config.redis_wait_s)
