@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -119,14 +118,6 @@ def ref_tokens(outputs: list[SequenceOutput]) -> list[int]:
 
 def greedy(max_tokens: int, **kw: object) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-async def collect(call: grpc.aio.UnaryStreamCall) -> list[worker_pb2.GenerateResponse]:
-    """The rest of a stream (read() throughout: the call may have been read already)."""
-    messages = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        messages.append(message)
-    return messages
 
 
 async def wait_idle(worker: Harness, within_s: float) -> worker_pb2.GetLoadResponse:

@@ -65,7 +65,7 @@ async def test_completion_non_streaming(mesh: Mesh, api: AsyncOpenAI) -> None:
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (prompt_tokens, 7)
     assert result.usage.prompt_tokens_details is not None
     assert result.usage.prompt_tokens_details.cached_tokens == CACHED_TOKENS
-    # One Generate with the tokenized prompt; the legacy default of max_tokens not used.
+    # One request added with the tokenized prompt; the legacy default of max_tokens not used.
     request = mesh.worker.requests[0]
     assert list(request.prompts[0].token_ids) == [BOS, *PROMPT.encode()]
     assert request.params.max_tokens == 7

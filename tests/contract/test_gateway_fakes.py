@@ -82,6 +82,17 @@ def render_chat(messages: Any, add_generation_prompt: bool) -> str:
 
 
 @dataclass
+class _Text:
+    """What one entry of a DetokenizeSession message turned into."""
+
+    text: str = ""
+    stopped: bool = False
+    stop_string: str = ""
+    finished: bool = False
+    num_output_tokens: int = 0
+
+
+@dataclass
 class _DetokState:
     data: bytearray = field(default_factory=bytearray)
     ids: list[int] = field(default_factory=list)
@@ -149,10 +160,9 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 
     @staticmethod
     def _advance(options: tokenizer_pb2.DetokenizeOptions, state: _DetokState,
-                 token_ids: list[int], final: bool) -> tokenizer_pb2.SequenceText:
+                 token_ids: list[int], final: bool) -> _Text:
         if state.done:
-            return tokenizer_pb2.SequenceText(stopped=True, finished=True,
-                                              num_output_tokens=len(state.ids))
+            return _Text(stopped=True, finished=True, num_output_tokens=len(state.ids))
         for token in token_ids:
             state.ids.append(token)
             if token < 256:
@@ -168,9 +178,8 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
                 used = len(text[:end].encode())
                 state.done = True
                 out = text[state.emitted:cut]
-                return tokenizer_pb2.SequenceText(
-                    text=out, stopped=True, stop_string=stop, finished=True,
-                    num_output_tokens=used)
+                return _Text(text=out, stopped=True, stop_string=stop, finished=True,
+                             num_output_tokens=used)
         # Hold back a tail that may still become a stop string.
         held = 0 if final else max(
             (k for stop in options.stop for k in range(1, len(stop))
@@ -178,8 +187,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         ready = len(text) - held
         out, state.emitted = text[state.emitted:ready], max(state.emitted, ready)
         state.done = final
-        return tokenizer_pb2.SequenceText(text=out, finished=final,
-                                          num_output_tokens=len(state.ids))
+        return _Text(text=out, finished=final, num_output_tokens=len(state.ids))
 
 
 def _valid_prefix(data: bytes) -> str:
@@ -203,14 +211,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.routes: list[scheduler_pb2.RouteRequest] = []
         self.released: list[str] = []
         self.release_seen = asyncio.Event()
-        self.metadata: list[dict[str, str]] = []  # per call, and per route on a stream
+        self.metadata: list[dict[str, str]] = []  # the trace context of each route
         self.session_metadata: list[dict[str, str]] = []  # of the route streams
         self.route_error: MeshError | None = None
-
-    async def Route(self, request: scheduler_pb2.RouteRequest,
-                    context: grpc.aio.ServicerContext) -> scheduler_pb2.RouteResponse:
-        self.metadata.append(metadata_of(context))
-        return self._route(request)
 
     def _route(self, request: scheduler_pb2.RouteRequest) -> scheduler_pb2.RouteResponse:
         self.routes.append(request)
@@ -222,15 +225,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                                                    epoch=1, block_size=16)
         raise UnavailableError("every worker excluded")
 
-    async def Release(self, request: scheduler_pb2.ReleaseRequest,
-                      context: grpc.aio.ServicerContext) -> scheduler_pb2.ReleaseResponse:
-        self.released.append(request.request_id)
-        self.release_seen.set()
-        return scheduler_pb2.ReleaseResponse(released=True)
-
     async def RouteSession(self, request_iterator: Any,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        """Route and Release for a stream of tickets, answered in the order they came."""
+        """Routes and releases on one stream, tickets answered in the order they came."""
         self.session_metadata.append(metadata_of(context))
         async for message in request_iterator:
             outcomes = []
@@ -259,6 +256,18 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 
 # -- worker ---------------------------------------------------------------------------------
+
+@dataclass
+class _Output:
+    """What one sequence produced in one step of the fake worker (an entry of its message)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    cached_tokens: int = 0
+
 
 def _logprobs(token_id: int, top: int) -> common_pb2.TokenLogprobs:
     alternatives = [token_id, *(t for t in (32, 33) if t != token_id)][:top]
@@ -368,7 +377,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def _messages(self, request: worker_pb2.GenerateRequest,
                         resumed: dict[int, list[int]]
-                        ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+                        ) -> AsyncIterator[list[_Output]]:
         params = request.params
         n = params.n if params.HasField("n") else 1
         # Each script ends with EOS, which finishes its sequence with FINISH_REASON_STOP.
@@ -385,26 +394,21 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         while live:
             outputs = [self._output(request, i, seqs[i], sent, limit) for i in sorted(live)]
             live -= {o.index for o in outputs if o.finish_reason}
-            yield worker_pb2.GenerateResponse(outputs=outputs, timings=common_pb2.Timings(
-                queued_ns=1000, num_steps=self.messages_sent + 1))
+            yield outputs
             await asyncio.sleep(0)  # let an abort in between messages
 
     def _output(self, request: worker_pb2.GenerateRequest, index: int,
                 seq: tuple[list[int], list[int]], sent: dict[int, int],
-                limit: int) -> worker_pb2.SequenceOutput:
+                limit: int) -> _Output:
         prompt, tokens = seq
         aborted = self._abort_indices.get(request.request_id, set())
         if aborted is None or index in aborted:
-            return worker_pb2.SequenceOutput(index=index,
-                                             finish_reason=common_pb2.FINISH_REASON_ABORT)
+            return _Output(index, finish_reason=common_pb2.FINISH_REASON_ABORT)
         start = sent[index]
         end = min(start + CHUNK, len(tokens), limit)
         sent[index] = end
         params = request.params
-        output = worker_pb2.SequenceOutput(index=index, token_ids=tokens[start:end],
-                                           usage=common_pb2.Usage(
-                                               prompt_tokens=len(prompt), completion_tokens=end,
-                                               cached_tokens=CACHED_TOKENS))
+        output = _Output(index, tokens[start:end], cached_tokens=CACHED_TOKENS)
         if params.HasField("logprobs"):
             output.logprobs.extend(_logprobs(t, params.logprobs) for t in tokens[start:end])
         if start == 0 and params.HasField("prompt_logprobs"):
@@ -426,11 +430,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.aborted.set()
 
 
-def _session_response(handle: int, message: worker_pb2.GenerateResponse,
+def _session_response(handle: int, outputs: list[_Output],
                       seen: set[int]) -> worker_pb2.SessionResponse:
-    """One Generate-style message as a Session message (columnar, details where needed)."""
+    """One step's outputs of a request as a Session message (columnar, with details)."""
     response = worker_pb2.SessionResponse(num_steps=1)
-    for entry, output in enumerate(message.outputs):
+    for entry, output in enumerate(outputs):
         response.handles.append(handle)
         response.indices.append(output.index)
         response.num_tokens.append(len(output.token_ids))
@@ -438,11 +442,9 @@ def _session_response(handle: int, message: worker_pb2.GenerateResponse,
         response.finish_reasons.append(output.finish_reason)
         detail = worker_pb2.EntryDetail(entry=entry, logprobs=output.logprobs,
                                         prompt_logprobs=output.prompt_logprobs)
-        if output.HasField("stop_token_id"):
-            detail.stop_token_id = output.stop_token_id
         if output.index not in seen:
             seen.add(output.index)
-            detail.cached_tokens = output.usage.cached_tokens
+            detail.cached_tokens = output.cached_tokens
         response.details.append(detail)
     return response
 

@@ -22,7 +22,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from meshserve.proto.v1 import (
+    common_pb2,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from meshserve.shared import errors
 from meshserve.shared.grpc_client import GrpcClient, mesh_errors, wait_until_serving
 from meshserve.shared.grpc_server import GrpcServer
@@ -48,13 +54,28 @@ EXPECTED_CODES = [
 ]
 
 
-def _output(index: int, tokens: list[int], finished: bool = False) -> worker_pb2.SequenceOutput:
+def _step(handle: int, tokens: list[list[int]], finished: bool = False
+          ) -> worker_pb2.SessionResponse:
+    """One Session message: sequence i of `handle` gets tokens[i]."""
     reason = common_pb2.FINISH_REASON_STOP if finished else common_pb2.FINISH_REASON_UNSPECIFIED
-    return worker_pb2.SequenceOutput(index=index, token_ids=tokens, finish_reason=reason)
+    return worker_pb2.SessionResponse(
+        handles=[handle] * len(tokens), indices=list(range(len(tokens))),
+        num_tokens=[len(t) for t in tokens], token_ids=[t for seq in tokens for t in seq],
+        finish_reasons=[reason] * len(tokens))
+
+
+def _entries(response: worker_pb2.SessionResponse) -> list[list[int]]:
+    """The tokens of each entry of a Session message."""
+    entries, position = [], 0
+    for size in response.num_tokens:
+        entries.append(list(response.token_ids[position:position + size]))
+        position += size
+    return entries
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    """Behaves according to the request id; records what it saw."""
+    """Session streams that behave according to the request id of each add (a add with
+    no request is answered with its handle at once); records what it saw."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
@@ -62,9 +83,19 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.fail_next_get_load: type[errors.MeshError] | None = None
         self.log = logging.getLogger("fake_worker")
 
-    async def Generate(self, request: worker_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        rid = request.request_id
+    async def Session(self, requests: AsyncIterator[worker_pb2.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for request in requests:
+            for add in request.adds:
+                if not add.HasField("request"):
+                    yield worker_pb2.SessionResponse(handles=[add.handle])
+                    continue
+                async for response in self._run(add.handle, add.request.request_id):
+                    yield response
+
+    async def _run(self, handle: int, rid: str) -> AsyncIterator[worker_pb2.SessionResponse]:
+        """Two messages of two sequences; an error (which ends the stream), or a wait for
+        `release` before the second, as the request id says."""
         self.calls[rid] = self.calls.get(rid, 0) + 1
         self.log.info("generating", extra={"request_id": rid})
         if rid.startswith("raise:"):
@@ -72,18 +103,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             raise cls(f"bad value for {rid}", param="top_p")
         if rid == "bug":
             raise ValueError("division by zero somewhere")
-        yield worker_pb2.GenerateResponse(outputs=[_output(0, [1, 2, 3]), _output(1, [4])])
+        yield _step(handle, [[1, 2, 3], [4]])
         if rid == "fail-midway":
             raise errors.OverloadedError("preempted for good", param=None)
         if rid == "block":
             await self.release.wait()
-        yield worker_pb2.GenerateResponse(outputs=[_output(0, [5], True), _output(1, [6], True)])
-
-    async def Session(self, requests: AsyncIterator[worker_pb2.SessionRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        """Answers each message with the handles of the requests it adds."""
-        async for request in requests:
-            yield worker_pb2.SessionResponse(handles=[add.handle for add in request.adds])
+        yield _step(handle, [[5], [6]], finished=True)
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.GetLoadResponse:
@@ -94,9 +119,21 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.GetLoadResponse(load=common_pb2.WorkerLoad(worker_id="w0", num_running=2))
 
 
+class FakeKVStore(kvstore_pb2_grpc.KVStoreServicer):
+    """A server-streaming call (the mesh's other stream shape): Get answers one message."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+
+    async def Get(self, request: kvstore_pb2.GetRequest,
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[kvstore_pb2.GetResponse]:
+        self.log.info("getting", extra={"kv_namespace": request.kv_namespace})
+        yield kvstore_pb2.GetResponse()
+
+
 @dataclass
 class Harness:
-    """A started server with the fake worker, and a client channel to it."""
+    """A started server with the fake worker (and kvstore), and a client channel to it."""
 
     server: GrpcServer
     servicer: FakeWorker
@@ -114,6 +151,7 @@ async def harness() -> AsyncIterator[Harness]:
     server = GrpcServer("127.0.0.1:0", service_names=[WORKER], telemetry=telemetry, grace_s=10)
     servicer = FakeWorker()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server.server)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(FakeKVStore(servicer.log), server.server)
     port = await server.start()
     channel = GrpcClient().channel(f"127.0.0.1:{port}")
     yield Harness(server, servicer, channel, worker_pb2_grpc.WorkerStub(channel), port,
@@ -129,9 +167,15 @@ async def _health(channel: grpc.aio.Channel, service: str = "") -> int:
     return int(response.status)
 
 
-async def _generate(stub: Any, rid: str, **kwargs: Any) -> list[worker_pb2.GenerateResponse]:
-    request = worker_pb2.GenerateRequest(request_id=rid, prompts=[worker_pb2.Prompt(token_ids=[7])])
-    return [response async for response in stub.Generate(request, **kwargs)]
+def _adding(rid: str) -> worker_pb2.SessionRequest:
+    return worker_pb2.SessionRequest(adds=[worker_pb2.SessionAdd(
+        handle=1, request=worker_pb2.GenerateRequest(
+            request_id=rid, prompts=[worker_pb2.Prompt(token_ids=[7])]))])
+
+
+async def _generate(stub: Any, rid: str, **kwargs: Any) -> list[worker_pb2.SessionResponse]:
+    """Run one request on a Session stream (half-closed after the add) to its end."""
+    return [response async for response in stub.Session(iter([_adding(rid)]), **kwargs)]
 
 
 async def test_health_is_not_serving_until_warm(harness: Harness) -> None:
@@ -178,11 +222,16 @@ async def test_a_new_channel_reaches_a_peer_restarted_on_the_same_port(
         await restarted.drain(grace_s=0)
 
 
+async def _get(channel: grpc.aio.Channel) -> list[kvstore_pb2.GetResponse]:
+    """A server-streaming call: the fake kvstore's Get."""
+    stub = kvstore_pb2_grpc.KVStoreStub(channel)
+    return [r async for r in stub.Get(kvstore_pb2.GetRequest(kv_namespace="ns"))]
+
+
 async def test_stream_carries_every_message(harness: Harness) -> None:
     responses = await _generate(harness.stub, "ok")
-    tokens = [[list(o.token_ids) for o in r.outputs] for r in responses]
-    assert tokens == [[[1, 2, 3], [4]], [[5], [6]]]
-    assert responses[-1].outputs[0].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert [_entries(r) for r in responses] == [[[1, 2, 3], [4]], [[5], [6]]]
+    assert responses[-1].finish_reasons[0] == common_pb2.FINISH_REASON_STOP
 
 
 @pytest.mark.parametrize(("cls", "code"), EXPECTED_CODES, ids=lambda v: getattr(v, "__name__", ""))
@@ -202,8 +251,7 @@ async def test_mesh_error_arrives_as_status_and_converts_back(
 async def test_error_after_some_messages_keeps_them(harness: Harness) -> None:
     received = []
     with pytest.raises(errors.OverloadedError, match="preempted for good"), mesh_errors():
-        request = worker_pb2.GenerateRequest(request_id="fail-midway")
-        async for response in harness.stub.Generate(request):
+        async for response in harness.stub.Session(iter([_adding("fail-midway")])):
             received.append(response)
     assert len(received) == 1
 
@@ -245,9 +293,9 @@ async def test_drain_finishes_in_flight_streams_and_refuses_new_calls(harness: H
     watch = health.Watch(health_pb2.HealthCheckRequest(service=WORKER))
     assert (await watch.read()).status == SERVING
 
-    call = harness.stub.Generate(worker_pb2.GenerateRequest(request_id="block"))
+    call = harness.stub.Session(iter([_adding("block")]))
     first = await call.read()
-    assert [list(o.token_ids) for o in first.outputs] == [[1, 2, 3], [4]]
+    assert _entries(first) == [[1, 2, 3], [4]]
 
     waiter = asyncio.ensure_future(harness.server.wait_for_termination())
     harness.server.request_stop()
@@ -259,14 +307,14 @@ async def test_drain_finishes_in_flight_streams_and_refuses_new_calls(harness: H
         await _generate(harness.stub, "ok")
     harness.servicer.release.set()
     last = await call.read()
-    assert [list(o.token_ids) for o in last.outputs] == [[5], [6]]
+    assert _entries(last) == [[5], [6]]
     assert await call.read() is grpc.aio.EOF
     assert await call.code() == _C.OK
     await asyncio.wait_for(waiter, timeout=5)  # well within the 10 s grace
 
 
 async def test_drain_cancels_calls_still_running_after_grace(harness: Harness) -> None:
-    call = harness.stub.Generate(worker_pb2.GenerateRequest(request_id="block"))
+    call = harness.stub.Session(iter([_adding("block")]))
     await call.read()
     await asyncio.wait_for(harness.server.drain(grace_s=0.1), timeout=5)
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -285,25 +333,25 @@ async def test_sigterm_starts_the_drain(harness: Harness) -> None:
         loop.remove_signal_handler(sig)
 
 
-@pytest.mark.parametrize("method", ["GetLoad", "Generate"])
+@pytest.mark.parametrize("method", ["Worker/GetLoad", "KVStore/Get"])
 async def test_traceparent_from_the_client_parents_the_server_span(harness: Harness,
                                                                    method: str) -> None:
     client_exporter = InMemorySpanExporter()
     client_telemetry = Telemetry("fake-gateway", span_exporter=client_exporter)
     with client_telemetry.tracer.start_as_current_span("gateway request") as parent:
-        if method == "GetLoad":  # unary
+        if method == "Worker/GetLoad":  # unary
             await harness.stub.GetLoad(worker_pb2.GetLoadRequest())
         else:  # server stream
-            await _generate(harness.stub, "ok")
+            await _get(harness.channel)
     server_spans = [s for s in harness.exporter.get_finished_spans()
-                    if s.name == f"{WORKER}/{method}"]
+                    if s.name == f"meshserve.v1.{method}"]
     assert len(server_spans) == 1
     span = server_spans[0]
     assert span.kind == SpanKind.SERVER
     assert span.parent is not None
     assert span.parent.span_id == parent.get_span_context().span_id
     assert span.context.trace_id == parent.get_span_context().trace_id
-    assert span.attributes["rpc.method"] == method
+    assert span.attributes["rpc.method"] == method.split("/")[1]
     assert span.resource.attributes["service.name"] == "fake-worker"
 
 
@@ -311,7 +359,7 @@ async def test_failed_call_marks_its_span_and_metrics(harness: Harness) -> None:
     with pytest.raises(grpc.aio.AioRpcError):
         await _generate(harness.stub, "raise:overloaded")
     span = next(s for s in harness.exporter.get_finished_spans()
-                if s.name == f"{WORKER}/Generate")
+                if s.name == f"{WORKER}/Session")
     assert span.status.status_code == StatusCode.ERROR
     assert span.attributes["rpc.grpc.status_code"] == _C.RESOURCE_EXHAUSTED.value[0]
     runner = await harness.telemetry.start_metrics_server("127.0.0.1", 0)
@@ -323,7 +371,7 @@ async def test_failed_call_marks_its_span_and_metrics(harness: Harness) -> None:
     finally:
         await runner.cleanup()
     assert ('meshserve:rpc_server_duration_seconds_count{code="RESOURCE_EXHAUSTED",'
-            'method="/meshserve.v1.Worker/Generate"} 1.0') in text
+            'method="/meshserve.v1.Worker/Session"} 1.0') in text
 
 
 async def test_log_records_carry_the_trace_of_the_call(harness: Harness) -> None:
@@ -336,16 +384,16 @@ async def test_log_records_carry_the_trace_of_the_call(harness: Harness) -> None
     try:
         client_telemetry = Telemetry("fake-gateway", span_exporter=InMemorySpanExporter())
         with client_telemetry.tracer.start_as_current_span("gateway request") as parent:
-            await _generate(harness.stub, "ok")
+            await _get(harness.channel)
     finally:
         harness.servicer.log.removeHandler(handler)
     record = orjson.loads(stream.getvalue().splitlines()[0])
-    assert record["message"] == "generating"
-    assert record["request_id"] == "ok"
+    assert record["message"] == "getting"
+    assert record["kv_namespace"] == "ns"
     assert record["service"] == "fake-worker"
     assert record["trace_id"] == format(parent.get_span_context().trace_id, "032x")
     server_span = next(s for s in harness.exporter.get_finished_spans()
-                       if s.name == f"{WORKER}/Generate")
+                       if s.name == "meshserve.v1.KVStore/Get")
     assert record["span_id"] == format(server_span.context.span_id, "016x")
 
 
@@ -395,8 +443,8 @@ async def _idle_stream_survives(stream: str, min_ping_interval_s: float,
     """Hold a stream idle for `idle_s` while the client pings every second (gRPC's client
     floor), then use it again; did it live?
 
-    `stream` is "session" (bidi, the data plane's shape: the server waits to read) or
-    "generate" (server-streaming: the server waits to write).
+    `stream` is "session" (the server waits to read) or "generate" (the server has read
+    a request and waits to write its next output), both on Session streams.
     """
     server = GrpcServer("127.0.0.1:0", service_names=[WORKER],
                         min_ping_interval_s=min_ping_interval_s)
@@ -416,8 +464,7 @@ async def _idle_stream_survives(stream: str, min_ping_interval_s: float,
             await session.write(adding(1))
             assert list((await session.read()).handles) == [1]
         else:
-            call = stub.Generate(worker_pb2.GenerateRequest(
-                request_id="block", prompts=[worker_pb2.Prompt(token_ids=[7])]))
+            call = stub.Session(iter([_adding("block")]))
             await call.read()  # the first message; then idle until released
         await asyncio.sleep(idle_s)  # the idle time is what is tested, not a wait for an event
         try:
@@ -427,7 +474,7 @@ async def _idle_stream_survives(stream: str, min_ping_interval_s: float,
                 return reply is not grpc.aio.EOF and list(reply.handles) == [2]
             servicer.release.set()
             last = await call.read()
-            return last is not grpc.aio.EOF and last.outputs[0].token_ids == [5]
+            return last is not grpc.aio.EOF and _entries(last)[0] == [5]
         except (grpc.aio.AioRpcError, grpc.aio.UsageError):
             return False
     finally:
@@ -447,7 +494,8 @@ async def test_pings_faster_than_the_server_allows_close_the_stream() -> None:
     # away ("too_many_pings"), so the test above can fail. (On an idle bidi stream whose
     # server waits to read, gRPC resets the server's ping clock between the client's pings
     # (GRPC_TRACE=http_keepalive shows next_allowed_ping back at -inf), so a strict server
-    # does not close that one within seconds; the server-streaming call shows the policy.)
+    # does not close that one within seconds; a stream whose server waits to write shows
+    # the policy.)
     assert not await _idle_stream_survives("generate", min_ping_interval_s=10.0)
 
 

@@ -10,13 +10,16 @@ from test_scheduler_service import (  # noqa: F401 (a fixture)
     BLOCK,
     MODEL,
     NS,
+    RouteSessionClient,
     load,
     route_request,
     start_replica,
 )
 
 from meshserve.proto.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from meshserve.shared.errors import MeshError
 from meshserve.shared.lora_config import lora_id_for
+from meshserve.shared.status import grpc_code_for
 
 SQL = lora_id_for("sql")
 
@@ -32,13 +35,12 @@ async def register(stub: scheduler_pb2_grpc.SchedulerStub, worker_id: str,
                                                                   load=load(worker_id)))
 
 
-async def picks(stub: scheduler_pb2_grpc.SchedulerStub, count: int, **fields: object
-                ) -> list[str]:
+async def picks(session: RouteSessionClient, count: int, **fields: object) -> list[str]:
+    """The workers `count` routes go to, each released at once."""
     chosen = []
     for i in range(count):
-        response = await stub.Route(route_request(f"r{i}-{fields}", **fields))
-        await stub.Release(scheduler_pb2.ReleaseRequest(request_id=f"r{i}-{fields}",
-                                                        worker_id=response.worker_id))
+        response = await session.route(route_request(f"r{i}-{fields}", **fields))
+        session.release(f"r{i}-{fields}", response.worker_id)
         chosen.append(response.worker_id)
     return chosen
 
@@ -47,25 +49,29 @@ async def test_adapter_requests_go_to_the_workers_that_have_it(start_replica) ->
     replica = await start_replica(routing="round-robin")
     await register(replica.stub, "w0", [])
     await register(replica.stub, "w1", ["sql"])
+    session = RouteSessionClient(replica.stub)
     # Round-robin alternates base-model requests, but the adapter's only reach w1.
-    assert set(await picks(replica.stub, 4)) == {"w0", "w1"}
-    assert await picks(replica.stub, 6, lora_id=SQL) == ["w1"] * 6
+    assert set(await picks(session, 4)) == {"w0", "w1"}
+    assert await picks(session, 6, lora_id=SQL) == ["w1"] * 6
     listed = await replica.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())
     adapters = {w.info.worker_id: [(a.name, a.id, a.base_model_name) for a in w.info.loras]
                 for w in listed.workers}
     assert adapters == {"w0": [], "w1": [("sql", SQL, MODEL)]}
     # w0 loads it too (re-registering with the same epoch): both take it now.
     await register(replica.stub, "w0", ["sql"])
-    assert set(await picks(replica.stub, 4, lora_id=SQL)) == {"w0", "w1"}
+    assert set(await picks(session, 4, lora_id=SQL)) == {"w0", "w1"}
     # w1 unloads it: only w0 is left for it.
     await register(replica.stub, "w1", [])
-    assert await picks(replica.stub, 3, lora_id=SQL) == ["w0"] * 3
+    assert await picks(session, 3, lora_id=SQL) == ["w0"] * 3
+    await session.close()
 
 
 async def test_an_adapter_no_worker_has_is_not_found(start_replica) -> None:  # noqa: F811
     replica = await start_replica()
     await register(replica.stub, "w0", ["sql"])
-    with pytest.raises(grpc.aio.AioRpcError) as failed:
-        await replica.stub.Route(route_request("x", lora_id=lora_id_for("other")))
-    assert failed.value.code() == grpc.StatusCode.NOT_FOUND
-    assert "LoRA adapter" in (failed.value.details() or "")
+    session = RouteSessionClient(replica.stub)
+    with pytest.raises(MeshError) as failed:
+        await session.route(route_request("x", lora_id=lora_id_for("other")))
+    assert grpc_code_for(failed.value) == grpc.StatusCode.NOT_FOUND
+    assert "LoRA adapter" in failed.value.message
+    await session.close()

@@ -92,9 +92,11 @@ async def test_bad_inputs_and_dimensions_are_invalid_arguments(pooling: Pooling)
 
 
 async def test_a_pooling_worker_refuses_generation(pooling: Pooling) -> None:
+    adding = worker_pb2.SessionRequest(adds=[worker_pb2.SessionAdd(
+        handle=1, request=worker_pb2.GenerateRequest(
+            request_id="g", prompts=[worker_pb2.Prompt(token_ids=[1])]))])
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        async for _ in pooling.stub.Generate(worker_pb2.GenerateRequest(
-                request_id="g", prompts=[worker_pb2.Prompt(token_ids=[1])])):
+        async for _ in pooling.stub.Session(iter([adding])):
             pass
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "embedding model" in (refused.value.details() or "")

@@ -15,7 +15,16 @@ from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import generate_latest
-from test_scheduler_service import BLOCK, MODEL, NS, PROMPT, load, register, route_request
+from test_scheduler_service import (
+    BLOCK,
+    MODEL,
+    NS,
+    PROMPT,
+    RouteSessionClient,
+    load,
+    register,
+    route_request,
+)
 
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
 from meshserve.services.scheduler.config import SchedulerConfig
@@ -53,13 +62,14 @@ async def test_routes_survive_redis_loss_and_prefix_routing_returns_with_it(
         await register(stub, "w0")
         await register(stub, "w1")
         assert not (await _listed(stub)).degraded
+        session = RouteSessionClient(stub)
         redis._process.kill()  # a crash: nothing is flushed, nothing answers
         redis._process.wait()
 
         # Requests are still placed, by load: w1 reports less, so it gets the first.
         beat = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load("w0", running=7)))
         assert beat.registered
-        routed = [(await stub.Route(route_request(f"r{i}"))) for i in range(3)]
+        routed = [(await session.route(route_request(f"r{i}"))) for i in range(3)]
         assert routed[0].worker_id == "w1"
         assert all(r.num_matched_blocks == 0 for r in routed)
         listed = await _listed(stub)
@@ -76,7 +86,7 @@ async def test_routes_survive_redis_loss_and_prefix_routing_returns_with_it(
             tuple(hashes), None, (), BLOCK)])
         deadline = time.monotonic() + 10
         while True:  # the next read finds Redis again
-            response = await stub.Route(route_request(f"again-{time.monotonic()}"))
+            response = await session.route(route_request(f"again-{time.monotonic()}"))
             if response.num_matched_blocks:
                 break
             assert time.monotonic() < deadline, "prefix routing did not come back"
@@ -84,6 +94,7 @@ async def test_routes_survive_redis_loss_and_prefix_routing_returns_with_it(
         assert (response.worker_id, response.num_matched_blocks) == ("w0", 4)
         assert not (await _listed(stub)).degraded
         assert "meshserve:scheduler_redis_up 1.0" in generate_latest(registry).decode()
+        await session.close()
     finally:
         await client.aclose()
         await channel.close()

@@ -19,7 +19,14 @@ import redis.asyncio as aioredis
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from test_gateway_fakes import MODEL as GATEWAY_MODEL
 from test_gateway_fakes import start_mesh
-from test_scheduler_service import BLOCK, NS, PROMPT, register, route_request
+from test_scheduler_service import (
+    BLOCK,
+    NS,
+    PROMPT,
+    RouteSessionClient,
+    register,
+    route_request,
+)
 
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
 from meshserve.services.scheduler.config import SchedulerConfig
@@ -38,15 +45,15 @@ class Scheduler:
     stub: scheduler_pb2_grpc.SchedulerStub
     telemetry: Telemetry
     spans: InMemorySpanExporter
+    session: RouteSessionClient  # one route stream for the test's life
 
     def metric(self, name: str, **labels: str) -> float | None:
         return self.telemetry.registry.get_sample_value(name, labels)
 
     async def route(self, request_id: str) -> scheduler_pb2.RouteResponse:
         """Route, then release at once: every route sees the workers' reported load."""
-        response = await self.stub.Route(route_request(request_id))
-        await self.stub.Release(scheduler_pb2.ReleaseRequest(request_id=request_id,
-                                                             worker_id=response.worker_id))
+        response = await self.session.route(route_request(request_id))
+        self.session.release(request_id, response.worker_id)
         return response
 
 
@@ -55,7 +62,7 @@ async def start_scheduler(redis_url: str, redis_client: aioredis.Redis
                           ) -> AsyncIterator[Callable[..., Awaitable[Scheduler]]]:
     """Starts a scheduler with `routing`, registers w0 and w1 (w1 busier, holding the
     prompt's 4 full blocks on its device); stops it afterwards."""
-    started: list[tuple[SchedulerService, Any]] = []
+    started: list[tuple[SchedulerService, Any, RouteSessionClient]] = []
 
     async def start(routing: str, prefill_weight: float = 1.0) -> Scheduler:
         spans = InMemorySpanExporter()
@@ -65,17 +72,19 @@ async def start_scheduler(redis_url: str, redis_client: aioredis.Redis
                                  routing=routing, prefill_weight=prefill_weight)
         service = await SchedulerService.start(config, redis_url, telemetry)
         channel = GrpcClient().channel(f"127.0.0.1:{service.port}")
-        started.append((service, channel))
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        session = RouteSessionClient(stub)
+        started.append((service, channel, session))
         await register(stub, "w0")
         await register(stub, "w1", running=2, used=3)
         hashes = hash_blocks(PROMPT, BLOCK)
         await KVIndex(redis_client, NS).apply_events(
             "w1", 1, 1, [BlockStored(tuple(hashes), None, (), BLOCK)])
-        return Scheduler(stub, telemetry, spans)
+        return Scheduler(stub, telemetry, spans, session)
 
     yield start
-    for service, channel in started:
+    for service, channel, session in started:
+        await session.close()
         await channel.close()
         await service.stop(grace_s=0)
 
@@ -132,7 +141,7 @@ async def test_kv_aware_sends_the_prompt_to_its_holder_then_weighs_the_kvstore(
     assert scheduler.metric("meshserve:scheduler_matched_prompt_tokens_total") == 3 * 4 * BLOCK
     assert scheduler.metric("meshserve:scheduler_kvstore_blocks_total") == 4
 
-    # The Route span of the last decision carries what the response says.
+    # The scheduler's route span of the last decision carries what the response says.
     [span] = [s for s in scheduler.spans.get_finished_spans()
               if s.name == "meshserve.v1.Scheduler/Route"
               and s.attributes.get("meshserve.request_id") == "r3"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -16,9 +17,12 @@ from meshserve.proto.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from meshserve.services.scheduler.config import SchedulerConfig
 from meshserve.services.scheduler.service import SchedulerService
 from meshserve.shared.block_hash import hash_blocks
+from meshserve.shared.errors import MeshError
 from meshserve.shared.grpc_client import GrpcClient
 from meshserve.shared.kv_events import BlockStored
 from meshserve.shared.kv_index import KVIndex
+from meshserve.shared.proto_errors import error_from_pb
+from meshserve.shared.status import grpc_code_for
 
 MODEL = "tiny"
 NS = "tiny:float16"
@@ -87,6 +91,89 @@ async def worker_ids(stub: scheduler_pb2_grpc.SchedulerStub) -> list[str]:
     return sorted(w.info.worker_id for w in response.workers)
 
 
+class RouteSessionClient:
+    """The client side of one RouteSession stream, kept for a test's life as the gateway
+    keeps its RouteStream: ending the stream releases every route it decided, so a test
+    routes and releases on one stream rather than opening one per call.
+
+    `route()` numbers its own tickets (from 1000); outcomes of tickets sent by hand with
+    `send()` are read with `outcomes()`.
+    """
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+        self.queue: asyncio.Queue[scheduler_pb2.RouteSessionRequest | None] = asyncio.Queue()
+        self.call = stub.RouteSession(self._requests())
+        self._tickets = itertools.count(1000)
+        self._waiting: dict[int, asyncio.Future[scheduler_pb2.RouteOutcome]] = {}
+        self._unclaimed: asyncio.Queue[scheduler_pb2.RouteOutcome] = asyncio.Queue()
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _requests(self) -> AsyncIterator[scheduler_pb2.RouteSessionRequest]:
+        while (message := await self.queue.get()) is not None:
+            yield message
+
+    async def _read(self) -> None:
+        ended: BaseException = EOFError("the stream ended before the route was decided")
+        try:
+            while (message := await self.call.read()) is not grpc.aio.EOF:
+                for outcome in message.outcomes:
+                    future = self._waiting.pop(outcome.ticket, None)
+                    if future is None:
+                        self._unclaimed.put_nowait(outcome)
+                    elif not future.done():
+                        future.set_result(outcome)
+        except grpc.aio.AioRpcError as exc:  # the stream broke
+            ended = exc
+        for future in self._waiting.values():  # routes never decided fail
+            if not future.done():
+                future.set_exception(ended)
+
+    def send(self, **fields: Any) -> None:
+        self.queue.put_nowait(scheduler_pb2.RouteSessionRequest(**fields))
+
+    async def route(self, request: scheduler_pb2.RouteRequest) -> scheduler_pb2.RouteResponse:
+        """The decision for one request; the outcome's Error raised as a MeshError."""
+        number = next(self._tickets)
+        future: asyncio.Future[scheduler_pb2.RouteOutcome] = (
+            asyncio.get_running_loop().create_future())
+        self._waiting[number] = future
+        self.send(routes=[scheduler_pb2.RouteTicket(ticket=number, request=request)])
+        async with asyncio.timeout(10):
+            outcome = await future
+        if outcome.WhichOneof("result") == "error":
+            raise error_from_pb(outcome.error)
+        return outcome.route
+
+    def cancel_waiting(self) -> None:
+        """Cancel every route() still waiting (as the gateway does when its client leaves)."""
+        self.send(cancels=list(self._waiting))
+
+    def release(self, request_id: str, worker_id: str) -> None:
+        self.send(releases=[scheduler_pb2.ReleaseRequest(request_id=request_id,
+                                                         worker_id=worker_id)])
+
+    async def outcomes(self, count: int) -> dict[int, scheduler_pb2.RouteOutcome]:
+        got: dict[int, scheduler_pb2.RouteOutcome] = {}
+        async with asyncio.timeout(10):
+            while len(got) < count:
+                outcome = await self._unclaimed.get()
+                assert outcome.ticket not in got, "a ticket answered twice"
+                got[outcome.ticket] = outcome
+        return got
+
+    async def close(self) -> None:
+        """End the stream and wait for the scheduler to end its side (once no route is
+        pending: a half-closed stream still answers the routes it holds)."""
+        self.queue.put_nowait(None)
+        async with asyncio.timeout(10):
+            await self._reader
+        assert self.call.done() and await self.call.code() == grpc.StatusCode.OK
+
+
+def ticket(number: int, request_id: str, **fields: Any) -> scheduler_pb2.RouteTicket:
+    return scheduler_pb2.RouteTicket(ticket=number, request=route_request(request_id, **fields))
+
+
 async def test_route_prefers_the_worker_holding_the_prefix(
         start_replica: Callable[..., Awaitable[Replica]], redis_client: aioredis.Redis) -> None:
     stub = (await start_replica()).stub
@@ -96,21 +183,23 @@ async def test_route_prefers_the_worker_holding_the_prefix(
     index = KVIndex(redis_client, NS)
     await index.apply_events("w1", 1, 1, [BlockStored(tuple(hashes[:2]), None, (), BLOCK)])
     await index.apply_events("kvstore:s0", 1, 1, [BlockStored(tuple(hashes), None, (), BLOCK)])
+    session = RouteSessionClient(stub)
 
-    response = await stub.Route(route_request("r0"))
+    response = await session.route(route_request("r0"))
     assert (response.worker_id, response.address, response.epoch) == ("w1", "w1:1", 1)
     assert (response.num_matched_blocks, response.num_kvstore_blocks) == (2, 2)
     assert response.block_size == BLOCK
 
     # The same request by its block hashes instead of its tokens (r0's provisional load
     # would otherwise outweigh the prefix: it adds w1's 3 blocks to prefill).
-    await stub.Release(scheduler_pb2.ReleaseRequest(request_id="r0", worker_id="w1"))
+    session.release("r0", "w1")
     by_hashes = scheduler_pb2.RouteRequest(request_id="r1", model=MODEL, block_hashes=hashes,
                                            num_prompt_tokens=len(PROMPT))
-    assert (await stub.Route(by_hashes)).worker_id == "w1"
+    assert (await session.route(by_hashes)).worker_id == "w1"
     # A cache salt changes every hash: no worker holds that prefix.
-    salted = await stub.Route(route_request("r2", cache_salt="tenant-a"))
+    salted = await session.route(route_request("r2", cache_salt="tenant-a"))
     assert (salted.num_matched_blocks, salted.num_kvstore_blocks) == (0, 0)
+    await session.close()
 
 
 async def test_heartbeats_update_load_and_reject_stale_epochs(
@@ -148,7 +237,9 @@ async def test_worker_without_heartbeats_drops_out_after_its_ttl(
         return await worker_ids(stub) == ["w1"]
 
     await eventually(only_w1_left)
-    assert (await stub.Route(route_request("r0"))).worker_id == "w1"  # despite w0's prefix
+    session = RouteSessionClient(stub)
+    assert (await session.route(route_request("r0"))).worker_id == "w1"  # despite w0's prefix
+    await session.close()
     assert await KVIndex(redis_client, NS).holders_of(hashes[0]) == {}
 
 
@@ -157,22 +248,24 @@ async def test_full_workers_queue_the_route_until_a_heartbeat_frees_one(
     replica = await start_replica(max_waiting_per_worker=0, queue_capacity=1)
     stub = replica.stub
     await register(stub, "w0", running=1, max_running=1)
-    waiting = asyncio.ensure_future(stub.Route(route_request("r0")))
+    session = RouteSessionClient(stub)
+    waiting = asyncio.ensure_future(session.route(route_request("r0")))
 
     async def queued() -> bool:
         return len(replica.service.router.queue) == 1
 
     await eventually(queued)
     assert not waiting.done()
-    with pytest.raises(grpc.aio.AioRpcError) as overflow:  # the queue holds one request
-        await stub.Route(route_request("r1"))
-    assert overflow.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(MeshError) as overflow:  # the queue holds one request
+        await session.route(route_request("r1"))
+    assert grpc_code_for(overflow.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load("w0", running=0,
                                                                   max_running=1)))
     response = await asyncio.wait_for(waiting, 5)
     assert response.worker_id == "w0"
     assert response.queued_ns > 0
+    await session.close()
 
 
 async def test_provisional_load_spreads_a_burst_until_release(
@@ -181,51 +274,64 @@ async def test_provisional_load_spreads_a_burst_until_release(
     stub = replica.stub
     await register(stub, "w0", max_running=1)
     await register(stub, "w1", max_running=1)
-    first = await stub.Route(route_request("r0"))
-    second = await stub.Route(route_request("r1"))
+    session = RouteSessionClient(stub)
+    first = await session.route(route_request("r0"))
+    second = await session.route(route_request("r1"))
     assert {first.worker_id, second.worker_id} == {"w0", "w1"}  # no heartbeat in between
-    third = asyncio.ensure_future(stub.Route(route_request("r2")))
+    third = asyncio.ensure_future(session.route(route_request("r2")))
 
     async def queued() -> bool:
         return len(replica.service.router.queue) == 1
 
     await eventually(queued)
-    released = await stub.Release(scheduler_pb2.ReleaseRequest(request_id="r0",
-                                                               worker_id=first.worker_id))
-    assert released.released
+    session.release("r0", first.worker_id)
     assert (await asyncio.wait_for(third, 5)).worker_id == first.worker_id
-    again = await stub.Release(scheduler_pb2.ReleaseRequest(request_id="r0",
-                                                            worker_id=first.worker_id))
-    assert not again.released
+    assert len(replica.service.router.inflight) == 2  # r1 and r2; r0 no longer tracked
+    # Releasing r0 again frees nothing: the next route waits, both workers being full.
+    session.release("r0", first.worker_id)
+    fourth = asyncio.ensure_future(session.route(route_request("r3")))
+    await eventually(queued)
+    assert not fourth.done()
+    assert len(replica.service.router.inflight) == 2
+    session.cancel_waiting()
+    await session.close()  # releases r1 and r2
+    await eventually(lambda: _no_inflight(replica))
+    assert len(replica.service.router.queue) == 0
+    with pytest.raises(EOFError):  # cancelled: never decided
+        await fourth
 
 
 async def test_queue_gives_up_at_the_request_deadline(
         start_replica: Callable[..., Awaitable[Replica]]) -> None:
     stub = (await start_replica(max_waiting_per_worker=0)).stub
     await register(stub, "w0", running=1, max_running=1)
+    session = RouteSessionClient(stub)
     deadline = time.time_ns() + 200_000_000
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Route(route_request("r0", deadline_unix_ns=deadline))
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(MeshError) as err:
+        await session.route(route_request("r0", deadline_unix_ns=deadline))
+    assert grpc_code_for(err.value) == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.time_ns() >= deadline
+    await session.close()
 
 
 async def test_route_errors(start_replica: Callable[..., Awaitable[Replica]]) -> None:
     stub = (await start_replica(queue_capacity=0)).stub
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Route(route_request("r0"))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    session = RouteSessionClient(stub)
+    with pytest.raises(MeshError) as err:
+        await session.route(route_request("r0"))
+    assert grpc_code_for(err.value) == grpc.StatusCode.UNAVAILABLE
     await register(stub, "w0", running=8, max_running=8, free=0)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Route(route_request("r1", exclude_worker_ids=["w0"]))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    with pytest.raises(grpc.aio.AioRpcError) as err:  # full, and no queue to wait in
-        await stub.Route(route_request("r2"))
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.Route(scheduler_pb2.RouteRequest(request_id="r3", model=MODEL))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert dict(err.value.trailing_metadata())["meshserve-error-param"] == "prompt_token_ids"
+    with pytest.raises(MeshError) as err:
+        await session.route(route_request("r1", exclude_worker_ids=["w0"]))
+    assert grpc_code_for(err.value) == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(MeshError) as err:  # full, and no queue to wait in
+        await session.route(route_request("r2"))
+    assert grpc_code_for(err.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(MeshError) as err:
+        await session.route(scheduler_pb2.RouteRequest(request_id="r3", model=MODEL))
+    assert grpc_code_for(err.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.param == "prompt_token_ids"
+    await session.close()  # each route failed alone; the stream is intact
 
 
 async def test_two_replicas_share_workers_and_wake_each_other(
@@ -236,7 +342,8 @@ async def test_two_replicas_share_workers_and_wake_each_other(
     await register(b.stub, "w1", running=1, max_running=1)
     assert await worker_ids(a.stub) == await worker_ids(b.stub) == ["w0", "w1"]
 
-    waiting = asyncio.ensure_future(b.stub.Route(route_request("r0")))
+    session = RouteSessionClient(b.stub)
+    waiting = asyncio.ensure_future(session.route(route_request("r0")))
 
     async def queued_on_b() -> bool:
         return len(b.service.router.queue) == 1
@@ -246,36 +353,7 @@ async def test_two_replicas_share_workers_and_wake_each_other(
     await a.stub.Heartbeat(scheduler_pb2.HeartbeatRequest(load=load("w1", running=0,
                                                                     max_running=1)))
     assert (await asyncio.wait_for(waiting, 5)).worker_id == "w1"
-
-
-class RouteSessionClient:
-    """The client side of one RouteSession stream."""
-
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
-        self.queue: asyncio.Queue[scheduler_pb2.RouteSessionRequest | None] = asyncio.Queue()
-        self.call = stub.RouteSession(self._requests())
-
-    async def _requests(self) -> AsyncIterator[scheduler_pb2.RouteSessionRequest]:
-        while (message := await self.queue.get()) is not None:
-            yield message
-
-    def send(self, **fields: Any) -> None:
-        self.queue.put_nowait(scheduler_pb2.RouteSessionRequest(**fields))
-
-    async def outcomes(self, count: int) -> dict[int, scheduler_pb2.RouteOutcome]:
-        got: dict[int, scheduler_pb2.RouteOutcome] = {}
-        async with asyncio.timeout(10):
-            while len(got) < count:
-                message = await self.call.read()
-                assert message is not grpc.aio.EOF
-                for outcome in message.outcomes:
-                    assert outcome.ticket not in got, "a ticket answered twice"
-                    got[outcome.ticket] = outcome
-        return got
-
-
-def ticket(number: int, request_id: str, **fields: Any) -> scheduler_pb2.RouteTicket:
-    return scheduler_pb2.RouteTicket(ticket=number, request=route_request(request_id, **fields))
+    await session.close()
 
 
 async def test_route_session_answers_each_ticket_and_queues_alone(
@@ -300,8 +378,7 @@ async def test_route_session_answers_each_ticket_and_queues_alone(
     # The other waiting one is cancelled; ending the stream releases what it had decided.
     session.send(cancels=[7 - decided.ticket])
     assert len(replica.service.router.inflight) == 2  # b and the decided one
-    session.queue.put_nowait(None)
-    assert await session.call.read() is grpc.aio.EOF
+    await session.close()
     await eventually(lambda: _no_inflight(replica))
     assert len(replica.service.router.queue) == 0
 

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -233,29 +234,88 @@ async def test_bad_requests_fail_alone_with_invalid_argument(harness: Harness,
     assert health.status == SERVING
 
 
-# -- Detokenize ------------------------------------------------------------------------------
+# -- detokenization, over DetokenizeSession ---------------------------------------------------
+# One request per stream (handle 1, opened with the first message); each step's entries
+# and answers are read back per sequence, as the gateway's detokenize link does.
+
+HANDLE = 1
 
 
-def _options(num_sequences: int, **kwargs: Any) -> pb.DetokenizeRequest:
-    return pb.DetokenizeRequest(options=pb.DetokenizeOptions(
-        model=NAME, request_id="r1", num_sequences=num_sequences, **kwargs))
+@dataclass
+class Seq:
+    """New tokens of one sequence in one message (one entry of a DetokenizeSessionRequest)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    final: bool = False
+    lookup_token_ids: list[int] = field(default_factory=list)
 
 
-def _delta(*sequences: pb.SequenceTokens) -> pb.DetokenizeRequest:
-    return pb.DetokenizeRequest(delta=pb.DetokenizeDelta(sequences=list(sequences)))
+@dataclass
+class Text:
+    """The answer to one entry."""
+
+    index: int
+    text: str
+    stopped: bool
+    stop_string: str
+    finished: bool
+    num_output_tokens: int
+    token_bytes: list[bytes]
 
 
-async def _lockstep(stub: tokenizer_pb2_grpc.TokenizerStub, options: pb.DetokenizeRequest,
-                    deltas: Sequence[pb.DetokenizeRequest]) -> list[pb.DetokenizeResponse]:
-    """Send each delta and read its answer before sending the next one."""
-    call = stub.Detokenize()
-    await call.write(options)
+@dataclass
+class Answer:
+    """The answer to one message, entry for entry."""
+
+    sequences: list[Text]
+    errors: list[pb.HandleError]
+
+
+def _options(num_sequences: int, prompt_token_ids: Sequence[int] = (),
+             **kwargs: Any) -> pb.DetokenizeOpen:
+    return pb.DetokenizeOpen(
+        handle=HANDLE, options=pb.DetokenizeOptions(model=NAME, request_id="r1",
+                                                    num_sequences=num_sequences, **kwargs),
+        prompt_tails=[pb.TokenIds(token_ids=prompt_token_ids)], samples_per_prompt=num_sequences)
+
+
+def _delta(*sequences: Seq) -> list[Seq]:
+    return list(sequences)
+
+
+def _message(delta: Sequence[Seq], opens: Sequence[pb.DetokenizeOpen] = ()
+             ) -> pb.DetokenizeSessionRequest:
+    return pb.DetokenizeSessionRequest(
+        opens=opens, handles=[HANDLE] * len(delta), indices=[s.index for s in delta],
+        num_tokens=[len(s.token_ids) for s in delta],
+        token_ids=[t for s in delta for t in s.token_ids], finals=[s.final for s in delta],
+        stopped_on_tokens=[False] * len(delta),
+        lookup_token_ids=[t for s in delta for t in s.lookup_token_ids])
+
+
+def _answer(delta: Sequence[Seq], response: pb.DetokenizeSessionResponse) -> Answer:
+    """Per-entry answers; stop strings and token bytes handed back to their entries."""
+    stops, raw = iter(response.stop_strings), iter(response.token_bytes)
+    texts = [Text(s.index, text, stopped, next(stops) if stopped else "", finished, count,
+                  [next(raw) for _ in s.lookup_token_ids])
+             for s, text, stopped, finished, count in zip(
+                 delta, response.texts, response.stopped, response.finished,
+                 response.num_output_tokens, strict=True)]
+    return Answer(texts, list(response.errors))
+
+
+async def _lockstep(stub: tokenizer_pb2_grpc.TokenizerStub, options: pb.DetokenizeOpen,
+                    deltas: Sequence[Sequence[Seq]]) -> list[Answer]:
+    """Open the request with the first message, send each delta and read its answer before
+    sending the next one; then end the stream."""
+    call = stub.DetokenizeSession()
     answers = []
-    for delta in deltas:
-        await call.write(delta)
-        answers.append(await call.read())
+    for i, delta in enumerate(deltas):
+        await call.write(_message(delta, [options] if i == 0 else []))
+        answers.append(_answer(delta, await call.read()))
     await call.done_writing()
-    assert await call.read() == grpc.aio.EOF, "one answer per delta, no more"
+    assert await call.read() == grpc.aio.EOF, "one answer per message, no more"
     return answers
 
 
@@ -289,7 +349,7 @@ async def test_multi_sequence_chunked_deltas_never_break_characters(
         for i in picked:
             tokens = chunks[i].pop(0)
             sent[i] += len(tokens)
-            entries.append(pb.SequenceTokens(index=i, token_ids=tokens, final=not chunks[i]))
+            entries.append(Seq(index=i, token_ids=tokens, final=not chunks[i]))
         deltas.append(_delta(*entries))
         order.append([(i, sent[i], not chunks[i]) for i in picked])
     answers = await _lockstep(harness.stub, _options(len(TEXTS), prompt_token_ids=[5, 6, 7]),
@@ -318,17 +378,19 @@ async def test_stop_strings_across_token_boundaries(harness: Harness, hf: PreTra
         at = _first_count_containing(hf, ids, stop)
         assert stop not in hf.decode(ids[at - 1:at]), "the stop string must span tokens"
         chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
-        deltas = [_delta(pb.SequenceTokens(index=0, token_ids=c, final=i == len(chunks) - 1))
+        deltas = [_delta(Seq(index=0, token_ids=c, final=i == len(chunks) - 1))
                   for i, c in enumerate(chunks)]
         answers = await _lockstep(harness.stub, _options(
             1, stop=[stop, "never there"], include_stop_str_in_output=include), deltas)
         end = full.find(stop) + (len(stop) if include else 0)
         assert "".join(a.sequences[0].text for a in answers) == full[:end]
         hit = next(i for i, a in enumerate(answers) if a.sequences[0].stopped)
-        for a in answers[hit:]:  # later deltas: nothing more, still stopped
+        s = answers[hit].sequences[0]
+        assert (s.stopped, s.finished, s.stop_string, s.num_output_tokens) == (
+            True, True, stop, at)
+        for a in answers[hit + 1:]:  # later deltas: the request is forgotten, nothing more
             s = a.sequences[0]
-            assert (s.stopped, s.finished, s.stop_string, s.num_output_tokens) == (
-                True, True, stop, at)
+            assert (s.text, s.stopped, s.finished) == ("", False, True)
         assert all(not a.sequences[0].finished for a in answers[:hit])
         assert hit == (at - 1) // chunk
 
@@ -339,11 +401,11 @@ async def test_min_tokens_hides_early_stop_strings(harness: Harness,
     min_tokens = _first_count_containing(hf, ids, "fox") + 1
     head = hf.decode(ids[:min_tokens])
     rest = hf.decode(ids)[len(head):]
-    deltas = [_delta(pb.SequenceTokens(index=0, token_ids=[t])) for t in ids]
+    deltas = [_delta(Seq(index=0, token_ids=[t])) for t in ids]
     answers = await _lockstep(harness.stub, _options(1, stop=["fox"], min_tokens=min_tokens),
                               deltas)
     assert "".join(a.sequences[0].text for a in answers) == head + rest[:rest.find("fox")]
-    assert answers[-1].sequences[0].stopped
+    assert [a.sequences[0].stopped for a in answers].count(True) == 1
 
 
 async def test_skip_special_tokens(harness: Harness, hf: PreTrainedTokenizerBase) -> None:
@@ -352,9 +414,9 @@ async def test_skip_special_tokens(harness: Harness, hf: PreTrainedTokenizerBase
     kept = hf.decode(ids, skip_special_tokens=False)
     assert skipped != kept and "<|im_end|>" in kept
     for skip, expected in ((True, skipped), (False, kept)):
-        deltas = [_delta(pb.SequenceTokens(index=0, token_ids=ids[i:i + 2]))
+        deltas = [_delta(Seq(index=0, token_ids=ids[i:i + 2]))
                   for i in range(0, len(ids), 2)]
-        deltas.append(_delta(pb.SequenceTokens(index=0, final=True)))
+        deltas.append(_delta(Seq(index=0, final=True)))
         answers = await _lockstep(harness.stub, _options(1, skip_special_tokens=skip), deltas)
         assert "".join(a.sequences[0].text for a in answers) == expected
         assert answers[-1].sequences[0].finished
@@ -366,9 +428,9 @@ async def test_lookup_token_bytes(harness: Harness, hf: PreTrainedTokenizerBase)
     _assert_splits_characters(hf, ids)
     extra = [ids[-1], ids[0]]  # "alternatives" need not be the sequence's own tokens
     answers = await _lockstep(harness.stub, _options(2), [
-        _delta(pb.SequenceTokens(index=0, token_ids=ids[:4], lookup_token_ids=ids[:4]),
-               pb.SequenceTokens(index=1, token_ids=[ids[0]], lookup_token_ids=extra)),
-        _delta(pb.SequenceTokens(index=0, token_ids=ids[4:], lookup_token_ids=ids[4:]))])
+        _delta(Seq(index=0, token_ids=ids[:4], lookup_token_ids=ids[:4]),
+               Seq(index=1, token_ids=[ids[0]], lookup_token_ids=extra)),
+        _delta(Seq(index=0, token_ids=ids[4:], lookup_token_ids=ids[4:]))])
     looked_up = list(answers[0].sequences[0].token_bytes) + list(answers[1].sequences[0].token_bytes)
     assert b"".join(looked_up) == text.encode("utf-8")
     for token, raw in zip(ids, looked_up, strict=True):
@@ -378,44 +440,62 @@ async def test_lookup_token_bytes(harness: Harness, hf: PreTrainedTokenizerBase)
     assert list(answers[0].sequences[1].token_bytes) == [looked_up[-1], looked_up[0]]
 
 
-async def test_bad_detokenize_streams_fail_alone(harness: Harness,
-                                                 hf: PreTrainedTokenizerBase) -> None:
-    bad_streams = {
-        "options": [_delta(pb.SequenceTokens(index=0, token_ids=[5]))],
-        "sequences.index": [_options(2), _delta(pb.SequenceTokens(index=2, token_ids=[5]))],
-        "num_sequences": [_options(0)],
-        "stop": [_options(1, stop=[""])],
-    }
-    for param, requests in bad_streams.items():
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in harness.stub.Detokenize(iter(requests)):
-                pass
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, param
-        assert error_from_rpc(info.value).param == param
+async def test_bad_requests_fail_alone_on_their_stream(harness: Harness,
+                                                      hf: PreTrainedTokenizerBase) -> None:
     ids = hf.encode(TEXTS[0])
-    answers = await _lockstep(harness.stub, _options(1), [
-        _delta(pb.SequenceTokens(index=0, token_ids=ids, final=True))])
-    assert answers[0].sequences[0].text == hf.decode(ids)
+    bad = {2: (_options(2), Seq(index=2, token_ids=[5]), "sequences.index"),
+           3: (_options(0), Seq(index=0, token_ids=[5]), "num_sequences"),
+           4: (_options(1, stop=[""]), Seq(index=0, token_ids=[5]), "stop")}
+    opens = []
+    for handle, (options, _, _) in bad.items():
+        options.handle = handle
+        opens.append(options)
+    good = _options(1)
+    message = _message([Seq(index=0, token_ids=ids, final=True)], [good, *opens])
+    # Entries of the bad requests, and of one never opened (handle 9), ride along.
+    for handle, (_, entry, _) in [*bad.items(), (9, (None, Seq(index=0, token_ids=[5]), ""))]:
+        message.handles.append(handle)
+        message.indices.append(entry.index)
+        message.num_tokens.append(len(entry.token_ids))
+        message.token_ids.extend(entry.token_ids)
+        message.finals.append(False)
+        message.stopped_on_tokens.append(False)
+    call = harness.stub.DetokenizeSession()
+    await call.write(message)
+    answer = await call.read()
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    failed = {e.handle: (e.error.kind, e.error.param) for e in answer.errors}
+    assert failed == {h: ("invalid_request", param) for h, (_, _, param) in bad.items()}
+    assert list(answer.texts) == [hf.decode(ids), "", "", "", ""]
+    assert list(answer.finished) == [True] * 5
 
 
 async def test_concurrent_streams_do_not_interfere(harness: Harness,
                                                    hf: PreTrainedTokenizerBase) -> None:
     a_ids, b_ids = hf.encode(TEXTS[1]), hf.encode(TEXTS[0])
-    a, b = harness.stub.Detokenize(), harness.stub.Detokenize()
-    await a.write(_options(1))
-    await b.write(_options(1, stop=["lazy"]))
+    a, b = harness.stub.DetokenizeSession(), harness.stub.DetokenizeSession()
+    # The same handle on both streams: each stream's requests are its own.
+    opens = {a: [_options(1)], b: [_options(1, stop=["lazy"])]}
+
+    async def send(call: Any, seq: Seq) -> None:
+        await call.write(_message([seq], opens.pop(call, [])))
+
+    async def text(call: Any) -> str:
+        return str((await call.read()).texts[0])
+
     a_text = b_text = ""
     for i in range(max(len(a_ids), len(b_ids))):
         # Interleave the two streams' messages on the wire, answers read in reverse.
         if i < len(a_ids):
-            await a.write(_delta(pb.SequenceTokens(index=0, token_ids=[a_ids[i]])))
+            await send(a, Seq(index=0, token_ids=[a_ids[i]]))
         if i < len(b_ids):
-            await b.write(_delta(pb.SequenceTokens(index=0, token_ids=[b_ids[i]])))
-            b_text += (await b.read()).sequences[0].text
+            await send(b, Seq(index=0, token_ids=[b_ids[i]]))
+            b_text += await text(b)
         if i < len(a_ids):
-            a_text += (await a.read()).sequences[0].text
-    await a.write(_delta(pb.SequenceTokens(index=0, final=True)))
-    a_text += (await a.read()).sequences[0].text
+            a_text += await text(a)
+    await send(a, Seq(index=0, final=True))
+    a_text += await text(a)
     for call in (a, b):
         await call.done_writing()
         assert await call.read() == grpc.aio.EOF
@@ -427,15 +507,22 @@ async def test_concurrent_streams_do_not_interfere(harness: Harness,
 async def test_spans_and_metrics(harness: Harness, hf: PreTrainedTokenizerBase) -> None:
     ids = hf.encode(TEXTS[0])
     await harness.stub.Tokenize(pb.TokenizeRequest(text=TEXTS[0]))
-    await _lockstep(harness.stub, _options(1), [
-        _delta(pb.SequenceTokens(index=0, token_ids=ids[:3])),
-        _delta(pb.SequenceTokens(index=0, token_ids=ids[3:], final=True))])
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    options = _options(1)
+    options.traceparent = f"00-{trace_id}-{parent_id}-01"
+    await _lockstep(harness.stub, options, [
+        _delta(Seq(index=0, token_ids=ids[:3])),
+        _delta(Seq(index=0, token_ids=ids[3:], final=True))])
     spans = {s.name: s for s in harness.exporter.get_finished_spans()}
-    for name, rpc in (("tokenize", "Tokenize"), ("detokenize", "Detokenize")):
-        parent = spans[f"meshserve.v1.Tokenizer/{rpc}"]
-        assert parent.kind == SpanKind.SERVER
-        assert spans[name].parent is not None
-        assert spans[name].parent.span_id == parent.context.span_id
+    parent = spans["meshserve.v1.Tokenizer/Tokenize"]
+    assert parent.kind == SpanKind.SERVER
+    assert spans["tokenize"].parent is not None
+    assert spans["tokenize"].parent.span_id == parent.context.span_id
+    # A request's detokenize span joins the trace it was opened with, not the stream's.
+    detokenize = spans["detokenize"]
+    assert format(detokenize.context.trace_id, "032x") == trace_id
+    assert detokenize.parent is not None
+    assert format(detokenize.parent.span_id, "016x") == parent_id
     assert spans["tokenize"].attributes["gen_ai.usage.input_tokens"] == len(ids)
     assert spans["detokenize"].attributes["gen_ai.usage.output_tokens"] == len(ids)
     assert spans["detokenize"].attributes["gen_ai.request.id"] == "r1"
@@ -444,7 +531,8 @@ async def test_spans_and_metrics(harness: Harness, hf: PreTrainedTokenizerBase) 
     assert sample("meshserve:tokenizer_requests_total", {"method": "detokenize"}) == 1
     assert sample("meshserve:tokenizer_tokens_total", {"direction": "tokenize"}) == len(ids)
     assert sample("meshserve:tokenizer_tokens_total", {"direction": "detokenize"}) == len(ids)
-    assert sample("meshserve:tokenizer_latency_seconds_count", {"operation": "detokenize"}) == 2
+    assert sample("meshserve:tokenizer_latency_seconds_count",
+                  {"operation": "detokenize_step"}) == 2
 
 
 async def test_unavailable_and_not_serving_until_the_model_is_set(

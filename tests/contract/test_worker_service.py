@@ -9,13 +9,12 @@ from Redis (the session's embedded server, `redis_url` from tests/conftest_redis
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
-from opentelemetry.trace import SpanKind
+from test_worker_session import ABORT, Session, add
 from worker_harness import (
     BLOCK,
     EPOCH,
@@ -24,11 +23,9 @@ from worker_harness import (
     PROMPTS,
     WORKER_ID,
     Harness,
-    collect,
     greedy,
     ref_tokens,
     reference,
-    request,
     wait_idle,
 )
 
@@ -45,39 +42,35 @@ from meshserve.shared.block_hash import hash_blocks
 from meshserve.shared.grpc_client import GrpcClient
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.logprobs import TokenLogprobs
+from meshserve.shared.proto_errors import error_from_pb
 from meshserve.shared.sampling_params import SamplingParams
-from meshserve.shared.status import ERROR_KIND_KEY
+from meshserve.shared.status import grpc_code_for
 from meshserve.shared.telemetry import metadata_with_trace
 
+# Each test runs its requests on one Session stream (tests/contract/test_worker_session.py's
+# client), the gateway's way to the worker.
 
-def tokens_by_index(messages: list[worker_pb2.GenerateResponse]) -> dict[int, list[int]]:
-    result: dict[int, list[int]] = {}
-    for message in messages:
-        for out in message.outputs:
-            result.setdefault(out.index, []).extend(out.token_ids)
-    return result
+LENGTH = common_pb2.FINISH_REASON_LENGTH
 
 
-def final(messages: list[worker_pb2.GenerateResponse], index: int) -> worker_pb2.SequenceOutput:
-    finished = [o for m in messages for o in m.outputs
-                if o.index == index and o.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
-    assert len(finished) == 1, f"sequence {index} finished {len(finished)} times"
-    return finished[0]
+def done_timings(session: Session, handle: int) -> common_pb2.Timings:
+    (timings,) = [d.timings for m in session.messages for d in m.done if d.handle == handle]
+    return timings
 
 
 async def test_generate_matches_in_process_engine(worker: Harness,
                                                   tiny_llama_dir: Path) -> None:
-    for i, prompt in enumerate(PROMPTS):
+    session = Session(worker)
+    for i, prompt in enumerate(PROMPTS):  # one at a time: each runs alone
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         expected = reference(tiny_llama_dir, prompt, params)[0]
-        messages = await collect(worker.stub.Generate(request(f"g{i}", [prompt],
-                                                              greedy(24, ignore_eos=True))))
-        assert tokens_by_index(messages) == {0: ref_tokens(expected)}
-        last = final(messages, 0)
-        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
-        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 24)
-        assert all(m.timings.sent_unix_ns > 0 for m in messages)
-        assert messages[-1].timings.num_steps >= 1
+        session.send(adds=[add(i + 1, f"g{i}", [prompt], greedy(24, ignore_eos=True))])
+        await session.until([i + 1])
+        seen = session.seen[i + 1]
+        assert seen.tokens == {0: ref_tokens(expected)}
+        assert seen.reasons == {0: LENGTH} and len(seen.tokens[0]) == 24
+        assert done_timings(session, i + 1).num_steps >= 1
+    assert all(m.sent_unix_ns > 0 for m in session.messages)
 
 
 async def test_n2_seeded_sampling_and_logprobs_match(worker: Harness,
@@ -88,13 +81,15 @@ async def test_n2_seeded_sampling_and_logprobs_match(worker: Harness,
     expected = reference(tiny_llama_dir, prompt, params)
     wire = common_pb2.SamplingParams(n=2, temperature=0.8, seed=1234, max_tokens=12,
                                      logprobs=3, ignore_eos=True)
-    messages = await collect(worker.stub.Generate(request("n2", [prompt], wire)))
-    got = tokens_by_index(messages)
+    session = Session(worker)
+    session.send(adds=[add(1, "n2", [prompt], wire)])
+    await session.until([1])
+    got = session.seen[1].tokens
     assert got == {i: ref_tokens(expected[i]) for i in (0, 1)}
     assert got[0] != got[1], "seeded siblings must differ"
     for i in (0, 1):
         want: list[TokenLogprobs] = [lp for out in expected[i] for lp in out.new_logprobs or []]
-        have = [lp for m in messages for o in m.outputs if o.index == i for lp in o.logprobs]
+        have = session.seen[1].logprobs[i]
         assert [h.token_id for h in have] == [w.token_id for w in want] == got[i]
         assert [h.rank for h in have] == [w.rank for w in want]
         assert [list(h.top_token_ids) for h in have] == [[t for t, _ in w.top] for w in want]
@@ -105,12 +100,13 @@ async def test_n2_seeded_sampling_and_logprobs_match(worker: Harness,
 async def test_multiple_prompts_index_as_p_times_n(worker: Harness,
                                                    tiny_llama_dir: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    messages = await collect(worker.stub.Generate(request(
-        "multi", PROMPTS[:2], common_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=6,
-                                                        ignore_eos=True))))
+    session = Session(worker)
+    session.send(adds=[add(1, "multi", PROMPTS[:2], common_pb2.SamplingParams(
+        n=1, temperature=0.0, max_tokens=6, ignore_eos=True))])
+    await session.until([1])
     expected = {p: ref_tokens(reference(tiny_llama_dir, PROMPTS[p], params)[0])
                 for p in (0, 1)}
-    assert tokens_by_index(messages) == expected
+    assert session.seen[1].tokens == expected
 
 
 async def test_cached_tokens_reported_on_prefix_hit(worker: Harness,
@@ -118,11 +114,14 @@ async def test_cached_tokens_reported_on_prefix_hit(worker: Harness,
     prompt = PROMPTS[2]  # 40 tokens: two full blocks of 16
     params = SamplingParams(temperature=0.0, max_tokens=4)
     expected = reference(tiny_llama_dir, prompt, params, warm=prompt)[0]
-    await collect(worker.stub.Generate(request("first", [prompt], greedy(4))))
-    messages = await collect(worker.stub.Generate(request("second", [prompt], greedy(4))))
-    usage = final(messages, 0).usage
-    assert usage.cached_tokens == expected[-1].num_cached_tokens == 2 * BLOCK
-    assert tokens_by_index(messages) == {0: ref_tokens(expected)}
+    session = Session(worker)
+    session.send(adds=[add(1, "first", [prompt], greedy(4))])
+    await session.until([1])
+    session.send(adds=[add(2, "second", [prompt], greedy(4))])
+    await session.until([2])
+    (first,) = [d for d in session.seen[2].details if d.HasField("cached_tokens")]
+    assert first.cached_tokens == expected[-1].num_cached_tokens == 2 * BLOCK
+    assert session.seen[2].tokens == {0: ref_tokens(expected)}
 
 
 async def test_slow_reader_gets_coalesced_messages(worker: Harness) -> None:
@@ -132,55 +131,57 @@ async def test_slow_reader_gets_coalesced_messages(worker: Harness) -> None:
     address = f"127.0.0.1:{worker.server.port}"
     async with grpc.aio.insecure_channel(address, options=[
             ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]) as channel:
-        call = worker_pb2_grpc.WorkerStub(channel).Generate(
-            request("slow", [PROMPTS[0]], greedy(120, ignore_eos=True, logprobs=20)))
-        first = await call.read()
+        session = Session(worker, stub=worker_pb2_grpc.WorkerStub(channel))
+        session.send(adds=[add(1, "slow", [PROMPTS[0]],
+                               greedy(120, ignore_eos=True, logprobs=20))])
+        first = await session.call.read()
+        assert first is not grpc.aio.EOF
+        session.record(first)
         await wait_idle(worker, within_s=30)  # read nothing until the engine is done
-        messages = [first, *await collect(call)]
-    sizes = [len(o.token_ids) for m in messages for o in m.outputs]
+        await session.until([1])
+    sizes = [size for m in session.messages for size in m.num_tokens]
     assert sum(sizes) == 120
     assert max(sizes) > 1, f"no message carried more than one token: {sizes}"
-    assert len(messages) < 120
-    tokens = [t for m in messages for o in m.outputs for t in o.token_ids]
-    logprob_ids = [lp.token_id for m in messages for o in m.outputs for lp in o.logprobs]
-    assert logprob_ids == tokens, "merged messages must keep logprobs aligned with tokens"
+    assert len(session.messages) < 120
+    seen = session.seen[1]
+    assert [lp.token_id for lp in seen.logprobs[0]] == seen.tokens[0], \
+        "merged messages must keep logprobs aligned with tokens"
 
 
-async def test_cancel_frees_blocks_at_once(worker: Harness) -> None:
+async def test_closing_the_session_frees_blocks_at_once(worker: Harness) -> None:
     baseline = (await worker.stub.GetLoad(worker_pb2.GetLoadRequest())).load
     assert baseline.num_free_blocks == NUM_BLOCKS
-    call = worker.stub.Generate(request("cancel-me", [PROMPTS[1]],
-                                        greedy(200, ignore_eos=True)))
-    await call.read()
+    session = Session(worker)
+    session.send(adds=[add(1, "cancel-me", [PROMPTS[1]], greedy(200, ignore_eos=True))])
+    await session.call.read()
     busy = (await worker.stub.GetLoad(worker_pb2.GetLoadRequest())).load
     assert busy.num_running == 1 and busy.num_free_blocks < NUM_BLOCKS
-    call.cancel()
+    session.call.cancel()
     load = (await wait_idle(worker, within_s=1.0)).load
     assert load.num_free_blocks == NUM_BLOCKS
-    aborted = worker.telemetry.registry.get_sample_value(
-        "meshserve:worker_sequences_finished_total", {"finish_reason": "abort"})
-    assert aborted == 1
 
 
 async def test_abort_some_then_all_sequences(worker: Harness) -> None:
+    """The Abort RPC ends sequences by request id, whichever stream carries the request."""
     wire = common_pb2.SamplingParams(n=2, temperature=0.0, max_tokens=150, ignore_eos=True)
-    call = worker.stub.Generate(request("ab", [PROMPTS[0]], wire))
-    await call.read()
+    session = Session(worker)
+    session.send(adds=[add(1, "ab", [PROMPTS[0]], wire)])
+    session.record(await session.call.read())
     one = await worker.stub.Abort(worker_pb2.AbortRequest(request_id="ab", indices=[1]))
     assert one.num_aborted == 1
     again = await worker.stub.Abort(worker_pb2.AbortRequest(request_id="ab", indices=[1]))
     assert again.num_aborted == 0
-    rest = await collect(call)
-    assert final(rest, 1).finish_reason == common_pb2.FINISH_REASON_ABORT
-    assert final(rest, 0).finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert final(rest, 0).usage.completion_tokens == 150
+    await session.until([1])
+    assert session.seen[1].reasons == {1: ABORT, 0: LENGTH}
+    assert len(session.seen[1].tokens[0]) == 150
 
-    call = worker.stub.Generate(request("ab2", [PROMPTS[0]], wire))
-    await call.read()
+    session.send(adds=[add(2, "ab2", [PROMPTS[0]], wire)])
+    while 2 not in session.seen:  # it runs
+        session.record(await session.call.read())
     both = await worker.stub.Abort(worker_pb2.AbortRequest(request_id="ab2"))
     assert both.num_aborted == 2
-    rest = await collect(call)
-    assert {final(rest, i).finish_reason for i in (0, 1)} == {common_pb2.FINISH_REASON_ABORT}
+    await session.until([2])
+    assert session.seen[2].reasons == {0: ABORT, 1: ABORT}
     unknown = await worker.stub.Abort(worker_pb2.AbortRequest(request_id="nope"))
     assert unknown.num_aborted == 0
 
@@ -188,27 +189,31 @@ async def test_abort_some_then_all_sequences(worker: Harness) -> None:
 async def test_bad_request_fails_alone(worker: Harness, tiny_llama_dir: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     expected = ref_tokens(reference(tiny_llama_dir, PROMPTS[1], params)[0])
-    good = worker.stub.Generate(request("good", [PROMPTS[1]], greedy(30, ignore_eos=True)))
-    first = await good.read()
-    bad_calls = [
-        request("bad-vocab", [[1, 2, 10**6]], greedy(4)),        # engine-side check
-        request("bad-len", [PROMPTS[0]], greedy(10_000)),       # context length
-        request("bad-param", [PROMPTS[0]], common_pb2.SamplingParams(top_p=2.0)),
-        request("", [PROMPTS[0]], greedy(4)),
+    session = Session(worker)
+    session.send(adds=[add(1, "good", [PROMPTS[1]], greedy(30, ignore_eos=True))])
+    session.record(await session.call.read())
+    bad_adds = [
+        add(2, "bad-vocab", [[1, 2, 10**6]], greedy(4)),        # engine-side check
+        add(3, "bad-len", [PROMPTS[0]], greedy(10_000)),       # context length
+        add(4, "bad-param", [PROMPTS[0]], common_pb2.SamplingParams(top_p=2.0)),
+        add(5, "", [PROMPTS[0]], greedy(4)),
     ]
-    for bad in bad_calls:
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await collect(worker.stub.Generate(bad))
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.request_id
-        kinds = dict(info.value.trailing_metadata() or ())
-        assert kinds[ERROR_KIND_KEY] in ("invalid_request", "context_length_exceeded")
-    rest = await collect(good)
-    assert tokens_by_index([first, *rest]) == {0: expected}
+    session.send(adds=bad_adds)
+    await session.until([1, 2, 3, 4, 5])
+    for bad in bad_adds:
+        error = session.seen[bad.handle].error
+        assert error is not None, bad.request.request_id
+        assert error.kind in ("invalid_request", "context_length_exceeded")
+        assert grpc_code_for(error_from_pb(error)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert session.seen[1].error is None
+    assert session.seen[1].tokens == {0: expected}
 
 
 async def test_kv_events_land_in_redis(worker: Harness) -> None:
     prompt = PROMPTS[2]
-    await collect(worker.stub.Generate(request("kv", [prompt], greedy(3))))
+    session = Session(worker)
+    session.send(adds=[add(1, "kv", [prompt], greedy(3))])
+    await session.until([1])
     assert await worker.publisher.flush(timeout_s=5)
     expected = hash_blocks(prompt, BLOCK)
     assert len(expected) == 2
@@ -225,32 +230,20 @@ async def test_load_info_and_spans(worker: Harness) -> None:
     assert list(info.model_names) == ["tiny"] and info.num_total_blocks == NUM_BLOCKS
     tracer = worker.telemetry.tracer
     with tracer.start_as_current_span("client") as parent:
-        metadata = metadata_with_trace(None)
-        await collect(worker.stub.Generate(request("traced", [PROMPTS[0]], greedy(5)),
-                                           metadata=metadata))
-    trace_id = parent.get_span_context().trace_id
+        traceparent = dict(metadata_with_trace(None))["traceparent"]
+    session = Session(worker)
+    session.send(adds=[add(1, "traced", [PROMPTS[0]], greedy(5), traceparent=traceparent)])
+    await session.until([1])
+    context = parent.get_span_context()
     spans = {s.name: s for s in worker.exporter.get_finished_spans()
-             if s.context.trace_id == trace_id}
-    server = spans["meshserve.v1.Worker/Generate"]
-    assert server.kind == SpanKind.SERVER
+             if s.context.trace_id == context.trace_id}
     for name in ("worker.queue", "worker.prefill", "worker.decode"):
         span = spans[name]
-        assert span.parent is not None and span.parent.span_id == server.context.span_id
+        assert span.parent is not None and span.parent.span_id == context.span_id
         assert span.attributes["gen_ai.request.id"] == "traced"
         assert span.start_time <= span.end_time
     assert spans["worker.queue"].end_time <= spans["worker.prefill"].start_time + 1000
     assert spans["worker.prefill"].end_time <= spans["worker.decode"].start_time + 1000
-
-
-async def test_deadline_aborts_the_request(worker: Harness) -> None:
-    call = worker.stub.Generate(worker_pb2.GenerateRequest(
-        request_id="late", prompts=[worker_pb2.Prompt(token_ids=PROMPTS[1])],
-        params=greedy(200, ignore_eos=True), deadline_unix_ns=time.time_ns() + 50_000_000))
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(call)
-    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    load = (await wait_idle(worker, within_s=1.0)).load
-    assert load.num_free_blocks == NUM_BLOCKS
 
 
 async def test_engine_failure_is_fatal(worker: Harness) -> None:
@@ -261,14 +254,17 @@ async def test_engine_failure_is_fatal(worker: Harness) -> None:
         raise RuntimeError("device lost")
 
     worker.engine.step = broken_step  # type: ignore[method-assign]
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(worker.stub.Generate(request("doomed", [PROMPTS[0]], greedy(4))))
-    assert info.value.code() == grpc.StatusCode.INTERNAL
-    assert "device lost" in (info.value.details() or "")
+    session = Session(worker)
+    session.send(adds=[add(1, "doomed", [PROMPTS[0]], greedy(4))])
+    await session.until([1])
+    error = session.seen[1].error
+    assert error is not None and error.kind == "internal"
+    assert "device lost" in error.message
     assert [str(f) for f in failures] == ["device lost"]
-    with pytest.raises(grpc.aio.AioRpcError) as after:
-        await collect(worker.stub.Generate(request("next", [PROMPTS[0]], greedy(4))))
-    assert after.value.code() == grpc.StatusCode.INTERNAL
+    session.send(adds=[add(2, "next", [PROMPTS[0]], greedy(4))])
+    await session.until([2])
+    after = session.seen[2].error
+    assert after is not None and after.kind == "internal"
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):

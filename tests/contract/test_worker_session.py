@@ -24,7 +24,7 @@ from worker_harness import (
     wait_idle,
 )
 
-from meshserve.proto.v1 import common_pb2, worker_pb2
+from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from meshserve.shared.sampling_params import SamplingParams
 
 ABORT = common_pb2.FINISH_REASON_ABORT
@@ -39,6 +39,7 @@ class Seen:
     tokens: dict[int, list[int]] = field(default_factory=dict)
     reasons: dict[int, int] = field(default_factory=dict)
     details: list[worker_pb2.EntryDetail] = field(default_factory=list)
+    logprobs: dict[int, list[common_pb2.TokenLogprobs]] = field(default_factory=dict)
     error: common_pb2.Error | None = None
     done: int = 0
     entries_after_done: int = 0
@@ -47,9 +48,11 @@ class Seen:
 class Session:
     """The client side of one Session stream, recording what comes back per handle."""
 
-    def __init__(self, worker: Harness, *, metadata: Sequence[tuple[str, str]] = ()) -> None:
+    def __init__(self, worker: Harness, *, metadata: Sequence[tuple[str, str]] = (),
+                 stub: worker_pb2_grpc.WorkerStub | None = None) -> None:
+        """`stub`: another channel's stub to the worker (default: the harness's)."""
         self.queue: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
-        self.call = worker.stub.Session(self._requests(), metadata=metadata or None)
+        self.call = (stub or worker.stub).Session(self._requests(), metadata=metadata or None)
         self.seen: dict[int, Seen] = {}
         self.messages: list[worker_pb2.SessionResponse] = []
 
@@ -81,6 +84,7 @@ class Session:
                 seen.reasons[index] = reason
             if entry in details:
                 seen.details.append(details[entry])
+                seen.logprobs.setdefault(index, []).extend(details[entry].logprobs)
         assert position == len(message.token_ids)
         for failed in message.errors:
             self.seen.setdefault(failed.handle, Seen()).error = failed.error
