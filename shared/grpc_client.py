@@ -4,8 +4,7 @@
     channel = client.channel("127.0.0.1:50053")
     stub = worker_pb2_grpc.WorkerStub(channel)
     with mesh_errors():
-        async for response in stub.Generate(request, timeout=remaining_s):
-            ...
+        response = await stub.GetLoad(request, timeout=remaining_s)
 
 Every channel has keepalive, the mesh's message size limit, trace-context
 propagation, and a gRPC service config that gives every method a default deadline
@@ -35,16 +34,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 METHOD_TIMEOUTS_S: Mapping[str, float] = MappingProxyType({
     # Default for every method not named below: unary control calls.
     "": 10.0,
-    # Streams that last as long as a generation.
-    "meshserve.v1.Worker/Generate": 3600.0,
-    "meshserve.v1.Tokenizer/Detokenize": 3600.0,
     # The data plane's session streams last as long as the gateway (about 30 years);
     # keepalive pings find a dead peer, each request has its own deadline inside.
     "meshserve.v1.Worker/Session": 1e9,
     "meshserve.v1.Tokenizer/DetokenizeSession": 1e9,
     "meshserve.v1.Scheduler/RouteSession": 1e9,
-    # May wait in the global queue.
-    "meshserve.v1.Scheduler/Route": 120.0,
     # Bulk KV transfers.
     "meshserve.v1.KVStore/Put": 120.0,
     "meshserve.v1.KVStore/Get": 120.0,
@@ -55,14 +49,14 @@ METHOD_TIMEOUTS_S: Mapping[str, float] = MappingProxyType({
 IDEMPOTENT_METHODS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "meshserve.v1.Tokenizer": ("Tokenize", "CountTokens"),
     # Registration is keyed by (worker_id, epoch), heartbeats carry absolute load.
-    "meshserve.v1.Scheduler": ("RegisterWorker", "Heartbeat", "DeregisterWorker", "Release",
+    "meshserve.v1.Scheduler": ("RegisterWorker", "Heartbeat", "DeregisterWorker",
                                "ListWorkers"),
     "meshserve.v1.Worker": ("Abort", "GetLoad", "GetInfo"),
     "meshserve.v1.KVStore": ("Get", "Contains", "Stats"),
     "grpc.health.v1.Health": ("Check", "List"),
 })
-"""Methods retried on UNAVAILABLE. Not Generate, Route, Detokenize or Put: a retry could
-run a request twice or lose stream state, so their callers decide (e.g. re-route)."""
+"""Methods retried on UNAVAILABLE. Not the session streams or Put: a retry could run a
+request twice or lose stream state, so their callers decide (e.g. re-route)."""
 
 
 def _duration(seconds: float) -> str:

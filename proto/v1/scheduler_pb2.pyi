@@ -117,12 +117,6 @@ class ReleaseRequest(_message.Message):
     worker_id: str
     def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
-class ReleaseResponse(_message.Message):
-    __slots__ = ("released",)
-    RELEASED_FIELD_NUMBER: _ClassVar[int]
-    released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
-
 class ListWorkersRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]

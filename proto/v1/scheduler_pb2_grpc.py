@@ -27,6 +27,10 @@ if _version_not_supported:
 
 class SchedulerStub:
     """Worker registry and request routing.
+
+    Retired: the unary `Route` and `Release` calls (one call per request); `RouteSession`
+    replaces both, its tickets carrying the same RouteRequest and its releases the same
+    ReleaseRequest.
     """
 
     def __init__(self, channel):
@@ -50,16 +54,6 @@ class SchedulerStub:
                 request_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.DeregisterWorkerRequest.SerializeToString,
                 response_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.DeregisterWorkerResponse.FromString,
                 _registered_method=True)
-        self.Route = channel.unary_unary(
-                '/meshserve.v1.Scheduler/Route',
-                request_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteRequest.SerializeToString,
-                response_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteResponse.FromString,
-                _registered_method=True)
-        self.Release = channel.unary_unary(
-                '/meshserve.v1.Scheduler/Release',
-                request_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ReleaseResponse.FromString,
-                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/meshserve.v1.Scheduler/ListWorkers',
                 request_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
@@ -74,6 +68,10 @@ class SchedulerStub:
 
 class SchedulerServicer:
     """Worker registry and request routing.
+
+    Retired: the unary `Route` and `Release` calls (one call per request); `RouteSession`
+    replaces both, its tickets carrying the same RouteRequest and its releases the same
+    ReleaseRequest.
     """
 
     def RegisterWorker(self, request, context):
@@ -98,23 +96,6 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Route(self, request, context):
-        """Picks the worker for one request. Waits in the bounded global queue while every
-        worker is full (until the deadline); fails with RESOURCE_EXHAUSTED when the queue
-        is full and with UNAVAILABLE when no worker serves the model.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Release(self, request, context):
-        """Tells the scheduler a routed request has ended, so its provisional load is dropped
-        before the worker's next heartbeat says so. Best effort.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ListWorkers(self, request, context):
         """Lists the registered workers with their last known load.
         """
@@ -123,12 +104,14 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RouteSession(self, request_iterator, context):
-        """Route and Release for every request of one gateway, on one long-lived stream
+        """Routing and release for every request of one gateway, on one long-lived stream
         (decision 5: batches, not requests). In: the routes to decide, releases and
         cancellations queued in one event-loop turn of the gateway. Out: outcomes, each
-        route answered once when decided (as Route would answer it); a route waiting in the
-        global queue holds up no other. When the stream ends, routes still undecided are
-        dropped and decided ones not yet released are released.
+        route answered once when decided; a route waiting in the bounded global queue (while
+        every worker is full, until its deadline) holds up no other. A route fails with
+        RESOURCE_EXHAUSTED when the queue is full and UNAVAILABLE when no worker serves the
+        model. When the stream ends, routes still undecided are dropped and decided ones not
+        yet released are released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -152,16 +135,6 @@ def add_SchedulerServicer_to_server(servicer, server):
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.DeregisterWorkerRequest.FromString,
                     response_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.DeregisterWorkerResponse.SerializeToString,
             ),
-            'Route': grpc.unary_unary_rpc_method_handler(
-                    servicer.Route,
-                    request_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteRequest.FromString,
-                    response_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteResponse.SerializeToString,
-            ),
-            'Release': grpc.unary_unary_rpc_method_handler(
-                    servicer.Release,
-                    request_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ReleaseRequest.FromString,
-                    response_serializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ReleaseResponse.SerializeToString,
-            ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ListWorkersRequest.FromString,
@@ -182,6 +155,10 @@ def add_SchedulerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
     """Worker registry and request routing.
+
+    Retired: the unary `Route` and `Release` calls (one call per request); `RouteSession`
+    replaces both, its tickets carrying the same RouteRequest and its releases the same
+    ReleaseRequest.
     """
 
     @staticmethod
@@ -255,60 +232,6 @@ class Scheduler:
             '/meshserve.v1.Scheduler/DeregisterWorker',
             meshserve_dot_proto_dot_v1_dot_scheduler__pb2.DeregisterWorkerRequest.SerializeToString,
             meshserve_dot_proto_dot_v1_dot_scheduler__pb2.DeregisterWorkerResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Route(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/meshserve.v1.Scheduler/Route',
-            meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteRequest.SerializeToString,
-            meshserve_dot_proto_dot_v1_dot_scheduler__pb2.RouteResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Release(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/meshserve.v1.Scheduler/Release',
-            meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ReleaseRequest.SerializeToString,
-            meshserve_dot_proto_dot_v1_dot_scheduler__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

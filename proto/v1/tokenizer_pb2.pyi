@@ -85,14 +85,6 @@ class CountTokensResponse(_message.Message):
     max_model_len: int
     def __init__(self, count: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
-class DetokenizeRequest(_message.Message):
-    __slots__ = ("options", "delta")
-    OPTIONS_FIELD_NUMBER: _ClassVar[int]
-    DELTA_FIELD_NUMBER: _ClassVar[int]
-    options: DetokenizeOptions
-    delta: DetokenizeDelta
-    def __init__(self, options: _Optional[_Union[DetokenizeOptions, _Mapping]] = ..., delta: _Optional[_Union[DetokenizeDelta, _Mapping]] = ...) -> None: ...
-
 class DetokenizeOptions(_message.Message):
     __slots__ = ("model", "request_id", "num_sequences", "prompt_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "stop", "include_stop_str_in_output", "min_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -114,50 +106,6 @@ class DetokenizeOptions(_message.Message):
     include_stop_str_in_output: bool
     min_tokens: int
     def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_sequences: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
-
-class SequenceTokens(_message.Message):
-    __slots__ = ("index", "token_ids", "final", "lookup_token_ids", "stopped_on_token")
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    FINAL_FIELD_NUMBER: _ClassVar[int]
-    LOOKUP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    STOPPED_ON_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    index: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    final: bool
-    lookup_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    stopped_on_token: bool
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[bool] = ..., lookup_token_ids: _Optional[_Iterable[int]] = ..., stopped_on_token: _Optional[bool] = ...) -> None: ...
-
-class DetokenizeDelta(_message.Message):
-    __slots__ = ("sequences",)
-    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    sequences: _containers.RepeatedCompositeFieldContainer[SequenceTokens]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceTokens, _Mapping]]] = ...) -> None: ...
-
-class SequenceText(_message.Message):
-    __slots__ = ("index", "text", "stopped", "stop_string", "finished", "token_bytes", "num_output_tokens")
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
-    STOPPED_FIELD_NUMBER: _ClassVar[int]
-    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
-    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    index: int
-    text: str
-    stopped: bool
-    stop_string: str
-    finished: bool
-    token_bytes: _containers.RepeatedScalarFieldContainer[bytes]
-    num_output_tokens: int
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., stopped: _Optional[bool] = ..., stop_string: _Optional[str] = ..., finished: _Optional[bool] = ..., token_bytes: _Optional[_Iterable[bytes]] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
-
-class DetokenizeResponse(_message.Message):
-    __slots__ = ("sequences",)
-    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    sequences: _containers.RepeatedCompositeFieldContainer[SequenceText]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceText, _Mapping]]] = ...) -> None: ...
 
 class DetokenizeOpen(_message.Message):
     __slots__ = ("handle", "options", "prompt_tails", "samples_per_prompt", "traceparent")

@@ -27,6 +27,9 @@ if _version_not_supported:
 
 class TokenizerStub:
     """Tokenizes prompts and detokenizes generated tokens for one model.
+
+    Retired: the per-request `Detokenize` stream (one stream per request);
+    `DetokenizeSession` replaces it, opening each request with the same DetokenizeOptions.
     """
 
     def __init__(self, channel):
@@ -50,15 +53,13 @@ class TokenizerStub:
                 request_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionRequest.SerializeToString,
                 response_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionResponse.FromString,
                 _registered_method=True)
-        self.Detokenize = channel.stream_stream(
-                '/meshserve.v1.Tokenizer/Detokenize',
-                request_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
-                response_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
-                _registered_method=True)
 
 
 class TokenizerServicer:
     """Tokenizes prompts and detokenizes generated tokens for one model.
+
+    Retired: the per-request `Detokenize` stream (one stream per request);
+    `DetokenizeSession` replaces it, opening each request with the same DetokenizeOptions.
     """
 
     def Tokenize(self, request, context):
@@ -89,16 +90,6 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Detokenize(self, request_iterator, context):
-        """Deprecated for serving (one stream per request); kept, unchanged, for
-        single-request clients. The client sends DetokenizeOptions first, then one
-        DetokenizeDelta per worker stream message; the server answers every delta with
-        exactly one DetokenizeResponse, in order.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,11 +108,6 @@ def add_TokenizerServicer_to_server(servicer, server):
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionRequest.FromString,
                     response_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionResponse.SerializeToString,
             ),
-            'Detokenize': grpc.stream_stream_rpc_method_handler(
-                    servicer.Detokenize,
-                    request_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.FromString,
-                    response_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'meshserve.v1.Tokenizer', rpc_method_handlers)
@@ -132,6 +118,9 @@ def add_TokenizerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Tokenizer:
     """Tokenizes prompts and detokenizes generated tokens for one model.
+
+    Retired: the per-request `Detokenize` stream (one stream per request);
+    `DetokenizeSession` replaces it, opening each request with the same DetokenizeOptions.
     """
 
     @staticmethod
@@ -205,33 +194,6 @@ class Tokenizer:
             '/meshserve.v1.Tokenizer/DetokenizeSession',
             meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionRequest.SerializeToString,
             meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Detokenize(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/meshserve.v1.Tokenizer/Detokenize',
-            meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
-            meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,15 +25,13 @@ _sym_db = _symbol_database.Default()
 from meshserve.proto.v1 import common_pb2 as meshserve_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmeshserve/proto/v1/worker.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"*\n\x17LoadLoraAdapterResponse\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\",\n\x19UnloadLoraAdapterResponse\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\"\xb0\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x03(\x0b\x32\x14.meshserve.v1.Prompt\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x04\x42\r\n\x0b_dimensionsB\x0c\n\n_normalize\"y\n\rEmbedResponse\x12\x12\n\ndimensions\x18\x01 \x01(\r\x12\x12\n\nembeddings\x18\x02 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tqueued_ns\x18\x04 \x01(\x04\x12\x12\n\nforward_ns\x18\x05 \x01(\x04\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x8c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07prompts\x18\x02 \x03(\x0b\x32\x14.meshserve.v1.Prompt\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x07lora_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x07 \x01(\x04\x12\x1b\n\x0ekvstore_blocks\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_lora_idB\x11\n\x0f_kvstore_blocks\"\x9c\x02\n\x0eSequenceOutput\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.meshserve.v1.UsageB\x10\n\x0e_stop_token_id\"i\n\x10GenerateResponse\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.meshserve.v1.SequenceOutput\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.meshserve.v1.Timings\"3\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x10\n\x0eGetLoadRequest\"9\n\x0fGetLoadResponse\x12&\n\x04load\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\"\x10\n\x0eGetInfoRequest\"9\n\x0fGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerInfo\"d\n\x0eSessionRequest\x12&\n\x04\x61\x64\x64s\x18\x01 \x03(\x0b\x32\x18.meshserve.v1.SessionAdd\x12*\n\x06\x61\x62orts\x18\x02 \x03(\x0b\x32\x1a.meshserve.v1.SessionAbort\"\xa5\x01\n\nSessionAdd\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12.\n\x07request\x18\x02 \x01(\x0b\x32\x1d.meshserve.v1.GenerateRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\x12.\n\x07resumed\x18\x05 \x03(\x0b\x32\x1d.meshserve.v1.ResumedSequence\"3\n\x0fResumedSequence\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"/\n\x0cSessionAbort\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\"\xd1\x02\n\x0fSessionResponse\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\x0e\x66inish_reasons\x18\x05 \x03(\x0e\x32\x1a.meshserve.v1.FinishReason\x12*\n\x07\x64\x65tails\x18\x06 \x03(\x0b\x32\x19.meshserve.v1.EntryDetail\x12*\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x1a.meshserve.v1.RequestError\x12\'\n\x04\x64one\x18\x08 \x03(\x0b\x32\x19.meshserve.v1.RequestDone\x12\x11\n\tnum_steps\x18\t \x01(\r\x12\x17\n\x0fstep_forward_ns\x18\n \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x0b \x01(\x04\"\xdd\x01\n\x0b\x45ntryDetail\x12\r\n\x05\x65ntry\x18\x01 \x01(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rcached_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\x10\n\x0e_cached_tokens\"B\n\x0cRequestError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Error\"E\n\x0bRequestDone\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.meshserve.v1.Timings2\x80\x05\n\x06Worker\x12J\n\x07Session\x12\x1c.meshserve.v1.SessionRequest\x1a\x1d.meshserve.v1.SessionResponse(\x01\x30\x01\x12P\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse\"\x03\x88\x02\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.meshserve.v1.AbortRequest\x1a\x1b.meshserve.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.meshserve.v1.GetLoadRequest\x1a\x1d.meshserve.v1.GetLoadResponse\x12\x46\n\x07GetInfo\x12\x1c.meshserve.v1.GetInfoRequest\x1a\x1d.meshserve.v1.GetInfoResponse\x12@\n\x05\x45mbed\x12\x1a.meshserve.v1.EmbedRequest\x1a\x1b.meshserve.v1.EmbedResponse\x12^\n\x0fLoadLoraAdapter\x12$.meshserve.v1.LoadLoraAdapterRequest\x1a%.meshserve.v1.LoadLoraAdapterResponse\x12\x64\n\x11UnloadLoraAdapter\x12&.meshserve.v1.UnloadLoraAdapterRequest\x1a\'.meshserve.v1.UnloadLoraAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmeshserve/proto/v1/worker.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"*\n\x17LoadLoraAdapterResponse\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\",\n\x19UnloadLoraAdapterResponse\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\"\xb0\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x03(\x0b\x32\x14.meshserve.v1.Prompt\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x04\x42\r\n\x0b_dimensionsB\x0c\n\n_normalize\"y\n\rEmbedResponse\x12\x12\n\ndimensions\x18\x01 \x01(\r\x12\x12\n\nembeddings\x18\x02 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tqueued_ns\x18\x04 \x01(\x04\x12\x12\n\nforward_ns\x18\x05 \x01(\x04\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x8c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07prompts\x18\x02 \x03(\x0b\x32\x14.meshserve.v1.Prompt\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x07lora_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x07 \x01(\x04\x12\x1b\n\x0ekvstore_blocks\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_lora_idB\x11\n\x0f_kvstore_blocks\"3\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x10\n\x0eGetLoadRequest\"9\n\x0fGetLoadResponse\x12&\n\x04load\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\"\x10\n\x0eGetInfoRequest\"9\n\x0fGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerInfo\"d\n\x0eSessionRequest\x12&\n\x04\x61\x64\x64s\x18\x01 \x03(\x0b\x32\x18.meshserve.v1.SessionAdd\x12*\n\x06\x61\x62orts\x18\x02 \x03(\x0b\x32\x1a.meshserve.v1.SessionAbort\"\xa5\x01\n\nSessionAdd\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12.\n\x07request\x18\x02 \x01(\x0b\x32\x1d.meshserve.v1.GenerateRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\x12.\n\x07resumed\x18\x05 \x03(\x0b\x32\x1d.meshserve.v1.ResumedSequence\"3\n\x0fResumedSequence\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"/\n\x0cSessionAbort\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\"\xd1\x02\n\x0fSessionResponse\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\x0e\x66inish_reasons\x18\x05 \x03(\x0e\x32\x1a.meshserve.v1.FinishReason\x12*\n\x07\x64\x65tails\x18\x06 \x03(\x0b\x32\x19.meshserve.v1.EntryDetail\x12*\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x1a.meshserve.v1.RequestError\x12\'\n\x04\x64one\x18\x08 \x03(\x0b\x32\x19.meshserve.v1.RequestDone\x12\x11\n\tnum_steps\x18\t \x01(\r\x12\x17\n\x0fstep_forward_ns\x18\n \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x0b \x01(\x04\"\xdd\x01\n\x0b\x45ntryDetail\x12\r\n\x05\x65ntry\x18\x01 \x01(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rcached_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\x10\n\x0e_cached_tokens\"B\n\x0cRequestError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Error\"E\n\x0bRequestDone\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.meshserve.v1.Timings2\xae\x04\n\x06Worker\x12J\n\x07Session\x12\x1c.meshserve.v1.SessionRequest\x1a\x1d.meshserve.v1.SessionResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.meshserve.v1.AbortRequest\x1a\x1b.meshserve.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.meshserve.v1.GetLoadRequest\x1a\x1d.meshserve.v1.GetLoadResponse\x12\x46\n\x07GetInfo\x12\x1c.meshserve.v1.GetInfoRequest\x1a\x1d.meshserve.v1.GetInfoResponse\x12@\n\x05\x45mbed\x12\x1a.meshserve.v1.EmbedRequest\x1a\x1b.meshserve.v1.EmbedResponse\x12^\n\x0fLoadLoraAdapter\x12$.meshserve.v1.LoadLoraAdapterRequest\x1a%.meshserve.v1.LoadLoraAdapterResponse\x12\x64\n\x11UnloadLoraAdapter\x12&.meshserve.v1.UnloadLoraAdapterRequest\x1a\'.meshserve.v1.UnloadLoraAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.proto.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKER'].methods_by_name['Generate']._loaded_options = None
-  _globals['_WORKER'].methods_by_name['Generate']._serialized_options = b'\210\002\001'
   _globals['_LOADLORAADAPTERREQUEST']._serialized_start=82
   _globals['_LOADLORAADAPTERREQUEST']._serialized_end=144
   _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=146
@@ -50,38 +48,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPT']._serialized_end=612
   _globals['_GENERATEREQUEST']._serialized_start=615
   _globals['_GENERATEREQUEST']._serialized_end=883
-  _globals['_SEQUENCEOUTPUT']._serialized_start=886
-  _globals['_SEQUENCEOUTPUT']._serialized_end=1170
-  _globals['_GENERATERESPONSE']._serialized_start=1172
-  _globals['_GENERATERESPONSE']._serialized_end=1277
-  _globals['_ABORTREQUEST']._serialized_start=1279
-  _globals['_ABORTREQUEST']._serialized_end=1330
-  _globals['_ABORTRESPONSE']._serialized_start=1332
-  _globals['_ABORTRESPONSE']._serialized_end=1368
-  _globals['_GETLOADREQUEST']._serialized_start=1370
-  _globals['_GETLOADREQUEST']._serialized_end=1386
-  _globals['_GETLOADRESPONSE']._serialized_start=1388
-  _globals['_GETLOADRESPONSE']._serialized_end=1445
-  _globals['_GETINFOREQUEST']._serialized_start=1447
-  _globals['_GETINFOREQUEST']._serialized_end=1463
-  _globals['_GETINFORESPONSE']._serialized_start=1465
-  _globals['_GETINFORESPONSE']._serialized_end=1522
-  _globals['_SESSIONREQUEST']._serialized_start=1524
-  _globals['_SESSIONREQUEST']._serialized_end=1624
-  _globals['_SESSIONADD']._serialized_start=1627
-  _globals['_SESSIONADD']._serialized_end=1792
-  _globals['_RESUMEDSEQUENCE']._serialized_start=1794
-  _globals['_RESUMEDSEQUENCE']._serialized_end=1845
-  _globals['_SESSIONABORT']._serialized_start=1847
-  _globals['_SESSIONABORT']._serialized_end=1894
-  _globals['_SESSIONRESPONSE']._serialized_start=1897
-  _globals['_SESSIONRESPONSE']._serialized_end=2234
-  _globals['_ENTRYDETAIL']._serialized_start=2237
-  _globals['_ENTRYDETAIL']._serialized_end=2458
-  _globals['_REQUESTERROR']._serialized_start=2460
-  _globals['_REQUESTERROR']._serialized_end=2526
-  _globals['_REQUESTDONE']._serialized_start=2528
-  _globals['_REQUESTDONE']._serialized_end=2597
-  _globals['_WORKER']._serialized_start=2600
-  _globals['_WORKER']._serialized_end=3240
+  _globals['_ABORTREQUEST']._serialized_start=885
+  _globals['_ABORTREQUEST']._serialized_end=936
+  _globals['_ABORTRESPONSE']._serialized_start=938
+  _globals['_ABORTRESPONSE']._serialized_end=974
+  _globals['_GETLOADREQUEST']._serialized_start=976
+  _globals['_GETLOADREQUEST']._serialized_end=992
+  _globals['_GETLOADRESPONSE']._serialized_start=994
+  _globals['_GETLOADRESPONSE']._serialized_end=1051
+  _globals['_GETINFOREQUEST']._serialized_start=1053
+  _globals['_GETINFOREQUEST']._serialized_end=1069
+  _globals['_GETINFORESPONSE']._serialized_start=1071
+  _globals['_GETINFORESPONSE']._serialized_end=1128
+  _globals['_SESSIONREQUEST']._serialized_start=1130
+  _globals['_SESSIONREQUEST']._serialized_end=1230
+  _globals['_SESSIONADD']._serialized_start=1233
+  _globals['_SESSIONADD']._serialized_end=1398
+  _globals['_RESUMEDSEQUENCE']._serialized_start=1400
+  _globals['_RESUMEDSEQUENCE']._serialized_end=1451
+  _globals['_SESSIONABORT']._serialized_start=1453
+  _globals['_SESSIONABORT']._serialized_end=1500
+  _globals['_SESSIONRESPONSE']._serialized_start=1503
+  _globals['_SESSIONRESPONSE']._serialized_end=1840
+  _globals['_ENTRYDETAIL']._serialized_start=1843
+  _globals['_ENTRYDETAIL']._serialized_end=2064
+  _globals['_REQUESTERROR']._serialized_start=2066
+  _globals['_REQUESTERROR']._serialized_end=2132
+  _globals['_REQUESTDONE']._serialized_start=2134
+  _globals['_REQUESTDONE']._serialized_end=2203
+  _globals['_WORKER']._serialized_start=2206
+  _globals['_WORKER']._serialized_end=2764
 # @@protoc_insertion_point(module_scope)

@@ -27,6 +27,9 @@ if _version_not_supported:
 
 class WorkerStub:
     """Generation on one model replica.
+
+    Retired: the per-request `Generate` stream (one stream per request); `Session` replaces
+    it, its `SessionAdd` carrying the same GenerateRequest.
     """
 
     def __init__(self, channel):
@@ -39,11 +42,6 @@ class WorkerStub:
                 '/meshserve.v1.Worker/Session',
                 request_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
                 response_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionResponse.FromString,
-                _registered_method=True)
-        self.Generate = channel.unary_stream(
-                '/meshserve.v1.Worker/Generate',
-                request_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/meshserve.v1.Worker/Abort',
@@ -79,6 +77,9 @@ class WorkerStub:
 
 class WorkerServicer:
     """Generation on one model replica.
+
+    Retired: the per-request `Generate` stream (one stream per request); `Session` replaces
+    it, its `SessionAdd` carrying the same GenerateRequest.
     """
 
     def Session(self, request_iterator, context):
@@ -89,17 +90,6 @@ class WorkerServicer:
         such request's new tokens; steps merge into one message while the gateway reads
         slowly. Message count is O(steps), never O(steps x requests). When the stream
         ends or breaks, every request of the session is aborted.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Generate(self, request, context):
-        """Deprecated for serving (one stream per request: about three Python-level gRPC
-        messages per running request per step through the gateway); kept, unchanged, for
-        single-request clients. Runs one request (all its sequences) and streams its
-        output, every token of a sequence since the previous message, one message per
-        engine step that produced tokens; cancelling the call aborts the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,7 +122,7 @@ class WorkerServicer:
         The worker batches the inputs of concurrent calls into shared forwards (one flat token
         batch each, under its token budget), so a call of many inputs and many calls of one
         input cost alike. Unary: an embedding has no partial output to stream. A generating
-        worker fails it with INVALID_ARGUMENT, as a pooling worker fails Session and Generate.
+        worker fails it with INVALID_ARGUMENT, as a pooling worker fails Session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -163,11 +153,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionRequest.FromString,
                     response_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionResponse.SerializeToString,
-            ),
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
-                    response_serializer=meshserve_dot_proto_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -209,6 +194,9 @@ def add_WorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Worker:
     """Generation on one model replica.
+
+    Retired: the per-request `Generate` stream (one stream per request); `Session` replaces
+    it, its `SessionAdd` carrying the same GenerateRequest.
     """
 
     @staticmethod
@@ -228,33 +216,6 @@ class Worker:
             '/meshserve.v1.Worker/Session',
             meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
             meshserve_dot_proto_dot_v1_dot_worker__pb2.SessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/meshserve.v1.Worker/Generate',
-            meshserve_dot_proto_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
-            meshserve_dot_proto_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

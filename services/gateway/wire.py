@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from meshserve.proto.v1 import common_pb2, tokenizer_pb2, worker_pb2
+from meshserve.proto.v1 import common_pb2, tokenizer_pb2
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
@@ -131,11 +131,6 @@ def lookup_ids(entries: Sequence[common_pb2.TokenLogprobs]) -> list[int]:
         ids.append(entry.token_id)
         ids.extend(entry.top_token_ids)
     return ids
-
-
-def stop_token_id(output: worker_pb2.SequenceOutput) -> int | None:
-    """The stop token id that finished a sequence, None for EOS and other reasons."""
-    return output.stop_token_id if output.HasField("stop_token_id") else None
 
 
 def guarded(build: Callable[[], _T], param: str) -> _T:

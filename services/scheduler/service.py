@@ -21,11 +21,8 @@ from meshserve.services.scheduler.queue import GlobalQueue
 from meshserve.services.scheduler.route_session import RouteSession
 from meshserve.services.scheduler.router import Router
 from meshserve.services.scheduler.wire import (
-    decision_attributes,
-    decision_to_proto,
     info_from_proto,
     load_from_proto,
-    query_from_proto,
     record_to_proto,
 )
 from meshserve.shared.errors import InvalidRequestError
@@ -74,24 +71,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         removed = await self._router.deregister(request.worker_id, request.epoch or None)
         return scheduler_pb2.DeregisterWorkerResponse(removed=removed)
 
-    async def Route(self, request: scheduler_pb2.RouteRequest,
-                    context: grpc.aio.ServicerContext) -> scheduler_pb2.RouteResponse:
-        decision = await self._router.route(query_from_proto(request, self._wait_s(request,
-                                                                                   context)))
-        trace.get_current_span().set_attributes({"meshserve.request_id": request.request_id,
-                                                 **decision_attributes(decision)})
-        return decision_to_proto(decision)
-
-    async def Release(self, request: scheduler_pb2.ReleaseRequest,
-                      context: grpc.aio.ServicerContext) -> scheduler_pb2.ReleaseResponse:
-        released = self._router.release(request.request_id, request.worker_id)
-        return scheduler_pb2.ReleaseResponse(released=released)
-
     async def RouteSession(self, request_iterator: AsyncIterator[
                                scheduler_pb2.RouteSessionRequest],
                            context: grpc.aio.ServicerContext) -> None:
-        session = RouteSession(self._router, wait_s=lambda r: self._wait_s(r, None),
-                               tracer=self._tracer)
+        session = RouteSession(self._router, wait_s=self._wait_s, tracer=self._tracer)
         reader = asyncio.ensure_future(session.read(request_iterator))
         try:
             async for response in session.responses(reader):
@@ -106,13 +89,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.ListWorkersResponse(workers=[record_to_proto(r) for r in records],
                                                  degraded=self._router.degraded)
 
-    def _wait_s(self, request: scheduler_pb2.RouteRequest,
-                context: grpc.aio.ServicerContext | None) -> float:
-        """Longest the request may wait: its own deadline, the call's, the configured cap."""
+    def _wait_s(self, request: scheduler_pb2.RouteRequest) -> float:
+        """Longest the request may wait: its own deadline or the configured cap."""
         limits = [self._config.max_queue_wait_s]
-        remaining = context.time_remaining() if context is not None else None
-        if remaining is not None:
-            limits.append(remaining)
         if request.deadline_unix_ns:
             limits.append((request.deadline_unix_ns - time.time_ns()) / 1e9)
         return min(limits)

@@ -1,7 +1,6 @@
 """Text state of one request: its sequences' detokenizers and stop strings (pure logic).
 
-`RequestText` is what both detokenization streams keep per request (the per-request
-Detokenize stream and the multiplexed DetokenizeSession).
+`RequestText` is what the DetokenizeSession stream keeps per request.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ class SequenceUpdate:
     stop_string: str
     finished: bool
     num_output_tokens: int
-    token_bytes: list[bytes]
 
 
 @dataclass
@@ -45,19 +43,13 @@ class RequestText:
     are ignored and the sequence answers empty, stopped and finished.
     """
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, num_sequences: int,
-                 prompt_token_ids: Sequence[int] = (), *,
-                 prompt_tails: Sequence[Sequence[int]] | None = None,
-                 samples_per_prompt: int = 1) -> None:
-        """Sequence i follows `prompt_tails[i // samples_per_prompt]` when prompt_tails is
-        given, else `prompt_token_ids` (every sequence after the same prompt)."""
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, num_sequences: int, *,
+                 prompt_tails: Sequence[Sequence[int]], samples_per_prompt: int = 1) -> None:
+        """Sequence i follows `prompt_tails[i // samples_per_prompt]` (the last tail when
+        there are fewer; no context when there are none)."""
         self._per_token = bool(params.stop)
-        if prompt_tails is None:
-            tails: list[Sequence[int]] = [prompt_token_ids] * num_sequences
-        else:
-            tails = [prompt_tails[min(i // samples_per_prompt, len(prompt_tails) - 1)]
-                     if prompt_tails else () for i in range(num_sequences)]
+        tails = [prompt_tails[min(i // samples_per_prompt, len(prompt_tails) - 1)]
+                 if prompt_tails else () for i in range(num_sequences)]
         self._sequences = [_Sequence(TextStream(tokenizer, params, tail)) for tail in tails]
         self._num_open = num_sequences
         self.num_tokens_received = 0
@@ -68,7 +60,6 @@ class RequestText:
         return self._num_open == 0
 
     def update(self, index: int, token_ids: Sequence[int], final: bool,
-               lookup_token_ids: Sequence[int] = (),
                stopped_on_token: bool = False) -> SequenceUpdate:
         """Feed one sequence's new tokens (and its end, when `final`); return its new text."""
         if not 0 <= index < len(self._sequences):
@@ -91,8 +82,7 @@ class RequestText:
         return SequenceUpdate(
             index=index, text=text, stopped=seq.stop_string is not None,
             stop_string=seq.stop_string or "", finished=seq.finished,
-            num_output_tokens=seq.num_tokens,
-            token_bytes=[self._tokenizer.token_bytes(t) for t in lookup_token_ids])
+            num_output_tokens=seq.num_tokens)
 
     def _feed(self, seq: _Sequence, token_ids: Sequence[int], final: bool,
               stopped_on_token: bool) -> TextDelta:

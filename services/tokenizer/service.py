@@ -3,9 +3,7 @@
 `TokenizerServicer` only converts: a `TokenizeRequest` becomes a `PromptInput` that
 `ServedModel.tokenize` turns into token ids (model.py); a DetokenizeSession stream (the
 gateway's data plane) is a `SessionTexts` (session.py) that answers each message, one
-step of many requests, with one columnar message; the deprecated per-request Detokenize
-stream opens one `RequestText` (request_text.py) from its options message and answers
-every delta with exactly one response. Domain errors (InvalidRequestError,
+step of many requests, with one columnar message. Domain errors (InvalidRequestError,
 NotFoundError) are raised; the shared server interceptor maps them to statuses.
 
 Ordinary prompts are tokenized on the event loop thread (one takes well under a
@@ -17,7 +15,6 @@ replicas.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -30,14 +27,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from meshserve.proto.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from meshserve.services.tokenizer.encode_pool import EncodePool, PromptLimits
 from meshserve.services.tokenizer.model import ServedModel, TokenizedPrompt
-from meshserve.services.tokenizer.request_text import RequestText
 from meshserve.services.tokenizer.session import SessionTexts
-from meshserve.services.tokenizer.wire import prompt_input, sampling_params, sequence_text
-from meshserve.shared.errors import InvalidRequestError, UnavailableError
+from meshserve.services.tokenizer.wire import prompt_input
+from meshserve.shared.errors import UnavailableError
 from meshserve.shared.telemetry import Telemetry
 
 SERVICE_NAME = "meshserve.v1.Tokenizer"
-_log = logging.getLogger(__name__)
 # Per-call CPU work: tens of microseconds for a delta, milliseconds for a long chat prompt.
 _LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                     0.05, 0.1, 0.25, 1.0)
@@ -150,50 +145,3 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 yield answer
         finally:  # also when the gateway went away mid-stream
             texts.close()
-
-    async def Detokenize(self, request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest],
-                         context: grpc.aio.ServicerContext
-                         ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
-        session: RequestText | None = None
-        with self._tracer.start_as_current_span("detokenize") as span:
-            try:
-                async for request in request_iterator:
-                    kind = request.WhichOneof("kind")
-                    if session is None:
-                        if kind != "options":
-                            raise InvalidRequestError("the first Detokenize message must "
-                                                      "carry options", param="options")
-                        session = self._open(request.options, span)
-                        continue
-                    if kind != "delta":
-                        raise InvalidRequestError("Detokenize options may be sent only once, "
-                                                  "first", param="options")
-                    yield self._answer(session, request.delta)
-            finally:  # also when the caller went away mid-stream
-                if session is not None:
-                    span.set_attribute("gen_ai.usage.output_tokens",
-                                       session.num_tokens_received)
-
-    def _open(self, options: tokenizer_pb2.DetokenizeOptions,
-              span: trace.Span) -> RequestText:
-        self.metrics.requests.labels("detokenize").inc()
-        model = self.model
-        model.check_name(options.model)
-        params = sampling_params(options)
-        span.set_attribute("gen_ai.request.id", options.request_id)
-        span.set_attribute("gen_ai.request.model", model.name)
-        span.set_attribute("meshserve.num_sequences", options.num_sequences)
-        _log.debug("detokenize stream opened", extra={"request_id": options.request_id,
-                                                      "num_sequences": options.num_sequences})
-        return RequestText(model.tokenizer, params, options.num_sequences,
-                                 list(options.prompt_token_ids))
-
-    def _answer(self, session: RequestText,
-                delta: tokenizer_pb2.DetokenizeDelta) -> tokenizer_pb2.DetokenizeResponse:
-        received = session.num_tokens_received
-        with self.metrics.timed("detokenize"):
-            texts = [sequence_text(session.update(s.index, s.token_ids, s.final,
-                                                   s.lookup_token_ids, s.stopped_on_token))
-                     for s in delta.sequences]
-        self.metrics.tokens.labels("detokenize").inc(session.num_tokens_received - received)
-        return tokenizer_pb2.DetokenizeResponse(sequences=texts)

@@ -83,7 +83,7 @@ class SessionTexts:
                 counts.append(0)
                 continue
             try:
-                update = entry.text.update(index, ids, final, (), on_token)
+                update = entry.text.update(index, ids, final, on_token)
             except MeshError as exc:
                 errors.append(tokenizer_pb2.HandleError(handle=handle, error=error_pb(exc)))
                 self._forget(handle, exc)

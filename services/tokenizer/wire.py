@@ -8,7 +8,6 @@ import orjson
 
 from meshserve.proto.v1 import tokenizer_pb2
 from meshserve.services.tokenizer.model import PromptInput
-from meshserve.services.tokenizer.request_text import SequenceUpdate
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.sampling_params import MAX_N, SamplingParams
 
@@ -101,10 +100,3 @@ def sampling_params(options: tokenizer_pb2.DetokenizeOptions) -> SamplingParams:
         spaces_between_special_tokens=(options.spaces_between_special_tokens
                                        if options.HasField("spaces_between_special_tokens")
                                        else True))
-
-
-def sequence_text(update: SequenceUpdate) -> tokenizer_pb2.SequenceText:
-    return tokenizer_pb2.SequenceText(
-        index=update.index, text=update.text, stopped=update.stopped,
-        stop_string=update.stop_string, finished=update.finished,
-        token_bytes=update.token_bytes, num_output_tokens=update.num_output_tokens)

@@ -1,7 +1,7 @@
 """The gRPC Worker service of a pooling worker: Embed over the embedding thread.
 
 Thin: validate, convert protobuf to domain values, submit to the `EmbedBatcher`, convert
-back. Generation calls (Session, Generate) fail with INVALID_ARGUMENT naming the model
+back. The generation call (Session) fails with INVALID_ARGUMENT naming the model
 as an embedding model; GetLoad and GetInfo answer as on a generating worker. The call's
 `worker.embed` span (queue and forward times) joins the caller's trace through the
 server's trace-context interceptor.
@@ -79,10 +79,6 @@ class PoolingServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Session(self, request_iterator: AsyncIterator[worker_pb2.SessionRequest],
                       context: grpc.aio.ServicerContext) -> None:
-        raise self._not_generating()
-
-    async def Generate(self, request: worker_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> None:
         raise self._not_generating()
 
     async def Abort(self, request: worker_pb2.AbortRequest,

@@ -2,12 +2,9 @@
 
 Session (the gateway's data plane) hands one bidirectional stream to a `WorkerSession`
 (session.py): commands in, one columnar message per engine step out, for every request
-the gateway runs here. Generate (deprecated for serving, kept for single-request
-clients) converts one request to domain types, submits it, and writes one
-GenerateResponse per stream update. Either way a request whose caller went away is
-aborted at once, and each request's worker-side phases become spans (queue, prefill,
-decode) from the engine's own timestamps: under the caller's trace context (Session:
-the one each request carries; Generate: the RPC's server span).
+the gateway runs here. A request whose caller went away is aborted at once, and each
+request's worker-side phases become spans (queue, prefill, decode) from the engine's own
+timestamps, under the trace context the request carries.
 """
 
 from __future__ import annotations
@@ -26,9 +23,9 @@ from prometheus_client import CollectorRegistry, Counter
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.lora.control import LoraControl
-from meshserve.services.worker.request_stream import RequestTimes, StreamUpdate
+from meshserve.services.worker.request_stream import RequestTimes
 from meshserve.services.worker.session import SessionEntry, WorkerSession
-from meshserve.services.worker.wire import generate_response, sampling_params_from_proto
+from meshserve.services.worker.wire import sampling_params_from_proto
 from meshserve.shared.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -144,25 +141,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._record_spans(entry.request, entry.params, entry.stream.times,
                            context=WorkerSession.trace_parent(entry), error_kind=error_kind)
 
-    async def Generate(self, request: worker_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> None:
-        params = self._validate(request)
-        stream = self._engine.submit(
-            request.request_id, [list(p.token_ids) for p in request.prompts], params,
-            priority=request.priority, cache_salt=request.cache_salt or None,
-            lora_id=request.lora_id if request.HasField("lora_id") else None)
-        try:
-            async with _deadline(request.deadline_unix_ns):
-                while (update := await stream.next()) is not None:
-                    self._count(update)
-                    await context.write(generate_response(update, time.monotonic()))
-        finally:
-            # Client gone (CancelledError), deadline, error or done: abort what still runs.
-            aborted = self._engine.cancel(stream)
-            if aborted:
-                self._finished.labels("abort").inc(aborted)
-            self._record_spans(request, params, stream.times)
-
     def _validate(self, request: worker_pb2.GenerateRequest) -> SamplingParams:
         if not request.request_id:
             raise InvalidRequestError("request_id must not be empty", param="request_id")
@@ -174,12 +152,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         params = sampling_params_from_proto(request.params)
         self.on_params(params)
         return params
-
-    def _count(self, update: StreamUpdate) -> None:
-        for delta in update.deltas:
-            self._tokens.inc(len(delta.token_ids))
-            if delta.finish_reason is not None:
-                self._finished.labels(delta.finish_reason).inc()
 
     def _record_spans(self, request: worker_pb2.GenerateRequest, params: SamplingParams,
                       times: RequestTimes, *, context: Context | None = None,

@@ -1,4 +1,4 @@
-"""Protobuf <-> domain conversions of the worker's edge (Generate, Session, load, info).
+"""Protobuf <-> domain conversions of the worker's edge (Session, load, info).
 
 The only worker modules that build or read `*_pb2` messages are this one, the servicer
 (service.py) and the session (session.py); the engine speaks SamplingParams,
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import orjson
 
 from meshserve.proto.v1 import common_pb2, worker_pb2
-from meshserve.services.worker.request_stream import RequestTimes, SequenceDelta, StreamUpdate
+from meshserve.services.worker.request_stream import RequestTimes
 from meshserve.shared.errors import InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
@@ -98,24 +98,6 @@ def prompt_logprobs_pb(entries: Sequence[TokenLogprobs | None]
         yield logprobs_pb(lp)
 
 
-def sequence_pb(delta: SequenceDelta) -> worker_pb2.SequenceOutput:
-    """One sequence's delta as a Generate message entry."""
-    out = worker_pb2.SequenceOutput(
-        index=delta.index, token_ids=delta.token_ids,
-        finish_reason=FINISH_PB.get(delta.finish_reason or "",
-                                    common_pb2.FINISH_REASON_UNSPECIFIED),
-        usage=common_pb2.Usage(prompt_tokens=delta.num_prompt_tokens,
-                               completion_tokens=delta.num_output_tokens,
-                               cached_tokens=delta.num_cached_tokens))
-    if delta.logprobs:
-        out.logprobs.extend(logprobs_pb(lp) for lp in delta.logprobs)
-    if delta.prompt_logprobs:
-        out.prompt_logprobs.extend(prompt_logprobs_pb(delta.prompt_logprobs))
-    if delta.finish_reason == "stop" and isinstance(delta.stop_reason, int):
-        out.stop_token_id = delta.stop_reason
-    return out
-
-
 def timings_pb(times: RequestTimes, now: float) -> common_pb2.Timings:
     """A request's Timings as of `now` (time.monotonic())."""
     queued, prefill, decode = times.durations_ns(now)
@@ -123,9 +105,3 @@ def timings_pb(times: RequestTimes, now: float) -> common_pb2.Timings:
         queued_ns=queued, prefill_ns=prefill, decode_ns=decode,
         step_forward_ns=times.step_forward_ns, num_steps=times.num_steps,
         num_preemptions=times.num_preemptions, sent_unix_ns=time.time_ns())
-
-
-def generate_response(update: StreamUpdate, now: float) -> worker_pb2.GenerateResponse:
-    """One Generate message from a stream update (`now`: time.monotonic())."""
-    return worker_pb2.GenerateResponse(outputs=[sequence_pb(d) for d in update.deltas],
-                                       timings=timings_pb(update.times, now))

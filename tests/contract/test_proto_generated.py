@@ -15,7 +15,7 @@ from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 
 from meshserve.proto import generate
-from meshserve.proto.v1 import common_pb2, kvstore_pb2, tokenizer_pb2, worker_pb2
+from meshserve.proto.v1 import common_pb2, kvstore_pb2, scheduler_pb2, tokenizer_pb2, worker_pb2
 from meshserve.shared.sampling_params import SamplingParams
 
 PROTO_FILES = ["common", "kvstore", "scheduler", "tokenizer", "worker"]
@@ -183,18 +183,25 @@ def test_streams_where_output_flows() -> None:
     def method(module: object, service: str, name: str) -> object:
         return module.DESCRIPTOR.services_by_name[service].methods_by_name[name]  # type: ignore[attr-defined]
 
-    generate_rpc = method(worker_pb2, "Worker", "Generate")
-    assert not generate_rpc.client_streaming and generate_rpc.server_streaming
-    detok = method(tokenizer_pb2, "Tokenizer", "Detokenize")
-    assert detok.client_streaming and detok.server_streaming
+    for module, service, name in ((worker_pb2, "Worker", "Session"),
+                                  (tokenizer_pb2, "Tokenizer", "DetokenizeSession"),
+                                  (scheduler_pb2, "Scheduler", "RouteSession")):
+        session = method(module, service, name)
+        assert session.client_streaming and session.server_streaming, name
     put = method(kvstore_pb2, "KVStore", "Put")
     assert put.client_streaming and not put.server_streaming
     get = method(kvstore_pb2, "KVStore", "Get")
     assert not get.client_streaming and get.server_streaming
+    # The retired per-request calls are gone; the session streams replace them.
+    assert "Generate" not in worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods_by_name
+    assert "Detokenize" not in (
+        tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].methods_by_name)
+    assert {"Route", "Release"}.isdisjoint(
+        scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].methods_by_name)
     # A stream message carries every new token of every sequence, never one token.
-    assert worker_pb2.GenerateResponse.DESCRIPTOR.fields_by_name["outputs"].is_repeated
-    assert worker_pb2.SequenceOutput.DESCRIPTOR.fields_by_name["token_ids"].is_repeated
-    assert tokenizer_pb2.SequenceTokens.DESCRIPTOR.fields_by_name["token_ids"].is_repeated
+    for message in (worker_pb2.SessionResponse, tokenizer_pb2.DetokenizeSessionRequest):
+        fields = message.DESCRIPTOR.fields_by_name
+        assert fields["token_ids"].is_repeated and fields["num_tokens"].is_repeated
 
 
 def test_sampling_params_has_every_domain_field() -> None:
