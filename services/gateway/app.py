@@ -6,7 +6,8 @@
     await gateway.stop()                # stop accepting, let requests finish, close channels
 
 Handlers are cancelled when their client disconnects (`handler_cancellation`), which
-cancels the request's Generate and Detokenize calls at once (see orchestrator.py).
+aborts the request at the worker and closes it at the tokenizer at once (see
+orchestrator.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """What the gateway runs for one generation request, and what comes back from it.
 
 `GenerationJob` is built from a parsed OpenAI body (shared/openai_protocol.py) once the
-model is known; the orchestrator turns it into Tokenize / Route / Generate /
-Detokenize calls and yields `GenerationUpdate`s, one per worker stream message, which
-the renderers turn into SSE chunks or one aggregated response.
+model is known; the orchestrator turns it into a Tokenize call, a route, and entries on
+the worker and detokenize session streams, and yields `GenerationUpdate`s, one per worker
+stream message, which the renderers turn into SSE chunks or one aggregated response.
 """
 
 from __future__ import annotations
