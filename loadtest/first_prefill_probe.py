@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from meshserve.kernels import attention
 from meshserve.services.worker.__main__ import build_engine, warm_up
 from meshserve.services.worker.config import WorkerConfig
-from meshserve.services.worker.engine_thread import EngineThread
+from meshserve.services.worker.serving.engine_thread import EngineThread
 from meshserve.shared.sampling_params import SamplingParams
 
 ORDERS = {"cudnn-first": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],

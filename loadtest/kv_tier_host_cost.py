@@ -34,11 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvstore_transfer import kvstore
 
-from meshserve.services.worker import kv_transfer
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
-from meshserve.services.worker.kv_transfer import KVTransfer
-from meshserve.services.worker.kvstore_client import KVStoreClient
+from meshserve.services.worker.tier import transfer as kv_transfer
 from meshserve.services.worker.tier.kv_tier import KVTier, ProbeDone, ProbeJob, SaveJob
+from meshserve.services.worker.tier.store_client import KVStoreClient
+from meshserve.services.worker.tier.transfer import KVTransfer
 
 NAMESPACE = "cost:bfloat16"
 

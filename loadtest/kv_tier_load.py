@@ -35,9 +35,9 @@ from meshserve.services.worker.builder import KVTierPlan, build_engine
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.kv_copy import KVCaches
-from meshserve.services.worker.kv_transfer import KVTransfer
-from meshserve.services.worker.kvstore_client import KVStoreClient
 from meshserve.services.worker.tier.kv_tier import KVTier
+from meshserve.services.worker.tier.store_client import KVStoreClient
+from meshserve.services.worker.tier.transfer import KVTransfer
 from meshserve.shared.sampling_params import SamplingParams
 
 _LLAMA_8B = Path(__file__).resolve().parent / "models" / "llama-3.1-8b"

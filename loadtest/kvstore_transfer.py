@@ -6,7 +6,7 @@ Driver part: `kv` (KV_PARTS=transfer).
     python loadtest/kvstore_transfer.py --block-bytes 131072 --blocks 64 --out /tmp/kv.json
 
 Starts a kvstore as its own process (or uses `--address`), then, with the worker's client
-(services/worker/kvstore_client.py), stores and reads back batches of `--blocks` blocks of
+(services/worker/tier/store_client.py), stores and reads back batches of `--blocks` blocks of
 `--block-bytes` (default 2 MiB: one 16-token block of a Llama-3.1-8B-shaped model in bf16)
 and reports GB/s of block data, for the shared region (one memory copy each way, offsets
 over gRPC) and for the byte path (Put/Get messages). Put: reserve, copy each block into its
@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from meshserve.services.worker.kvstore_client import KVStoreClient
+from meshserve.services.worker.tier.store_client import KVStoreClient
 from meshserve.shared.grpc_client import GrpcClient, wait_until_serving
 
 NAMESPACE = "bench:bfloat16"

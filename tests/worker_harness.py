@@ -21,9 +21,9 @@ from meshserve.services.worker.builder import build_engine
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.sequence import SequenceOutput
-from meshserve.services.worker.engine_thread import EngineThread
-from meshserve.services.worker.kv_publisher import KVEventPublisher
-from meshserve.services.worker.service import WorkerServicer
+from meshserve.services.worker.serving.engine_thread import EngineThread
+from meshserve.services.worker.serving.kv_publisher import KVEventPublisher
+from meshserve.services.worker.serving.service import WorkerServicer
 from meshserve.shared.grpc_client import GrpcClient, wait_until_serving
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.kv_index import KVIndex

@@ -43,7 +43,7 @@ from meshserve.bench.serve.datasets import (  # noqa: F401 (the bench's names)
 )
 from meshserve.services.worker.config import EngineConfig, short_flags
 from meshserve.services.worker.engine.sequence import SequenceState
-from meshserve.services.worker.step_trace import StepRecord, device_fields, write_step_trace
+from meshserve.services.worker.serving.step_trace import StepRecord, device_fields, write_step_trace
 from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, MeshError
 from meshserve.shared.sampling_params import SamplingParams

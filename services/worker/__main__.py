@@ -31,20 +31,20 @@ from meshserve.services.worker.builder import KVTierPlan, build_engine
 from meshserve.services.worker.config import WorkerConfig, short_flags
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.kv_copy import KVCaches
-from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.heap import settle_heap
-from meshserve.services.worker.kv_publisher import KVEventPublisher
-from meshserve.services.worker.kv_transfer import KVTransfer
-from meshserve.services.worker.kvstore_client import KVStoreClient
-from meshserve.services.worker.lifecycle import ProcessLifecycle, run_process
 from meshserve.services.worker.lora.control import LoraControl, with_loras
 from meshserve.services.worker.lora.hook import LoraHook
-from meshserve.services.worker.service import WorkerServicer
+from meshserve.services.worker.serving.engine_thread import EngineThread
+from meshserve.services.worker.serving.kv_publisher import KVEventPublisher
+from meshserve.services.worker.serving.lifecycle import ProcessLifecycle, run_process
+from meshserve.services.worker.serving.service import WorkerServicer
+from meshserve.services.worker.serving.spec_metrics import register_spec_metrics
+from meshserve.services.worker.serving.step_trace import write_step_trace
+from meshserve.services.worker.serving.vllm_metrics import metrics_url_of, vllm_metrics_of
 from meshserve.services.worker.spec.decoder import SpecDecoder
-from meshserve.services.worker.spec_metrics import register_spec_metrics
-from meshserve.services.worker.step_trace import write_step_trace
 from meshserve.services.worker.tier.kv_tier import KVTier
-from meshserve.services.worker.vllm_metrics import metrics_url_of, vllm_metrics_of
+from meshserve.services.worker.tier.store_client import KVStoreClient
+from meshserve.services.worker.tier.transfer import KVTransfer
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.generation_config import sampling_defaults
 from meshserve.shared.grpc_server import GrpcServer
@@ -332,7 +332,7 @@ class WorkerProcess:
 async def serve(config: WorkerConfig) -> int:
     """Run the worker until stopped and drained; the process exit code."""
     if config.pooling:  # an embedder: no generation engine (pooling_process.py)
-        from meshserve.services.worker.pooling_process import serve_pooling
+        from meshserve.services.worker.pooling.process import serve_pooling
 
         return await serve_pooling(config, claim_epoch)
     kvstore = KVStoreLink(config) if KVStoreLink.wanted(config) else None

@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class KVTierPlan:
     """The KV tier to build into the engine: `transport` makes the store's transport over
-    the engine's KV cache tensors (services/worker/kv_transfer.py; started by it)."""
+    the engine's KV cache tensors (services/worker/tier/transfer.py; started by it)."""
 
     transport: Callable[[KVCaches], KVTransport]
     max_save_backlog_bytes: int

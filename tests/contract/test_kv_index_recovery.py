@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from meshserve.services.worker.engine_thread import KVEventBatch
-from meshserve.services.worker.kv_publisher import KVEventPublisher
+from meshserve.services.worker.serving.engine_thread import KVEventBatch
+from meshserve.services.worker.serving.kv_publisher import KVEventPublisher
 from meshserve.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from meshserve.shared.kv_index import Applied, KVIndex
 from meshserve.shared.redis_server import EmbeddedRedis, connect

@@ -12,8 +12,6 @@ import torch
 from meshserve.services.kvstore.config import KVStoreConfig
 from meshserve.services.kvstore.service import KVStoreService
 from meshserve.services.worker.engine.kv_copy import gather_blocks
-from meshserve.services.worker.kv_transfer import KVTransfer
-from meshserve.services.worker.kvstore_client import KVStoreClient
 from meshserve.services.worker.tier.kv_tier import (
     LoadDone,
     LoadJob,
@@ -22,6 +20,8 @@ from meshserve.services.worker.tier.kv_tier import (
     SaveJob,
     TransferDone,
 )
+from meshserve.services.worker.tier.store_client import KVStoreClient
+from meshserve.services.worker.tier.transfer import KVTransfer
 
 NS = "tiny:bfloat16"
 LAYERS, BLOCK_SIZE, HEADS, DIM, NUM_BLOCKS = 2, 4, 2, 8, 8

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from meshserve.proto.v1 import kvstore_pb2, kvstore_pb2_grpc
 from meshserve.services.kvstore.config import KVStoreConfig
 from meshserve.services.kvstore.service import SERVICE_NAME, KVStoreService
-from meshserve.services.worker.kvstore_client import KVStoreClient, KVStoreUnavailable, Lease
+from meshserve.services.worker.tier.store_client import KVStoreClient, KVStoreUnavailable, Lease
 from meshserve.shared.grpc_client import GrpcClient, wait_until_serving
 from meshserve.shared.kv_index import KVIndex
 from meshserve.shared.kv_region import HEADER_BYTES

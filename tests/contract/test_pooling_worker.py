@@ -19,10 +19,10 @@ from worker_harness import Harness
 
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from meshserve.services.worker.config import EngineConfig
-from meshserve.services.worker.embed_batcher import EmbedBatcher
-from meshserve.services.worker.embed_service import PoolingServicer
-from meshserve.services.worker.embedder import Embedder
-from meshserve.services.worker.engine.pooler import finish
+from meshserve.services.worker.pooling.batcher import EmbedBatcher
+from meshserve.services.worker.pooling.embedder import Embedder
+from meshserve.services.worker.pooling.pooler import finish
+from meshserve.services.worker.pooling.service import PoolingServicer
 from meshserve.shared.grpc_client import GrpcClient, wait_until_serving
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.worker_registry import RUNNER_POOLING, WorkerInfo

@@ -37,7 +37,7 @@ from meshserve.proto.v1 import (
     worker_pb2_grpc,
 )
 from meshserve.services.worker.engine.sequence import SequenceOutput
-from meshserve.services.worker.registration import Registration
+from meshserve.services.worker.serving.registration import Registration
 from meshserve.shared.block_hash import hash_blocks
 from meshserve.shared.grpc_client import GrpcClient
 from meshserve.shared.grpc_server import GrpcServer

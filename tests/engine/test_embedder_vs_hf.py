@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from transformers import AutoModel
 
 from meshserve.services.worker.config import EngineConfig
-from meshserve.services.worker.embed_batcher import EmbedBatcher
-from meshserve.services.worker.embedder import Embedder
-from meshserve.services.worker.engine.pooler import finish
+from meshserve.services.worker.pooling.batcher import EmbedBatcher
+from meshserve.services.worker.pooling.embedder import Embedder
+from meshserve.services.worker.pooling.pooler import finish
 from meshserve.shared.errors import ContextLengthError
 
 # Different lengths, one of a single token, one past a 16-token block.

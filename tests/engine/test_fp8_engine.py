@@ -352,7 +352,7 @@ def test_fp8_weights_and_kv_together(tiny) -> None:
 
 
 def test_a_pooling_worker_embeds_with_fp8_weights(tiny) -> None:
-    from meshserve.services.worker.embedder import Embedder
+    from meshserve.services.worker.pooling.embedder import Embedder
 
     folder, prompts = tiny
 

@@ -16,7 +16,7 @@ from tiny_models import build_tiny_model
 
 from meshserve.services.worker.__main__ import kv_namespace
 from meshserve.services.worker.engine.kv_copy import gather_blocks, scatter_blocks
-from meshserve.services.worker.kvstore_client import Reservation
+from meshserve.services.worker.tier.store_client import Reservation
 
 
 class Fp8Client(MemoryClient):

@@ -20,8 +20,8 @@ from meshserve.services.worker.builder import KVTierPlan, build_engine
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.kv_copy import KVCaches
-from meshserve.services.worker.kv_transfer import KVTransfer
-from meshserve.services.worker.kvstore_client import KVStoreUnavailable, Lease, Reservation
+from meshserve.services.worker.tier.store_client import KVStoreUnavailable, Lease, Reservation
+from meshserve.services.worker.tier.transfer import KVTransfer
 from meshserve.shared.sampling_params import SamplingParams
 
 BLOCK = 8

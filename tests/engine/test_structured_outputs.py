@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from meshserve.services.worker.builder import build_engine
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.engine_thread import EngineThread
+from meshserve.services.worker.serving.engine_thread import EngineThread
 from meshserve.services.worker.structured.grammars import (
     choice_grammar,
     new_matcher,

@@ -11,9 +11,9 @@ from pathlib import Path
 from engine_features import grammars_of
 from tiny_models import build_tiny_model
 
+from meshserve.services.worker import heap as engine_module
 from meshserve.services.worker.__main__ import WorkerProcess, load_engine
 from meshserve.services.worker.config import WorkerConfig
-from meshserve.services.worker import heap as engine_module
 from meshserve.shared.service_main import service_telemetry
 
 

@@ -269,8 +269,8 @@ def test_the_request_path_crosses_every_service_of_the_mesh() -> None:
 
 
 @pytest.mark.parametrize(("listed", "unrelated"), [
-    ("services/worker/engine_thread.py", "services/worker/embedder.py"),  # same service
-    ("services/worker/session.py", "services/worker/kv_publisher.py"),  # entered over gRPC
+    ("services/worker/serving/engine_thread.py", "services/worker/pooling/embedder.py"),  # same service
+    ("services/worker/serving/session.py", "services/worker/serving/kv_publisher.py"),  # entered over gRPC
     ("services/scheduler/route_session.py", "services/kvstore/store.py"),  # no stub of it
     ("services/gateway/flow/generation.py", "services/gateway/parsers/tool_parsers.py"),
     ("services/tokenizer/session.py", "services/tokenizer/config.py"),

@@ -24,7 +24,7 @@ from meshserve.services.kvstore.store import KVBlockStore
 from meshserve.services.scheduler.metrics import SchedulerMetrics
 from meshserve.services.scheduler.queue import GlobalQueue
 from meshserve.services.tokenizer.service import TokenizerMetrics
-from meshserve.services.worker.vllm_metrics import WorkerVllmMetrics
+from meshserve.services.worker.serving.vllm_metrics import WorkerVllmMetrics
 from meshserve.shared.telemetry import Telemetry
 from meshserve.shared.worker_registry import WorkerLoad
 

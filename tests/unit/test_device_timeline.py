@@ -7,7 +7,7 @@ import pytest
 
 from meshserve.services.worker.engine import device_timeline
 from meshserve.services.worker.engine.device_timeline import DeviceTimeline
-from meshserve.services.worker.step_trace import device_fields
+from meshserve.services.worker.serving.step_trace import device_fields
 
 
 class _Device:

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshserve.local.launcher import LauncherConfig, Stack, child_env
 from meshserve.services.gateway.merged_metrics import merge, parse_targets
 from meshserve.services.worker.engine.sequence import SequenceOutput
-from meshserve.services.worker.request_stream import SequenceTimes
-from meshserve.services.worker.vllm_metrics import (
+from meshserve.services.worker.serving.request_stream import SequenceTimes
+from meshserve.services.worker.serving.vllm_metrics import (
     WeightedHistogram,
     WorkerVllmMetrics,
     metrics_url_of,

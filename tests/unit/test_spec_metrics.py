@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from meshserve.services.worker.serving.spec_metrics import register_spec_metrics
 from meshserve.services.worker.spec.decoder import NgramBatchProposer, SpecDecoder
-from meshserve.services.worker.spec_metrics import register_spec_metrics
 from meshserve.shared.speculative_config import SpeculativeConfig
 
 

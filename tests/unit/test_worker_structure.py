@@ -73,7 +73,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_worker_has_its_core_and_feature_subpackages() -> None:
-    assert {"engine", "models", "parallel"} | FEATURES <= set(subpackages())
+    assert {"engine", "models", "parallel", "serving", "pooling"} | FEATURES <= set(subpackages())
 
 
 def test_no_import_cycle_among_the_worker_subpackages() -> None:
@@ -86,8 +86,14 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_the_engine_core_imports_no_feature() -> None:
-    assert subpackage_graph()["engine"] & FEATURES == set()
+def test_the_engine_core_imports_no_feature_and_no_serving_side() -> None:
+    assert subpackage_graph()["engine"] & (FEATURES | {"serving", "pooling"}) == set()
+
+
+def test_features_do_not_import_the_serving_side() -> None:
+    graph = subpackage_graph()
+    assert {name: graph[name] & {"serving", "pooling"} for name in FEATURES} == {
+        name: set() for name in FEATURES}
 
 
 def python_files(*folders: str) -> list[Path]:

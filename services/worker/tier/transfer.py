@@ -28,7 +28,6 @@ import torch
 
 from meshserve.services.worker.engine.device import make_current
 from meshserve.services.worker.engine.kv_copy import KVCaches, block_shape, scatter_blocks
-from meshserve.services.worker.kvstore_client import KVStoreClient, KVStoreUnavailable, Lease
 from meshserve.services.worker.tier.kv_tier import (
     DropJob,
     LoadDone,
@@ -39,6 +38,7 @@ from meshserve.services.worker.tier.kv_tier import (
     TransferDone,
     TransferJob,
 )
+from meshserve.services.worker.tier.store_client import KVStoreClient, KVStoreUnavailable, Lease
 
 log = logging.getLogger(__name__)
 

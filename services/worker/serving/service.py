@@ -21,11 +21,11 @@ from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from meshserve.services.worker.engine_thread import EngineThread
 from meshserve.services.worker.lora.control import LoraControl
-from meshserve.services.worker.request_stream import RequestTimes
-from meshserve.services.worker.session import SessionEntry, WorkerSession
-from meshserve.services.worker.wire import sampling_params_from_proto
+from meshserve.services.worker.serving.engine_thread import EngineThread
+from meshserve.services.worker.serving.request_stream import RequestTimes
+from meshserve.services.worker.serving.session import SessionEntry, WorkerSession
+from meshserve.services.worker.serving.wire import sampling_params_from_proto
 from meshserve.shared.errors import (
     DeadlineExceededError,
     InvalidRequestError,

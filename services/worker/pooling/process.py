@@ -21,10 +21,10 @@ import torch
 
 from meshserve.proto.v1 import worker_pb2_grpc
 from meshserve.services.worker.config import WorkerConfig
-from meshserve.services.worker.embed_batcher import EmbedBatcher
-from meshserve.services.worker.embed_service import PoolingServicer
-from meshserve.services.worker.embedder import Embedder
-from meshserve.services.worker.lifecycle import ProcessLifecycle, run_process
+from meshserve.services.worker.pooling.batcher import EmbedBatcher
+from meshserve.services.worker.pooling.embedder import Embedder
+from meshserve.services.worker.pooling.service import PoolingServicer
+from meshserve.services.worker.serving.lifecycle import ProcessLifecycle, run_process
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.redis_server import connect
 from meshserve.shared.telemetry import Telemetry

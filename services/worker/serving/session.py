@@ -26,9 +26,9 @@ from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from meshserve.proto.v1 import common_pb2, worker_pb2
-from meshserve.services.worker.engine_thread import EngineThread
-from meshserve.services.worker.request_stream import RequestStream, SequenceDelta
-from meshserve.services.worker.wire import (
+from meshserve.services.worker.serving.engine_thread import EngineThread
+from meshserve.services.worker.serving.request_stream import RequestStream, SequenceDelta
+from meshserve.services.worker.serving.wire import (
     FINISH_PB,
     logprobs_pb,
     prompt_logprobs_pb,

@@ -21,7 +21,7 @@ import asyncio
 import logging
 from collections import deque
 
-from meshserve.services.worker.engine_thread import KVEventBatch
+from meshserve.services.worker.serving.engine_thread import KVEventBatch
 from meshserve.shared.block_hash import BlockHash
 from meshserve.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from meshserve.shared.kv_index import Applied, KVIndex

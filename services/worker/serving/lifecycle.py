@@ -26,8 +26,8 @@ import grpc
 
 from meshserve.proto.v1 import common_pb2, scheduler_pb2_grpc
 from meshserve.services.worker.config import WorkerConfig
-from meshserve.services.worker.registration import Registration
-from meshserve.services.worker.service import worker_info_pb, worker_load_pb
+from meshserve.services.worker.serving.registration import Registration
+from meshserve.services.worker.serving.service import worker_info_pb, worker_load_pb
 from meshserve.shared.grpc_client import GrpcClient
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.service_main import in_daemon_thread, service_telemetry

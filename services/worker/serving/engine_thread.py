@@ -30,12 +30,12 @@ from typing import Any
 from meshserve.services.worker.engine.device import make_current
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.sequence import SequenceOutput, SequenceState
-from meshserve.services.worker.request_stream import (
+from meshserve.services.worker.serving.request_stream import (
     RequestStream,
     SequenceTimes,
     StepTiming,
 )
-from meshserve.services.worker.step_trace import StepRecord, device_fields
+from meshserve.services.worker.serving.step_trace import StepRecord, device_fields
 from meshserve.services.worker.structured.hook import StructuredOutputsHook
 from meshserve.shared.errors import InternalError, InvalidRequestError, MeshError
 from meshserve.shared.kv_events import KVEvent
@@ -146,7 +146,7 @@ class EngineThread:
         # Diagnostics (set before start()): one StepRecord per loop turn that stepped.
         self.step_trace: list[StepRecord] | None = None
         # Called on the event loop with each delivered step's outputs and the timestamps
-        # read with them (the worker's vLLM metrics; services/worker/vllm_metrics.py).
+        # read with them (the worker's vLLM metrics; services/worker/serving/vllm_metrics.py).
         self.on_step: Callable[[list[SequenceOutput], Mapping[str, SequenceTimes]],
                                None] | None = None
         self._added_since_step = 0

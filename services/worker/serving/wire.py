@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import orjson
 
 from meshserve.proto.v1 import common_pb2, worker_pb2
-from meshserve.services.worker.request_stream import RequestTimes
+from meshserve.services.worker.serving.request_stream import RequestTimes
 from meshserve.shared.errors import InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams

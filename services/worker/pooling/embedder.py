@@ -22,7 +22,6 @@ import torch
 from meshserve.kernels.attention import AttentionMetadata
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.device import resolve_device
-from meshserve.services.worker.engine.pooler import pool
 from meshserve.services.worker.loader import (
     ModelSource,
     load_model,
@@ -35,6 +34,7 @@ from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.embedding import DecoderEmbedder
 from meshserve.services.worker.models.llama import KVCache
 from meshserve.services.worker.models.pooling_config import PoolerConfig, resolve_pooler_config
+from meshserve.services.worker.pooling.pooler import pool
 from meshserve.shared.errors import ContextLengthError, InvalidRequestError
 from meshserve.shared.model_config import read_model_files
 

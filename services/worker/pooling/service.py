@@ -16,8 +16,8 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter
 
 from meshserve.proto.v1 import worker_pb2, worker_pb2_grpc
-from meshserve.services.worker.embed_batcher import EmbedBatcher, EmbedResult
-from meshserve.services.worker.service import _deadline, worker_info_pb, worker_load_pb
+from meshserve.services.worker.pooling.batcher import EmbedBatcher, EmbedResult
+from meshserve.services.worker.serving.service import _deadline, worker_info_pb, worker_load_pb
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.worker_registry import WorkerInfo
 

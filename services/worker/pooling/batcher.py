@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshserve.services.worker.embedder import Embedder
 from meshserve.services.worker.engine.device import make_current
-from meshserve.services.worker.engine.pooler import finish
+from meshserve.services.worker.pooling.embedder import Embedder
+from meshserve.services.worker.pooling.pooler import finish
 from meshserve.shared.errors import InternalError
 from meshserve.shared.worker_registry import WorkerLoad
 

@@ -34,8 +34,8 @@ from prometheus_client.registry import Collector
 
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.sequence import SequenceOutput
-from meshserve.services.worker.engine_thread import EngineThread
-from meshserve.services.worker.request_stream import SequenceTimes
+from meshserve.services.worker.serving.engine_thread import EngineThread
+from meshserve.services.worker.serving.request_stream import SequenceTimes
 from meshserve.shared import vllm_metrics as vm
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.worker_registry import WorkerLoad

@@ -1,0 +1,1 @@
+"""The worker's serving side: the gRPC Worker servicer and its session streams, the engine thread that bridges asyncio and the engine, KV event publishing, registration with the scheduler, metrics, and the process lifecycle shared with the pooling worker."""
