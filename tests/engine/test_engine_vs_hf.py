@@ -27,7 +27,12 @@ PROMPT_LENGTHS = [1, 3, 16, 17, 33, 64, 90]
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def arch_setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    arch = request.param
+    return hf_setup(request.param, tmp_path_factory)
+
+
+def hf_setup(arch: str, tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[Path, torch.nn.Module, list[list[int]], list[list[int]]]:
+    """A tiny `arch` model, transformers' copy of it, the prompts and its greedy outputs."""
     folder = build_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=1)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     rng = random.Random(7)

@@ -9,7 +9,6 @@ batched requests, prefix-cache hits and preemption. Then what is refused by name
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -18,15 +17,13 @@ import torch
 from test_engine_vs_hf import (
     GREEDY,
     MAX_NEW,
-    PROMPT_LENGTHS,
-    hf_greedy,
+    hf_setup,
     make_engine,
     run_all,
     tokens_of,
 )
 from test_models import PagedRunner, hf_logits, load, token_ids
 from tiny_models import build_tiny_model
-from transformers import AutoModelForCausalLM
 
 from meshserve.services.worker.loader import ModelSource, load_model, load_model_config
 from meshserve.services.worker.models.moe import SparseMoeBlock
@@ -39,17 +36,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module", params=ARCHS)
 def moe_setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    arch = request.param
-    folder = build_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=1)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    rng = random.Random(7)
-    vocab = hf.config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
-    # Two prompts that share a 48- and a 32-token prefix with the 64-token one.
-    prompts.append(prompts[5][:48] + [rng.randrange(3, vocab) for _ in range(9)])
-    prompts.append(prompts[5][:32] + [rng.randrange(3, vocab) for _ in range(20)])
-    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    return arch, folder, hf, prompts, expected
+    return (request.param, *hf_setup(request.param, tmp_path_factory))
 
 
 def test_model_logits_match_transformers(moe_setup) -> None:
