@@ -123,6 +123,13 @@ def test_preemption_happens_and_outputs_still_match(arch_setup, async_scheduling
     folder, _, prompts, expected = arch_setup
     engine = make_engine(folder, num_kv_blocks=10, max_num_batched_tokens=64,
                          async_scheduling=async_scheduling)
+    check_preemption(engine, prompts, expected)
+
+
+def check_preemption(engine: LLMEngine, prompts: list[list[int]],
+                     expected: list[list[int]]) -> None:
+    """Run `prompts` on an engine of 10 KV blocks: some sequence must be preempted, every
+    output must still equal `expected`, and every block must be free at the end."""
     preempted: set[str] = set()
     original = engine.scheduler._preempt
 

@@ -17,6 +17,7 @@ import torch
 from test_engine_vs_hf import (
     GREEDY,
     MAX_NEW,
+    check_preemption,
     hf_setup,
     make_engine,
     run_all,
@@ -65,19 +66,7 @@ def test_greedy_batched_with_prefix_hits_matches_transformers(moe_setup) -> None
 def test_preemption_keeps_outputs_equal(moe_setup) -> None:
     _, folder, _, prompts, expected = moe_setup
     engine = make_engine(folder, num_kv_blocks=10, max_num_batched_tokens=64)
-    preempted: set[str] = set()
-    original = engine.scheduler._preempt
-
-    def spy(request, out):  # type: ignore[no-untyped-def]
-        preempted.add(request.request_id)
-        original(request, out)
-
-    engine.scheduler._preempt = spy  # type: ignore[method-assign]
-    outputs = run_all(engine, prompts, GREEDY)
-    assert preempted, "a 10-block cache must force preemption"
-    for i, want in enumerate(expected):
-        assert tokens_of(outputs[f"r{i}"]) == want, f"prompt {i} after preemption"
-    assert engine.kv.num_free_blocks == 10
+    check_preemption(engine, prompts, expected)
 
 
 def test_logprobs_match_transformers(moe_setup) -> None:
