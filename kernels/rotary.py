@@ -3,12 +3,26 @@
 `RotaryEmbedding` holds one table `cos_sin_cache` [max_position, rotary_dim]: for position p the
 first rotary_dim/2 columns are cos(p * inv_freq) and the last rotary_dim/2 are sin(p * inv_freq),
 already multiplied by the scaling's attention factor. Each step gathers the rows of its positions,
-so any mix of prefill, chunked prefill and decode positions is one indexing operation.
+so any mix of prefill, chunked prefill and decode positions is one indexing operation. The rotary
+part may be the first rotary_dim < head_dim dims of each head (partial_rotary_factor, Phi-4-mini);
+the rest pass through.
 
 The inverse frequencies follow `transformers.modeling_rope_utils` operation for operation, so the
 table equals what Hugging Face models compute on the fly to float32 precision. Supported scaling
-types: default, linear, llama3, yarn. Dynamic NTK rescales with the length of the longest
+types: default, linear, llama3, yarn, longrope. Dynamic NTK rescales with the length of the longest
 sequence in the batch, which a shared cache of a batching server cannot reproduce; it is rejected.
+
+LongRoPE (Phi-3, Phi-3.5, Phi-4-mini) has two sets of frequencies. transformers 5.24 picks one per
+forward call by that call's largest position (`longrope_frequency_update`): the long set when
+max(position) + 1 > original_max_position_embeddings, else the short set, for every token of the
+call; and its Phi-3 `generate` drops the cache and re-encodes the whole sequence with the long set
+once it grows past original_max_position_embeddings. meshserve picks per position instead: rows
+below original_max_position_embeddings come from the short set, the rest from the long set
+(`rope_table`), so a position's rotation never depends on the batch, the chunking or the prefix
+cache. That equals transformers' `generate` while prompt + output stay within
+original_max_position_embeddings tokens. Past it, it equals transformers' model run with its cache
+in pieces split at original_max_position_embeddings, not `generate`: the positions below it keep
+the short set.
 """
 
 from __future__ import annotations
@@ -22,7 +36,7 @@ from torch import nn
 from meshserve.kernels.attention import write_kv
 from meshserve.shared.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
@@ -49,6 +63,9 @@ def compute_inv_freq(
         return _llama3_inv_freq(inv_freq, scaling), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(rotary_dim, base, scaling)
+    if rope_type == "longrope":  # the short set (positions below original_max; see rope_table)
+        short, _, attention_factor = longrope_inv_freqs(rotary_dim, base, scaling)
+        return short, attention_factor
     raise ModelLoadError(
         f"rope_scaling.rope_type {rope_type!r} is not supported; supported types are "
         f"{', '.join(SUPPORTED_ROPE_TYPES)}", param="rope_scaling.rope_type")
@@ -117,6 +134,47 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def longrope_inv_freqs(
+    rotary_dim: int, base: float, scaling: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """LongRoPE: (short, long) inverse frequencies [rotary_dim/2] and the attention factor,
+    as transformers' `_compute_longrope_parameters` computes them. `factor` is required here:
+    the config reader fills in max_position_embeddings / original_max_position_embeddings."""
+    original_max = int(_field(scaling, "original_max_position_embeddings"))
+    factor = float(_field(scaling, "factor"))
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0 else
+                            math.sqrt(1 + math.log(factor) / math.log(original_max)))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    sets = []
+    for name in ("short_factor", "long_factor"):
+        ext_factors = torch.tensor(_field(scaling, name), dtype=torch.float32)
+        if tuple(ext_factors.shape) != (rotary_dim // 2,):
+            raise ModelLoadError(
+                f"rope_scaling.{name} has {ext_factors.numel()} entries, expected "
+                f"{rotary_dim // 2} (half the rotary dims)", param=f"rope_scaling.{name}")
+        sets.append(1.0 / (ext_factors * base**exponents))
+    return sets[0], sets[1], float(attention_factor)
+
+
+def rope_table(
+    rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None, max_position: int,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The [max_position, rotary_dim] float32 cos/sin table of a scaling. LongRoPE: rows below
+    original_max_position_embeddings from the short factors, the rest from the long ones."""
+    inv_freq, attention_scaling = compute_inv_freq(rotary_dim, base, rope_scaling)
+    table = build_cos_sin_cache(inv_freq.to(device), max_position, attention_scaling)
+    if rope_scaling is not None and rope_type_of(rope_scaling) == "longrope":
+        _, long_inv_freq, _ = longrope_inv_freqs(rotary_dim, base, rope_scaling)
+        start = min(int(rope_scaling["original_max_position_embeddings"]), max_position)
+        long_table = build_cos_sin_cache(long_inv_freq.to(device), max_position,
+                                         attention_scaling)
+        table[start:] = long_table[start:]
+    return table
+
+
 def build_cos_sin_cache(
     inv_freq: torch.Tensor, max_position: int, attention_scaling: float = 1.0,
 ) -> torch.Tensor:
@@ -151,10 +209,8 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the table on the buffer's device and in its dtype (after `to_empty`)."""
         if self.cos_sin_cache.is_meta:
             return
-        inv_freq, attention_scaling = compute_inv_freq(self.rotary_dim, self.base,
-                                                       self.rope_scaling)
-        table = build_cos_sin_cache(inv_freq.to(self.cos_sin_cache.device), self.max_position,
-                                    attention_scaling)
+        table = rope_table(self.rotary_dim, self.base, self.rope_scaling, self.max_position,
+                           self.cos_sin_cache.device)
         with torch.no_grad():
             self.cos_sin_cache.copy_(table)
 

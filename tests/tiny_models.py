@@ -23,6 +23,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -41,6 +42,7 @@ TOKENIZER_VOCAB = 450
 CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
                   "mistral": MistralConfig, "qwen3_moe": Qwen3MoeConfig,
                   "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig}
+CONFIG_CLASSES["phi3"] = Phi3Config
 TINY_DIMS: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -55,6 +57,13 @@ MOE_DIMS: dict[str, dict[str, Any]] = {
                   "shared_expert_intermediate_size": 48},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
 }
+# Phi-3 overrides with LongRoPE as Phi-4-mini has it (3/4 of each head rotated: 12 of 16 dims,
+# 6 factors each); long factors far from the short ones, from position 64 on.
+PHI3_LONGROPE: dict[str, Any] = {
+    "partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
+    "rope_scaling": {"rope_type": "longrope",
+                     "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.4],
+                     "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]}}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 

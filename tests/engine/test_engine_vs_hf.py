@@ -30,10 +30,11 @@ def arch_setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return hf_setup(request.param, tmp_path_factory)
 
 
-def hf_setup(arch: str, tmp_path_factory: pytest.TempPathFactory
+def hf_setup(arch: str, tmp_path_factory: pytest.TempPathFactory, **overrides: object,
              ) -> tuple[Path, torch.nn.Module, list[list[int]], list[list[int]]]:
-    """A tiny `arch` model, transformers' copy of it, the prompts and its greedy outputs."""
-    folder = build_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=1)
+    """A tiny `arch` model (`overrides` into its config), transformers' copy of it, the
+    prompts and its greedy outputs."""
+    folder = build_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=1, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     rng = random.Random(7)
     vocab = hf.config.vocab_size

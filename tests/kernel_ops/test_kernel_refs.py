@@ -137,7 +137,7 @@ def test_partial_rotary_rotates_only_the_leading_dims() -> None:
 
 @pytest.mark.parametrize("scaling, field", [
     ({"rope_type": "dynamic", "factor": 2.0}, "rope_type"),
-    ({"rope_type": "longrope", "factor": 2.0}, "rope_type"),
+    ({"rope_type": "longrope", "factor": 2.0}, "original_max_position_embeddings"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
       "original_max_position_embeddings": 8192}, "high_freq_factor"),
     ({"rope_type": "linear"}, "factor"),

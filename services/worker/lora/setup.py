@@ -26,6 +26,9 @@ def build_lora(model: torch.nn.Module, config: ModelConfig, *, max_loras: int,
         raise ModelLoadError(f"--enable-lora: LoRA adapters on mixture-of-experts models "
                              f"({config.architecture}) are not supported yet",
                              param="enable_lora")
+    if config.architecture == "Phi3ForCausalLM":  # adapters name the fused qkv_proj/gate_up_proj
+        raise ModelLoadError("--enable-lora: LoRA adapters on Phi-3 models are not supported "
+                             "yet", param="enable_lora")
     local = config if shard is None else shard.local_config()
     stack = LoraStack(local, num_slots=max_loras, rank=max_lora_rank, max_tokens=max_tokens,
                       dtype=dtype, device=device)

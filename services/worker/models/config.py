@@ -51,6 +51,7 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str | None  # the checkpoint's dtype name, e.g. "bfloat16"
     sliding_window: int | None = None
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim dims of each head
     # Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral); num_experts 0: a dense model.
     num_experts: int = 0  # routed experts per sparse layer (Mixtral: num_local_experts)
     num_experts_per_tok: int = 0  # top k
@@ -84,6 +85,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (as transformers: int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
     @classmethod
     def from_hf(cls, hf_config: Any, *, generation_config: dict[str, Any] | None = None,
                 source: str = "config.json") -> ModelConfig:
@@ -97,7 +104,8 @@ class ModelConfig:
         _check_mlp(cfg, source)
         heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        rope_theta, rope_scaling = _rope(cfg, head_dim, source)
+        partial_rotary_factor = _partial_rotary_factor(cfg)
+        rope_theta, rope_scaling = _rope(cfg, int(head_dim * partial_rotary_factor), source)
         config = cls(
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),
@@ -117,6 +125,7 @@ class ModelConfig:
             bos_token_id=bos_token_id(cfg, generation_config),
             torch_dtype=_dtype_name(cfg),
             sliding_window=sliding_window_of(architecture, cfg),
+            partial_rotary_factor=partial_rotary_factor,
             **_moe_options(architecture, cfg, source),
         )
         config.validate(source)
@@ -137,6 +146,11 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ModelLoadError(f"{source}: head_dim {self.head_dim} must be even for RoPE",
                                  param="head_dim")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ModelLoadError(
+                f"{source}: partial_rotary_factor {self.partial_rotary_factor} gives "
+                f"{self.rotary_dim} rotary dims of head_dim {self.head_dim}; they must be even "
+                "and in 2..head_dim", param="partial_rotary_factor")
         if self.num_experts > 0:
             self._validate_moe(source)
 
@@ -162,24 +176,44 @@ def _check_mlp(cfg: dict[str, Any], source: str) -> None:
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported", param="mlp_bias")
 
 
+def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    """RoPE's share of each head: the rope dict's (transformers 5 keeps it there), else the
+    top-level field (Phi-4-mini's config.json), else 1."""
+    params: dict[str, Any] = cfg.get("rope_parameters") or {}
+    merged = {**params.get("full_attention", params), **(cfg.get("rope_scaling") or {})}
+    return float(merged.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+
+
 def _rope(cfg: dict[str, Any], head_dim: int,
           source: str) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling or None) from either config layout."""
+    """(rope_theta, rope_scaling or None) from either config layout; `head_dim` is the
+    rotary part of a head (ModelConfig.rotary_dim)."""
     merged: dict[str, Any] = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
     theta = float(merged.pop("rope_theta", None) or cfg.get("rope_theta") or _DEFAULT_ROPE_THETA)
-    if merged.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelLoadError(f"{source}: partial_rotary_factor "
-                             f"{merged['partial_rotary_factor']} is not supported",
-                             param="rope_scaling.partial_rotary_factor")
-    merged.pop("partial_rotary_factor", None)
+    merged.pop("partial_rotary_factor", None)  # (_partial_rotary_factor)
     rope_type = rope_type_of(merged)
     merged.pop("type", None)
+    if rope_type in ("longrope", "su"):  # ("su": LongRoPE's name in early Phi-3 configs)
+        rope_type = "longrope"
+        _longrope_lengths(cfg, merged)
     scaling = None if rope_type == "default" else {**merged, "rope_type": rope_type}
     try:
         compute_inv_freq(head_dim, theta, scaling)  # rejects unsupported types and missing fields now
     except ModelLoadError as exc:
         raise ModelLoadError(f"{source}: {exc.message}", param=exc.param) from exc
     return theta, scaling
+
+
+def _longrope_lengths(cfg: dict[str, Any], merged: dict[str, Any]) -> None:
+    """Fill LongRoPE's lengths in `merged` as transformers does: the top-level
+    original_max_position_embeddings (Phi-3 keeps it there) wins, and `factor` defaults to
+    max_position_embeddings / original_max_position_embeddings."""
+    original = cfg.get("original_max_position_embeddings") or merged.get(
+        "original_max_position_embeddings")
+    if original:
+        merged["original_max_position_embeddings"] = int(original)
+        if merged.get("factor") is None:
+            merged["factor"] = int(cfg["max_position_embeddings"]) / int(original)
 
 
 def _attention_options(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:

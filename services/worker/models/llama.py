@@ -171,7 +171,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, None if mlp_factory is None else mlp_factory(config, i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.head_dim,
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rotary_dim,
                                           config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling)
 

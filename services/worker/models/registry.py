@@ -22,6 +22,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 
 # The mixtures of experts among them (services/worker/models/moe.py).

@@ -71,6 +71,11 @@ class ShardPlan:
                                  f"mixture-of-experts models ({m.architecture}) is not "
                                  "supported yet; run it with --tensor-parallel-size 1",
                                  param="tensor_parallel_size")
+        if n > 1 and m.architecture == "Phi3ForCausalLM":  # `take` slices q/k/v, gate/up apart
+            raise ModelLoadError(f"--tensor-parallel-size {n}: tensor parallelism of Phi-3 "
+                                 "(fused qkv_proj / gate_up_proj checkpoints) is not supported "
+                                 "yet; run it with --tensor-parallel-size 1",
+                                 param="tensor_parallel_size")
         if m.num_attention_heads % n:
             raise ModelLoadError(f"--tensor-parallel-size {n} must divide the model's "
                                  f"{m.num_attention_heads} attention heads",
