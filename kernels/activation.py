@@ -26,3 +26,11 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """The same operations as Hugging Face's `act_fn(gate_proj(x)) * up_proj(x)`."""
     gate, up = x.chunk(2, dim=-1)  # each [..., I]
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma's MLP): x [..., 2I] -> gelu_tanh(x[..., :I]) * x[..., I:], [..., I], as
+    transformers' `gelu_pytorch_tanh` activation. PyTorch on every device: no Triton kernel yet."""
+    assert x.shape[-1] % 2 == 0, f"gelu_tanh_and_mul needs an even last dim, got {tuple(x.shape)}"
+    gate, up = x.chunk(2, dim=-1)  # each [..., I]
+    return F.gelu(gate, approximate="tanh") * up

@@ -15,6 +15,11 @@ An FP8 cache (float8_e4m3fn or float8_e5m2, `--kv-cache-dtype fp8*`) stores K an
 to FP8 with a per-tensor scale of 1.0, as vLLM does when a checkpoint brings no KV scales:
 writes saturate to the format's range, reads widen to the query's dtype (the Triton kernel
 multiplies 16-bit queries with the widened values in float16: see triton_attention.py).
+
+Two per-layer options serve Gemma 2/3 (models/gemma.py): `window` W, sliding-window attention
+where the query at position p reads keys p-W+1..p (as transformers' `sliding_window_overlay`),
+and `softcap` c, scores s -> tanh(s / c) * c before the mask and softmax. The Triton kernel has
+both; the fused fresh-prefill path has neither, so such steps go to the Triton kernel.
 """
 
 from __future__ import annotations
@@ -106,11 +111,15 @@ def paged_attention(
     *,
     key: torch.Tensor | None = None,  # [T, Hkv, D], this step's keys (already in the cache)
     value: torch.Tensor | None = None,  # [T, Hkv, D]
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each query row over its sequence's cached context.
 
     `key`/`value` are optional copies of this step's new KV; a backend may use
     them for sequences with no cached prefix instead of reading the cache.
+    `window`: each query reads only its last `window` positions (None: all);
+    `softcap`: scores soft-capped to (-softcap, softcap) (None: not capped).
     """
     assert query.dim() == 3 and k_cache.dim() == 4, (
         f"query must be [T, Hq, D] and caches [N, bs, Hkv, D], got {tuple(query.shape)} "
@@ -118,14 +127,18 @@ def paged_attention(
     assert query.shape[1] % k_cache.shape[2] == 0, (
         f"query heads {query.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
     if query.is_cuda:
-        if key is not None and value is not None and _fresh_prefill(meta):
+        plain = window is None and softcap is None  # (PyTorch's fused attention has neither)
+        if plain and key is not None and value is not None and _fresh_prefill(meta):
             return fresh_prefill_attention(query, key, value, meta, scale)
         from meshserve.kernels import triton_attention  # imported on the GPU path only
 
-        return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale)
+        return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale,
+                                                window=window, softcap=softcap)
     if meta.decode_only:
-        return decode_attention_reference(query, k_cache, v_cache, meta, scale)
-    return paged_attention_reference(query, k_cache, v_cache, meta, scale, key=key, value=value)
+        return decode_attention_reference(query, k_cache, v_cache, meta, scale,
+                                          window=window, softcap=softcap)
+    return paged_attention_reference(query, k_cache, v_cache, meta, scale, key=key, value=value,
+                                     window=window, softcap=softcap)
 
 
 # At most this many sequences go through the per-sequence fresh-prefill path in one step.
@@ -198,6 +211,7 @@ def paged_attention_reference(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, *,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """One sequence at a time; any mix of prefill, chunked prefill and decode."""
     out = torch.empty_like(query)
@@ -218,12 +232,20 @@ def paged_attention_reference(
             # Query row j sits at position seq_len - q_len + j and sees keys 0..that position.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             mask = q_pos[:, None] >= torch.arange(seq_len, device=query.device)[None, :]
+        if window is not None or softcap is not None:
+            # Explicit mask either way (the fresh branch's keys are positions 0..seq_len too).
+            mask = _window_causal_mask(torch.arange(seq_len - q_len, seq_len, device=query.device),
+                                       torch.arange(seq_len, device=query.device), window)
         groups = num_q_heads // k.shape[0]
         if groups > 1:  # k, v: [Hkv, L, D] -> [Hq, L, D]
             k = k.repeat_interleave(groups, dim=0)
             v = v.repeat_interleave(groups, dim=0)
-        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
-                                           is_causal=mask is None, scale=scale)
+        if softcap is not None:
+            assert mask is not None
+            o = softcapped_attention(q.to(k.dtype), k, v, mask, scale, softcap)
+        else:
+            o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
+                                               is_causal=mask is None, scale=scale)
         out[start : start + q_len] = o.transpose(0, 1).to(out.dtype)
         start += q_len
     return out
@@ -231,7 +253,8 @@ def paged_attention_reference(
 
 def decode_attention_reference(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, *,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """All sequences at once when each has one query token: gather, pad, mask, one SDPA."""
     num_seqs, max_len = meta.num_seqs, meta.max_seq_len
@@ -249,10 +272,42 @@ def decode_attention_reference(
     groups = query.shape[1] // num_kv_heads
     q = query.view(num_seqs, num_kv_heads, groups, head_dim)  # [B, Hkv, G, D]
     lens = meta.seq_lens[:num_seqs].to(torch.long)
-    mask = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]  # [B, L]
-    o = F.scaled_dot_product_attention(
-        q.to(k.dtype), k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    k_pos = torch.arange(max_len, device=query.device)[None, :]
+    mask = k_pos < lens[:, None]  # [B, L]
+    if window is not None:  # the query sits at position len - 1
+        mask &= k_pos >= lens[:, None] - window
+    if softcap is not None:
+        o = softcapped_attention(q.to(k.dtype), k, v, mask[:, None, None, :], scale, softcap)
+    else:
+        o = F.scaled_dot_product_attention(
+            q.to(k.dtype), k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return o.reshape(num_seqs, -1, head_dim).to(query.dtype)
+
+
+def _window_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor,
+                        window: int | None) -> torch.Tensor:
+    """[Lq, Lk] bool: key position j is visible to query position p when j <= p and, with a
+    window W, j > p - W."""
+    mask = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def softcapped_attention(
+    q: torch.Tensor,  # [..., Lq, D]
+    k: torch.Tensor,  # [..., Lk, D]
+    v: torch.Tensor,  # [..., Lk, D]
+    mask: torch.Tensor,  # bool, broadcastable to [..., Lq, Lk]; True: visible
+    scale: float, softcap: float,
+) -> torch.Tensor:  # [..., Lq, D]
+    """Attention with tanh soft-capped scores, in transformers' order of operations
+    (Gemma 2's `eager_attention_forward`): scale, cap, mask, float32 softmax, cast, @ v."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., Lq, Lk]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _check_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -62,3 +62,13 @@ def fused_add_rms_norm_reference(
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     assert weight.dim() == 1 and x.shape[-1] == weight.shape[0], (
         f"norm weight {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}")
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: x [..., H] scaled by (1 + weight) [H], all in float32 and only then
+    cast back to x's dtype (transformers' `Gemma2RMSNorm`/`Gemma3RMSNorm`, which differ from
+    Llama's order on purpose). PyTorch on every device: no Triton kernel yet."""
+    _check(x, weight)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)

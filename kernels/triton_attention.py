@@ -11,7 +11,10 @@ KV head at once: its BLOCK_M = BLOCK_Q * GROUP rows are (token, head) pairs, so 
 read once per group. It walks the sequence's keys in tiles of TILE_N, gathering every key
 through the block table (so TILE_N need not equal the cache block size), and keeps an online
 softmax in float32 (base 2, with the scale folded in). Query row j of a sequence sits at
-position seq_len - q_len + j and sees keys 0..that position.
+position seq_len - q_len + j and sees keys 0..that position; with a sliding `window` W
+(Gemma 2/3) only keys p-W+1..p, and a query block's key loop starts at the tile of its first
+row's first key. A `softcap` c caps the scaled scores s to tanh(s / c) * c before the softmax.
+Both are constexpr switches: without them the kernel compiles as before.
 
 Split-KV (flash decoding): when a decode step has too few (sequence, KV head) programs to fill
 the GPU and long contexts, a third grid axis cuts each sequence's key tiles into num_splits
@@ -203,12 +206,17 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     tiles: AttentionTiles | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D], contiguous, query's dtype
     """Causal attention of every query row over its sequence's cached context.
 
     `num_splits` forces the split-KV factor (None: `choose_num_splits`; a fixed value keeps
     the launch shape fixed, e.g. for CUDA graphs); `tiles` overrides `default_tiles`.
+    `window`: each query reads its last `window` positions only; `softcap`: scores capped.
     """
+    assert window is None or window >= 1, f"window must be >= 1, got {window}"
+    assert softcap is None or softcap > 0, f"softcap must be positive, got {softcap}"
     _check_attention(query, k_cache, v_cache, meta)
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, group = k_cache.shape[2], num_q_heads // k_cache.shape[2]
@@ -223,8 +231,9 @@ def paged_attention(
     # T // block_q + B bounds them without reading query lengths back from the device.
     num_q_blocks = num_seqs if meta.decode_only else num_tokens // block_q + num_seqs
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, meta.max_query_len,
-                                       meta.max_seq_len, _num_sms(query.device))
+        keys = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, meta.max_query_len, keys,
+                                       _num_sms(query.device))
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     part_acc, part_max, part_sum = _split_scratch(query, num_splits)
     head_pad = max(triton.next_power_of_2(head_dim), 16)
@@ -238,13 +247,14 @@ def paged_attention(
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         part_acc, part_max, part_sum, scale * math.log2(math.e) * 2.0**(q_shift + k_shift),
-        2.0**-q_shift, 2.0**k_shift, num_seqs, num_splits,
+        2.0**-q_shift, 2.0**k_shift, window or 0, (softcap or 1.0) * math.log2(math.e),
+        num_seqs, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n, SPLIT=num_splits > 1,
-        DECODE_ONLY=meta.decode_only,
+        DECODE_ONLY=meta.decode_only, WINDOW=window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", F16_DOTS=f16_dots,
         BITS=bits, ASM=bits and fp8_widen.use_asm(query.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(query.device))
@@ -323,12 +333,12 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2, q_scale,
-    v_scale, num_seqs, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    v_scale, window, softcap_log2, num_seqs, num_splits, stride_qt, stride_qh, stride_ot,
+    stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, DECODE_ONLY: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, BITS: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, BITS: tl.constexpr,
     ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -369,18 +379,14 @@ def _paged_attention_kernel(
 
     # Keys this block can see end at its last row's position (causal) or the sequence.
     kv_end = tl.minimum(seq_len, context_len + (local_block + 1) * BLOCK_Q)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    tile_lo = 0
-    tile_hi = num_tiles
-    if SPLIT:
-        per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split * per_split
-        tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
+    tile_lo, tile_hi = _tile_range(context_len + local_block * BLOCK_Q, kv_end, window, split,
+                                   num_splits, TILE_N, SPLIT, WINDOW)
     acc, row_max, row_sum = _attend_tiles(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        context_len + q_tok, kv_end, tile_lo, tile_hi, scale_log2, v_scale, kv_head,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, F16_DOTS, BITS, ASM)
+        context_len + q_tok, kv_end, tile_lo, tile_hi, scale_log2, v_scale, window,
+        softcap_log2, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+        stride_vh, BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, F16_DOTS,
+        BITS, ASM, WINDOW, SOFTCAP)
 
     mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -398,12 +404,33 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _tile_range(first_pos, kv_end, window, split, num_splits, TILE_N: tl.constexpr,
+                SPLIT: tl.constexpr, WINDOW: tl.constexpr):
+    """The key tiles [lo, hi) one program walks: from the tile of the first key the block's
+    first query row (at `first_pos`) sees, to kv_end; with split-KV, this split's share."""
+    tile_first = 0
+    if WINDOW:
+        tile_first = tl.maximum(first_pos - window + 1, 0) // TILE_N
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tile_lo = tile_first
+    tile_hi = num_tiles
+    if SPLIT:
+        # Split 0 starts at tile_first, whose first visible key keeps the merged max finite.
+        per_split = tl.cdiv(num_tiles - tile_first, num_splits)
+        tile_lo = tile_first + split * per_split
+        tile_hi = tl.minimum(num_tiles, tile_lo + per_split)
+    return tile_lo, tile_hi
+
+
+@triton.jit
 def _attend_tiles(
     q, k_cache_ptr, v_cache_ptr, table_ptr, q_pos, kv_end, tile_lo, tile_hi, scale_log2,
-    v_scale, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    v_scale, window, softcap_log2, kv_head, stride_kb, stride_ks, stride_kh, stride_vb,
+    stride_vs, stride_vh,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    F16_DOTS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+    F16_DOTS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, HEAD_PAD] over key tiles [tile_lo, tile_hi) of one
     sequence. Returns the unnormalised output [BLOCK_M, HEAD_PAD], the running max (base 2,
@@ -429,7 +456,11 @@ def _attend_tiles(
         else:
             k = k.to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        if SOFTCAP:  # scores are s * log2(e); softcap_log2 is c * log2(e): tanh(s / c) * c
+            scores = _tanh(scores / softcap_log2) * softcap_log2
         visible = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         # A row that has seen no key yet keeps max -inf; exponentiate against 0 instead so
@@ -456,6 +487,12 @@ def _attend_tiles(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
     return acc, row_max, row_sum
+
+
+@triton.jit
+def _tanh(x):
+    """tanh(x) = 1 - 2 / (e^2x + 1): saturates to +-1 without NaN (no libdevice needed)."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
 
 
 @triton.jit(do_not_specialize=["num_splits"])

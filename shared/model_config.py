@@ -103,6 +103,11 @@ def sliding_window_of(architecture: str, cfg: dict[str, Any]) -> int | None:
     return int(window) if window else None
 
 
+# Architectures that interleave sliding-window layers with global ones and run the window in
+# attention (services/worker/models/gemma.py): their context is not capped to the window.
+INTERLEAVED_WINDOW_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
 def context_length(max_position_embeddings: int, sliding_window: int | None) -> int:
     """Longest context served. Attention is always full, so a sliding window caps it:
     within the window full and sliding attention agree."""
@@ -141,5 +146,6 @@ def max_model_len_of(files: ModelFiles) -> int:
         raise ModelLoadError(f"{files.where}: required field 'max_position_embeddings' is "
                              f"missing", param="max_position_embeddings")
     architecture = architecture_of(cfg, files.where)
-    return context_length(int(cfg["max_position_embeddings"]),
-                          sliding_window_of(architecture, cfg))
+    window = (None if architecture in INTERLEAVED_WINDOW_ARCHITECTURES
+              else sliding_window_of(architecture, cfg))
+    return context_length(int(cfg["max_position_embeddings"]), window)

@@ -19,6 +19,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -42,6 +44,7 @@ TOKENIZER_VOCAB = 450
 CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
                   "mistral": MistralConfig, "qwen3_moe": Qwen3MoeConfig,
                   "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig}
+CONFIG_CLASSES.update({"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig})
 CONFIG_CLASSES["phi3"] = Phi3Config
 TINY_DIMS: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -56,6 +59,17 @@ MOE_DIMS: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "shared_expert_intermediate_size": 48},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+}
+# Gemma defaults (overrides win): 4 layers so both layer kinds appear, a window shorter than
+# most test prompts (and not a block multiple), soft-capping strong enough to matter, tied.
+GEMMA_DIMS: dict[str, dict[str, Any]] = {
+    "gemma2": {"num_hidden_layers": 4, "sliding_window": 12, "query_pre_attn_scalar": 16,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0},
+    "gemma3": {"num_hidden_layers": 4, "sliding_window": 8, "query_pre_attn_scalar": 16,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                               "sliding_attention"],
+               "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+               "final_logit_softcapping": 10.0},  # (Gemma 3 has no attention soft-capping)
 }
 # Phi-3 overrides with LongRoPE as Phi-4-mini has it (3/4 of each head rotated: 12 of 16 dims,
 # 6 factors each); long factors far from the short ones, from position 64 on.
@@ -116,7 +130,8 @@ def build_tiny_model(dir: Path, arch: str = "llama", *, seed: int = 0,
                      vocab_size: int | None = None, shards: int = 1,
                      tie_word_embeddings: bool = False, **overrides: Any) -> Path:
     """Write a tiny random model folder for `arch` in {llama, qwen2, qwen3, mistral,
-    qwen3_moe, qwen2_moe, mixtral} (the last three with MOE_DIMS).
+    qwen3_moe, qwen2_moe, mixtral, gemma2, gemma3} (MoE ones with MOE_DIMS, Gemma ones with
+    GEMMA_DIMS and tied embeddings).
 
     `overrides` go into the transformers config (e.g. head_dim=24, rope_scaling=LLAMA3_ROPE).
     Returns `dir`.
@@ -129,7 +144,8 @@ def build_tiny_model(dir: Path, arch: str = "llama", *, seed: int = 0,
     vocab = vocab_size or 64 * math.ceil(len(tokenizer) / 64)
     assert vocab >= len(tokenizer), f"vocab_size {vocab} < tokenizer size {len(tokenizer)}"
     config = CONFIG_CLASSES[arch](**{
-        **TINY_DIMS, **MOE_DIMS.get(arch, {}), "vocab_size": vocab, "tie_word_embeddings": tie_word_embeddings,
+        **TINY_DIMS, **MOE_DIMS.get(arch, {}), **GEMMA_DIMS.get(arch, {}), "vocab_size": vocab,
+        "tie_word_embeddings": tie_word_embeddings or arch in GEMMA_DIMS,
         "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": eos_id, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

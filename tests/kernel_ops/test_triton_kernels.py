@@ -221,6 +221,44 @@ def test_split_kv_matches_reference(case: str, hq: int, hkv: int, d: int, splits
     assert_attention_close(out, want)
 
 
+def windowed_reference(step: Step, window: int | None, softcap: float | None) -> torch.Tensor:
+    """The float32 reference of a step whose KV the kernel has written (run_attention)."""
+    scale = step.query.shape[-1] ** -0.5
+    return paged_attention_reference(step.query.float(), step.k_cache.float(),
+                                     step.v_cache.float(), step.meta, scale, window=window,
+                                     softcap=softcap)
+
+
+@in_interpreter
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("window", "softcap", "splits"), [
+    (5, None, None), (16, None, None), (None, 0.5, None), (7, 1.0, None), (1, None, None),
+    (20, 0.5, 3),  # split-KV over a window: splits start at the window's first tile
+])
+def test_window_and_softcap_match_reference(case: str, window: int | None,
+                                            softcap: float | None, splits: int | None) -> None:
+    """Gemma's sliding-window and soft-capped attention; 16-key tiles, so windows start
+    mid-tile and whole tiles before the window are skipped."""
+    ctx_lens, q_lens = CASES[case]
+    step = make_step(ctx_lens, q_lens, 8, 2, 64, bs=16, seed=window or 3)
+    tiles = AttentionTiles(block_m=16, tile_n=16, num_warps=4, num_stages=2)
+    out, _ = run_attention(step, tiles=tiles, window=window, softcap=softcap, num_splits=splits)
+    want = windowed_reference(step, window, softcap)
+    assert_attention_close(out, want)
+    if window is not None and max(ctx_lens) > window:
+        plain, _ = run_attention(step, tiles=tiles)
+        assert not torch.allclose(plain, want, atol=1e-3), "the window must change the output"
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_window_and_softcap_in_half_precision(dtype: torch.dtype) -> None:
+    ctx_lens, q_lens = CASES["mixed"]
+    step = make_step(ctx_lens, q_lens, 4, 2, 64, bs=16, dtype=dtype, seed=9)
+    out, _ = run_attention(step, window=12, softcap=0.5)
+    assert_attention_close(out, windowed_reference(step, 12, 0.5))
+
+
 @in_interpreter
 def test_split_kv_is_chosen_for_a_long_lone_decode() -> None:
     step = make_step([700, 3], [1, 1], hq=4, hkv=1, d=64, bs=16, seed=7)
@@ -657,15 +695,16 @@ from meshserve.kernels import (triton_activation, triton_attention as ta, triton
                                triton_norm, triton_rank_sum_norm, triton_rotary,
                                triton_sampling)
 
-def attention(dtype, name, head_dim, decode):
+def attention(dtype, name, head_dim, decode, gemma=False):
     tiles = ta.default_tiles(head_dim, dtype, decode)
     types = {n: "*" + name for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
     types.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")})
     types.update({n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")})
     types["scale_log2"] = types["q_scale"] = types["v_scale"] = "fp32"
+    types["softcap_log2"] = "fp32"
     consts = dict(GROUP=4, HEAD_DIM=head_dim, HEAD_PAD=head_dim, BLOCK_SIZE=16,
                   BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // 4, TILE_N=tiles.tile_n,
-                  SPLIT=bool(decode), DECODE_ONLY=bool(decode),
+                  SPLIT=bool(decode), DECODE_ONLY=bool(decode), WINDOW=gemma, SOFTCAP=gemma,
                   DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", F16_DOTS=False,
                   BITS=False, ASM=False)
     return build(ta._paged_attention_kernel, types, consts, num_warps=tiles.num_warps,
@@ -673,6 +712,8 @@ def attention(dtype, name, head_dim, decode):
 
 out = [attention(torch.bfloat16, "bf16", d, decode) for d in (128, 256) for decode in (0, 1)]
 out.append(attention(torch.float32, "fp32", 128, 0))
+# Gemma 2's layers: a sliding window and soft-capped scores (head_dim 256 as Gemma 2's).
+out += [attention(torch.bfloat16, "bf16", 256, decode, gemma=True) for decode in (0, 1)]
 bf16 = lambda *names: {n: "*bf16" for n in names}
 out.append(build(ta._reduce_splits_kernel, bf16("out_ptr") | {n: "*fp32" for n in (
     "part_acc_ptr", "part_max_ptr", "part_sum_ptr")}, dict(NUM_Q_HEADS=32, HEAD_DIM=128,
@@ -710,7 +751,7 @@ print(json.dumps(out))
 @outside_interpreter
 def test_kernels_compile_for_hopper_without_spills() -> None:
     launches = compile_launches(_COMPILE_FOR_HOPPER)
-    assert len(launches) == 17
+    assert len(launches) == 19
     # Every kernel of a step but the sampler's waits for the kernel before (PDL on Hopper).
     assert {launch["kernel"] for launch in launches if not launch["pdl"]} == {
         "_gumbel_argmax_kernel"}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshserve.kernels.rotary import compute_inv_freq, rope_type_of
+from meshserve.services.worker.models.gemma_config import GEMMA_ARCHITECTURES, gemma_options
 from meshserve.services.worker.models.registry import MOE_ARCHITECTURES, check_supported
 from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.model_config import (
@@ -60,11 +61,20 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not one of these (dense MLP layers)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
+    # Gemma 2/3 (models/gemma.py, gemma_config.py). layer_windows: each layer's attention
+    # window (None: global); empty for the models whose attention is always full.
+    layer_windows: tuple[int | None, ...] = ()
+    query_pre_attn_scalar: float = 0.0  # attention scale query_pre_attn_scalar ** -0.5
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None  # Gemma 3's RoPE base on sliding layers
 
     @property
     def max_model_len(self) -> int:
-        """Longest context served (`meshserve.shared.model_config.context_length`)."""
-        return context_length(self.max_position_embeddings, self.sliding_window)
+        """Longest context served (`meshserve.shared.model_config.context_length`). Models
+        with per-layer windows (Gemma) apply them in attention and are not capped."""
+        return context_length(self.max_position_embeddings,
+                              None if self.layer_windows else self.sliding_window)
 
     @property
     def is_moe(self) -> bool:
@@ -101,7 +111,8 @@ class ModelConfig:
         for name in _REQUIRED_FIELDS:
             if cfg.get(name) is None:
                 raise ModelLoadError(f"{source}: required field {name!r} is missing", param=name)
-        _check_mlp(cfg, source)
+        if architecture not in GEMMA_ARCHITECTURES:  # (gemma_options checks Gemma's GeGLU)
+            _check_mlp(cfg, source)
         heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
         partial_rotary_factor = _partial_rotary_factor(cfg)
@@ -127,6 +138,7 @@ class ModelConfig:
             sliding_window=sliding_window_of(architecture, cfg),
             partial_rotary_factor=partial_rotary_factor,
             **_moe_options(architecture, cfg, source),
+            **gemma_options(architecture, cfg, source),
         )
         config.validate(source)
         return config
@@ -188,7 +200,10 @@ def _rope(cfg: dict[str, Any], head_dim: int,
           source: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling or None) from either config layout; `head_dim` is the
     rotary part of a head (ModelConfig.rotary_dim)."""
-    merged: dict[str, Any] = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+    params: dict[str, Any] = cfg.get("rope_parameters") or {}
+    # Gemma 3 keeps one set per layer type; the global layers' is the model's (gemma_config.py).
+    params = params.get("full_attention", params)
+    merged: dict[str, Any] = {**params, **(cfg.get("rope_scaling") or {})}
     theta = float(merged.pop("rope_theta", None) or cfg.get("rope_theta") or _DEFAULT_ROPE_THETA)
     merged.pop("partial_rotary_factor", None)  # (_partial_rotary_factor)
     rope_type = rope_type_of(merged)
@@ -225,7 +240,8 @@ def _attention_options(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]
     if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return {"attention_bias": False, "o_proj_bias": False, "qk_norm": False}
     return {"attention_bias": configured_bias, "o_proj_bias": configured_bias,
-            "qk_norm": architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")}
+            "qk_norm": architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                        "Gemma3ForCausalLM")}
 
 
 def _moe_options(architecture: str, cfg: dict[str, Any], source: str) -> dict[str, Any]:

@@ -23,6 +23,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
 }
 
 # The mixtures of experts among them (services/worker/models/moe.py).
