@@ -25,7 +25,7 @@ from meshserve.services.worker.models.quant_fp8 import (
     quantize_lm_head,
     quantize_online,
 )
-from meshserve.services.worker.models.registry import get_model_class
+from meshserve.services.worker.models.registry import get_model_class, refuse_unsupported
 from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.model_config import MODEL_TYPE_ARCHITECTURES, read_json, read_model_files
 from meshserve.shared.model_source import (  # noqa: F401 (re-exported)
@@ -73,8 +73,7 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
     layers FP8 weights (and the LM head, with `quant.lm_head`)."""
     dummy = load_format == "dummy" or source.format == "dummy"
     fp8_checkpoint = quant is not None and quant.from_checkpoint and not dummy
-    if config.is_moe:
-        _check_moe_source(source, config, dummy, quant)
+    _check_source(source, config, dummy, quant)
     assert not (fp8_checkpoint and shard is not None), \
         "FP8 checkpoints are refused at tensor parallelism before the model is built"
     model = _materialize(config, dtype, device, model_class, shard,
@@ -93,25 +92,21 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
     return model.eval()
 
 
-def _check_moe_source(source: ModelSource, config: ModelConfig, dummy: bool,
-                      quant: QuantConfig | None) -> None:
-    """Refuse what mixtures of experts do not load from yet; say what `--quantization fp8`
-    leaves out (the experts stay in the model's dtype: only nn.Linear layers are quantized)."""
+def _check_source(source: ModelSource, config: ModelConfig, dummy: bool,
+                  quant: QuantConfig | None) -> None:
+    """Refuse by name the formats and quantizations the architecture does not load from yet
+    (models/registry.py); say what `--quantization fp8` leaves out of a mixture of experts
+    (the experts stay in the model's dtype: only nn.Linear layers are quantized)."""
     if source.format == "gguf" and not dummy:
-        raise ModelLoadError(f"{source.gguf_file or source.path}: GGUF files of "
-                             f"mixture-of-experts models ({config.architecture}) are not "
-                             "supported yet; load a Hugging Face safetensors folder",
-                             param="model")
+        refuse_unsupported(config.architecture, "gguf")
     if quant is None:
         return
-    if quant.from_checkpoint and not dummy:
-        raise ModelLoadError(f"{source.path}: FP8 checkpoints of mixture-of-experts models "
-                             f"({config.architecture}) are not supported yet; load the "
-                             "bf16 checkpoint (with --quantization fp8 for its dense layers)",
-                             param="quantization")
-    log.warning("%s: the experts' weights stay in the model's dtype; --quantization fp8 "
-                "quantizes the attention, dense MLP and shared-expert layers only",
-                config.architecture)
+    refuse_unsupported(config.architecture,
+                       "fp8_checkpoint" if quant.from_checkpoint and not dummy else "fp8")
+    if config.is_moe:
+        log.warning("%s: the experts' weights stay in the model's dtype; --quantization fp8 "
+                    "quantizes the attention, dense MLP and shared-expert layers only",
+                    config.architecture)
 
 
 def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -9,8 +9,8 @@ import torch
 from meshserve.services.worker.lora.manager import LoraManager
 from meshserve.services.worker.lora.stack import LoraStack
 from meshserve.services.worker.models.config import ModelConfig
+from meshserve.services.worker.models.registry import refuse_unsupported
 from meshserve.services.worker.parallel.config import ShardPlan
-from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.lora_config import LoraModule
 
 
@@ -22,13 +22,7 @@ def build_lora(model: torch.nn.Module, config: ModelConfig, *, max_loras: int,
     `modules` (their errors propagate: a worker does not start with a broken adapter).
     `config` is the whole model's; with tensor parallelism (`shard`) the slots hold this
     rank's part of each adapter."""
-    if config.is_moe:  # the slots hook the dense layers' projections (lora/stack.py)
-        raise ModelLoadError(f"--enable-lora: LoRA adapters on mixture-of-experts models "
-                             f"({config.architecture}) are not supported yet",
-                             param="enable_lora")
-    if config.architecture == "Phi3ForCausalLM":  # adapters name the fused qkv_proj/gate_up_proj
-        raise ModelLoadError("--enable-lora: LoRA adapters on Phi-3 models are not supported "
-                             "yet", param="enable_lora")
+    refuse_unsupported(config.architecture, "lora")
     local = config if shard is None else shard.local_config()
     stack = LoraStack(local, num_slots=max_loras, rank=max_lora_rank, max_tokens=max_tokens,
                       dtype=dtype, device=device)

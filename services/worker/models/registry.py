@@ -36,6 +36,44 @@ _MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
+# What an architecture does not run with yet, refused by name where it is asked for.
+# Feature -> (the flag that asks for it, what it is), worded for the error.
+_FEATURES = {
+    "tensor_parallel": ("--tensor-parallel-size", "tensor parallelism of {family} models"),
+    "lora": ("--enable-lora", "LoRA adapters on {family} models"),
+    "gguf": ("--model", "GGUF files of {family} models"),
+    "fp8_checkpoint": ("--model", "FP8 checkpoints of {family} models"),
+    "fp8": ("--quantization", "FP8 weights for {family} models"),
+}
+# Architecture -> (its family's name, the features it lacks, what to do instead).
+_NOT_YET: dict[str, tuple[str, frozenset[str], str]] = {
+    **{arch: ("mixture-of-experts", frozenset({"tensor_parallel", "lora", "gguf",
+                                               "fp8_checkpoint"}),
+              "run it on one device from a bf16 Hugging Face safetensors folder")
+       for arch in MOE_ARCHITECTURES},
+    # Its checkpoints hold q/k/v and gate/up fused: the tensor-parallel slicer and LoRA's
+    # adapters name them apart.
+    "Phi3ForCausalLM": ("Phi-3", frozenset({"tensor_parallel", "lora"}),
+                        "run it on one device without adapters"),
+    # Four norms a layer, (1 + weight) norms and per-layer windows: neither the slicer,
+    # the adapters, the FP8 layers nor the GGUF reader (which stores norms shifted) know it.
+    **{arch: ("Gemma 2/3", frozenset({"tensor_parallel", "lora", "gguf", "fp8",
+                                      "fp8_checkpoint"}),
+              "run it on one device from a bf16 Hugging Face safetensors folder")
+       for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")},
+}
+
+
+def refuse_unsupported(architecture: str, feature: str) -> None:
+    """Raise ModelLoadError naming the architecture when it does not run with `feature`
+    (one of _FEATURES) yet."""
+    assert feature in _FEATURES, f"unknown feature {feature!r}"
+    family, lacking, instead = _NOT_YET.get(architecture, ("", frozenset(), ""))
+    if feature in lacking:
+        flag, what = _FEATURES[feature]
+        raise ModelLoadError(f"{flag}: {what.format(family=family)} ({architecture}) are not "
+                             f"supported yet; {instead}", param=flag.lstrip("-").replace("-", "_"))
+
 
 def check_supported(architecture: str, source: str) -> None:
     """Raise ModelLoadError unless `architecture` is one meshserve runs."""

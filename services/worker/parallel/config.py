@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from meshserve.services.worker.models.config import ModelConfig
+from meshserve.services.worker.models.registry import refuse_unsupported
 from meshserve.shared.errors import ModelLoadError
 
 
@@ -66,16 +67,8 @@ class ShardPlan:
 
     def __post_init__(self) -> None:
         n, m = self.parallel.world_size, self.model
-        if n > 1 and m.is_moe:
-            raise ModelLoadError(f"--tensor-parallel-size {n}: tensor parallelism of "
-                                 f"mixture-of-experts models ({m.architecture}) is not "
-                                 "supported yet; run it with --tensor-parallel-size 1",
-                                 param="tensor_parallel_size")
-        if n > 1 and m.architecture == "Phi3ForCausalLM":  # `take` slices q/k/v, gate/up apart
-            raise ModelLoadError(f"--tensor-parallel-size {n}: tensor parallelism of Phi-3 "
-                                 "(fused qkv_proj / gate_up_proj checkpoints) is not supported "
-                                 "yet; run it with --tensor-parallel-size 1",
-                                 param="tensor_parallel_size")
+        if n > 1:
+            refuse_unsupported(m.architecture, "tensor_parallel")
         if m.num_attention_heads % n:
             raise ModelLoadError(f"--tensor-parallel-size {n} must divide the model's "
                                  f"{m.num_attention_heads} attention heads",
