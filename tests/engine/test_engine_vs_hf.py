@@ -8,6 +8,7 @@ log-softmax are the reference.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,45 @@ def test_preemption_happens_and_outputs_still_match(arch_setup, async_scheduling
     engine = make_engine(folder, num_kv_blocks=10, max_num_batched_tokens=64,
                          async_scheduling=async_scheduling)
     check_preemption(engine, prompts, expected)
+
+
+def check_greedy(engine: LLMEngine, prompts: list[list[int]], expected: list[list[int]], *,
+                 stagger: bool = True, prefix_hits: bool = True) -> None:
+    """Run `prompts` (arriving one step apart with `stagger`): every output must equal
+    `expected`, the two prompts sharing the 64-token prompt's prefix must find 48 and 32
+    tokens cached (with `prefix_hits`), and every block must be free at the end."""
+    free_at_start = engine.kv.num_free_blocks
+    outputs = run_all(engine, prompts, GREEDY, stagger=stagger)
+    for i, want in enumerate(expected):
+        assert tokens_of(outputs[f"r{i}"]) == want, f"prompt {i} (len {len(prompts[i])})"
+    if prefix_hits:
+        cached = {i: outputs[f"r{i}"][-1].num_cached_tokens for i in (7, 8)}
+        assert cached == {7: 48, 8: 32}, "later requests should reuse the shared prefix blocks"
+    assert engine.kv.num_free_blocks == free_at_start
+
+
+def check_logprobs(engine: LLMEngine, prompts: list[list[int]],
+                   reference: Callable[[list[int]], torch.Tensor]) -> None:
+    """Greedy with 5 logprobs: each chosen token's logprob within 1e-4 of the reference's
+    log-softmax (`reference(tokens)` -> logits [len, V]) and the top 5 in its order."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    outputs = run_all(engine, prompts, params)
+    for j, prompt in enumerate(prompts):
+        outs = outputs[f"r{j}"]
+        generated = tokens_of(outs)
+        with torch.no_grad():
+            ref = torch.log_softmax(reference(prompt + generated), -1)
+        lps = [lp for o in outs for lp in (o.new_logprobs or [])]
+        assert len(lps) == len(generated) == MAX_NEW
+        for k, lp in enumerate(lps):
+            row = ref[len(prompt) - 1 + k]
+            assert abs(lp.logprob - row[generated[k]].item()) < 1e-4
+            assert [t for t, _ in lp.top] == torch.topk(row, 5).indices.tolist()
+
+
+def hf_reference(hf: torch.nn.Module) -> Callable[[list[int]], torch.Tensor]:
+    """transformers' logits of a whole token sequence, one forward."""
+    return lambda tokens: hf(torch.tensor([tokens])).logits[0]
 
 
 def check_preemption(engine: LLMEngine, prompts: list[list[int]],

@@ -14,13 +14,12 @@ import json
 import pytest
 import torch
 from test_engine_vs_hf import (
-    GREEDY,
-    MAX_NEW,
+    check_greedy,
+    check_logprobs,
     check_preemption,
+    hf_reference,
     hf_setup,
     make_engine,
-    run_all,
-    tokens_of,
 )
 from test_models import PagedRunner, hf_logits, load, token_ids
 
@@ -28,7 +27,6 @@ from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.gemma import GemmaCausalLM
 from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.model_config import max_model_len_of, read_folder
-from meshserve.shared.sampling_params import SamplingParams
 
 ARCHS = ("gemma2", "gemma3")
 
@@ -68,15 +66,8 @@ def test_greedy_batched_with_prefix_hits_matches_transformers(gemma_setup, setup
         "not-chunked": {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096},
         "no-prefix-cache": {"enable_prefix_caching": False, "max_num_batched_tokens": 64},
     }[setup]
-    engine = make_engine(folder, **options)
-    free_at_start = engine.kv.num_free_blocks
-    outputs = run_all(engine, prompts, GREEDY, stagger=setup == "chunked")
-    for i, want in enumerate(expected):
-        assert tokens_of(outputs[f"r{i}"]) == want, f"prompt {i} (len {len(prompts[i])})"
-    if setup == "chunked":
-        cached = {i: outputs[f"r{i}"][-1].num_cached_tokens for i in (7, 8)}
-        assert cached == {7: 48, 8: 32}, "later requests should reuse the shared prefix blocks"
-    assert engine.kv.num_free_blocks == free_at_start
+    check_greedy(make_engine(folder, **options), prompts, expected,
+                 stagger=setup == "chunked", prefix_hits=setup == "chunked")
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
@@ -89,20 +80,8 @@ def test_preemption_keeps_outputs_equal(gemma_setup, async_scheduling: str) -> N
 
 def test_logprobs_match_transformers(gemma_setup) -> None:
     _, folder, hf, prompts, _ = gemma_setup
-    engine = make_engine(folder, max_num_batched_tokens=48)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    outputs = run_all(engine, prompts[2:7], params)
-    for j, prompt in enumerate(prompts[2:7]):
-        outs = outputs[f"r{j}"]
-        generated = tokens_of(outs)
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([prompt + generated])).logits[0], -1)
-        lps = [lp for o in outs for lp in (o.new_logprobs or [])]
-        assert len(lps) == len(generated) == MAX_NEW
-        for k, lp in enumerate(lps):
-            row = ref[len(prompt) - 1 + k]
-            assert abs(lp.logprob - row[generated[k]].item()) < 1e-4
-            assert [t for t, _ in lp.top] == torch.topk(row, 5).indices.tolist()
+    check_logprobs(make_engine(folder, max_num_batched_tokens=48), prompts[2:7],
+                   hf_reference(hf))
 
 
 def _config(**changes: object) -> dict[str, object]:

@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from test_engine_vs_hf import (
-    GREEDY,
-    MAX_NEW,
+    check_greedy,
+    check_logprobs,
     check_preemption,
+    hf_reference,
     hf_setup,
     make_engine,
-    run_all,
-    tokens_of,
 )
 from test_models import PagedRunner, hf_logits, load, token_ids
 from tiny_models import build_tiny_model
@@ -29,7 +28,6 @@ from tiny_models import build_tiny_model
 from meshserve.services.worker.loader import ModelSource, load_model, load_model_config
 from meshserve.services.worker.models.moe import SparseMoeBlock
 from meshserve.shared.errors import ModelLoadError
-from meshserve.shared.sampling_params import SamplingParams
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 CPU = torch.device("cpu")
@@ -53,14 +51,7 @@ def test_model_logits_match_transformers(moe_setup) -> None:
 
 def test_greedy_batched_with_prefix_hits_matches_transformers(moe_setup) -> None:
     _, folder, _, prompts, expected = moe_setup
-    engine = make_engine(folder, max_num_batched_tokens=40)
-    free_at_start = engine.kv.num_free_blocks
-    outputs = run_all(engine, prompts, GREEDY, stagger=True)
-    for i, want in enumerate(expected):
-        assert tokens_of(outputs[f"r{i}"]) == want, f"prompt {i} (len {len(prompts[i])})"
-    cached = {i: outputs[f"r{i}"][-1].num_cached_tokens for i in (7, 8)}
-    assert cached == {7: 48, 8: 32}, "later requests should reuse the shared prefix blocks"
-    assert engine.kv.num_free_blocks == free_at_start
+    check_greedy(make_engine(folder, max_num_batched_tokens=40), prompts, expected)
 
 
 def test_preemption_keeps_outputs_equal(moe_setup) -> None:
@@ -71,20 +62,8 @@ def test_preemption_keeps_outputs_equal(moe_setup) -> None:
 
 def test_logprobs_match_transformers(moe_setup) -> None:
     _, folder, hf, prompts, _ = moe_setup
-    engine = make_engine(folder, max_num_batched_tokens=48)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    outputs = run_all(engine, prompts[2:6], params)
-    for j, prompt in enumerate(prompts[2:6]):
-        outs = outputs[f"r{j}"]
-        generated = tokens_of(outs)
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([prompt + generated])).logits[0], -1)
-        lps = [lp for o in outs for lp in (o.new_logprobs or [])]
-        assert len(lps) == len(generated) == MAX_NEW
-        for k, lp in enumerate(lps):
-            row = ref[len(prompt) - 1 + k]
-            assert abs(lp.logprob - row[generated[k]].item()) < 1e-4
-            assert [t for t, _ in lp.top] == torch.topk(row, 5).indices.tolist()
+    check_logprobs(make_engine(folder, max_num_batched_tokens=48), prompts[2:6],
+                   hf_reference(hf))
 
 
 def test_stacked_expert_tensors_load_like_per_expert_ones(moe_setup, tmp_path: Path) -> None:

@@ -20,6 +20,8 @@ import torch
 from test_engine_vs_hf import (
     GREEDY,
     MAX_NEW,
+    check_greedy,
+    check_logprobs,
     check_preemption,
     hf_setup,
     make_engine,
@@ -33,7 +35,6 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from meshserve.kernels.rotary import RotaryEmbedding
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.shared.errors import ModelLoadError
-from meshserve.shared.sampling_params import SamplingParams
 
 SETUPS = {"phi3": {}, "phi3-longrope": PHI3_LONGROPE}
 ORIGINAL_MAX = PHI3_LONGROPE["original_max_position_embeddings"]
@@ -83,14 +84,7 @@ def hf_greedy_pieces(hf: torch.nn.Module, prompt: list[int], max_new: int) -> li
 
 def test_greedy_batched_with_prefix_hits_matches_transformers(phi3_setup) -> None:
     folder, _, prompts, expected = phi3_setup
-    engine = make_engine(folder, max_num_batched_tokens=40)
-    free_at_start = engine.kv.num_free_blocks
-    outputs = run_all(engine, prompts, GREEDY, stagger=True)
-    for i, want in enumerate(expected):
-        assert tokens_of(outputs[f"r{i}"]) == want, f"prompt {i} (len {len(prompts[i])})"
-    cached = {i: outputs[f"r{i}"][-1].num_cached_tokens for i in (7, 8)}
-    assert cached == {7: 48, 8: 32}, "later requests should reuse the shared prefix blocks"
-    assert engine.kv.num_free_blocks == free_at_start
+    check_greedy(make_engine(folder, max_num_batched_tokens=40), prompts, expected)
 
 
 def test_greedy_unchunked_matches_transformers(phi3_setup) -> None:
@@ -108,19 +102,8 @@ def test_preemption_keeps_outputs_equal(phi3_setup) -> None:
 
 def test_logprobs_match_transformers(phi3_setup) -> None:
     folder, hf, prompts, _ = phi3_setup
-    engine = make_engine(folder, max_num_batched_tokens=48)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    outputs = run_all(engine, prompts[2:7], params)
-    for j, prompt in enumerate(prompts[2:7]):
-        outs = outputs[f"r{j}"]
-        generated = tokens_of(outs)
-        ref = torch.log_softmax(hf_reference(hf, prompt + generated), -1)
-        lps = [lp for o in outs for lp in (o.new_logprobs or [])]
-        assert len(lps) == len(generated) == MAX_NEW
-        for k, lp in enumerate(lps):
-            row = ref[len(prompt) - 1 + k]
-            assert abs(lp.logprob - row[generated[k]].item()) < 1e-4
-            assert [t for t, _ in lp.top] == torch.topk(row, 5).indices.tolist()
+    check_logprobs(make_engine(folder, max_num_batched_tokens=48), prompts[2:7],
+                   lambda tokens: hf_reference(hf, tokens))
 
 
 def test_longrope_table_matches_transformers(tmp_path) -> None:
