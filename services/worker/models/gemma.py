@@ -31,11 +31,11 @@ from meshserve.kernels.norm import gemma_rms_norm
 from meshserve.kernels.rotary import RotaryEmbedding
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import (
+    MLP,
     Attention,
     CausalLM,
     DecoderModel,
     KVCache,
-    Linear,
     RMSNorm,
 )
 from meshserve.shared.errors import ModelLoadError
@@ -53,12 +53,8 @@ class GemmaRMSNorm(RMSNorm):
         return self(new_residual), new_residual
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
-                                   bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+class GemmaMLP(MLP):
+    """llama.py's MLP with a tanh-approximated GELU gate instead of SiLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))  # [T, H]
