@@ -9,7 +9,8 @@ GEMMs of `meshserve.kernels.triton_moe` over the (token, slot) pairs sorted by e
 PyTorch code here (a loop over the experts) is the reference and the CPU path.
 
 Routing follows transformers' Qwen2-MoE / Qwen3-MoE / Mixtral routers: a float32 softmax over
-the experts, the top k probabilities, optionally renormalised to sum to 1.
+the experts, the top k probabilities, optionally renormalised to sum to 1 (on CUDA one Triton
+launch, kernels/triton_moe_route.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def route(router_logits: torch.Tensor, top_k: int,
     Ties go to the lower expert id, as torch.topk picks them."""
     num_experts = router_logits.shape[-1]
     assert 1 <= top_k <= num_experts, f"top_k {top_k} must be in 1..{num_experts}"
+    if router_logits.is_cuda:
+        from meshserve.kernels import triton_moe_route  # GPU only: one launch
+
+        return triton_moe_route.route(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k] each
     if renormalize:

@@ -1,119 +1,217 @@
-"""Triton grouped GEMMs of the mixture-of-experts MLP behind `meshserve.kernels.moe`.
+"""Triton kernels of the mixture-of-experts MLP behind `meshserve.kernels.moe`.
 
-The step's P = T*k (token, slot) pairs are sorted by expert (`moe.group_by_expert`) and cut
-into tiles of BLOCK_M pairs that never straddle two experts; program (m, n) multiplies tile m's
-rows by columns n of that tile's ONE expert's weights:
+    gate/up: h [P, I] = act(x[token of pair] @ w13[e]^T (+ b13[e]))      (P = T*k pairs)
+    down:    y [T*k, H] (pair order) = (h @ w2[e]^T (+ b2[e])) * routing weight
+    combine: y.view(T, k, H).sum(1)
 
-    gate/up: inter [P, 2I] (sorted order) = x[token of pair] [., H] @ w13[e]^T
-    silu_and_mul (kernels/activation.py): [P, 2I] -> [P, I]
-    down:    out [T*k, H] (pair order)   = (inter [., I] @ w2[e]^T) * routing weight
-    combine: out.view(T, k, H).sum(1)
+`act` is SiLU-and-multiply (gate rows first, then up rows, as kernels/activation.py) or
+gpt-oss's clamped SwiGLU; the activation and the biases run in the GEMMs' epilogues, so a layer
+is five launches: the router's product, `triton_moe_route.route`, the two products and the sum.
 
-The tile schedule (which expert and rows each program takes) is computed with torch on the
-device, and the grid is sized by an upper bound that depends on T, k and E only
-(cdiv(P, BLOCK_M) + min(E, P) tiles; programs past the last tile return at once). Nothing is
-read back to the host, so a decode step can be captured in a CUDA graph and replayed with
+Two ways to run the products, by the number of pairs:
+- few pairs (decode of a few sequences, at most GEMV_MAX_PAIRS): one program per (pair, block
+  of output columns) reads its expert's rows straight from the expert id, a matrix-vector
+  product with no grouping at all. Each pair reads its expert's weights once; with so few
+  pairs they are mostly distinct experts, so nothing is read twice that grouping would save.
+- more pairs: `triton_moe_route.align` sorts them by expert and cuts each expert's pairs into
+  tiles of BLOCK_M rows that never straddle two experts; program (m, n) multiplies tile m's
+  rows by columns n of that tile's one expert (tl.dot), so an expert's weights are read once
+  per tile rather than once per pair.
+The grids depend on T, k and E only (programs past the last tile return at once) and nothing
+is read back to the host, so a decode step can be captured in a CUDA graph and replayed with
 any routing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
-from meshserve.kernels.activation import silu_and_mul
-from meshserve.kernels.moe import ExpertGroups, group_by_expert
+from meshserve.kernels import pdl
+from meshserve.kernels.pdl import pdl_prologue
+from meshserve.kernels.triton_moe_route import align
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+GEMV_MAX_PAIRS = 32
+# Matrix-vector products: output columns and reduction chunk per program.
+GEMV_BLOCK_N = 16
+GEMV_BLOCK_K = 256
+# Grouped GEMMs.
 BLOCK_N = 64
 BLOCK_K = 64
 
 
-@dataclass(frozen=True)
-class TileSchedule:
-    """Per program m: its expert and the [start, end) positions of its sorted pairs
-    (start == end for the programs past the last tile)."""
-
-    expert: torch.Tensor  # [M] int32
-    start: torch.Tensor  # [M] int32
-    end: torch.Tensor  # [M] int32
-
-
-def tile_schedule(groups: ExpertGroups, block_m: int) -> TileSchedule:
-    """Cut each expert's pairs into tiles of block_m rows, on the device."""
-    offsets = groups.offsets.to(torch.int64)  # [E+1]
-    num_experts = offsets.shape[0] - 1
-    counts = offsets[1:] - offsets[:-1]  # [E]
-    tiles = (counts + block_m - 1) // block_m  # [E]
-    tile_ends = torch.cumsum(tiles, 0)  # [E]
-    grid_m = triton.cdiv(groups.num_pairs, block_m) + min(num_experts, groups.num_pairs)
-    m = torch.arange(grid_m, device=offsets.device)  # [M]
-    expert = torch.searchsorted(tile_ends, m, right=True)  # [M], E past the last tile
-    valid = expert < num_experts
-    expert = expert.clamp(max=num_experts - 1)
-    first_tile = tile_ends[expert] - tiles[expert]  # [M]
-    start = offsets[expert] + (m - first_tile) * block_m
-    end = torch.minimum(start + block_m, offsets[expert + 1])
-    start = torch.where(valid, start, 0)
-    end = torch.where(valid, end, 0)
-    return TileSchedule(expert.to(torch.int32), start.to(torch.int32), end.to(torch.int32))
-
-
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], expert_ids [T, k] -> [T, H].
+                  weights: torch.Tensor, expert_ids: torch.Tensor, *,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  activation: str = "silu", alpha: float = 1.702,
+                  limit: float = 7.0) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], expert_ids [T, k], optional
+    biases b13 [E, 2I] and b2 [E, H] -> [T, H]. `alpha` and `limit` are the clamped SwiGLU's
+    (activation "swiglu_oai").
 
     Shapes are checked by `moe.fused_experts`; dtypes and strides here."""
+    assert x.is_cuda or isinstance(_gemv_kernel, InterpretedFunction), (
+        f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     assert x.dtype in SUPPORTED_DTYPES, f"fused_experts does not support {x.dtype}"
     assert w13.dtype == w2.dtype == x.dtype, (
         f"expert weights {w13.dtype}/{w2.dtype} must match the activations' {x.dtype}")
     assert w13.is_contiguous() and w2.is_contiguous(), "expert weights must be contiguous"
-    assert x.stride(1) == 1, "x needs contiguous rows"
+    assert activation in ACTIVATIONS, f"unknown activation {activation!r}"
+    for bias, w in ((b13, w13), (b2, w2)):
+        assert bias is None or (tuple(bias.shape) == tuple(w.shape[:2])
+                                and bias.is_contiguous()), "biases must be [E, N], contiguous"
+    if x.stride(1) != 1:
+        x = x.contiguous()
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     top_k = expert_ids.shape[1]
+    pairs = num_tokens * top_k
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)  # [T, k, H]
     if num_tokens == 0:
         return out.sum(dim=1)
-    groups = group_by_expert(expert_ids, num_experts)
-    block_m = 16 if groups.num_pairs <= 64 else 64
-    schedule = tile_schedule(groups, block_m)
-    scale = weights.reshape(-1).to(torch.float32).contiguous()  # [T*k], pair order
-    inter = torch.empty(groups.num_pairs, two_inter, dtype=x.dtype, device=x.device)  # [P, 2I]
-    _launch(x, w13, inter, groups, scale, schedule, top_k, block_m, scatter=False)
-    hidden_act = silu_and_mul(inter)  # [P, I], sorted order
-    _launch(hidden_act, w2, out.view(-1, hidden), groups, scale, schedule, top_k, block_m,
-            scatter=True)
+    ids = expert_ids.reshape(-1)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
+    scale = weights.reshape(-1)  # [P], pair order
+    if scale.dtype != torch.float32 or not scale.is_contiguous():
+        scale = scale.to(torch.float32).contiguous()
+    epilogue = {"ACT": ACTIVATIONS[activation], "alpha": alpha, "limit": limit}
+    inter = torch.empty(pairs, two_inter // 2, dtype=x.dtype, device=x.device)  # [P, I]
+    if pairs <= GEMV_MAX_PAIRS:
+        _gemv(x, w13, b13, inter, ids, scale, top_k, gate_up=True, **epilogue)
+        _gemv(inter, w2, b2, out.view(pairs, hidden), ids, scale, 1, gate_up=False,
+              **epilogue)
+        return out.sum(dim=1)  # [T, H]
+    block_m = _block_m(pairs, num_experts)
+    sorted_pairs, _, *schedule = align(ids, num_experts, block_m)
+    _grouped(x, w13, b13, inter, sorted_pairs, scale, schedule, top_k, block_m,
+             gate_up=True, **epilogue)
+    _grouped(inter, w2, b2, out.view(pairs, hidden), sorted_pairs, scale, schedule, top_k,
+             block_m, gate_up=False, **epilogue)
     return out.sum(dim=1)  # [T, H]
 
 
-def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups: ExpertGroups,
-            scale: torch.Tensor, schedule: TileSchedule, top_k: int, block_m: int,
-            scatter: bool) -> None:
-    """out rows = a rows @ w[e]^T for every tile; see the module docstring for the two modes."""
-    n, k = w.shape[1], w.shape[2]
-    grid = (schedule.expert.shape[0], triton.cdiv(n, BLOCK_N))
+def _block_m(pairs: int, num_experts: int) -> int:
+    """Tile rows for the grouped GEMMs: about the pairs an expert gets on average."""
+    per_expert = pairs / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def _gemv(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+          ids: torch.Tensor, scale: torch.Tensor, rows_per_token: int, gate_up: bool,
+          ACT: int, alpha: float, limit: float) -> None:
+    """out[p] = epilogue(a[p // rows_per_token] @ w[ids[p]]^T) for every pair p."""
+    n = w.shape[1] // 2 if gate_up else w.shape[1]
+    grid = (ids.shape[0], triton.cdiv(n, GEMV_BLOCK_N))
+    _gemv_kernel[grid](
+        a, w, bias if bias is not None else w, out, ids, scale, n, w.shape[2], a.stride(0),
+        w.stride(0), w.stride(1), out.stride(0), float(alpha), float(limit),
+        ROWS_PER_TOKEN=rows_per_token, GATE_UP=gate_up, HAS_BIAS=bias is not None, ACT=ACT,
+        BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=4,
+        **pdl.launch_options(a.device))
+
+
+def _grouped(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+             sorted_pairs: torch.Tensor, scale: torch.Tensor, schedule: list[torch.Tensor],
+             top_k: int, block_m: int, gate_up: bool, ACT: int, alpha: float,
+             limit: float) -> None:
+    """The grouped GEMM over every tile of `schedule` (expert, start, end)."""
+    n = w.shape[1] // 2 if gate_up else w.shape[1]
+    expert, start, end = schedule
+    grid = (expert.shape[0], triton.cdiv(n, BLOCK_N))
     # float32 models multiply exactly; 16-bit operands take the tensor cores' default.
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
-    _grouped_gemm_kernel[grid](
-        a, w, out, groups.sorted_pairs, scale, schedule.expert, schedule.start, schedule.end,
-        n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        TOP_K=top_k, SCATTER=scatter, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        DOT_PRECISION=precision, num_warps=4 if block_m <= 16 else 8)
+    _grouped_kernel[grid](
+        a, w, bias if bias is not None else w, out, sorted_pairs, scale, expert, start, end,
+        n, w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(alpha),
+        float(limit), TOP_K=top_k, GATE_UP=gate_up, HAS_BIAS=bias is not None, ACT=ACT,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=precision,
+        num_warps=4 if block_m <= 16 else 8, **pdl.launch_options(a.device))
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, scale_ptr, tile_expert_ptr,
-                         tile_start_ptr, tile_end_ptr, N, K, stride_a, stride_we, stride_wn,
-                         stride_out, TOP_K: tl.constexpr, SCATTER: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
-    """SCATTER=False (gate/up): a rows are the pairs' tokens, out rows the sorted positions.
-    SCATTER=True (down): a rows are the sorted positions, out rows the pairs (t*k + j), each
-    scaled by its routing weight (rounded to out's dtype first, as transformers does)."""
+def _activate(gate, up, dtype: tl.constexpr, ACT: tl.constexpr, alpha, limit):
+    """gate, up [.., BN] float32 (already rounded to dtype) -> act in float32.
+
+    ACT 0: silu(gate) * up, silu rounded to dtype as F.silu's output is.
+    ACT 1: gpt-oss's clamp(gate, max=limit) * sigmoid(alpha * that) * (clamp(up, +-limit) + 1)."""
+    if ACT == 0:
+        silu = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
+        return silu * up
+    else:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        glu = (g * tl.sigmoid(g * alpha)).to(dtype).to(tl.float32)
+        return (u + 1.0) * glu
+
+
+@triton.jit
+def _epilogue(acc, bias_ptr, cols, col_mask, dtype: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A product's float32 accumulator (+ bias) rounded to the activations' dtype, as the
+    reference's F.linear output is."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return acc.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, scale_ptr, N, K, stride_a,
+                 stride_we, stride_wn, stride_out, alpha, limit,
+                 ROWS_PER_TOKEN: tl.constexpr, GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
+    """Program (p, n): pair p's output columns n. GATE_UP: the gate columns and the up
+    columns N further on, then the activation; else the down product times p's weight."""
+    pdl_prologue(PDL)
+    p = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    a_row = a_ptr + (p // ROWS_PER_TOKEN) * stride_a
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w_base = w_ptr + expert * stride_we
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        mask = col_mask[:, None] & k_mask[None, :]
+        a = tl.load(a_row + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+        w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a, axis=1)
+        if GATE_UP:
+            w_up = tl.load(w_base + (cols + N)[:, None] * stride_wn + ks[None, :], mask=mask,
+                           other=0.0)
+            acc_up += tl.sum(w_up.to(tl.float32) * a, axis=1)
+    dtype = out_ptr.dtype.element_ty
+    if GATE_UP:
+        bias_row = bias_ptr + expert * 2 * N
+    else:
+        bias_row = bias_ptr + expert * N
+    y = _epilogue(acc, bias_row, cols, col_mask, dtype, HAS_BIAS)
+    if GATE_UP:
+        up = _epilogue(acc_up, bias_row + N, cols, col_mask, dtype, HAS_BIAS)
+        y = _activate(y, up, dtype, ACT, alpha, limit)
+    else:
+        s = tl.load(scale_ptr + p).to(dtype).to(tl.float32)  # rounded as the reference's
+        y = y * s
+    tl.store(out_ptr + p * stride_out + cols, y.to(dtype), mask=col_mask)
+
+
+@triton.jit
+def _grouped_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, pairs_ptr, scale_ptr, tile_expert_ptr,
+                    tile_start_ptr, tile_end_ptr, N, K, stride_a, stride_we, stride_wn,
+                    stride_out, alpha, limit, TOP_K: tl.constexpr, GATE_UP: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """GATE_UP: a rows are the pairs' tokens, out rows the sorted positions (gate and up
+    columns, then the activation). Else (down): a rows are the sorted positions, out rows the
+    pairs (t*k + j), each scaled by its routing weight."""
+    pdl_prologue(PDL)
     pid_m = tl.program_id(0)
     start = tl.load(tile_start_ptr + pid_m)
     end = tl.load(tile_end_ptr + pid_m)
@@ -122,28 +220,42 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, scale_ptr, tile_exper
         rows = start + tl.arange(0, BLOCK_M)  # sorted positions
         row_mask = rows < end
         pairs = tl.load(pairs_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        if SCATTER:
-            a_rows = rows.to(tl.int64)
-            out_rows = pairs
-        else:
+        if GATE_UP:
             a_rows = pairs // TOP_K
             out_rows = rows.to(tl.int64)
+        else:
+            a_rows = rows.to(tl.int64)
+            out_rows = pairs
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         w_base = w_ptr + expert * stride_we
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < K
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
-                        mask=k_mask[:, None] & col_mask[None, :], other=0.0)  # [BK, BN]
+            w_mask = k_mask[:, None] & col_mask[None, :]
+            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask,
+                        other=0.0)  # [BK, BN]
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        y = acc.to(out_ptr.dtype.element_ty)
-        if SCATTER:
+            if GATE_UP:
+                w_up = tl.load(w_base + (cols + N)[None, :] * stride_wn + ks[:, None],
+                               mask=w_mask, other=0.0)
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        dtype = out_ptr.dtype.element_ty
+        if GATE_UP:
+            bias_row = bias_ptr + expert * 2 * N
+        else:
+            bias_row = bias_ptr + expert * N
+        y = _epilogue(acc, bias_row, cols[None, :], col_mask[None, :], dtype, HAS_BIAS)
+        if GATE_UP:
+            up = _epilogue(acc_up, bias_row + N, cols[None, :], col_mask[None, :], dtype,
+                           HAS_BIAS)
+            y = _activate(y, up, dtype, ACT, alpha, limit)
+        else:
             s = tl.load(scale_ptr + pairs, mask=row_mask, other=0.0)
-            s = s.to(out_ptr.dtype.element_ty).to(tl.float32)
-            y = (y.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + out_rows[:, None] * stride_out + cols[None, :], y,
+            y = y * s.to(dtype).to(tl.float32)[:, None]
+        tl.store(out_ptr + out_rows[:, None] * stride_out + cols[None, :], y.to(dtype),
                  mask=row_mask[:, None] & col_mask[None, :])

@@ -23,7 +23,7 @@ from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
     outside_interpreter,
 )
 
-from meshserve.kernels import triton_moe
+from meshserve.kernels import triton_moe, triton_moe_route
 from meshserve.kernels.moe import (
     fused_experts,
     fused_experts_reference,
@@ -77,19 +77,76 @@ def test_group_by_expert() -> None:
     assert groups.offsets.tolist() == [0, 2, 2, 4, 6, 6]
 
 
-@outside_interpreter
-def test_tile_schedule_covers_every_pair_once() -> None:
-    ids = torch.tensor([[0, 1]] * 20 + [[3, 1]] * 3, dtype=torch.int32)  # 46 pairs
-    groups = group_by_expert(ids, 4)
-    schedule = triton_moe.tile_schedule(groups, 16)
+ALIGN_CASES = [
+    # (expert ids [T, k], experts, tile rows)
+    ([[0, 1]] * 20 + [[3, 1]] * 3, 4, 16),  # 46 pairs, one expert idle
+    ([[2, 0], [0, 3], [2, 3]], 5, 16),
+    ([[e % 7, (e * 3 + 1) % 7] for e in range(90)], 7, 32),  # several chunks of pairs
+    ([[5]], 6, 16),
+]
+
+
+@in_interpreter
+@pytest.mark.parametrize("case", range(len(ALIGN_CASES)))
+def test_align_sorts_like_group_by_expert_and_tiles_every_pair_once(case: int) -> None:
+    rows, experts, block_m = ALIGN_CASES[case]
+    ids = torch.tensor(rows, dtype=torch.int32)
+    groups = group_by_expert(ids, experts)
+    sorted_pairs, offsets, tile_expert, start, end = triton_moe_route.align(
+        ids, experts, block_m)
+    assert torch.equal(sorted_pairs, groups.sorted_pairs)  # stable: token order kept
+    assert torch.equal(offsets, groups.offsets)
+    assert tile_expert.shape[0] == triton_moe_route.num_tiles(ids.numel(), experts, block_m)
     covered = []
-    for e, s, t in zip(schedule.expert.tolist(), schedule.start.tolist(),
-                       schedule.end.tolist()):
-        assert t - s <= 16
+    for e, s, t in zip(tile_expert.tolist(), start.tolist(), end.tolist()):
+        assert 0 <= t - s <= block_m
         for pos in range(s, t):
-            assert groups.offsets[e] <= pos < groups.offsets[e + 1]
+            assert offsets[e] <= pos < offsets[e + 1]
             covered.append(pos)
-    assert sorted(covered) == list(range(46))
+    assert sorted(covered) == list(range(ids.numel()))
+
+
+@in_interpreter
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "renormalize"), [
+    (9, 6, 2, False), (9, 6, 2, True), (4, 128, 8, True), (3, 64, 6, False), (5, 5, 5, True)])
+def test_route_kernel_matches_the_reference(tokens: int, experts: int, top_k: int,
+                                            renormalize: bool) -> None:
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts))
+    weights, ids = triton_moe_route.route(logits, top_k, renormalize)
+    expected_w, expected_ids = route(logits, top_k, renormalize)  # the CPU reference
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_w, atol=1e-6, rtol=1e-5)
+
+
+def _swiglu_oai_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        b13: torch.Tensor, b2: torch.Tensor, weights: torch.Tensor,
+                        ids: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert sum written per token and slot, in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e].double() @ x[t].double() + b13[e].double()
+            gate, up = h[:inter].clamp(max=limit), h[inter:].clamp(-limit, limit)
+            act = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            out[t] += weights[t, j].double() * (w2[e].double() @ act + b2[e].double())
+    return out
+
+
+@in_interpreter
+@pytest.mark.parametrize("tokens", [3, 40])  # the matrix-vector path, then the grouped one
+def test_biased_clamped_swiglu_experts(tokens: int) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    w13, w2 = _weights(8, 64, 32, torch.float32, g)
+    b13, b2 = torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+    x = torch.randn(tokens, 64, generator=g) * 3  # large enough for the clamps to bite
+    weights, ids = route(torch.randn(tokens, 8, generator=g), 2, True)
+    got = triton_moe.fused_experts(x, w13, w2, weights, ids, b13=b13, b2=b2,
+                                   activation="swiglu_oai", alpha=1.702, limit=1.5)
+    want = _swiglu_oai_experts(x, w13, w2, b13, b2, weights, ids, 1.702, 1.5)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
 @outside_interpreter
@@ -162,4 +219,4 @@ def test_moe_kernels_under_the_interpreter() -> None:
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) == len(CASES) + 1 and "skipped" not in summary, summary
+    assert passed and int(passed[1]) == len(CASES) + len(ALIGN_CASES) + 5 + 2 + 1 and "skipped" not in summary, summary

@@ -1,0 +1,99 @@
+"""One mixture-of-experts layer on the GPU, timed alone: routing and the experts
+(`meshserve.kernels.moe.fused_moe`) at a model's expert shape, for a range of token counts,
+each replayed from a CUDA graph as the engine's decode steps are. Prints and writes a JSON row
+per token count: microseconds per layer, the bytes the layer must read (the distinct experts
+its tokens were routed to, with the activations) and the bandwidth that makes, next to the
+device's measured copy bandwidth.
+
+    python3 loadtest/moe_kernel_bench.py --out moe_kernels.json            # Qwen3-30B-A3B
+    python3 loadtest/moe_kernel_bench.py --hidden 2880 --inter 2880 --experts 32 --top-k 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from meshserve.kernels.moe import fused_moe
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read plus write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def time_layer(tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+               iters: int) -> tuple[float, int]:
+    """(microseconds per call from a CUDA graph, distinct experts routed to)."""
+    hidden, experts = w13.shape[2], w13.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(w13.dtype)
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    for _ in range(2):  # compile and warm outside the capture
+        fused_moe(x, w13, w2, logits, top_k, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, w13, w2, logits, top_k, True)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    distinct = int(torch.topk(logits, top_k, dim=-1).indices.unique().numel())
+    return start.elapsed_time(end) * 1e3 / iters, distinct
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inter", type=int, default=768)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    dtype = torch.bfloat16
+    w13 = torch.randn(args.experts, 2 * args.inter, args.hidden, device="cuda", dtype=dtype)
+    w2 = torch.randn(args.experts, args.hidden, args.inter, device="cuda", dtype=dtype)
+    w13 *= args.hidden**-0.5
+    w2 *= args.inter**-0.5
+    bandwidth = copy_bandwidth()
+    expert_bytes = 3 * args.hidden * args.inter * w13.element_size()
+    rows = []
+    for tokens in args.sizes:
+        micros, distinct = time_layer(tokens, w13, w2, args.top_k, args.iters)
+        nbytes = distinct * expert_bytes + 2 * tokens * args.hidden * w13.element_size()
+        floor = nbytes / bandwidth * 1e6
+        row = {"tokens": tokens, "us": round(micros, 2), "experts_read": distinct,
+               "bytes": nbytes, "floor_us": round(floor, 2), "x_floor": round(micros / floor, 2),
+               "tb_per_s": round(nbytes / micros / 1e6, 3)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "copy_tb_per_s": round(bandwidth / 1e12, 3), "shape": vars(args) | {"out": None},
+              "rows": rows}
+    print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s on {result['gpu']}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
