@@ -5,14 +5,16 @@
     combine: y.view(T, k, H).sum(1)
 
 `act` is SiLU-and-multiply (gate rows first, then up rows, as kernels/activation.py) or
-gpt-oss's clamped SwiGLU; the activation and the biases run in the GEMMs' epilogues, so a layer
-is five launches: the router's product, `triton_moe_route.route`, the two products and the sum.
+gpt-oss's clamped SwiGLU; the activation and the biases run in the products' epilogues.
 
 Two ways to run the products, by the number of pairs:
-- few pairs (decode of a few sequences, at most GEMV_MAX_PAIRS): one program per (pair, block
-  of output columns) reads its expert's rows straight from the expert id, a matrix-vector
-  product with no grouping at all. Each pair reads its expert's weights once; with so few
-  pairs they are mostly distinct experts, so nothing is read twice that grouping would save.
+- few pairs (decode of a few sequences, at most GEMV_MAX_PAIRS): matrix-vector products that
+  read each pair's expert rows straight from its expert id, with no grouping at all: one
+  program per (pair, block of gate/up columns), then one per (token, block of output
+  columns) summing the token's k pairs (so the combine is no launch of its own). A layer is
+  four launches: the router's product, `triton_moe_route.route` and the two products. Each
+  pair reads its expert's weights once; with so few pairs they are mostly distinct experts,
+  so nothing is read twice that grouping would save.
 - more pairs: `triton_moe_route.align` sorts them by expert and cuts each expert's pairs into
   tiles of BLOCK_M rows that never straddle two experts; program (m, n) multiplies tile m's
   rows by columns n of that tile's one expert (tl.dot), so an expert's weights are read once
@@ -36,12 +38,13 @@ from meshserve.kernels.triton_moe_route import align
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 GEMV_MAX_PAIRS = 32
-# Matrix-vector products: output columns and reduction chunk per program.
-GEMV_BLOCK_N = 16
-GEMV_BLOCK_K = 256
-# Grouped GEMMs.
-BLOCK_N = 64
-BLOCK_K = 64
+# Matrix-vector products, gate/up and down: (output columns, reduction chunk, warps, stages)
+# per program.
+# Fastest at 1 and 4 tokens of the Qwen3-30B-A3B shape on an H200 (loadtest/moe_kernel_bench.py
+# --sweep; loadtest/reports/moe/).
+GEMV_CONFIGS = {True: (8, 256, 8, 1), False: (16, 256, 8, 1)}
+# Grouped GEMMs, by tile rows (`_block_m`): (output columns, reduction chunk, warps, stages).
+GROUPED_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 8, 3), 64: (64, 64, 8, 3)}
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -54,7 +57,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (activation "swiglu_oai").
 
     Shapes are checked by `moe.fused_experts`; dtypes and strides here."""
-    assert x.is_cuda or isinstance(_gemv_kernel, InterpretedFunction), (
+    assert x.is_cuda or isinstance(_gemv_down_kernel, InterpretedFunction), (
         f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     assert x.dtype in SUPPORTED_DTYPES, f"fused_experts does not support {x.dtype}"
     assert w13.dtype == w2.dtype == x.dtype, (
@@ -70,9 +73,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_experts, two_inter, _ = w13.shape
     top_k = expert_ids.shape[1]
     pairs = num_tokens * top_k
-    out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)  # [T, k, H]
     if num_tokens == 0:
-        return out.sum(dim=1)
+        return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     ids = expert_ids.reshape(-1)
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         ids = ids.to(torch.int32).contiguous()
@@ -82,10 +84,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     epilogue = {"ACT": ACTIVATIONS[activation], "alpha": alpha, "limit": limit}
     inter = torch.empty(pairs, two_inter // 2, dtype=x.dtype, device=x.device)  # [P, I]
     if pairs <= GEMV_MAX_PAIRS:
+        combined = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
         _gemv(x, w13, b13, inter, ids, scale, top_k, gate_up=True, **epilogue)
-        _gemv(inter, w2, b2, out.view(pairs, hidden), ids, scale, 1, gate_up=False,
-              **epilogue)
-        return out.sum(dim=1)  # [T, H]
+        _gemv(inter, w2, b2, combined, ids, scale, top_k, gate_up=False, **epilogue)
+        return combined  # [T, H]
+    out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)  # [T, k, H]
     block_m = _block_m(pairs, num_experts)
     sorted_pairs, _, *schedule = align(ids, num_experts, block_m)
     _grouped(x, w13, b13, inter, sorted_pairs, scale, schedule, top_k, block_m,
@@ -102,17 +105,19 @@ def _block_m(pairs: int, num_experts: int) -> int:
 
 
 def _gemv(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-          ids: torch.Tensor, scale: torch.Tensor, rows_per_token: int, gate_up: bool,
+          ids: torch.Tensor, scale: torch.Tensor, top_k: int, gate_up: bool,
           ACT: int, alpha: float, limit: float) -> None:
-    """out[p] = epilogue(a[p // rows_per_token] @ w[ids[p]]^T) for every pair p."""
+    """gate_up: out[p] = act(a[p // top_k] @ w[ids[p]]^T) for every pair p (out [P, I]).
+    Else: out[t] = sum over t's k pairs p of weight[p] * (a[p] @ w[ids[p]]^T) (out [T, H])."""
     n = w.shape[1] // 2 if gate_up else w.shape[1]
-    grid = (ids.shape[0], triton.cdiv(n, GEMV_BLOCK_N))
-    _gemv_kernel[grid](
+    block_n, block_k, warps, stages = GEMV_CONFIGS[gate_up]
+    grid = (out.shape[0], triton.cdiv(n, block_n))
+    kernel = _gemv_gate_up_kernel if gate_up else _gemv_down_kernel
+    kernel[grid](
         a, w, bias if bias is not None else w, out, ids, scale, n, w.shape[2], a.stride(0),
         w.stride(0), w.stride(1), out.stride(0), float(alpha), float(limit),
-        ROWS_PER_TOKEN=rows_per_token, GATE_UP=gate_up, HAS_BIAS=bias is not None, ACT=ACT,
-        BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=4,
-        **pdl.launch_options(a.device))
+        TOP_K=top_k, HAS_BIAS=bias is not None, ACT=ACT, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages, **pdl.launch_options(a.device))
 
 
 def _grouped(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -122,15 +127,16 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: t
     """The grouped GEMM over every tile of `schedule` (expert, start, end)."""
     n = w.shape[1] // 2 if gate_up else w.shape[1]
     expert, start, end = schedule
-    grid = (expert.shape[0], triton.cdiv(n, BLOCK_N))
+    block_n, block_k, warps, stages = GROUPED_CONFIGS[block_m]
+    grid = (expert.shape[0], triton.cdiv(n, block_n))
     # float32 models multiply exactly; 16-bit operands take the tensor cores' default.
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     _grouped_kernel[grid](
         a, w, bias if bias is not None else w, out, sorted_pairs, scale, expert, start, end,
         n, w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(alpha),
         float(limit), TOP_K=top_k, GATE_UP=gate_up, HAS_BIAS=bias is not None, ACT=ACT,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=precision,
-        num_warps=4 if block_m <= 16 else 8, **pdl.launch_options(a.device))
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
+        num_warps=warps, num_stages=stages, **pdl.launch_options(a.device))
 
 
 @triton.jit
@@ -159,46 +165,69 @@ def _epilogue(acc, bias_ptr, cols, col_mask, dtype: tl.constexpr, HAS_BIAS: tl.c
 
 
 @triton.jit
-def _gemv_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, scale_ptr, N, K, stride_a,
-                 stride_we, stride_wn, stride_out, alpha, limit,
-                 ROWS_PER_TOKEN: tl.constexpr, GATE_UP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
-    """Program (p, n): pair p's output columns n. GATE_UP: the gate columns and the up
-    columns N further on, then the activation; else the down product times p's weight."""
+def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, scale_ptr, N, K, stride_a,
+                         stride_we, stride_wn, stride_out, alpha, limit, TOP_K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (p, n): pair p's gate columns n and up columns n + N, then the activation."""
     pdl_prologue(PDL)
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + p).to(tl.int64)
-    a_row = a_ptr + (p // ROWS_PER_TOKEN) * stride_a
+    a_row = a_ptr + (p // TOP_K) * stride_a
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w_base = w_ptr + expert * stride_we
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         mask = col_mask[:, None] & k_mask[None, :]
         a = tl.load(a_row + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-        w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a, axis=1)
-        if GATE_UP:
-            w_up = tl.load(w_base + (cols + N)[:, None] * stride_wn + ks[None, :], mask=mask,
-                           other=0.0)
-            acc_up += tl.sum(w_up.to(tl.float32) * a, axis=1)
+        w_gate = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=mask,
+                         other=0.0)  # [BN, BK]
+        w_up = tl.load(w_base + (cols + N)[:, None] * stride_wn + ks[None, :], mask=mask,
+                       other=0.0)
+        gate += tl.sum(w_gate.to(tl.float32) * a, axis=1)
+        up += tl.sum(w_up.to(tl.float32) * a, axis=1)
     dtype = out_ptr.dtype.element_ty
-    if GATE_UP:
-        bias_row = bias_ptr + expert * 2 * N
-    else:
-        bias_row = bias_ptr + expert * N
-    y = _epilogue(acc, bias_row, cols, col_mask, dtype, HAS_BIAS)
-    if GATE_UP:
-        up = _epilogue(acc_up, bias_row + N, cols, col_mask, dtype, HAS_BIAS)
-        y = _activate(y, up, dtype, ACT, alpha, limit)
-    else:
-        s = tl.load(scale_ptr + p).to(dtype).to(tl.float32)  # rounded as the reference's
-        y = y * s
+    bias_row = bias_ptr + expert * 2 * N
+    gate = _epilogue(gate, bias_row, cols, col_mask, dtype, HAS_BIAS)
+    up = _epilogue(up, bias_row + N, cols, col_mask, dtype, HAS_BIAS)
+    y = _activate(gate, up, dtype, ACT, alpha, limit)
     tl.store(out_ptr + p * stride_out + cols, y.to(dtype), mask=col_mask)
+
+
+@triton.jit
+def _gemv_down_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, scale_ptr, N, K, stride_a,
+                      stride_we, stride_wn, stride_out, alpha, limit, TOP_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (t, n): token t's output columns n, the weighted sum over its k pairs (each
+    pair's product rounded to the dtype, times its weight rounded likewise, summed in float32:
+    the combine needs no launch of its own)."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = t * TOP_K + j
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+        w_base = w_ptr + expert * stride_we
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            a = tl.load(a_ptr + p * stride_a + ks, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :],
+                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        y = _epilogue(acc, bias_ptr + expert * N, cols, col_mask, dtype, HAS_BIAS)
+        s = tl.load(scale_ptr + p).to(dtype).to(tl.float32)  # rounded as the reference's
+        total += (y * s).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + cols, total.to(dtype), mask=col_mask)
 
 
 @triton.jit

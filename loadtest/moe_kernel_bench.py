@@ -12,11 +12,15 @@ device's measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
+from triton.errors import TritonError
 
+from meshserve.kernels import triton_moe
 from meshserve.kernels.moe import fused_moe
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -60,6 +64,48 @@ def time_layer(tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     return start.elapsed_time(end) * 1e3 / iters, distinct
 
 
+def sweep(w13: torch.Tensor, w2: torch.Tensor, top_k: int, iters: int) -> dict[str, Any]:
+    """Time each matrix-vector block shape (one product at a time, the other at its
+    default) at 1 and 4 tokens; keep the shape with the lowest sum in GEMV_CONFIGS."""
+    found: dict[str, Any] = {}
+    for gate_up in (True, False):
+        timings = []
+        for config in itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8), (1, 3)):
+            block_n, block_k, warps, _ = config
+            if block_n * block_k // (32 * warps) > 256:  # too many values a thread
+                continue
+            triton_moe.GEMV_CONFIGS[gate_up] = config
+            try:
+                total = sum(time_layer(t, w13, w2, top_k, iters // 4)[0] for t in (1, 4))
+            except (TritonError, RuntimeError) as error:  # a shape the compiler refuses
+                print(f"config {config}: {type(error).__name__}", flush=True)
+                continue
+            timings.append((total, config))
+        best = min(timings)
+        triton_moe.GEMV_CONFIGS[gate_up] = best[1]
+        found["gate_up" if gate_up else "down"] = {
+            "best": list(best[1]), "us_1_plus_4": round(best[0], 2),
+            "all": sorted([round(t, 2), list(c)] for t, c in timings)[:12]}
+        print(json.dumps(found), flush=True)
+    for block_m, tokens in ((16, 256), (32, 512), (64, 1024)):
+        timings = []
+        for config in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
+            triton_moe.GROUPED_CONFIGS[block_m] = config
+            try:
+                total = time_layer(tokens, w13, w2, top_k, iters // 4)[0]
+            except (TritonError, RuntimeError) as error:
+                print(f"config {config}: {type(error).__name__}", flush=True)
+                continue
+            timings.append((total, config))
+        best = min(timings)
+        triton_moe.GROUPED_CONFIGS[block_m] = best[1]
+        found[f"grouped_{block_m}"] = {
+            "tokens": tokens, "best": list(best[1]), "us": round(best[0], 2),
+            "all": sorted([round(t, 2), list(c)] for t, c in timings)[:8]}
+        print(json.dumps(found[f"grouped_{block_m}"]), flush=True)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -69,6 +115,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--sweep", action="store_true",
+                        help="first time the matrix-vector products' block shapes at 1 and 4 "
+                             "tokens, and the grouped GEMMs' at 256, 512 and 1024, and keep "
+                             "the fastest of each")
     args = parser.parse_args()
     dtype = torch.bfloat16
     w13 = torch.randn(args.experts, 2 * args.inter, args.hidden, device="cuda", dtype=dtype)
@@ -77,6 +127,7 @@ def main() -> None:
     w2 *= args.inter**-0.5
     bandwidth = copy_bandwidth()
     expert_bytes = 3 * args.hidden * args.inter * w13.element_size()
+    swept = sweep(w13, w2, args.top_k, args.iters) if args.sweep else {}
     rows = []
     for tokens in args.sizes:
         micros, distinct = time_layer(tokens, w13, w2, args.top_k, args.iters)
@@ -89,7 +140,9 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "copy_tb_per_s": round(bandwidth / 1e12, 3), "shape": vars(args) | {"out": None},
-              "rows": rows}
+              "gemv_configs": {str(k): v for k, v in triton_moe.GEMV_CONFIGS.items()},
+              "grouped_configs": triton_moe.GROUPED_CONFIGS,
+              "sweep": swept, "rows": rows}
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s on {result['gpu']}")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
