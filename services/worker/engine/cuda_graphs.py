@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from meshserve.kernels.attention import AttentionMetadata, paged_attention
+from meshserve.kernels.attention import AttentionMetadata
 from meshserve.services.worker.engine.hooks import AdapterStack
 from meshserve.services.worker.models.llama import CausalLM, DecoderLayer
 
@@ -275,7 +275,8 @@ class PiecewiseGraphRunner:
         layer = self.layers[index]
         normed, residual = layer.input_norm(hidden, residual)
         q, k, v = layer.self_attn.project(self.positions[:batch], normed, self.kv_caches[index],
-                                          self.slot_mapping[:batch], self.decoder.rotary_emb)
+                                          self.slot_mapping[:batch],
+                                          self.decoder.rotary_for(index))
         self.q[:batch].copy_(q)
         self.k[:batch].copy_(k)
         self.v[:batch].copy_(v)
@@ -290,7 +291,7 @@ class PiecewiseGraphRunner:
     def _piece(self, index: int, batch: int) -> None:
         """Piece `index` of L + 1: from attention index - 1 to attention index."""
         if index == 0:
-            self._project(0, self.decoder.embed_tokens(self.input_ids[:batch]), None, batch)
+            self._project(0, self.decoder.embed(self.input_ids[:batch]), None, batch)
             return
         hidden, residual = self._finish(index - 1, batch)
         if index < len(self.layers):
@@ -299,11 +300,9 @@ class PiecewiseGraphRunner:
             self.hidden[:batch].copy_(self.decoder.norm.add_forward(hidden, residual)[0])
 
     def _attention(self, index: int, meta: AttentionMetadata, num_tokens: int) -> None:
-        k_cache, v_cache = self.kv_caches[index]
-        layer = self.layers[index]
-        out = paged_attention(self.q[:num_tokens], k_cache, v_cache, meta,
-                              layer.self_attn.scale, key=self.k[:num_tokens],
-                              value=self.v[:num_tokens])
+        out = self.layers[index].self_attn.attend(
+            self.q[:num_tokens], self.k[:num_tokens], self.v[:num_tokens],
+            self.kv_caches[index], meta)
         self.attn_out[:num_tokens].copy_(out)
 
     @torch.inference_mode()

@@ -14,10 +14,11 @@
 
 Attention reads the paged KV cache as every model does, with the window and soft-capping in
 both the PyTorch reference and the Triton kernel (kernels/attention.py, triton_attention.py).
-The model still refuses a CUDA device by name: the engine's piecewise CUDA graphs cut a layer
-at llama.py's DecoderLayer pieces (input_norm, project, finish) and use one RoPE table, which
-Gemma's layers do not fit yet. Blocks that fall out of a sliding layer's window stay allocated
-(all layers share one block table, and global layers read them).
+The layers keep llama.py's protocol (input_norm, the attention's project and attend, finish;
+each layer returns its MLP output and the residual stream, the add left to the next layer's
+input norm), and the model its `embed` and per-layer `rotary_for`, so the engine's decode and
+piecewise CUDA graphs run Gemma as they run Llama. Blocks that fall out of a sliding layer's
+window stay allocated (all layers share one block table, and global layers read them).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from meshserve.services.worker.models.llama import (
     KVCache,
     RMSNorm,
 )
-from meshserve.shared.errors import ModelLoadError
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -72,13 +72,12 @@ class GemmaAttention(Attention):
             self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
-        q, k, v = self.project(positions, hidden, kv_cache, meta.slot_mapping, rotary)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """llama.py's attention with this layer's window and soft-capping: [T, Hq, D]."""
         k_cache, v_cache = kv_cache
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v,
-                              window=self.window, softcap=self.softcap)  # [T, Hq, D]
-        return self.o_proj(out.reshape(-1, self.q_size))  # [T, H]
+        return paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v,
+                               window=self.window, softcap=self.softcap)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -92,13 +91,27 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
-        """hidden [T, H] (the residual stream) -> [T, H]."""
-        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta, rotary)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, kv_cache: KVCache, meta: AttentionMetadata,
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """As llama.py's DecoderLayer: this layer's MLP output (after its norm) and the
+        residual stream before it is added, the add left to the next layer's input norm."""
+        normed, residual = self.input_norm(hidden, residual)
+        attn = self.self_attn(positions, normed, kv_cache, meta, rotary)
+        return self.finish(attn, residual)
+
+    def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed input, residual stream), adding the previous layer's output if any."""
+        stream = hidden if residual is None else residual + hidden
+        return self.input_layernorm(stream), stream
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """After o_proj: h = residual + norm(attn); (norm(mlp(norm(h))), h)."""
+        stream = residual + self.post_attention_layernorm(attn_out)
+        mlp = self.mlp(self.pre_feedforward_layernorm(stream))
+        return self.post_feedforward_layernorm(mlp), stream
 
 
 class GemmaModel(DecoderModel):
@@ -123,18 +136,17 @@ class GemmaModel(DecoderModel):
                                                 config.rope_local_theta)
         self.windows = config.layer_windows
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        assert len(kv_caches) == len(self.layers), (
-            f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings scaled by sqrt(hidden_size), the factor rounded to the model's dtype
+        first, as transformers does."""
         hidden = self.embed_tokens(input_ids)  # [T, H]
-        # As transformers: the factor is rounded to the model's dtype before the multiply.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        for layer, kv_cache, window in zip(self.layers, kv_caches, self.windows):
-            rotary = (self.rotary_local if window is not None and self.rotary_local is not None
-                      else self.rotary_emb)
-            hidden = layer(positions, hidden, kv_cache, meta, rotary)
-        return self.norm(hidden)
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+    def rotary_for(self, index: int) -> RotaryEmbedding:
+        """Gemma 3's sliding layers rotate with their own base; Gemma 2's use the one table."""
+        if self.windows[index] is not None and self.rotary_local is not None:
+            return self.rotary_local
+        return self.rotary_emb
 
 
 class GemmaCausalLM(CausalLM):
@@ -154,13 +166,7 @@ class GemmaCausalLM(CausalLM):
         return torch.tanh(logits / cap) * cap
 
     def reset_buffers(self) -> None:
-        """The RoPE tables; refuses a GPU, where the engine's CUDA graphs do not fit Gemma's
-        layers yet (module docstring)."""
-        if self.model.embed_tokens.weight.is_cuda:
-            raise ModelLoadError(
-                f"{self.config.architecture} runs on CPU only for now: the GPU path's piecewise "
-                "CUDA graphs do not fit Gemma's layers (four norms, per-layer sliding window and "
-                "RoPE base) yet", param="device")
+        """The RoPE tables (Gemma 3 has two)."""
         super().reset_buffers()
         if isinstance(self.model, GemmaModel) and self.model.rotary_local is not None:
             self.model.rotary_local.reset_parameters()

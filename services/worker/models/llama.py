@@ -90,9 +90,15 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
         q, k, v = self.project(positions, hidden, kv_cache, meta.slot_mapping, rotary)
-        k_cache, v_cache = kv_cache
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v)  # [T, Hq, D]
+        out = self.attend(q, k, v, kv_cache, meta)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))  # [T, H]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the cache (k, v: this step's, already written):
+        [T, Hq, D]. The one piece of a layer that the piecewise CUDA graphs run eagerly."""
+        k_cache, v_cache = kv_cache
+        return paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v)
 
     def project(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
@@ -175,14 +181,23 @@ class DecoderModel(nn.Module):
                                           config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> the first layer's input [T, H]."""
+        return self.embed_tokens(input_ids)
+
+    def rotary_for(self, index: int) -> RotaryEmbedding:
+        """The RoPE table layer `index` rotates with."""
+        return self.rotary_emb
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), (
             f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        hidden = self.embed_tokens(input_ids)  # [T, H]
+        hidden = self.embed(input_ids)  # [T, H]
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.rotary_emb)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
+                                     self.rotary_for(index))
         if residual is None:  # no layers
             return self.norm(hidden)
         hidden, _ = self.norm.add_forward(hidden, residual)
