@@ -26,12 +26,15 @@ any routing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from meshserve.kernels import pdl
+from meshserve.kernels.fp8_linear import FP8_DTYPE
 from meshserve.kernels.pdl import pdl_prologue
 from meshserve.kernels.triton_moe_route import align
 
@@ -51,23 +54,34 @@ GROUPED_CONFIGS = {16: (64, 128, 4, 2), 32: (64, 128, 4, 3), 64: (64, 64, 4, 4)}
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   weights: torch.Tensor, expert_ids: torch.Tensor, *,
                   b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                  activation: str = "silu", alpha: float = 1.702,
-                  limit: float = 7.0) -> torch.Tensor:
+                  activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                  w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], expert_ids [T, k], optional
     biases b13 [E, 2I] and b2 [E, H] -> [T, H]. `alpha` and `limit` are the clamped SwiGLU's
-    (activation "swiglu_oai").
+    (activation "swiglu_oai"). FP8 expert weights (float8_e4m3fn) come with float32 scales
+    per expert and output row, w13_scale [E, 2I] and w2_scale [E, H] (w = w_fp8 * scale):
+    the kernels read the FP8 bytes and scale the products (weight-only FP8; the activations
+    stay in their dtype).
 
     Shapes are checked by `moe.fused_experts`; dtypes and strides here."""
     assert x.is_cuda or isinstance(_gemv_down_kernel, InterpretedFunction), (
         f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     assert x.dtype in SUPPORTED_DTYPES, f"fused_experts does not support {x.dtype}"
-    assert w13.dtype == w2.dtype == x.dtype, (
-        f"expert weights {w13.dtype}/{w2.dtype} must match the activations' {x.dtype}")
+    fp8 = w13_scale is not None
+    assert (w2_scale is not None) == fp8, "FP8 experts need both w13_scale and w2_scale"
+    weight_dtype = FP8_DTYPE if fp8 else x.dtype
+    assert w13.dtype == w2.dtype == weight_dtype, (
+        f"expert weights {w13.dtype}/{w2.dtype} must be {weight_dtype} for {x.dtype} "
+        f"activations{' with scales' if fp8 else ''}")
     assert w13.is_contiguous() and w2.is_contiguous(), "expert weights must be contiguous"
     assert activation in ACTIVATIONS, f"unknown activation {activation!r}"
-    for bias, w in ((b13, w13), (b2, w2)):
-        assert bias is None or (tuple(bias.shape) == tuple(w.shape[:2])
-                                and bias.is_contiguous()), "biases must be [E, N], contiguous"
+    for per_row, w in ((b13, w13), (b2, w2), (w13_scale, w13), (w2_scale, w2)):
+        assert per_row is None or (tuple(per_row.shape) == tuple(w.shape[:2])
+                                   and per_row.is_contiguous()), (
+            "biases and scales must be [E, N], contiguous")
+    assert not fp8 or (w13_scale.dtype == w2_scale.dtype == torch.float32), (  # type: ignore[union-attr]
+        "FP8 weight scales must be float32")
     if x.stride(1) != 1:
         x = x.contiguous()
     num_tokens, hidden = x.shape
@@ -83,18 +97,19 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if scale.dtype != torch.float32 or not scale.is_contiguous():
         scale = scale.to(torch.float32).contiguous()
     epilogue = {"ACT": ACTIVATIONS[activation], "alpha": alpha, "limit": limit}
+    rows13, rows2 = _RowTerms(b13, w13_scale), _RowTerms(b2, w2_scale)
     inter = torch.empty(pairs, two_inter // 2, dtype=x.dtype, device=x.device)  # [P, I]
     if pairs <= GEMV_MAX_PAIRS:
         combined = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-        _gemv(x, w13, b13, inter, ids, scale, top_k, gate_up=True, **epilogue)
-        _gemv(inter, w2, b2, combined, ids, scale, top_k, gate_up=False, **epilogue)
+        _gemv(x, w13, rows13, inter, ids, scale, top_k, gate_up=True, **epilogue)
+        _gemv(inter, w2, rows2, combined, ids, scale, top_k, gate_up=False, **epilogue)
         return combined  # [T, H]
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)  # [T, k, H]
     block_m = _block_m(pairs, num_experts)
     sorted_pairs, _, *schedule = align(ids, num_experts, block_m)
-    _grouped(x, w13, b13, inter, sorted_pairs, scale, schedule, top_k, block_m,
+    _grouped(x, w13, rows13, inter, sorted_pairs, scale, schedule, top_k, block_m,
              gate_up=True, **epilogue)
-    _grouped(inter, w2, b2, out.view(pairs, hidden), sorted_pairs, scale, schedule, top_k,
+    _grouped(inter, w2, rows2, out.view(pairs, hidden), sorted_pairs, scale, schedule, top_k,
              block_m, gate_up=False, **epilogue)
     return out.sum(dim=1)  # [T, H]
 
@@ -105,7 +120,29 @@ def _block_m(pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
-def _gemv(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+@dataclass(frozen=True)
+class _RowTerms:
+    """A product's optional per-(expert, output row) terms: bias and FP8 weight scale."""
+
+    bias: torch.Tensor | None
+    weight_scale: torch.Tensor | None
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias is not None
+
+    @property
+    def has_scale(self) -> bool:
+        return self.weight_scale is not None
+
+    def args(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's bias and scale pointers: the weight stands in for an absent one (the
+        kernel never reads it)."""
+        return (w if self.bias is None else self.bias,
+                w if self.weight_scale is None else self.weight_scale)
+
+
+def _gemv(a: torch.Tensor, w: torch.Tensor, rows: _RowTerms, out: torch.Tensor,
           ids: torch.Tensor, scale: torch.Tensor, top_k: int, gate_up: bool,
           ACT: int, alpha: float, limit: float) -> None:
     """gate_up: out[p] = act(a[p // top_k] @ w[ids[p]]^T) for every pair p (out [P, I]).
@@ -115,13 +152,14 @@ def _gemv(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torc
     grid = (out.shape[0], triton.cdiv(n, block_n))
     kernel = _gemv_gate_up_kernel if gate_up else _gemv_down_kernel
     kernel[grid](
-        a, w, bias if bias is not None else w, out, ids, scale, n, w.shape[2], a.stride(0),
+        a, w, *rows.args(w), out, ids, scale, n, w.shape[2], a.stride(0),
         w.stride(0), w.stride(1), out.stride(0), float(alpha), float(limit),
-        TOP_K=top_k, HAS_BIAS=bias is not None, ACT=ACT, BLOCK_N=block_n, BLOCK_K=block_k,
+        TOP_K=top_k, HAS_BIAS=rows.has_bias, HAS_WSCALE=rows.has_scale, ACT=ACT,
+        BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages, **pdl.launch_options(a.device))
 
 
-def _grouped(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+def _grouped(a: torch.Tensor, w: torch.Tensor, rows: _RowTerms, out: torch.Tensor,
              sorted_pairs: torch.Tensor, scale: torch.Tensor, schedule: list[torch.Tensor],
              top_k: int, block_m: int, gate_up: bool, ACT: int, alpha: float,
              limit: float) -> None:
@@ -133,9 +171,10 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: t
     # float32 models multiply exactly; 16-bit operands take the tensor cores' default.
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     _grouped_kernel[grid](
-        a, w, bias if bias is not None else w, out, sorted_pairs, scale, expert, start, end,
+        a, w, *rows.args(w), out, sorted_pairs, scale, expert, start, end,
         n, w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(alpha),
-        float(limit), TOP_K=top_k, GATE_UP=gate_up, HAS_BIAS=bias is not None, ACT=ACT,
+        float(limit), TOP_K=top_k, GATE_UP=gate_up, HAS_BIAS=rows.has_bias,
+        HAS_WSCALE=rows.has_scale, ACT=ACT,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
         num_warps=warps, num_stages=stages, **pdl.launch_options(a.device))
 
@@ -157,18 +196,22 @@ def _activate(gate, up, dtype: tl.constexpr, ACT: tl.constexpr, alpha, limit):
 
 
 @triton.jit
-def _epilogue(acc, bias_ptr, cols, col_mask, dtype: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A product's float32 accumulator (+ bias) rounded to the activations' dtype, as the
-    reference's F.linear output is."""
+def _epilogue(acc, bias_ptr, ws_ptr, cols, col_mask, dtype: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr):
+    """A product's float32 accumulator (times the FP8 weight scale, + bias) rounded to the
+    activations' dtype, as the reference's F.linear output is. The pointers are at the
+    expert's row of scales and biases."""
+    if HAS_WSCALE:
+        acc *= tl.load(ws_ptr + cols, mask=col_mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     return acc.to(dtype).to(tl.float32)
 
 
 @triton.jit
-def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, scale_ptr, N, K, stride_a,
+def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale_ptr, N, K, stride_a,
                          stride_we, stride_wn, stride_out, alpha, limit, TOP_K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (p, n): pair p's gate columns n and up columns n + N, then the activation."""
     pdl_prologue(PDL)
@@ -178,8 +221,10 @@ def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, scale_ptr, N,
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w_base = w_ptr + expert * stride_we
-    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Products accumulate elementwise and are reduced once after the loop, so the loop is
+    # loads and multiply-adds only (no cross-thread reduction per chunk).
+    gate_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
@@ -189,20 +234,24 @@ def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, scale_ptr, N,
                          other=0.0)  # [BN, BK]
         w_up = tl.load(w_base + (cols + N)[:, None] * stride_wn + ks[None, :], mask=mask,
                        other=0.0)
-        gate += tl.sum(w_gate.to(tl.float32) * a, axis=1)
-        up += tl.sum(w_up.to(tl.float32) * a, axis=1)
+        gate_acc += w_gate.to(tl.float32) * a
+        up_acc += w_up.to(tl.float32) * a
+    gate = tl.sum(gate_acc, axis=1)  # [BN]
+    up = tl.sum(up_acc, axis=1)
     dtype = out_ptr.dtype.element_ty
-    bias_row = bias_ptr + expert * 2 * N
-    gate = _epilogue(gate, bias_row, cols, col_mask, dtype, HAS_BIAS)
-    up = _epilogue(up, bias_row + N, cols, col_mask, dtype, HAS_BIAS)
+    row = expert * 2 * N
+    gate = _epilogue(gate, bias_ptr + row, ws_ptr + row, cols, col_mask, dtype, HAS_BIAS,
+                     HAS_WSCALE)
+    up = _epilogue(up, bias_ptr + row + N, ws_ptr + row + N, cols, col_mask, dtype, HAS_BIAS,
+                   HAS_WSCALE)
     y = _activate(gate, up, dtype, ACT, alpha, limit)
     tl.store(out_ptr + p * stride_out + cols, y.to(dtype), mask=col_mask)
 
 
 @triton.jit
-def _gemv_down_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, scale_ptr, N, K, stride_a,
+def _gemv_down_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale_ptr, N, K, stride_a,
                       stride_we, stride_wn, stride_out, alpha, limit, TOP_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (t, n): token t's output columns n, the weighted sum over its k pairs (each
     pair's product rounded to the dtype, times its weight rounded likewise, summed in float32:
@@ -217,25 +266,27 @@ def _gemv_down_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, ids_ptr, scale_ptr, N, K,
         p = t * TOP_K + j
         expert = tl.load(ids_ptr + p).to(tl.int64)
         w_base = w_ptr + expert * stride_we
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc2d = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced after the loop
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < K
             a = tl.load(a_ptr + p * stride_a + ks, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :],
                         mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        y = _epilogue(acc, bias_ptr + expert * N, cols, col_mask, dtype, HAS_BIAS)
+            acc2d += w.to(tl.float32) * a[None, :]
+        acc = tl.sum(acc2d, axis=1)  # [BN]
+        y = _epilogue(acc, bias_ptr + expert * N, ws_ptr + expert * N, cols, col_mask, dtype,
+                      HAS_BIAS, HAS_WSCALE)
         s = tl.load(scale_ptr + p).to(dtype).to(tl.float32)  # rounded as the reference's
         total += (y * s).to(dtype).to(tl.float32)
     tl.store(out_ptr + t * stride_out + cols, total.to(dtype), mask=col_mask)
 
 
 @triton.jit
-def _grouped_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, pairs_ptr, scale_ptr, tile_expert_ptr,
+def _grouped_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, pairs_ptr, scale_ptr, tile_expert_ptr,
                     tile_start_ptr, tile_end_ptr, N, K, stride_a, stride_we, stride_wn,
                     stride_out, alpha, limit, TOP_K: tl.constexpr, GATE_UP: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """GATE_UP: a rows are the pairs' tokens, out rows the sorted positions (gate and up
@@ -268,21 +319,22 @@ def _grouped_kernel(a_ptr, w_ptr, bias_ptr, out_ptr, pairs_ptr, scale_ptr, tile_
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
             w_mask = k_mask[:, None] & col_mask[None, :]
             w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask,
-                        other=0.0)  # [BK, BN]
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+                        other=0.0)  # [BK, BN]; FP8 widened exactly to a's dtype
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
             if GATE_UP:
                 w_up = tl.load(w_base + (cols + N)[None, :] * stride_wn + ks[:, None],
                                mask=w_mask, other=0.0)
-                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+                acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=DOT_PRECISION)
         dtype = out_ptr.dtype.element_ty
         if GATE_UP:
-            bias_row = bias_ptr + expert * 2 * N
+            row = expert * 2 * N
         else:
-            bias_row = bias_ptr + expert * N
-        y = _epilogue(acc, bias_row, cols[None, :], col_mask[None, :], dtype, HAS_BIAS)
+            row = expert * N
+        y = _epilogue(acc, bias_ptr + row, ws_ptr + row, cols[None, :], col_mask[None, :],
+                      dtype, HAS_BIAS, HAS_WSCALE)
         if GATE_UP:
-            up = _epilogue(acc_up, bias_row + N, cols[None, :], col_mask[None, :], dtype,
-                           HAS_BIAS)
+            up = _epilogue(acc_up, bias_ptr + row + N, ws_ptr + row + N, cols[None, :],
+                           col_mask[None, :], dtype, HAS_BIAS, HAS_WSCALE)
             y = _activate(y, up, dtype, ACT, alpha, limit)
         else:
             s = tl.load(scale_ptr + pairs, mask=row_mask, other=0.0)

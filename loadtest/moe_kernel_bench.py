@@ -64,7 +64,8 @@ def time_layer(tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     return start.elapsed_time(end) * 1e3 / iters, distinct
 
 
-def sweep(w13: torch.Tensor, w2: torch.Tensor, top_k: int, iters: int) -> dict[str, Any]:
+def sweep(w13: torch.Tensor, w2: torch.Tensor, top_k: int, iters: int,
+          grouped: bool) -> dict[str, Any]:
     """Time each matrix-vector block shape (one product at a time, the other at its
     default) at 1 and 4 tokens; keep the shape with the lowest sum in GEMV_CONFIGS."""
     found: dict[str, Any] = {}
@@ -87,7 +88,7 @@ def sweep(w13: torch.Tensor, w2: torch.Tensor, top_k: int, iters: int) -> dict[s
             "best": list(best[1]), "us_1_plus_4": round(best[0], 2),
             "all": sorted([round(t, 2), list(c)] for t, c in timings)[:12]}
         print(json.dumps(found), flush=True)
-    for block_m, tokens in ((16, 256), (32, 512), (64, 1024)):
+    for block_m, tokens in ((16, 256), (32, 512), (64, 1024)) if grouped else ():
         timings = []
         for config in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
             triton_moe.GROUPED_CONFIGS[block_m] = config
@@ -115,10 +116,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--sweep", action="store_true",
+    parser.add_argument("--sweep", choices=("gemv", "all"),
                         help="first time the matrix-vector products' block shapes at 1 and 4 "
-                             "tokens, and the grouped GEMMs' at 256, 512 and 1024, and keep "
-                             "the fastest of each")
+                             "tokens (and with `all` the grouped GEMMs' at 256, 512 and "
+                             "1024), and keep the fastest of each")
     args = parser.parse_args()
     dtype = torch.bfloat16
     w13 = torch.randn(args.experts, 2 * args.inter, args.hidden, device="cuda", dtype=dtype)
@@ -127,7 +128,7 @@ def main() -> None:
     w2 *= args.inter**-0.5
     bandwidth = copy_bandwidth()
     expert_bytes = 3 * args.hidden * args.inter * w13.element_size()
-    swept = sweep(w13, w2, args.top_k, args.iters) if args.sweep else {}
+    swept = sweep(w13, w2, args.top_k, args.iters, args.sweep == "all") if args.sweep else {}
     rows = []
     for tokens in args.sizes:
         micros, distinct = time_layer(tokens, w13, w2, args.top_k, args.iters)

@@ -24,6 +24,7 @@ from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
 )
 
 from meshserve.kernels import triton_moe, triton_moe_route
+from meshserve.kernels.fp8_linear import quantize_per_channel
 from meshserve.kernels.moe import (
     fused_experts,
     fused_experts_reference,
@@ -135,6 +136,31 @@ def _swiglu_oai_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] -> (FP8 weights, float32 scales [E, N], the weights
+    they stand for in float32)."""
+    q, scales = zip(*(quantize_per_channel(w[e]) for e in range(w.shape[0])))
+    wq, scale = torch.stack(q), torch.stack(scales)
+    return wq, scale, wq.float() * scale[:, :, None]
+
+
+@in_interpreter
+@pytest.mark.parametrize("tokens", [3, 40])  # the matrix-vector path, then the grouped one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_equal_the_dequantized_reference(tokens: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(tokens + 1)
+    w13, w2 = _weights(8, 64, 32, torch.float32, g)
+    w13q, w13s, w13d = _fp8_experts(w13)
+    w2q, w2s, w2d = _fp8_experts(w2)
+    x = torch.randn(tokens, 64, generator=g).to(dtype)
+    weights, ids = route(torch.randn(tokens, 8, generator=g), 2, True)
+    got = triton_moe.fused_experts(x, w13q, w2q, weights, ids, w13_scale=w13s, w2_scale=w2s)
+    want = fused_experts_reference(x, w13d.to(dtype), w2d.to(dtype), weights, ids)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 @in_interpreter
 @pytest.mark.parametrize("tokens", [3, 40])  # the matrix-vector path, then the grouped one
 def test_biased_clamped_swiglu_experts(tokens: int) -> None:
@@ -219,4 +245,4 @@ def test_moe_kernels_under_the_interpreter() -> None:
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) == len(CASES) + len(ALIGN_CASES) + 5 + 2 + 1 and "skipped" not in summary, summary
+    assert passed and int(passed[1]) == len(CASES) + len(ALIGN_CASES) + 5 + 4 + 2 + 1 and "skipped" not in summary, summary
