@@ -70,23 +70,34 @@ def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+                  weights: torch.Tensor, expert_ids: torch.Tensor, *,
+                  w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/expert_ids [T, k] -> [T, H] in x's dtype.
 
-    The Triton grouped GEMMs on CUDA, the reference elsewhere."""
+    FP8 expert weights come with float32 scales per expert and output row, w13_scale
+    [E, 2I] and w2_scale [E, H]. The Triton kernels on CUDA (reading the FP8 bytes), the
+    reference elsewhere (on the dequantized weights)."""
     _check_shapes(x, w13, w2, weights, expert_ids)
     if x.is_cuda:
         from meshserve.kernels import triton_moe  # GPU only
 
-        return triton_moe.fused_experts(x, w13, w2, weights, expert_ids)
+        return triton_moe.fused_experts(x, w13, w2, weights, expert_ids, w13_scale=w13_scale,
+                                        w2_scale=w2_scale)
+    if w13_scale is not None and w2_scale is not None:
+        w13 = (w13.float() * w13_scale[..., None]).to(x.dtype)
+        w2 = (w2.float() * w2_scale[..., None]).to(x.dtype)
     return fused_experts_reference(x, w13, w2, weights, expert_ids)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+              router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
+              w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Route x [T, H] by router_logits [T, E] and run its top-k experts: [T, H]."""
     weights, expert_ids = route(router_logits, top_k, renormalize)
-    return fused_experts(x, w13, w2, weights, expert_ids)
+    return fused_experts(x, w13, w2, weights, expert_ids, w13_scale=w13_scale,
+                         w2_scale=w2_scale)
 
 
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

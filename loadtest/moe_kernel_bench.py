@@ -21,9 +21,12 @@ import torch
 from triton.errors import TritonError
 
 from meshserve.kernels import triton_moe
+from meshserve.kernels.fp8_linear import quantize_per_channel
 from meshserve.kernels.moe import fused_moe
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# More arguments of every fused_moe call (the FP8 weights' scales with --fp8).
+fused_moe_kwargs: dict[str, torch.Tensor] = {}
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -48,11 +51,11 @@ def time_layer(tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(w13.dtype)
     logits = torch.randn(tokens, experts, device="cuda", generator=gen)
     for _ in range(2):  # compile and warm outside the capture
-        fused_moe(x, w13, w2, logits, top_k, True)
+        fused_moe(x, w13, w2, logits, top_k, True, **fused_moe_kwargs)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(x, w13, w2, logits, top_k, True)
+        fused_moe(x, w13, w2, logits, top_k, True, **fused_moe_kwargs)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -116,6 +119,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--fp8", action="store_true", help="FP8 expert weights")
     parser.add_argument("--sweep", choices=("gemv", "all"),
                         help="first time the matrix-vector products' block shapes at 1 and 4 "
                              "tokens (and with `all` the grouped GEMMs' at 256, 512 and "
@@ -126,13 +130,19 @@ def main() -> None:
     w2 = torch.randn(args.experts, args.hidden, args.inter, device="cuda", dtype=dtype)
     w13 *= args.hidden**-0.5
     w2 *= args.inter**-0.5
+    if args.fp8:  # per expert and output row scales, as --quantization fp8 makes them
+        w13, w2 = (torch.stack([quantize_per_channel(w[e])[0] for e in range(args.experts)])
+                   for w in (w13, w2))
+        fused_moe_kwargs.update(
+            w13_scale=torch.full(w13.shape[:2], 1e-3, device="cuda"),
+            w2_scale=torch.full(w2.shape[:2], 1e-3, device="cuda"))
     bandwidth = copy_bandwidth()
-    expert_bytes = 3 * args.hidden * args.inter * w13.element_size()
+    expert_bytes = 3 * args.hidden * args.inter * w13.element_size()  # 1 a value in FP8
     swept = sweep(w13, w2, args.top_k, args.iters, args.sweep == "all") if args.sweep else {}
     rows = []
     for tokens in args.sizes:
         micros, distinct = time_layer(tokens, w13, w2, args.top_k, args.iters)
-        nbytes = distinct * expert_bytes + 2 * tokens * args.hidden * w13.element_size()
+        nbytes = distinct * expert_bytes + 2 * tokens * args.hidden * 2  # + bf16 in and out
         floor = nbytes / bandwidth * 1e6
         row = {"tokens": tokens, "us": round(micros, 2), "experts_read": distinct,
                "bytes": nbytes, "floor_us": round(floor, 2), "x_floor": round(micros / floor, 2),

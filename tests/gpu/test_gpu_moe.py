@@ -21,6 +21,7 @@ from gpu_record import record
 from test_gpu_engine_paths import BF16_LOGPROB_TOL, FP32_LOGPROB_TOL, compare, run
 from tiny_models import build_tiny_model
 
+from meshserve.kernels.fp8_linear import quantize_per_channel
 from meshserve.kernels.moe import fused_experts, fused_experts_reference, route
 
 # Qwen3-30B-A3B: hidden 2048, 128 experts of intermediate 768, top-8.
@@ -44,6 +45,26 @@ def test_triton_experts_match_the_reference(dtype: torch.dtype, tokens: int) -> 
     record(f"moe_kernel_{str(dtype).removeprefix('torch.')}_{tokens}",
            {"gpu": torch.cuda.get_device_name(0), "relative_max_error": error})
     assert error < (1e-4 if dtype == torch.float32 else 2e-2), error
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_triton_fp8_experts_match_the_dequantized_reference(tokens: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) * HIDDEN**-0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) * INTER**-0.5
+    (w13q, w13s), (w2q, w2s) = (
+        (torch.stack(q), torch.stack(s)) for q, s in (
+            zip(*(quantize_per_channel(w[e]) for e in range(EXPERTS))) for w in (w13, w2)))
+    logits = torch.randn(tokens, EXPERTS, device="cuda", generator=gen)
+    weights, ids = route(logits, TOP_K, renormalize=True)
+    got = fused_experts(x, w13q, w2q, weights, ids, w13_scale=w13s, w2_scale=w2s).float()
+    want = fused_experts_reference(x.float(), w13q.float() * w13s[..., None],
+                                   w2q.float() * w2s[..., None], weights, ids)
+    error = ((got - want).abs().max() / want.abs().max()).item()
+    record(f"moe_kernel_fp8_{tokens}", {"gpu": torch.cuda.get_device_name(0),
+                                        "relative_max_error": error})
+    assert error < 2e-2, error
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
