@@ -221,10 +221,8 @@ def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w_base = w_ptr + expert * stride_we
-    # Products accumulate elementwise and are reduced once after the loop, so the loop is
-    # loads and multiply-adds only (no cross-thread reduction per chunk).
-    gate_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
@@ -234,10 +232,8 @@ def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale
                          other=0.0)  # [BN, BK]
         w_up = tl.load(w_base + (cols + N)[:, None] * stride_wn + ks[None, :], mask=mask,
                        other=0.0)
-        gate_acc += w_gate.to(tl.float32) * a
-        up_acc += w_up.to(tl.float32) * a
-    gate = tl.sum(gate_acc, axis=1)  # [BN]
-    up = tl.sum(up_acc, axis=1)
+        gate += tl.sum(w_gate.to(tl.float32) * a, axis=1)
+        up += tl.sum(w_up.to(tl.float32) * a, axis=1)
     dtype = out_ptr.dtype.element_ty
     row = expert * 2 * N
     gate = _epilogue(gate, bias_ptr + row, ws_ptr + row, cols, col_mask, dtype, HAS_BIAS,
@@ -266,15 +262,14 @@ def _gemv_down_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale_pt
         p = t * TOP_K + j
         expert = tl.load(ids_ptr + p).to(tl.int64)
         w_base = w_ptr + expert * stride_we
-        acc2d = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced after the loop
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < K
             a = tl.load(a_ptr + p * stride_a + ks, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :],
                         mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-            acc2d += w.to(tl.float32) * a[None, :]
-        acc = tl.sum(acc2d, axis=1)  # [BN]
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         y = _epilogue(acc, bias_ptr + expert * N, ws_ptr + expert * N, cols, col_mask, dtype,
                       HAS_BIAS, HAS_WSCALE)
         s = tl.load(scale_ptr + p).to(dtype).to(tl.float32)  # rounded as the reference's
