@@ -19,6 +19,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
     Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
@@ -46,6 +47,7 @@ CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Conf
                   "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig}
 CONFIG_CLASSES.update({"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig})
 CONFIG_CLASSES["phi3"] = Phi3Config
+CONFIG_CLASSES["deepseek_v2"] = DeepseekV2Config
 TINY_DIMS: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -78,6 +80,23 @@ PHI3_LONGROPE: dict[str, Any] = {
     "rope_scaling": {"rope_type": "longrope",
                      "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.4],
                      "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]}}
+# DeepSeek-V2 defaults (overrides win): latent attention with a q_lora_rank (None: a plain
+# q_proj), a latent row of 24 + 8 = 32 values, a dense layer 0, then 8 routed experts in 4
+# groups (the best 2 compete for the top 3) beside 2 shared ones, weights scaled by 1.5.
+DEEPSEEK_DIMS: dict[str, Any] = {
+    "num_hidden_layers": 3, "num_key_value_heads": 4, "intermediate_size": 96,
+    "kv_lora_rank": 24, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 3,
+    "moe_intermediate_size": 32, "n_shared_experts": 2, "first_k_dense_replace": 1,
+    "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+    "routed_scaling_factor": 1.5,
+}
+# YaRN as DeepSeek-V2 configures it, with mscale != mscale_all_dim so that both the cos/sin
+# factor and the softmax scale move.
+DEEPSEEK_YARN: dict[str, Any] = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+    "original_max_position_embeddings": 64, "mscale": 0.8, "mscale_all_dim": 1.0,
+    "beta_fast": 32, "beta_slow": 1}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
@@ -144,7 +163,8 @@ def build_tiny_model(dir: Path, arch: str = "llama", *, seed: int = 0,
     vocab = vocab_size or 64 * math.ceil(len(tokenizer) / 64)
     assert vocab >= len(tokenizer), f"vocab_size {vocab} < tokenizer size {len(tokenizer)}"
     config = CONFIG_CLASSES[arch](**{
-        **TINY_DIMS, **MOE_DIMS.get(arch, {}), **GEMMA_DIMS.get(arch, {}), "vocab_size": vocab,
+        **TINY_DIMS, **MOE_DIMS.get(arch, {}), **GEMMA_DIMS.get(arch, {}),
+        **(DEEPSEEK_DIMS if arch == "deepseek_v2" else {}), "vocab_size": vocab,
         "tie_word_embeddings": tie_word_embeddings or arch in GEMMA_DIMS,
         "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": eos_id, **overrides})
     torch.manual_seed(seed)

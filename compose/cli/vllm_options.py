@@ -50,6 +50,7 @@ _SWITCHES: dict[str, list[str]] = {
     "--disable-log-requests": [],  # meshserve never logs request contents
     "--enable-log-requests": ["--access-log"],
     "--disable-log-stats": [],  # statistics are in /metrics, not logged
+    "-ep": ["--enable-expert-parallel"],  # (the long name is meshserve's too)
 }
 # vLLM options meshserve does not support, and the values that ask for nothing.
 _UNSUPPORTED: dict[str, tuple[str, ...]] = {
@@ -66,8 +67,8 @@ _PARTLY_SUPPORTED: dict[str, tuple[str, ...]] = {
     "--quantization": ("fp8",),
     "--kv-cache-dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
 }
-_UNSUPPORTED_SWITCHES = ("--enable-expert-parallel", "--trust-remote-code",
-                         "--enable-prompt-tokens-details", "--enable-sleep-mode")
+_UNSUPPORTED_SWITCHES = ("--trust-remote-code", "--enable-prompt-tokens-details",
+                         "--enable-sleep-mode")
 
 
 def _json_field(text: str, key: str, default: str) -> str:

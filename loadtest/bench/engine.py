@@ -279,6 +279,7 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
     return {"kv_cache_blocks": engine.num_kv_blocks, "block_size": engine.block_size,
             "async_scheduling": engine.async_scheduling, "max_num_seqs": engine.max_num_seqs,
             "tensor_parallel_size": engine.parallel.world_size,
+            "expert_parallel": engine.parallel.expert_parallel,
             "max_num_batched_tokens": engine.max_num_batched_tokens,
             "cuda_graphs": dataclasses.asdict(graphs) if graphs is not None else None,
             "piecewise_cuda_graphs": (dataclasses.asdict(engine.piecewise_report)

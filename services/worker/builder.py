@@ -105,13 +105,16 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
     parallel = parallel or ParallelConfig(
         world_size=config.tensor_parallel_size,
         custom_all_reduce=not config.disable_custom_all_reduce,
-        fused_norm=config.tp_fused_norm)
+        fused_norm=config.tp_fused_norm, expert_parallel=config.enable_expert_parallel)
     device = resolve_device(config.device, parallel.rank)
     torch.manual_seed(config.seed)
     source = resolve_model(config.model, config.load_format)
     model_config = load_model_config(source)
     # Checked (a size that does not split the model is refused) before any rank starts.
     shard = ShardPlan(model_config, parallel) if parallel.enabled else None
+    if parallel.expert_parallel and not model_config.is_moe and parallel.is_driver:
+        log.warning("--enable-expert-parallel: %s has no experts; ignored (as vLLM does)",
+                    model_config.architecture)
     quant = _quantization(config, source, split=shard is not None)
     ranks: RankGroup | None = None
     if shard is not None and sync is None:

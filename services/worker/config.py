@@ -76,6 +76,10 @@ class EngineConfig(Config):
     disable_custom_all_reduce: bool = option(
         False, "sum small tensors over tensor-parallel GPU ranks with NCCL instead of the "
                "one-shot all-reduce over symmetric memory (NVLink)")
+    enable_expert_parallel: bool = option(
+        False, "mixtures of experts at --tensor-parallel-size N: place whole experts on the "
+               "ranks (rank r holds experts r*E/N..(r+1)*E/N-1; N must divide E) instead of "
+               "splitting every expert over all ranks; -ep, as in vLLM. Dense models ignore it")
     quantization: Literal["fp8"] | None = option(
         None, "fp8: the decoder's linear layers in FP8 (e4m3, per-channel scales, activations "
               "quantized per token), quantized at load; FP8 checkpoints (fp8, "
@@ -147,6 +151,10 @@ class EngineConfig(Config):
                 "--max-model-len must be at least 2", "max_model_len")
         require(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be at least 1",
                 "tensor_parallel_size")
+        require(not self.enable_expert_parallel or self.tensor_parallel_size > 1,
+                "--enable-expert-parallel places experts on the tensor-parallel ranks of one "
+                "worker: it needs --tensor-parallel-size above 1 (replicas from --workers or "
+                "--data-parallel-size do not share experts)", "enable_expert_parallel")
         self._validate_lora()
         self._validate_speculation()
 
@@ -262,12 +270,14 @@ class EngineConfig(Config):
 
 
 def short_flags(argv: Sequence[str]) -> list[str]:
-    """vLLM's short spellings that the worker's command line also takes (-tp N, -tp=N)."""
+    """vLLM's short spellings that the worker's command line also takes (-tp N, -tp=N, -ep)."""
     out: list[str] = []
     for arg in argv:
         flag, eq, value = arg.partition("=")
         if flag == "-tp":
             out += ["--tensor-parallel-size", *([value] if eq else [])]
+        elif arg == "-ep":
+            out.append("--enable-expert-parallel")
         else:
             out.append(arg)
     return out

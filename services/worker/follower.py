@@ -37,7 +37,8 @@ def run(spec: RankSpec) -> None:
     torch.set_num_threads(spec.num_threads)
     parallel = ParallelConfig(world_size=spec.world_size, rank=spec.rank,
                               custom_all_reduce=not spec.config.disable_custom_all_reduce,
-                              fused_norm=spec.config.tp_fused_norm)
+                              fused_norm=spec.config.tp_fused_norm,
+                              expert_parallel=spec.config.enable_expert_parallel)
     device = resolve_device(spec.config.device, spec.rank)
     sync = join_group(parallel, device, spec.port)
     # Grammars are compiled and applied by rank 0 only.

@@ -188,7 +188,8 @@ def _iter_checkpoint(files: list[Path], shard: ShardPlan | None = None,
     """Yield (name, CPU tensor) from each file; a corrupt file is named in the error.
 
     With `shard`, only this rank's slice of each tensor (read from safetensors as a slice:
-    the rest of the tensor is never read)."""
+    the rest of the tensor is never read), under the rank's name for it; tensors of other
+    ranks' experts (expert parallelism) are skipped unread."""
     from safetensors import safe_open
 
     for path in files:
@@ -196,12 +197,17 @@ def _iter_checkpoint(files: list[Path], shard: ShardPlan | None = None,
             if path.suffix == ".safetensors":
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                        yield name, (f.get_tensor(name) if shard is None
-                                     else shard.take(name, f.get_slice(name)))
+                        if shard is None:
+                            yield name, f.get_tensor(name)
+                        elif (local := shard.local_name(name)) is not None:
+                            yield local, shard.take(name, f.get_slice(name))
             else:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
                 for name, tensor in state.items():
-                    yield name, tensor if shard is None else shard.take(name, tensor)
+                    if shard is None:
+                        yield name, tensor
+                    elif (local := shard.local_name(name)) is not None:
+                        yield local, shard.take(name, tensor)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors and torch raise many kinds

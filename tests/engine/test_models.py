@@ -52,7 +52,7 @@ class PagedRunner:
     def __init__(self, model: CausalLM, num_blocks: int = 16, block_size: int = 4) -> None:
         cfg = model.config
         self.model, self.block_size = model, block_size
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, cfg.cache_kv_heads, cfg.cache_head_dim)
         self.kv_caches = [(torch.zeros(shape), torch.zeros(shape))
                           for _ in range(cfg.num_hidden_layers)]
         # Blocks are handed out scrambled, so a block-table bug cannot go unnoticed.

@@ -19,7 +19,7 @@ from meshserve.services.worker.engine.kv_sizing import (
 from meshserve.shared.errors import ModelLoadError
 
 # 2 layers x (K and V) x 2 KV heads x 8 dims x 4 bytes = 256 bytes per token.
-_MODEL: Any = SimpleNamespace(config=SimpleNamespace(num_key_value_heads=2, head_dim=8,
+_MODEL: Any = SimpleNamespace(config=SimpleNamespace(cache_kv_heads=2, cache_head_dim=8,
                                                      num_hidden_layers=2))
 
 

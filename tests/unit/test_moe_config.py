@@ -84,8 +84,10 @@ def test_moe_config_without_architectures_is_refused(model_type: str) -> None:
         ModelConfig.from_hf({**BASE, "model_type": model_type, "num_experts": 4})
 
 
-def test_tensor_parallelism_of_a_moe_model_is_refused() -> None:
+def test_tensor_parallelism_of_a_moe_model_splits_its_experts() -> None:
+    """Split, not refused (tests/unit/test_expert_parallel.py has the rest)."""
     cfg = config("MixtralForCausalLM", num_local_experts=4)
-    ShardPlan(cfg, ParallelConfig(world_size=1))  # one rank: nothing to split
-    with pytest.raises(ModelLoadError, match="tensor parallelism of mixture-of-experts.*Mixtral"):
-        ShardPlan(cfg, ParallelConfig(world_size=2, rank=0))
+    local = ShardPlan(cfg, ParallelConfig(world_size=2, rank=0)).local_config()
+    assert (local.num_experts, local.moe_intermediate_size) == (4, 48)
+    placed = ShardPlan(cfg, ParallelConfig(world_size=2, rank=1, expert_parallel=True))
+    assert (placed.local_config().moe_intermediate_size, placed.placement.first) == (96, 2)

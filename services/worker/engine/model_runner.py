@@ -126,7 +126,7 @@ def profile_activation_bytes(model: CausalLM, config: ModelConfig, num_tokens: i
     plus the logits of `num_logit_rows` rows, and reads the allocator's peak.
     """
     num_blocks = -(-num_tokens // block_size) + 1
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    shape = (num_blocks, block_size, config.cache_kv_heads, config.cache_head_dim)
     caches = [(torch.zeros(shape, dtype=dtype, device=device),
                torch.zeros(shape, dtype=dtype, device=device))
               for _ in range(config.num_hidden_layers)]
@@ -154,9 +154,10 @@ def profile_activation_bytes(model: CausalLM, config: ModelConfig, num_tokens: i
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block across all layers."""
+    """Bytes of K and V for one block across all layers (for latent attention, the
+    compressed rows: `ModelConfig.cache_kv_heads` / `cache_head_dim`)."""
     element = torch.tensor([], dtype=dtype).element_size()
-    per_token = 2 * config.num_key_value_heads * config.head_dim * element
+    per_token = 2 * config.cache_kv_heads * config.cache_head_dim * element
     return per_token * block_size * config.num_hidden_layers
 
 
@@ -176,9 +177,10 @@ class ModelRunner:
         self.device = device
         self.sync = sync
         self.block_size = kv.block_size
-        # The model's own KV heads: a tensor-parallel rank holds only its share.
-        shape = (kv.num_blocks, kv.block_size, model.config.num_key_value_heads,
-                 config.head_dim)
+        # The model's own KV heads: a tensor-parallel rank holds only its share. (Latent
+        # attention caches one compressed row a token: ModelConfig.cache_head_dim.)
+        shape = (kv.num_blocks, kv.block_size, model.config.cache_kv_heads,
+                 model.config.cache_head_dim)
         # Per layer: (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]: views of one
         # [layers, 2, num_blocks, ...] tensor, so that the KV tier moves whole blocks of every
         # layer in one gather (kv_copy.py).

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshserve.kernels.rotary import compute_inv_freq, rope_type_of
+from meshserve.services.worker.models.deepseek_config import deepseek_options, rope_head_dim
 from meshserve.services.worker.models.gemma_config import GEMMA_ARCHITECTURES, gemma_options
 from meshserve.services.worker.models.registry import MOE_ARCHITECTURES, check_supported
 from meshserve.shared.errors import ModelLoadError
@@ -68,6 +69,18 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None  # Gemma 3's RoPE base on sliding layers
+    # DeepSeek-V2/V3 (models/deepseek_v2.py, deepseek_config.py): multi-head latent attention
+    # when kv_lora_rank > 0. head_dim is then qk_rope_head_dim (the dims RoPE rotates).
+    kv_lora_rank: int = 0  # the compressed latent c_kv each token caches
+    q_lora_rank: int | None = None  # queries through a low-rank q_a/q_b pair (None: q_proj)
+    qk_nope_head_dim: int = 0  # per-head key/query dims without RoPE
+    qk_rope_head_dim: int = 0  # the rotated dims, one shared key part k_pe for all heads
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE rotates pairs (x0, x1), (x2, x3), ... (DeepSeek)
+    routed_scaling_factor: float = 1.0  # routed experts' weights are multiplied by this
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc (DeepSeek-V3)
+    n_group: int = 1  # experts fall in n_group groups; only the best topk_group are chosen
+    topk_group: int = 1
 
     @property
     def max_model_len(self) -> int:
@@ -96,6 +109,20 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def cache_kv_heads(self) -> int:
+        """KV heads of one cache slot: the model's, or 1 for latent attention, whose slot
+        holds one compressed row (`cache_head_dim`)."""
+        return 1 if self.kv_lora_rank else self.num_key_value_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Dims of each of a slot's K and V halves: head_dim, or for latent attention half of
+        its cached row [c_kv, k_pe] (kernels/mla.py: the K half holds the first half)."""
+        if self.kv_lora_rank:
+            return (self.kv_lora_rank + self.qk_rope_head_dim) // 2
+        return self.head_dim
+
+    @property
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (as transformers: int(head_dim * factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -114,7 +141,8 @@ class ModelConfig:
         if architecture not in GEMMA_ARCHITECTURES:  # (gemma_options checks Gemma's GeGLU)
             _check_mlp(cfg, source)
         heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        head_dim = rope_head_dim(architecture, cfg, source) or int(
+            cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
         partial_rotary_factor = _partial_rotary_factor(cfg)
         rope_theta, rope_scaling = _rope(cfg, int(head_dim * partial_rotary_factor), source)
         config = cls(
@@ -139,6 +167,7 @@ class ModelConfig:
             partial_rotary_factor=partial_rotary_factor,
             **_moe_options(architecture, cfg, source),
             **gemma_options(architecture, cfg, source),
+            **deepseek_options(architecture, cfg, source),
         )
         config.validate(source)
         return config

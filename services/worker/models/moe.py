@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from meshserve.kernels.linear import linear
-from meshserve.kernels.moe import fused_moe
+from meshserve.kernels.moe import fused_experts, route
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import MLP, CausalLM
 
@@ -53,12 +53,20 @@ class ExpertRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """E experts' stacked weights: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]."""
+    """E experts' stacked weights: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I].
+
+    Tensor parallelism gives each rank a slice of every expert (smaller I) or, under expert
+    parallelism, a subclass holding some experts whole (services/worker/parallel/experts.py)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor,
+                expert_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], routing weights and expert ids [T, k] -> [T, H]."""
+        return fused_experts(x, self.w13, self.w2, weights, expert_ids)
 
 
 class SparseMoeBlock(nn.Module):
@@ -80,8 +88,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        out = fused_moe(x, self.experts.w13, self.experts.w2, self.gate(x), self.top_k,
-                        self.renormalize)  # [T, H]
+        weights, expert_ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, k]
+        out = self.experts(x, weights, expert_ids)  # [T, H]
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
             out = out + gate * self.shared_expert(x)

@@ -25,6 +25,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
 }
 
 # The mixtures of experts among them (services/worker/models/moe.py).
@@ -61,6 +62,12 @@ _NOT_YET: dict[str, tuple[str, frozenset[str], str]] = {
                                       "fp8_checkpoint"}),
               "run it on one device from a bf16 Hugging Face safetensors folder")
        for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")},
+    # Latent attention and its compressed cache: neither the slicer, the adapters, the FP8
+    # layers (nor DeepSeek's block-scaled FP8 checkpoints) nor the GGUF reader know them.
+    **{arch: ("DeepSeek", frozenset({"tensor_parallel", "lora", "gguf", "fp8",
+                                     "fp8_checkpoint"}),
+              "run it on one device from a bf16 Hugging Face safetensors folder")
+       for arch in ("DeepseekV2ForCausalLM",)},
 }
 
 

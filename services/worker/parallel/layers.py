@@ -1,7 +1,8 @@
 """The collectives of a tensor-parallel model, fitted onto the model file's own modules.
 
 `shard_modules` changes a `CausalLM` built with a rank's local shapes (`ShardPlan.
-local_config`) in three places and leaves the rest of the model file as it is:
+local_config`) in three places (four under expert parallelism, whose sparse blocks get only
+this rank's experts: parallel/experts.py) and leaves the rest of the model file as it is:
 
 - the embedding looks up only this rank's vocabulary rows and sums the ranks' lookups;
 - the row-parallel projections (`o_proj`, `down_proj`) leave partial sums, and the norm that
@@ -26,6 +27,7 @@ from torch.nn import functional as F
 from meshserve.services.worker.models.llama import CausalLM, DecoderLayer, RMSNorm
 from meshserve.services.worker.parallel.config import ShardPlan
 from meshserve.services.worker.parallel.device_sum import DeviceSum
+from meshserve.services.worker.parallel.experts import place_experts
 
 
 class RankSum:
@@ -111,6 +113,8 @@ def shard_modules(model: CausalLM, plan: ShardPlan) -> None:
             following.input_layernorm = SummingNorm(following.input_layernorm, rank_sum)
     if len(model.model.layers):
         model.model.norm = SummingNorm(model.model.norm, rank_sum)
+    if plan.expert_parallel:
+        place_experts(model, plan.placement)
 
 
 def bind_device_sum(model: CausalLM, plan: ShardPlan, device: torch.device,

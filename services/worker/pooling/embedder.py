@@ -72,8 +72,8 @@ class Embedder:
         # A batch of B inputs wastes at most B - 1 partial blocks: room for the budget's
         # tokens plus one block per input.
         blocks = -(-self.max_batch_tokens // self.block_size) + self.max_batch_inputs
-        shape = (blocks, self.block_size, self.model_config.num_key_value_heads,
-                 self.model_config.head_dim)
+        shape = (blocks, self.block_size, self.model_config.cache_kv_heads,
+                 self.model_config.cache_head_dim)
         # Per layer: (k_cache, v_cache), each [blocks, block_size, Hkv, D].
         self.kv_caches: list[KVCache] = [
             (torch.empty(shape, dtype=self.dtype, device=self.device),
