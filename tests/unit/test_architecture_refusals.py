@@ -12,9 +12,10 @@ from meshserve.services.worker.models.registry import (
 from meshserve.shared.errors import ModelLoadError
 
 LACKING = {
-    "Qwen3MoeForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8_checkpoint"},
-    "Qwen2MoeForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8_checkpoint"},
-    "MixtralForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8_checkpoint"},
+    # Tensor and expert parallelism of MoE models: tests/engine/test_tensor_parallel_moe.py.
+    "Qwen3MoeForCausalLM": {"lora", "gguf", "fp8_checkpoint"},
+    "Qwen2MoeForCausalLM": {"lora", "gguf", "fp8_checkpoint"},
+    "MixtralForCausalLM": {"lora", "gguf", "fp8_checkpoint"},
     "Phi3ForCausalLM": {"tensor_parallel", "lora"},
     "Gemma2ForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint"},
     "Gemma3ForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint"},

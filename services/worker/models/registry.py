@@ -48,9 +48,9 @@ _FEATURES = {
 }
 # Architecture -> (its family's name, the features it lacks, what to do instead).
 _NOT_YET: dict[str, tuple[str, frozenset[str], str]] = {
-    **{arch: ("mixture-of-experts", frozenset({"tensor_parallel", "lora", "gguf",
-                                               "fp8_checkpoint"}),
-              "run it on one device from a bf16 Hugging Face safetensors folder")
+    # (Tensor parallelism, with or without expert parallelism: parallel/experts.py.)
+    **{arch: ("mixture-of-experts", frozenset({"lora", "gguf", "fp8_checkpoint"}),
+              "run it from a bf16 Hugging Face safetensors folder")
        for arch in MOE_ARCHITECTURES},
     # Its checkpoints hold q/k/v and gate/up fused: the tensor-parallel slicer and LoRA's
     # adapters name them apart.
