@@ -95,18 +95,13 @@ def load_model(source: ModelSource, config: ModelConfig, dtype: torch.dtype,
 def _check_source(source: ModelSource, config: ModelConfig, dummy: bool,
                   quant: QuantConfig | None) -> None:
     """Refuse by name the formats and quantizations the architecture does not load from yet
-    (models/registry.py); say what `--quantization fp8` leaves out of a mixture of experts
-    (the experts stay in the model's dtype: only nn.Linear layers are quantized)."""
+    (models/registry.py)."""
     if source.format == "gguf" and not dummy:
         refuse_unsupported(config.architecture, "gguf")
     if quant is None:
         return
     refuse_unsupported(config.architecture,
                        "fp8_checkpoint" if quant.from_checkpoint and not dummy else "fp8")
-    if config.is_moe:
-        log.warning("%s: the experts' weights stay in the model's dtype; --quantization fp8 "
-                    "quantizes the attention, dense MLP and shared-expert layers only",
-                    config.architecture)
 
 
 def _materialize(config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -9,6 +9,7 @@ batched requests, prefix-cache hits and preemption. Then what is refused by name
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,9 +23,12 @@ from test_engine_vs_hf import (
     hf_setup,
     make_engine,
 )
+from test_fp8_engine import assert_matches, engine_run, is_projection, per_channel
 from test_models import PagedRunner, hf_logits, load, token_ids
 from tiny_models import build_tiny_model
+from transformers import AutoModelForCausalLM
 
+from meshserve.kernels.fp8_linear import FP8_DTYPE
 from meshserve.services.worker.loader import ModelSource, load_model, load_model_config
 from meshserve.services.worker.models.moe import SparseMoeBlock
 from meshserve.shared.errors import ModelLoadError
@@ -128,15 +132,25 @@ def test_fp8_checkpoint_and_gguf_of_a_moe_model_are_refused(tmp_path: Path) -> N
         load_model(gguf, config, torch.float32, CPU, "auto")
 
 
-def test_online_fp8_leaves_the_experts_in_the_model_dtype(tmp_path: Path) -> None:
-    from meshserve.shared.quantization import quantization_of
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_online_fp8_experts_equal_transformers_on_the_fp8_rounded_weights(
+        arch: str, tmp_path: Path) -> None:
+    """--quantization fp8 makes the experts FP8 too (per expert and output row scales), and
+    the engine then equals transformers running every projection and expert weight rounded
+    through FP8 the same way."""
+    folder = build_tiny_model(tmp_path / arch, arch, seed=2)
+    prompts = [token_ids(n, seed=n).tolist() for n in (1, 9, 30)]
+    engine, got = engine_run(folder, prompts, quantization="fp8")
+    block = next(layer.mlp for layer in engine.model.model.layers
+                 if isinstance(layer.mlp, SparseMoeBlock))
+    assert block.experts.w13.dtype == block.experts.w2.dtype == FP8_DTYPE
+    assert block.gate.weight.dtype == torch.float32  # routing stays in the model's dtype
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            if stacked or is_projection(name) or re.search(r"experts\.\d+\.w[123]\.", name):
+                rows = param.flatten(0, 1) if stacked else param  # a scale per expert row
+                param.copy_(per_channel(rows).view_as(param))
+    assert_matches(got, hf, prompts)
 
-    folder = build_tiny_model(tmp_path / "qwen2_moe", "qwen2_moe")
-    source = ModelSource(str(folder), folder, "hf", None)
-    model = load_model(source, load_model_config(source), torch.float32, CPU, "auto",
-                       quant=quantization_of({}, "fp8", "flags"))
-    block = model.model.layers[0].mlp
-    assert isinstance(block, SparseMoeBlock) and block.shared_expert is not None
-    assert block.experts.w13.dtype == block.gate.weight.dtype == torch.float32
-    assert type(block.shared_expert.gate_up_proj).__name__ == "Fp8Linear"
-    assert torch.isfinite(PagedRunner(model).step([(0, token_ids(5, seed=2), 0)])[0]).all()

@@ -58,15 +58,23 @@ class Experts(nn.Module):
     Tensor parallelism gives each rank a slice of every expert (smaller I) or, under expert
     parallelism, a subclass holding some experts whole (services/worker/parallel/experts.py)."""
 
+    # With FP8 weights (`--quantization fp8`, models/quant_fp8.py `quantize_experts`): float32
+    # scales per expert and output row, w13_scale [E, 2I] and w2_scale [E, H].
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 expert_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights and expert ids [T, k] -> [T, H]."""
-        return fused_experts(x, self.w13, self.w2, weights, expert_ids)
+        return fused_experts(x, self.w13, self.w2, weights, expert_ids,
+                             w13_scale=self.w13_scale, w2_scale=self.w2_scale)
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,7 +1,8 @@
 """FP8 weights for the decoder's linear layers: the `Fp8Linear` module, quantization at load
 (`--quantization fp8`) and loading of FP8 checkpoints (vLLM's `fp8` and compressed-tensors).
 
-Only the projections inside the decoder layers (qkv, o, gate_up, down) become FP8; the
+Only the projections inside the decoder layers (qkv, o, gate_up, down) and the experts of a
+mixture of experts (`quantize_experts`: per expert and output row scales) become FP8; the
 embeddings, norms and the LM head stay in the model's dtype, as in vLLM, unless
 `--quantize-lm-head` asks for an FP8 LM head too (`quantize_lm_head`: per-row scales over the
 vocabulary; a tied model keeps its embeddings and gets an FP8 copy). At load the module
@@ -85,7 +86,9 @@ def prepare_checkpoint_layers(model: CausalLM, quant: QuantConfig) -> None:
 
 
 def quantize_online(model: CausalLM) -> None:
-    """Replace each decoder linear layer by its FP8 form (per-channel scales), in place."""
+    """Replace each decoder linear layer by its FP8 form (per-channel scales), and give the
+    experts of a mixture of experts FP8 weights, in place."""
+    quantize_experts(model)
     with torch.no_grad():
         for _, parent, attr, linear in list(decoder_linears(model)):
             q, scale = quantize_per_channel(linear.weight)
@@ -99,6 +102,26 @@ def quantize_online(model: CausalLM) -> None:
         # Hand the freed bf16 weights back, or the KV cache sizing (which counts this
         # process's reserved memory) would leave them unused.
         torch.cuda.empty_cache()
+
+
+def quantize_experts(model: CausalLM) -> None:
+    """Give every mixture-of-experts layer FP8 expert weights, one float32 scale per expert
+    and output row (the layout the MoE kernels read), in place."""
+    from meshserve.services.worker.models.moe import Experts  # MoE models only
+
+    with torch.no_grad():
+        for experts in model.modules():
+            if not isinstance(experts, Experts):
+                continue
+            for name in ("w13", "w2"):
+                weight = getattr(experts, name)  # [E, N, K]
+                q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+                scale = torch.empty(weight.shape[:2], dtype=torch.float32,
+                                    device=weight.device)
+                for e in range(weight.shape[0]):  # one expert at a time: small temporaries
+                    q[e], scale[e] = quantize_per_channel(weight[e])
+                setattr(experts, name, nn.Parameter(q, requires_grad=False))
+                setattr(experts, f"{name}_scale", scale)  # a buffer (Experts.__init__)
 
 
 def quantize_lm_head(model: CausalLM) -> None:
