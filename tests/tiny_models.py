@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
@@ -47,7 +48,7 @@ CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Conf
                   "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig}
 CONFIG_CLASSES.update({"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig})
 CONFIG_CLASSES["phi3"] = Phi3Config
-CONFIG_CLASSES["deepseek_v2"] = DeepseekV2Config
+CONFIG_CLASSES.update({"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config})
 TINY_DIMS: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -80,16 +81,21 @@ PHI3_LONGROPE: dict[str, Any] = {
     "rope_scaling": {"rope_type": "longrope",
                      "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.4],
                      "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]}}
-# DeepSeek-V2 defaults (overrides win): latent attention with a q_lora_rank (None: a plain
+# DeepSeek defaults (overrides win): latent attention with a q_lora_rank (None: a plain
 # q_proj), a latent row of 24 + 8 = 32 values, a dense layer 0, then 8 routed experts in 4
-# groups (the best 2 compete for the top 3) beside 2 shared ones, weights scaled by 1.5.
-DEEPSEEK_DIMS: dict[str, Any] = {
+# groups (the best 2 compete for the top 3) beside 2 shared ones, weights scaled. DeepSeek-V3
+# routes by sigmoid scores and its (randomised) e_score_correction_bias, renormalised.
+_DEEPSEEK_SHAPE: dict[str, Any] = {
     "num_hidden_layers": 3, "num_key_value_heads": 4, "intermediate_size": 96,
     "kv_lora_rank": 24, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
     "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 3,
     "moe_intermediate_size": 32, "n_shared_experts": 2, "first_k_dense_replace": 1,
-    "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
-    "routed_scaling_factor": 1.5,
+    "n_group": 4, "topk_group": 2, "head_dim": 8,  # (transformers: head_dim is the rope dims)
+}
+DEEPSEEK_DIMS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {**_DEEPSEEK_SHAPE, "topk_method": "group_limited_greedy",
+                    "routed_scaling_factor": 1.5},
+    "deepseek_v3": {**_DEEPSEEK_SHAPE, "norm_topk_prob": True, "routed_scaling_factor": 2.5},
 }
 # YaRN as DeepSeek-V2 configures it, with mscale != mscale_all_dim so that both the cos/sin
 # factor and the softmax scale move.
@@ -164,7 +170,7 @@ def build_tiny_model(dir: Path, arch: str = "llama", *, seed: int = 0,
     assert vocab >= len(tokenizer), f"vocab_size {vocab} < tokenizer size {len(tokenizer)}"
     config = CONFIG_CLASSES[arch](**{
         **TINY_DIMS, **MOE_DIMS.get(arch, {}), **GEMMA_DIMS.get(arch, {}),
-        **(DEEPSEEK_DIMS if arch == "deepseek_v2" else {}), "vocab_size": vocab,
+        **DEEPSEEK_DIMS.get(arch, {}), "vocab_size": vocab,
         "tie_word_embeddings": tie_word_embeddings or arch in GEMMA_DIMS,
         "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": eos_id, **overrides})
     torch.manual_seed(seed)
@@ -191,6 +197,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.25 * noise)
             else:
                 param.copy_(noise / math.sqrt(param.shape[-1]))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias
+                buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
 
 
 def _shard_size(model: torch.nn.Module, shards: int) -> str:

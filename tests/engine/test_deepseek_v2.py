@@ -33,9 +33,10 @@ from test_kv_tier import make_engine as tier_engine
 from test_kv_tier import run as tier_run
 from test_models import PagedRunner, hf_logits, load, token_ids
 from tiny_models import DEEPSEEK_YARN, build_tiny_model
-from transformers import DeepseekV2Config
+from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.cache_utils import DynamicCache
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from meshserve.services.worker.engine.kv_copy import gather_blocks, scatter_blocks
 from meshserve.services.worker.engine.model_runner import kv_cache_bytes_per_block
@@ -43,17 +44,21 @@ from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.deepseek_v2 import (
     DeepseekMoe,
     DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
     grouped_topk,
     softmax_scale,
 )
 from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.sampling_params import SamplingParams
 
-SETUPS: dict[str, dict[str, Any]] = {
-    "q-lora-grouped": {},
-    "q-proj-greedy": {"q_lora_rank": None, "topk_method": "greedy", "n_group": None,
-                      "topk_group": None},
-    "yarn": {"rope_parameters": DEEPSEEK_YARN},
+# Setup name -> (tiny_models arch, config overrides).
+SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
+    "q-lora-grouped": ("deepseek_v2", {}),
+    "q-proj-greedy": ("deepseek_v2", {"q_lora_rank": None, "topk_method": "greedy",
+                                      "n_group": None, "topk_group": None}),
+    "yarn": ("deepseek_v2", {"rope_parameters": DEEPSEEK_YARN}),
+    "v3": ("deepseek_v3", {}),
+    "v3-neox-rope": ("deepseek_v3", {"rope_interleave": False, "q_lora_rank": None}),
 }
 LATENT = 24 + 8  # kv_lora_rank + qk_rope_head_dim of DEEPSEEK_DIMS
 CPU = torch.device("cpu")
@@ -61,16 +66,19 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module", params=sorted(SETUPS))
 def ds_setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    return (request.param, *hf_setup("deepseek_v2", tmp_path_factory, **SETUPS[request.param]))
+    arch, overrides = SETUPS[request.param]
+    return (request.param, *hf_setup(arch, tmp_path_factory, **overrides))
 
 
 def test_model_logits_match_transformers(ds_setup) -> None:
     name, folder, _, _, _ = ds_setup
     model = load(folder)
-    assert isinstance(model, DeepseekV2ForCausalLM)
+    assert isinstance(model, DeepseekV3ForCausalLM if name.startswith("v3")
+                      else DeepseekV2ForCausalLM)
     sparse = [isinstance(layer.mlp, DeepseekMoe) for layer in model.model.layers]
     assert sparse == [False, True, True]
-    assert (model.config.q_lora_rank is None) == (name == "q-proj-greedy")
+    assert (model.config.q_lora_rank is None) == (name in ("q-proj-greedy", "v3-neox-rope"))
+    assert model.config.rope_interleave == (name != "v3-neox-rope")
     ids = token_ids(40, seed=3)
     want = hf_logits(folder, ids)
     assert want.std() > 0.5, "reference logits too flat to tell implementations apart"
@@ -101,7 +109,7 @@ def test_the_cache_holds_only_the_latent_rows(ds_setup) -> None:
     """A block is kv_lora_rank + qk_rope_head_dim values per token and layer, and they are
     what transformers caches: the normalised latent and the rotated k_pe (its complex pairs
     (re, im) stored here as [all re | all im])."""
-    _, folder, hf, prompts, _ = ds_setup
+    name, folder, hf, prompts, _ = ds_setup
     engine = make_engine(folder, block_size=16)
     config = engine.runner.config
     assert (config.cache_kv_heads, config.cache_head_dim) == (1, LATENT // 2)
@@ -120,7 +128,8 @@ def test_the_cache_holds_only_the_latent_rows(ds_setup) -> None:
         rows = torch.cat((k_cache[table], v_cache[table]), dim=-1).view(-1, LATENT)  # [64, R+P]
         latent, k_pe = cache.layers[layer].keys[0, 0], cache.layers[layer].values[0, 0]
         torch.testing.assert_close(rows[:, :24], latent, atol=1e-5, rtol=1e-5)
-        pairs = torch.cat((k_pe[:, 0::2], k_pe[:, 1::2]), dim=-1)  # [re | im]
+        pairs = (torch.cat((k_pe[:, 0::2], k_pe[:, 1::2]), dim=-1)  # [re | im]
+                 if "v3" not in name else k_pe)  # (V3's are in that layout already)
         torch.testing.assert_close(rows[:, 24:], pairs, atol=1e-5, rtol=1e-5)
     while engine.has_unfinished_requests():
         engine.step()
@@ -173,6 +182,49 @@ def test_grouped_topk_matches_transformers_router(method: str, groups: int | Non
                                want_weights.gather(1, want_order.indices))
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_noaux_tc_routing_matches_transformers_v3_router(renormalize: bool) -> None:
+    config = DeepseekV3Config(hidden_size=32, num_attention_heads=4, n_routed_experts=16,
+                              num_experts_per_tok=4, n_group=4, topk_group=2,
+                              norm_topk_prob=renormalize, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(config)
+    generator = torch.Generator().manual_seed(1)
+    torch.nn.init.normal_(router.weight, std=0.5, generator=generator)
+    router.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=generator))
+    x = torch.randn(200, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, want_weights, want_ids = router(x)
+    weights, ids = grouped_topk(logits, 4, "noaux_tc", 4, 2, renormalize, 2.5,
+                                router.e_score_correction_bias)
+    order, want_order = ids.long().sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices),
+                               want_weights.gather(1, want_order.indices))
+    greedy_ids = torch.topk(logits.sigmoid() + router.e_score_correction_bias, 4).indices
+    assert not torch.equal(greedy_ids.sort(-1).values, want_order.values), (
+        "the groups should change some token's experts")
+
+
+def test_v3_checkpoint_mtp_layers_are_skipped(tmp_path: Path) -> None:
+    """DeepSeek-V3 checkpoints append multi-token prediction layers past num_hidden_layers:
+    skipped, as transformers skips them; any other unknown tensor is still named."""
+    from safetensors.torch import load_file, save_file
+
+    folder = build_tiny_model(tmp_path / "v3", "deepseek_v3", seed=3)
+    ids = token_ids(9, seed=4)
+    want = hf_logits(folder, ids)
+    tensors = load_file(str(folder / "model.safetensors"))
+    extra = {name.replace("model.layers.2.", "model.layers.3."): t.clone()
+             for name, t in tensors.items() if name.startswith("model.layers.2.")}
+    save_file({**tensors, **extra}, str(folder / "model.safetensors"))
+    got = PagedRunner(load(folder)).step([(0, ids, 0)])[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    save_file({**tensors, "model.layers.1.mlp.gate.extra": torch.zeros(2)},
+              str(folder / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="unexpected tensor.*gate.extra"):
+        load(folder)
+
+
 def _hub_config(**changes: object) -> dict[str, Any]:
     """DeepSeek-V2-Lite's published config.json (no head_dim, YaRN as `rope_scaling`)."""
     return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
@@ -201,10 +253,19 @@ def test_hub_config_is_read_and_its_cache_is_576_values_a_token() -> None:
     assert config.mlp_only_layers == (0,) and config.shared_expert_intermediate_size == 2816
     mscale = 0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1.0
     assert softmax_scale(config) == pytest.approx(192**-0.5 * mscale**2)
+    v3 = ModelConfig.from_hf(_hub_config(**_V3, n_group=8, topk_group=3))
+    assert (v3.topk_method, v3.n_group, v3.topk_group, v3.norm_topk_prob) == (
+        "noaux_tc", 8, 3, True)
+    assert v3.rope_interleave and v3.cache_head_dim == 288
     # DeepSeek's rule: sparse from first_k_dense_replace on, where index % moe_layer_freq == 0.
     every_other = ModelConfig.from_hf(_hub_config(num_hidden_layers=6, moe_layer_freq=2))
     assert [every_other.is_sparse_layer(i) for i in range(6)] == [False, False, True, False,
                                                                     True, False]
+
+
+# DeepSeek-V3's routing fields on the V2-Lite shape.
+_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "scoring_func": "sigmoid",
+       "topk_method": "noaux_tc", "norm_topk_prob": True}
 
 
 @pytest.mark.parametrize("change, named", [
@@ -217,6 +278,9 @@ def test_hub_config_is_read_and_its_cache_is_576_values_a_token() -> None:
      "num_experts_per_tok"),
     ({"moe_layer_freq": 0}, "moe_layer_freq"),
     ({"qk_rope_head_dim": None}, "qk_rope_head_dim"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "scoring_func": "softmax"}, "scoring_func"),
+    ({**_V3, "topk_method": "greedy"}, "topk_method"),
+    ({**_V3, "n_group": 64, "topk_group": 6}, "n_group"),
 ])
 def test_unsupported_deepseek_configs_are_refused_by_name(change: dict[str, object],
                                                           named: str) -> None:

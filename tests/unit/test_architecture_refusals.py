@@ -20,6 +20,7 @@ LACKING = {
     "Gemma2ForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint"},
     "Gemma3ForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint"},
     "DeepseekV2ForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint"},
+    "DeepseekV3ForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint"},
 }
 FEATURES = ("tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint")
 FLAGS = {"tensor_parallel": "tensor_parallel_size", "lora": "enable_lora", "gguf": "model",

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 (and V2-Lite, V2.5): multi-head latent attention and DeepSeek's experts.
+"""DeepSeek-V2 (and V2-Lite, V2.5) and V3: multi-head latent attention, DeepSeek's experts.
 
     attention  q     = q_proj(x), or q_b_proj(norm(q_a_proj(x))) with q_lora_rank   [T, H, nope + P]
                c_kv, k_pe = kv_a_proj_with_mqa(x) split [R | P]; c_kv = kv_a_layernorm(c_kv)
@@ -10,7 +10,7 @@
     MLP        dense (intermediate_size) in the first first_k_dense_replace layers and off
                the moe_layer_freq beat; elsewhere routed experts (grouped top-k, weights times
                routed_scaling_factor) plus the shared experts, one ungated MLP
-               (models/deepseek_config.py)
+               (models/deepseek_config.py; V3 routes by sigmoid scores and a bias)
 
 The residual stream, norms, embeddings and LM head are the Llama-family decoder's (llama.py),
 and checkpoints name experts as models/moe.py reads them (per expert, or stacked as transformers
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,6 @@ from torch import nn
 
 from meshserve.kernels.attention import AttentionMetadata
 from meshserve.kernels.mla import mla_attention, rotate_pe, write_latents
-from meshserve.kernels.moe import fused_experts
 from meshserve.kernels.rotary import RotaryEmbedding
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import (
@@ -204,7 +204,7 @@ class DeepseekMoe(SparseMoeBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, expert_ids = self.gate.route(x)
-        out = fused_experts(x, self.experts.w13, self.experts.w2, weights, expert_ids)
+        out = self.experts(x, weights, expert_ids)  # [T, H]
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -267,3 +267,16 @@ class DeepseekV2ForCausalLM(MoeCausalLM):
             layout[f"{prefix}.gate_proj.weight"] = (fused, 0, size)
             layout[f"{prefix}.up_proj.weight"] = (fused, size, size)
         return layout
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 / R1 (bf16 checkpoints): V2's layers with noaux_tc routing (sigmoid scores,
+    e_score_correction_bias, groups ranked by their two best, renormalised) and RoPE pairs
+    interleaved unless rope_interleave is false. Its checkpoints append multi-token
+    prediction layers (model.layers.{num_hidden_layers}...), which serving does not run."""
+
+    def _ignorable(self, name: str) -> bool:
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        if match is not None and int(match[1]) >= self.config.num_hidden_layers:
+            return True
+        return super()._ignorable(name)

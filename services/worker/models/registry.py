@@ -26,6 +26,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 # The mixtures of experts among them (services/worker/models/moe.py).
@@ -67,7 +68,7 @@ _NOT_YET: dict[str, tuple[str, frozenset[str], str]] = {
     **{arch: ("DeepSeek", frozenset({"tensor_parallel", "lora", "gguf", "fp8",
                                      "fp8_checkpoint"}),
               "run it on one device from a bf16 Hugging Face safetensors folder")
-       for arch in ("DeepseekV2ForCausalLM",)},
+       for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")},
 }
 
 
