@@ -96,21 +96,20 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     scale = weights.reshape(-1)  # [P], pair order
     if scale.dtype != torch.float32 or not scale.is_contiguous():
         scale = scale.to(torch.float32).contiguous()
-    epilogue = {"ACT": ACTIVATIONS[activation], "alpha": alpha, "limit": limit}
+    act = _Activation(ACTIVATIONS[activation], float(alpha), float(limit))
     rows13, rows2 = _RowTerms(b13, w13_scale), _RowTerms(b2, w2_scale)
     inter = torch.empty(pairs, two_inter // 2, dtype=x.dtype, device=x.device)  # [P, I]
     if pairs <= GEMV_MAX_PAIRS:
         combined = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-        _gemv(x, w13, rows13, inter, ids, scale, top_k, gate_up=True, **epilogue)
-        _gemv(inter, w2, rows2, combined, ids, scale, top_k, gate_up=False, **epilogue)
+        _gemv(x, w13, rows13, inter, ids, scale, top_k, True, act)
+        _gemv(inter, w2, rows2, combined, ids, scale, top_k, False, act)
         return combined  # [T, H]
     out = torch.empty(num_tokens, top_k, hidden, dtype=x.dtype, device=x.device)  # [T, k, H]
     block_m = _block_m(pairs, num_experts)
     sorted_pairs, _, *schedule = align(ids, num_experts, block_m)
-    _grouped(x, w13, rows13, inter, sorted_pairs, scale, schedule, top_k, block_m,
-             gate_up=True, **epilogue)
+    _grouped(x, w13, rows13, inter, sorted_pairs, scale, schedule, top_k, block_m, True, act)
     _grouped(inter, w2, rows2, out.view(pairs, hidden), sorted_pairs, scale, schedule, top_k,
-             block_m, gate_up=False, **epilogue)
+             block_m, False, act)
     return out.sum(dim=1)  # [T, H]
 
 
@@ -118,6 +117,15 @@ def _block_m(pairs: int, num_experts: int) -> int:
     """Tile rows for the grouped GEMMs: about the pairs an expert gets on average."""
     per_expert = pairs / num_experts
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+@dataclass(frozen=True)
+class _Activation:
+    """The gate/up epilogue's activation (ACTIVATIONS value) and the clamped SwiGLU's terms."""
+
+    kind: int
+    alpha: float
+    limit: float
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,7 @@ class _RowTerms:
 
 def _gemv(a: torch.Tensor, w: torch.Tensor, rows: _RowTerms, out: torch.Tensor,
           ids: torch.Tensor, scale: torch.Tensor, top_k: int, gate_up: bool,
-          ACT: int, alpha: float, limit: float) -> None:
+          act: _Activation) -> None:
     """gate_up: out[p] = act(a[p // top_k] @ w[ids[p]]^T) for every pair p (out [P, I]).
     Else: out[t] = sum over t's k pairs p of weight[p] * (a[p] @ w[ids[p]]^T) (out [T, H])."""
     n = w.shape[1] // 2 if gate_up else w.shape[1]
@@ -153,16 +161,15 @@ def _gemv(a: torch.Tensor, w: torch.Tensor, rows: _RowTerms, out: torch.Tensor,
     kernel = _gemv_gate_up_kernel if gate_up else _gemv_down_kernel
     kernel[grid](
         a, w, *rows.args(w), out, ids, scale, n, w.shape[2], a.stride(0),
-        w.stride(0), w.stride(1), out.stride(0), float(alpha), float(limit),
-        TOP_K=top_k, HAS_BIAS=rows.has_bias, HAS_WSCALE=rows.has_scale, ACT=ACT,
+        w.stride(0), w.stride(1), out.stride(0), act.alpha, act.limit,
+        TOP_K=top_k, HAS_BIAS=rows.has_bias, HAS_WSCALE=rows.has_scale, ACT=act.kind,
         BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages, **pdl.launch_options(a.device))
 
 
 def _grouped(a: torch.Tensor, w: torch.Tensor, rows: _RowTerms, out: torch.Tensor,
              sorted_pairs: torch.Tensor, scale: torch.Tensor, schedule: list[torch.Tensor],
-             top_k: int, block_m: int, gate_up: bool, ACT: int, alpha: float,
-             limit: float) -> None:
+             top_k: int, block_m: int, gate_up: bool, act: _Activation) -> None:
     """The grouped GEMM over every tile of `schedule` (expert, start, end)."""
     n = w.shape[1] // 2 if gate_up else w.shape[1]
     expert, start, end = schedule
@@ -172,9 +179,9 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, rows: _RowTerms, out: torch.Tenso
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     _grouped_kernel[grid](
         a, w, *rows.args(w), out, sorted_pairs, scale, expert, start, end,
-        n, w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(alpha),
-        float(limit), TOP_K=top_k, GATE_UP=gate_up, HAS_BIAS=rows.has_bias,
-        HAS_WSCALE=rows.has_scale, ACT=ACT,
+        n, w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0), act.alpha,
+        act.limit, TOP_K=top_k, GATE_UP=gate_up, HAS_BIAS=rows.has_bias,
+        HAS_WSCALE=rows.has_scale, ACT=act.kind,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
         num_warps=warps, num_stages=stages, **pdl.launch_options(a.device))
 
