@@ -21,7 +21,8 @@ Two ways to run the products, by the number of pairs:
   per tile rather than once per pair.
 The grids depend on T, k and E only (programs past the last tile return at once) and nothing
 is read back to the host, so a decode step can be captured in a CUDA graph and replayed with
-any routing.
+any routing. A pair whose expert id is negative is skipped (expert parallelism gives the pairs
+of other ranks' experts id -1): it reads no weights and adds nothing.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
                   w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], expert_ids [T, k], optional
-    biases b13 [E, 2I] and b2 [E, H] -> [T, H]. `alpha` and `limit` are the clamped SwiGLU's
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], expert_ids [T, k] (< 0: a
+    skipped pair), optional biases b13 [E, 2I] and b2 [E, H] -> [T, H]. `alpha` and `limit` are the clamped SwiGLU's
     (activation "swiglu_oai"). FP8 expert weights (float8_e4m3fn) come with float32 scales
     per expert and output row, w13_scale [E, 2I] and w2_scale [E, H] (w = w_fp8 * scale):
     the kernels read the FP8 bytes and scale the products (weight-only FP8; the activations
@@ -180,7 +181,7 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, rows: _RowTerms, out: torch.Tenso
     _grouped_kernel[grid](
         a, w, *rows.args(w), out, sorted_pairs, scale, expert, start, end,
         n, w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0), act.alpha,
-        act.limit, TOP_K=top_k, GATE_UP=gate_up, HAS_BIAS=rows.has_bias,
+        act.limit, w.shape[0], TOP_K=top_k, GATE_UP=gate_up, HAS_BIAS=rows.has_bias,
         HAS_WSCALE=rows.has_scale, ACT=act.kind,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
         num_warps=warps, num_stages=stages, **pdl.launch_options(a.device))
@@ -224,6 +225,8 @@ def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale
     pdl_prologue(PDL)
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + p).to(tl.int64)
+    if expert < 0:  # a skipped pair: its row of the intermediate is never read
+        return
     a_row = a_ptr + (p // TOP_K) * stride_a
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -268,11 +271,14 @@ def _gemv_down_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale_pt
     for j in tl.static_range(TOP_K):
         p = t * TOP_K + j
         expert = tl.load(ids_ptr + p).to(tl.int64)
+        kept = expert >= 0  # a skipped pair reads nothing and adds nothing
+        expert = tl.maximum(expert, 0)
+        k_end = tl.where(kept, K, 0)
         w_base = w_ptr + expert * stride_we
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < K
+            k_mask = ks < k_end
             a = tl.load(a_ptr + p * stride_a + ks, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :],
                         mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
@@ -280,14 +286,15 @@ def _gemv_down_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale_pt
         y = _epilogue(acc, bias_ptr + expert * N, ws_ptr + expert * N, cols, col_mask, dtype,
                       HAS_BIAS, HAS_WSCALE)
         s = tl.load(scale_ptr + p).to(dtype).to(tl.float32)  # rounded as the reference's
-        total += (y * s).to(dtype).to(tl.float32)
+        total += tl.where(kept, (y * s).to(dtype).to(tl.float32), 0.0)
     tl.store(out_ptr + t * stride_out + cols, total.to(dtype), mask=col_mask)
 
 
 @triton.jit
 def _grouped_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, pairs_ptr, scale_ptr, tile_expert_ptr,
                     tile_start_ptr, tile_end_ptr, N, K, stride_a, stride_we, stride_wn,
-                    stride_out, alpha, limit, TOP_K: tl.constexpr, GATE_UP: tl.constexpr,
+                    stride_out, alpha, limit, NUM_EXPERTS, TOP_K: tl.constexpr,
+                    GATE_UP: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
@@ -298,8 +305,17 @@ def _grouped_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, pairs_ptr, scale_pt
     pid_m = tl.program_id(0)
     start = tl.load(tile_start_ptr + pid_m)
     end = tl.load(tile_end_ptr + pid_m)
-    if start < end:
-        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    if start < end and expert == NUM_EXPERTS and not GATE_UP:
+        # The null expert's tile (skipped pairs): their rows of the output are zeros.
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < end
+        pairs = tl.load(pairs_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + pairs[:, None] * stride_out + cols[None, :], zeros,
+                 mask=row_mask[:, None] & (cols < N)[None, :])
+    if start < end and expert < NUM_EXPERTS:
         rows = start + tl.arange(0, BLOCK_M)  # sorted positions
         row_mask = rows < end
         pairs = tl.load(pairs_ptr + rows, mask=row_mask, other=0).to(tl.int64)

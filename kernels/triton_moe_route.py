@@ -16,6 +16,9 @@ expert id, as torch.topk picks them.
 `align` runs as one program: it counts the pairs of each expert, cuts each expert's pairs into
 tiles of BLOCK_M rows, and places every pair at its expert's offset plus the number of earlier
 pairs of that expert (so the order within an expert is token order, as a stable sort's).
+A pair whose expert id is negative (another rank's expert under expert parallelism) is
+skipped: it goes to a last bucket, the "null expert" E, whose tiles the products skip and
+whose output rows they write as zeros.
 Nothing is read back to the host, so a decode step stays capturable in a CUDA graph.
 """
 
@@ -88,9 +91,10 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E, TOP_K: tl.const
 
 
 def num_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """An upper bound of the tiles of `num_pairs` pairs over `num_experts` experts that
-    depends on the sizes only: each expert with pairs wastes at most one partial tile."""
-    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    """An upper bound of the tiles of `num_pairs` pairs over `num_experts` experts and the
+    null expert that depends on the sizes only: each bucket with pairs wastes at most one
+    partial tile."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts + 1, num_pairs)
 
 
 def align(expert_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -99,7 +103,8 @@ def align(expert_ids: torch.Tensor, num_experts: int, block_m: int,
     (`num_tiles`): expert, start, end [M] int32; start == end past the last tile).
 
     `sorted_pairs[p]` is the flat pair index t*k + j of the p-th pair in expert order;
-    expert e's pairs are positions offsets[e]:offsets[e+1]."""
+    expert e's pairs are positions offsets[e]:offsets[e+1]; the skipped pairs (ids < 0) are
+    positions offsets[E]:P, in tiles of expert E."""
     _check_device(expert_ids, _align_kernel)
     assert num_experts <= MAX_EXPERTS, f"{num_experts} experts, at most {MAX_EXPERTS}"
     ids = expert_ids.reshape(-1)
@@ -109,13 +114,20 @@ def align(expert_ids: torch.Tensor, num_experts: int, block_m: int,
     tiles = num_tiles(pairs, num_experts, block_m)
     device = ids.device
     sorted_pairs = torch.empty(pairs, dtype=torch.int32, device=device)
-    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_experts + 2, dtype=torch.int32, device=device)
     schedule = torch.empty(3, tiles, dtype=torch.int32, device=device)  # expert, start, end
     _align_kernel[(1,)](
         ids, sorted_pairs, offsets, schedule, pairs, num_experts, tiles, BLOCK_M=block_m,
-        BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_P=ALIGN_BLOCK_P,
+        BLOCK_E=triton.next_power_of_2(num_experts + 2), BLOCK_P=ALIGN_BLOCK_P,
         BLOCK_T=ALIGN_BLOCK_T, num_warps=4, **pdl.launch_options(device))
-    return sorted_pairs, offsets, schedule[0], schedule[1], schedule[2]
+    return sorted_pairs, offsets[:num_experts + 1], schedule[0], schedule[1], schedule[2]
+
+
+@triton.jit
+def _bucket(ids, valid, E):
+    """Each pair's bucket: its expert, E (the null expert) for a skipped pair (id < 0), -1 (no
+    bucket) past the last pair."""
+    return tl.where(valid, tl.where(ids < 0, E, ids), -1)
 
 
 @triton.jit
@@ -123,15 +135,15 @@ def _align_kernel(ids_ptr, sorted_ptr, offsets_ptr, schedule_ptr, P, E, M,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
                   BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
-    es = tl.arange(0, BLOCK_E)
-    # Pass 1: pairs per expert.
+    es = tl.arange(0, BLOCK_E)  # buckets: experts 0..E-1, the null expert E
+    # Pass 1: pairs per bucket.
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(ids_ptr + ps, mask=ps < P, other=-1)  # [BP]
+        ids = _bucket(tl.load(ids_ptr + ps, mask=ps < P, other=0), ps < P, E)  # [BP]
         counts += tl.sum((ids[:, None] == es[None, :]).to(tl.int32), axis=0)  # [BE]
-    offsets = tl.cumsum(counts, axis=0) - counts  # exclusive: expert e's first position
-    tl.store(offsets_ptr + es, offsets, mask=es <= E)  # offsets[E] == P (counts[E] is 0)
+    offsets = tl.cumsum(counts, axis=0) - counts  # exclusive: bucket e's first position
+    tl.store(offsets_ptr + es, offsets, mask=es <= E + 1)  # offsets[E + 1] == P
     tiles = (counts + BLOCK_M - 1) // BLOCK_M  # [BE]
     first_tile = tl.cumsum(tiles, axis=0) - tiles  # [BE]
     tile_end = first_tile + tiles
@@ -139,7 +151,7 @@ def _align_kernel(ids_ptr, sorted_ptr, offsets_ptr, schedule_ptr, P, E, M,
     for m0 in range(0, M, BLOCK_T):
         ms = m0 + tl.arange(0, BLOCK_T)
         owner = (first_tile[None, :] <= ms[:, None]) & (ms[:, None] < tile_end[None, :])
-        owner = owner & (es[None, :] < E)  # [BT, BE], at most one per row
+        owner = owner & (es[None, :] <= E)  # [BT, BE], at most one per row
         valid = tl.sum(owner.to(tl.int32), axis=1) > 0  # [BT]
         expert = tl.sum(tl.where(owner, es[None, :], 0), axis=1)
         base = tl.sum(tl.where(owner, offsets[None, :], 0), axis=1)
@@ -155,7 +167,7 @@ def _align_kernel(ids_ptr, sorted_ptr, offsets_ptr, schedule_ptr, P, E, M,
     seen = offsets
     for p0 in range(0, P, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(ids_ptr + ps, mask=ps < P, other=-1)
+        ids = _bucket(tl.load(ids_ptr + ps, mask=ps < P, other=0), ps < P, E)
         onehot = (ids[:, None] == es[None, :]).to(tl.int32)  # [BP, BE]
         before = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert
         pos = tl.sum(onehot * (before + seen[None, :]), axis=1)  # [BP]

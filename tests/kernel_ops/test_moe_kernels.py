@@ -108,6 +108,35 @@ def test_align_sorts_like_group_by_expert_and_tiles_every_pair_once(case: int) -
 
 
 @in_interpreter
+def test_align_puts_skipped_pairs_in_the_null_experts_tiles() -> None:
+    ids = torch.tensor([[2, -1], [-1, 0], [2, 2], [-1, -1]], dtype=torch.int32)  # E=3
+    sorted_pairs, offsets, tile_expert, start, end = triton_moe_route.align(ids, 3, 16)
+    # pairs t*k + j: e0: 3; e2: 0, 4, 5; skipped: 1, 2, 6, 7
+    assert offsets.tolist() == [0, 1, 1, 4]
+    assert sorted_pairs.tolist() == [3, 0, 4, 5, 1, 2, 6, 7]
+    tiles = {(e, s, t) for e, s, t in zip(tile_expert.tolist(), start.tolist(), end.tolist())
+             if s < t}
+    assert tiles == {(0, 0, 1), (2, 1, 4), (3, 4, 8)}  # expert 3: the null expert
+
+
+@in_interpreter
+@pytest.mark.parametrize("tokens", [3, 40])  # the matrix-vector path, then the grouped one
+def test_pairs_with_negative_expert_ids_are_skipped(tokens: int) -> None:
+    """As expert parallelism routes other ranks' pairs: id -1 adds nothing, whatever its
+    weight, and the other pairs of its token still count."""
+    g = torch.Generator().manual_seed(tokens + 7)
+    w13, w2 = _weights(8, 64, 32, torch.float32, g)
+    x = torch.randn(tokens, 64, generator=g)
+    weights, ids = route(torch.randn(tokens, 8, generator=g), 3, True)
+    skipped = ids >= 5  # experts 5..7 live on "another rank"
+    local = ids.masked_fill(skipped, -1)
+    got = triton_moe.fused_experts(x, w13, w2, weights, local)
+    want = fused_experts_reference(x, w13, w2, weights.masked_fill(skipped, 0.0), ids)
+    assert skipped.any() and not skipped.all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@in_interpreter
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "renormalize"), [
     (9, 6, 2, False), (9, 6, 2, True), (4, 128, 8, True), (3, 64, 6, False), (5, 5, 5, True)])
 def test_route_kernel_matches_the_reference(tokens: int, experts: int, top_k: int,
@@ -245,4 +274,4 @@ def test_moe_kernels_under_the_interpreter() -> None:
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) == len(CASES) + len(ALIGN_CASES) + 5 + 4 + 2 + 1 and "skipped" not in summary, summary
+    assert passed and int(passed[1]) == len(CASES) + len(ALIGN_CASES) + 5 + 4 + 2 + 3 + 1 and "skipped" not in summary, summary

@@ -19,12 +19,11 @@ shared expert is split as a dense MLP under both: it runs on every token, so spl
 divides its weight reads and work by N, and its partial output joins the experts' in the
 one sum; replicated, each rank would read all of it and only one rank's copy could be added.
 
-A pair routed to another rank's expert keeps its place in the batch with weight 0 and a
-local expert id (`local_routing`): the step's shapes never depend on the routing and nothing
-is read back to the host, so CUDA graphs capture it as at one rank. The price is work: such
-pairs still run through local expert 0's products (whose weights are read anyway when it
-has pairs of its own), so a rank multiplies all T*k pairs where it needs about T*k/N. An
-expert id that the kernels skip (kernels/triton_moe*.py) would save that work.
+A pair routed to another rank's expert keeps its place in the batch with weight 0 and
+expert id -1 (`local_routing`): the step's shapes never depend on the routing and nothing is
+read back to the host, so CUDA graphs capture it as at one rank, and the kernels skip such
+pairs (kernels/triton_moe*.py: no weights read, zeros added), so a rank multiplies only the
+pairs of its own experts.
 """
 
 from __future__ import annotations
@@ -85,11 +84,12 @@ def local_routing(weights: torch.Tensor, expert_ids: torch.Tensor, first: int,
                   count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing over all experts -> routing over experts [first, first + count), as ids
     0..count-1: weights [T, k] with the pairs of other experts zeroed, and their ids [T, k]
-    set to local expert 0 (a valid id whose zero-weighted product adds nothing). Device
-    operations only: no host sync, the same shapes whatever the routing."""
+    set to -1, which the MoE kernels skip (no weight read, nothing added; the reference's
+    loop over experts never matches it). Device operations only: no host sync, the same
+    shapes whatever the routing."""
     local = expert_ids - first  # [T, k]
     theirs = (local < 0) | (local >= count)
-    return weights.masked_fill(theirs, 0.0), local.masked_fill(theirs, 0)
+    return weights.masked_fill(theirs, 0.0), local.masked_fill(theirs, -1)
 
 
 class ExpertSlice(Experts):
