@@ -59,7 +59,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], expert_ids [T, k] (< 0: a
-    skipped pair), optional biases b13 [E, 2I] and b2 [E, H] -> [T, H]. `alpha` and `limit` are the clamped SwiGLU's
+    skipped pair), optional biases b13 [E, 2I] and b2 [E, H] -> [T, H]. `alpha` and `limit`
+    are the clamped SwiGLU's
     (activation "swiglu_oai"). FP8 expert weights (float8_e4m3fn) come with float32 scales
     per expert and output row, w13_scale [E, 2I] and w2_scale [E, H] (w = w_fp8 * scale):
     the kernels read the FP8 bytes and scale the products (weight-only FP8; the activations
@@ -81,8 +82,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         assert per_row is None or (tuple(per_row.shape) == tuple(w.shape[:2])
                                    and per_row.is_contiguous()), (
             "biases and scales must be [E, N], contiguous")
-    assert not fp8 or (w13_scale.dtype == w2_scale.dtype == torch.float32), (  # type: ignore[union-attr]
-        "FP8 weight scales must be float32")
+    assert w13_scale is None or w2_scale is None or (
+        w13_scale.dtype == w2_scale.dtype == torch.float32), "FP8 weight scales must be float32"
     if x.stride(1) != 1:
         x = x.contiguous()
     num_tokens, hidden = x.shape
@@ -217,19 +218,23 @@ def _epilogue(acc, bias_ptr, ws_ptr, cols, col_mask, dtype: tl.constexpr,
 
 
 @triton.jit
-def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale_ptr, N, K, stride_a,
+def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale_ptr, N, K,
+                         stride_a,
                          stride_we, stride_wn, stride_out, alpha, limit, TOP_K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr, ACT: tl.constexpr,
+                         BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (p, n): pair p's gate columns n and up columns n + N, then the activation."""
     pdl_prologue(PDL)
     p = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + p).to(tl.int64)
-    if expert < 0:  # a skipped pair: its row of the intermediate is never read
-        return
+    # A skipped pair (id < 0) loads no weights and writes nothing (no column is in range):
+    # its row of the intermediate is never read either.
+    n_end = tl.where(expert >= 0, N, 0)
+    expert = tl.maximum(expert, 0)
     a_row = a_ptr + (p // TOP_K) * stride_a
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    col_mask = cols < n_end
     w_base = w_ptr + expert * stride_we
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -257,7 +262,8 @@ def _gemv_gate_up_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale
 @triton.jit
 def _gemv_down_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, ids_ptr, scale_ptr, N, K, stride_a,
                       stride_we, stride_wn, stride_out, alpha, limit, TOP_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr, ACT: tl.constexpr,
+                      BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (t, n): token t's output columns n, the weighted sum over its k pairs (each
     pair's product rounded to the dtype, times its weight rounded likewise, summed in float32:
@@ -295,7 +301,8 @@ def _grouped_kernel(a_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, pairs_ptr, scale_pt
                     tile_start_ptr, tile_end_ptr, N, K, stride_a, stride_we, stride_wn,
                     stride_out, alpha, limit, NUM_EXPERTS, TOP_K: tl.constexpr,
                     GATE_UP: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, HAS_WSCALE: tl.constexpr, ACT: tl.constexpr,
+                    BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """GATE_UP: a rows are the pairs' tokens, out rows the sorted positions (gate and up

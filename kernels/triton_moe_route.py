@@ -55,14 +55,16 @@ def route(router_logits: torch.Tensor, top_k: int,
     if tokens:
         _route_kernel[(tokens,)](
             logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
-            BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+            BLOCK_E=triton.next_power_of_2(num_experts),
             num_warps=1 if num_experts <= 256 else 4, **pdl.launch_options(logits.device))
     return weights, ids
 
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E, TOP_K: tl.constexpr,
-                  BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                  PDL: tl.constexpr):
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, BLOCK_E)
