@@ -43,6 +43,7 @@ from meshserve.bench.serve.datasets import (  # noqa: F401 (the bench's names)
 )
 from meshserve.services.worker.config import EngineConfig, short_flags
 from meshserve.services.worker.engine.sequence import SequenceState
+from meshserve.services.worker.models.moe import Experts
 from meshserve.services.worker.serving.step_trace import StepRecord, device_fields, write_step_trace
 from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, MeshError
@@ -173,18 +174,22 @@ def prefill_flops(config: ModelConfig, prompt_len: int, batch_size: int = 1) -> 
 
 def latency_report(e2e: Sequence[float], ttft: Sequence[float], *, input_len: int,
                    output_len: int, batch_size: int, model_config: ModelConfig,
-                   weight_bytes: int, copy_bandwidth: float) -> dict[str, Any]:
+                   weight_bytes: int, copy_bandwidth: float,
+                   read_bytes: int | None = None) -> dict[str, Any]:
     """The latency JSON's figures from per-iteration e2e and ttft seconds.
 
-    tpot is None when output_len is 1. The floor is weight_bytes / copy_bandwidth seconds per
-    token; the prefill's FLOP/s are `prefill_flops` over the mean ttft.
+    tpot is None when output_len is 1. The floor is read_bytes (the weight bytes one decode
+    token reads, `decode_read_bytes`; all of weight_bytes unless given) / copy_bandwidth
+    seconds per token; the prefill's FLOP/s are `prefill_flops` over the mean ttft.
     """
+    read_bytes = weight_bytes if read_bytes is None else read_bytes
     tpot = None if output_len == 1 else summarize(
         [(e - t) / (output_len - 1) for e, t in zip(e2e, ttft, strict=True)])
-    floor = weight_bytes / copy_bandwidth
+    floor = read_bytes / copy_bandwidth
     flops, seconds = prefill_flops(model_config, input_len, batch_size), float(np.mean(ttft))
     return {"latencies_s": list(e2e), "ttfts_s": list(ttft), "latency_s": summarize(e2e),
             "ttft_s": summarize(ttft), "tpot_s": tpot, "weight_bytes": weight_bytes,
+            "read_bytes": read_bytes,
             "copy_bandwidth_bytes_per_s": copy_bandwidth, "floor_s_per_token": floor,
             "tpot_over_floor": None if tpot is None else tpot["avg"] / floor,
             "prefill": {"tokens": input_len * batch_size, "flops": flops, "seconds": seconds,
@@ -271,6 +276,18 @@ def model_info(model: torch.nn.Module, name: str, architecture: str) -> dict[str
             "weight_bytes": sum(p.numel() * p.element_size() for p in params)}
 
 
+def decode_read_bytes(model: torch.nn.Module, top_k: int) -> int:
+    """The parameter bytes one decode token reads: all of them (as model_info's
+    weight_bytes), except that of each mixture-of-experts layer's routed experts (stacked
+    [E, ...] tensors) only top_k of E are read."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # as weight_bytes
+    for experts in (m for m in model.modules() if isinstance(m, Experts)):
+        num_experts = experts.w13.shape[0]
+        held = sum(p.numel() * p.element_size() for p in (experts.w13, experts.w2))
+        total -= held - held * min(top_k, num_experts) // num_experts
+    return total
+
+
 def engine_info(engine: LLMEngine) -> dict[str, Any]:
     """The KV cache the engine sized, whether its loop overlaps steps, and the decode CUDA
     graphs it captured (None on CPU or with --enforce-eager): buckets, capture seconds and
@@ -333,7 +350,9 @@ def bench_latency(engine: LLMEngine, config: LatencyConfig) -> dict[str, Any]:
     return latency_report(e2es, ttfts, input_len=config.input_len, output_len=config.output_len,
                           batch_size=size, model_config=engine.model_config,
                           weight_bytes=model_info(engine.model, "", "")["weight_bytes"],
-                          copy_bandwidth=measure_copy_bandwidth(engine.device))
+                          copy_bandwidth=measure_copy_bandwidth(engine.device),
+                          read_bytes=decode_read_bytes(
+                              engine.model, engine.model_config.num_experts_per_tok))
 
 
 def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, Any]:
@@ -440,7 +459,8 @@ def summary(kind: str, r: dict[str, Any]) -> str:
              for key in ("latency_s", "ttft_s", "tpot_s") if r[key] is not None]
     ratio = "" if r["tpot_over_floor"] is None else f"; tpot = {r['tpot_over_floor']:.2f}x floor"
     return "\n".join(lines) + (
-        f"\nfloor: {r['weight_bytes'] / 1e9:.3f} GB of weights / "
+        f"\nfloor: {r.get('read_bytes', r['weight_bytes']) / 1e9:.3f} GB a decode token "
+        f"reads (of {r['weight_bytes'] / 1e9:.3f} GB of weights) / "
         f"{r['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s copied = "
         f"{r['floor_s_per_token'] * 1e3:.3f} ms per token{ratio}\n"
         f"prefill: {r['prefill']['flops_per_s'] / 1e12:.3g} TFLOP/s")

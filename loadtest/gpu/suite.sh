@@ -150,7 +150,8 @@ def figures(name, r):
         t, f = r["tpot_s"], r["floor_s_per_token"]
         text = (f"TPOT {ms(t['avg'])} (p99 {ms(t['p99'])}), TTFT {ms(r['ttft_s']['avg'])}, "
                 f"e2e {ms(r['latency_s']['avg'])}; floor {ms(f)} "
-                f"({r['weight_bytes'] / 1e9:.2f} GB / {r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s)")
+                f"({r.get('read_bytes', r['weight_bytes']) / 1e9:.2f} GB / "
+                f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s)")
         check = f"TPOT = {r['tpot_over_floor']:.2f}x floor"
         return text, check + (" (budget <= 1.15)" if r["backend"] == "meshserve" else "")
     text = (f"{r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.0f} output tok/s, "

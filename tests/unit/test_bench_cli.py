@@ -64,12 +64,38 @@ def test_latency_writes_consistent_figures(tiny_llama_dir: Path, tmp_path: Path,
     engine = r["environment"]["engine"]
     assert engine["kv_cache_blocks"] > 0 and engine["block_size"] == 16
     assert engine["cuda_graphs"] is None  # CPU: no graphs captured
-    assert r["floor_s_per_token"] == pytest.approx(r["weight_bytes"]
+    assert r["read_bytes"] == r["weight_bytes"]  # a dense model's token reads every weight
+    assert r["floor_s_per_token"] == pytest.approx(r["read_bytes"]
                                                    / r["copy_bandwidth_bytes_per_s"])
     assert r["tpot_over_floor"] == pytest.approx(r["tpot_s"]["avg"] / r["floor_s_per_token"])
     assert r["prefill"]["tokens"] == 24
     assert r["prefill"]["flops_per_s"] == pytest.approx(r["prefill"]["flops"]
                                                         / r["ttft_s"]["avg"])
+
+
+def test_the_floor_of_a_moe_model_counts_top_k_of_its_experts(tmp_path: Path) -> None:
+    """A decode token reads k of E routed experts (and everything else): the latency floor's
+    bytes, next to all the weight bytes."""
+    from tiny_models import build_tiny_model
+
+    from meshserve.bench.engine import decode_read_bytes
+    from meshserve.services.worker.loader import ModelSource, load_model, load_model_config
+
+    folder = build_tiny_model(tmp_path, "qwen3_moe")
+    source = ModelSource(str(folder), folder, "hf", None)
+    config = load_model_config(source)
+    model = load_model(source, config, torch.float32, torch.device("cpu"), "auto")
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    others = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    k, e = config.num_experts_per_tok, config.num_experts
+    assert 0 < k < e and experts > 0
+    assert decode_read_bytes(model, k) == 4 * (others + experts * k // e)
+    dense = build_tiny_model(tmp_path / "dense", "llama")
+    dense_source = ModelSource(str(dense), dense, "hf", None)
+    dense_model = load_model(dense_source, load_model_config(dense_source), torch.float32,
+                             torch.device("cpu"), "auto")
+    assert decode_read_bytes(dense_model, 0) == 4 * sum(p.numel()
+                                                        for p in dense_model.parameters())
 
 
 def test_prefill_flops_match_a_count_of_the_model(tiny_llama_dir: Path) -> None:
