@@ -18,8 +18,11 @@ multiplies 16-bit queries with the widened values in float16: see triton_attenti
 
 Two per-layer options serve Gemma 2/3 (models/gemma.py): `window` W, sliding-window attention
 where the query at position p reads keys p-W+1..p (as transformers' `sliding_window_overlay`),
-and `softcap` c, scores s -> tanh(s / c) * c before the mask and softmax. The Triton kernel has
-both; the fused fresh-prefill path has neither, so such steps go to the Triton kernel.
+and `softcap` c, scores s -> tanh(s / c) * c before the mask and softmax. A third serves gpt-oss
+(models/gpt_oss.py): `sinks` [Hq], one learned logit per query head that joins the softmax's
+denominator and carries no value, so a head can attend to "nothing" (each row's weights then
+sum to less than 1). The Triton kernel has all three; the fused fresh-prefill path has none,
+so such steps go to the Triton kernel.
 """
 
 from __future__ import annotations
@@ -113,32 +116,37 @@ def paged_attention(
     value: torch.Tensor | None = None,  # [T, Hkv, D]
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq], one logit per query head
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of each query row over its sequence's cached context.
 
     `key`/`value` are optional copies of this step's new KV; a backend may use
     them for sequences with no cached prefix instead of reading the cache.
     `window`: each query reads only its last `window` positions (None: all);
-    `softcap`: scores soft-capped to (-softcap, softcap) (None: not capped).
+    `softcap`: scores soft-capped to (-softcap, softcap) (None: not capped);
+    `sinks`: a logit per query head added to each row's softmax denominator (None: none).
     """
     assert query.dim() == 3 and k_cache.dim() == 4, (
         f"query must be [T, Hq, D] and caches [N, bs, Hkv, D], got {tuple(query.shape)} "
         f"and {tuple(k_cache.shape)}")
     assert query.shape[1] % k_cache.shape[2] == 0, (
         f"query heads {query.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
+    assert sinks is None or tuple(sinks.shape) == (query.shape[1],), (
+        f"sinks must be [Hq={query.shape[1]}], got {tuple(sinks.shape)}")
     if query.is_cuda:
-        plain = window is None and softcap is None  # (PyTorch's fused attention has neither)
+        # (PyTorch's fused attention has none of the options)
+        plain = window is None and softcap is None and sinks is None
         if plain and key is not None and value is not None and _fresh_prefill(meta):
             return fresh_prefill_attention(query, key, value, meta, scale)
         from meshserve.kernels import triton_attention  # imported on the GPU path only
 
         return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale,
-                                                window=window, softcap=softcap)
+                                                window=window, softcap=softcap, sinks=sinks)
     if meta.decode_only:
         return decode_attention_reference(query, k_cache, v_cache, meta, scale,
-                                          window=window, softcap=softcap)
+                                          window=window, softcap=softcap, sinks=sinks)
     return paged_attention_reference(query, k_cache, v_cache, meta, scale, key=key, value=value,
-                                     window=window, softcap=softcap)
+                                     window=window, softcap=softcap, sinks=sinks)
 
 
 # At most this many sequences go through the per-sequence fresh-prefill path in one step.
@@ -211,7 +219,7 @@ def paged_attention_reference(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, *,
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence at a time; any mix of prefill, chunked prefill and decode."""
     out = torch.empty_like(query)
@@ -232,7 +240,8 @@ def paged_attention_reference(
             # Query row j sits at position seq_len - q_len + j and sees keys 0..that position.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             mask = q_pos[:, None] >= torch.arange(seq_len, device=query.device)[None, :]
-        if window is not None or softcap is not None:
+        eager = softcap is not None or sinks is not None  # (beyond PyTorch's fused attention)
+        if window is not None or eager:
             # Explicit mask either way (the fresh branch's keys are positions 0..seq_len too).
             mask = _window_causal_mask(torch.arange(seq_len - q_len, seq_len, device=query.device),
                                        torch.arange(seq_len, device=query.device), window)
@@ -240,9 +249,10 @@ def paged_attention_reference(
         if groups > 1:  # k, v: [Hkv, L, D] -> [Hq, L, D]
             k = k.repeat_interleave(groups, dim=0)
             v = v.repeat_interleave(groups, dim=0)
-        if softcap is not None:
+        if eager:
             assert mask is not None
-            o = softcapped_attention(q.to(k.dtype), k, v, mask, scale, softcap)
+            o = eager_attention(q.to(k.dtype), k, v, mask, scale, softcap=softcap,
+                                sinks=None if sinks is None else sinks[:, None, None])
         else:
             o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
                                                is_causal=mask is None, scale=scale)
@@ -254,7 +264,7 @@ def paged_attention_reference(
 def decode_attention_reference(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, *,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All sequences at once when each has one query token: gather, pad, mask, one SDPA."""
     num_seqs, max_len = meta.num_seqs, meta.max_seq_len
@@ -276,8 +286,10 @@ def decode_attention_reference(
     mask = k_pos < lens[:, None]  # [B, L]
     if window is not None:  # the query sits at position len - 1
         mask &= k_pos >= lens[:, None] - window
-    if softcap is not None:
-        o = softcapped_attention(q.to(k.dtype), k, v, mask[:, None, None, :], scale, softcap)
+    if softcap is not None or sinks is not None:
+        head_sinks = None if sinks is None else sinks.view(num_kv_heads, groups, 1)  # [Hkv, G, 1]
+        o = eager_attention(q.to(k.dtype), k, v, mask[:, None, None, :], scale, softcap=softcap,
+                            sinks=head_sinks)
     else:
         o = F.scaled_dot_product_attention(
             q.to(k.dtype), k, v, attn_mask=mask[:, None, None, :], scale=scale)
@@ -294,20 +306,30 @@ def _window_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor,
     return mask
 
 
-def softcapped_attention(
+def eager_attention(
     q: torch.Tensor,  # [..., Lq, D]
     k: torch.Tensor,  # [..., Lk, D]
     v: torch.Tensor,  # [..., Lk, D]
     mask: torch.Tensor,  # bool, broadcastable to [..., Lq, Lk]; True: visible
-    scale: float, softcap: float,
+    scale: float, *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # a logit per head, broadcastable to [..., Lq, 1]
 ) -> torch.Tensor:  # [..., Lq, D]
-    """Attention with tanh soft-capped scores, in transformers' order of operations
-    (Gemma 2's `eager_attention_forward`): scale, cap, mask, float32 softmax, cast, @ v."""
+    """Attention written out, in transformers' order of operations: scale, soft-cap (Gemma 2's
+    `eager_attention_forward`), mask, then a float32 softmax (over the scores and, with
+    `sinks`, one more column holding the head's sink logit, dropped after the softmax as
+    gpt-oss's `eager_attention_forward` drops it), cast, @ v."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., Lq, Lk]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)  # [..., Lq, 1]
+        probs = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1,
+                              dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def _check_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

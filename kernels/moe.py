@@ -1,16 +1,19 @@
 """Mixture-of-experts MLP: routing, experts grouped by token, and the weighted combine.
 
     router logits [T, E] --route--> weights [T, k] float32, expert ids [T, k] int32
-    x [T, H] --experts--> sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), [T, H]
+    x [T, H] --experts--> sum_j weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t))), [T, H]
 
 Expert weights are stacked: w13 [E, 2I, H] (each expert's gate rows, then its up rows, the
-layout `silu_and_mul` reads) and w2 [E, H, I]. On CUDA tensors the experts run as two grouped
+layout `silu_and_mul` reads) and w2 [E, H, I], optionally with biases b13 [E, 2I] and b2 [E, H]
+(gpt-oss). `act` is "silu" (silu(gate) * up) or "swiglu_oai", gpt-oss's clamped SwiGLU with its
+alpha and limit (kernels/activation.py). On CUDA tensors the experts run as two grouped
 GEMMs of `meshserve.kernels.triton_moe` over the (token, slot) pairs sorted by expert; the
 PyTorch code here (a loop over the experts) is the reference and the CPU path.
 
 Routing follows transformers' Qwen2-MoE / Qwen3-MoE / Mixtral routers: a float32 softmax over
 the experts, the top k probabilities, optionally renormalised to sum to 1 (on CUDA one Triton
-launch, kernels/triton_moe_route.py).
+launch, kernels/triton_moe_route.py). gpt-oss's router takes the top k logits and a softmax over
+those k (`route_topk_softmax`): the same experts and, up to rounding, the renormalised weights.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from meshserve.kernels.activation import silu_and_mul_reference
+from meshserve.kernels.activation import (
+    SWIGLU_OAI_ALPHA,
+    SWIGLU_OAI_LIMIT,
+    silu_and_mul_reference,
+    swiglu_oai_reference,
+)
+
+ACTIVATIONS = ("silu", "swiglu_oai")
 
 
 def route(router_logits: torch.Tensor, top_k: int,
@@ -39,6 +49,21 @@ def route(router_logits: torch.Tensor, top_k: int,
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
+
+
+def route_topk_softmax(router_logits: torch.Tensor,
+                       top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k]
+    int32): the k largest logits, then a softmax over those k in the logits' dtype, as
+    transformers' `GptOssTopKRouter`. On CUDA the routing kernel's renormalised top k, which is
+    that softmax computed in float32."""
+    num_experts = router_logits.shape[-1]
+    assert 1 <= top_k <= num_experts, f"top_k {top_k} must be in 1..{num_experts}"
+    if router_logits.is_cuda:
+        return route(router_logits, top_k, renormalize=True)
+    top, ids = torch.topk(router_logits, top_k, dim=-1)  # [T, k] each
+    weights = torch.softmax(top, dim=-1, dtype=router_logits.dtype)
+    return weights.float(), ids.to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -72,22 +97,30 @@ def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   weights: torch.Tensor, expert_ids: torch.Tensor, *,
                   w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  activation: str = "silu", alpha: float = SWIGLU_OAI_ALPHA,
+                  limit: float = SWIGLU_OAI_LIMIT) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/expert_ids [T, k] -> [T, H] in x's dtype.
 
     FP8 expert weights come with float32 scales per expert and output row, w13_scale
-    [E, 2I] and w2_scale [E, H]. The Triton kernels on CUDA (reading the FP8 bytes), the
-    reference elsewhere (on the dequantized weights)."""
+    [E, 2I] and w2_scale [E, H]. Biases b13 [E, 2I] and b2 [E, H] are added to the products;
+    `activation` is one of ACTIVATIONS, `alpha` and `limit` those of "swiglu_oai". The Triton
+    kernels on CUDA (reading the FP8 bytes), the reference elsewhere (on the dequantized
+    weights)."""
     _check_shapes(x, w13, w2, weights, expert_ids)
+    _check_biases(w13, w2, b13, b2, activation)
     if x.is_cuda:
         from meshserve.kernels import triton_moe  # GPU only
 
         return triton_moe.fused_experts(x, w13, w2, weights, expert_ids, w13_scale=w13_scale,
-                                        w2_scale=w2_scale)
+                                        w2_scale=w2_scale, b13=b13, b2=b2,
+                                        activation=activation, alpha=alpha, limit=limit)
     if w13_scale is not None and w2_scale is not None:
         w13 = (w13.float() * w13_scale[..., None]).to(x.dtype)
         w2 = (w2.float() * w2_scale[..., None]).to(x.dtype)
-    return fused_experts_reference(x, w13, w2, weights, expert_ids)
+    return fused_experts_reference(x, w13, w2, weights, expert_ids, b13=b13, b2=b2,
+                                   activation=activation, alpha=alpha, limit=limit)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -101,20 +134,37 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                            weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+                            weights: torch.Tensor, expert_ids: torch.Tensor, *,
+                            b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                            activation: str = "silu", alpha: float = SWIGLU_OAI_ALPHA,
+                            limit: float = SWIGLU_OAI_LIMIT) -> torch.Tensor:
     """A loop over the experts, each over the tokens routed to it (transformers' order of
     operations: the expert's output in x's dtype, scaled by the routing weight in that dtype,
-    summed into a zero [T, H] of x's dtype)."""
+    summed into a zero [T, H] of x's dtype). Biases are added in the products (F.linear's,
+    as the Triton kernels add them to the float32 accumulator)."""
     out = torch.zeros_like(x)  # [T, H]
     scale = weights.to(x.dtype)  # [T, k]
     for expert in range(w13.shape[0]):
         tokens, slots = torch.where(expert_ids == expert)  # [n] each
         if tokens.numel() == 0:
             continue
-        hidden = silu_and_mul_reference(F.linear(x[tokens], w13[expert]))  # [n, I]
-        y = F.linear(hidden, w2[expert])  # [n, H]
+        gate_up = F.linear(x[tokens], w13[expert], None if b13 is None else b13[expert])
+        if activation == "silu":
+            hidden = silu_and_mul_reference(gate_up)  # [n, I]
+        else:
+            hidden = swiglu_oai_reference(gate_up, alpha, limit)  # [n, I]
+        y = F.linear(hidden, w2[expert], None if b2 is None else b2[expert])  # [n, H]
         out.index_add_(0, tokens, y * scale[tokens, slots, None])
     return out
+
+
+def _check_biases(w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None,
+                  b2: torch.Tensor | None, activation: str) -> None:
+    assert activation in ACTIVATIONS, f"activation {activation!r} is not one of {ACTIVATIONS}"
+    for bias, w, name in ((b13, w13, "b13"), (b2, w2, "b2")):
+        assert bias is None or tuple(bias.shape) == tuple(w.shape[:2]), (
+            f"{name} must be [E, N] = {tuple(w.shape[:2])} for its weights, got "
+            f"{tuple(bias.shape)}")
 
 
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -14,7 +14,11 @@ softmax in float32 (base 2, with the scale folded in). Query row j of a sequence
 position seq_len - q_len + j and sees keys 0..that position; with a sliding `window` W
 (Gemma 2/3) only keys p-W+1..p, and a query block's key loop starts at the tile of its first
 row's first key. A `softcap` c caps the scaled scores s to tanh(s / c) * c before the softmax.
-Both are constexpr switches: without them the kernel compiles as before.
+Attention `sinks` (gpt-oss: a logit per query head that joins the softmax's denominator and
+carries no value) start each row's online softmax as if one key with that score and a zero
+value came first: running max = the sink, running sum = 1 (with split-KV, in split 0 only, so
+the merge counts it once). All three are constexpr switches: without them the kernel compiles
+as before.
 
 Split-KV (flash decoding): when a decode step has too few (sequence, KV head) programs to fill
 the GPU and long contexts, a third grid axis cuts each sequence's key tiles into num_splits
@@ -208,16 +212,22 @@ def paged_attention(
     tiles: AttentionTiles | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D], contiguous, query's dtype
     """Causal attention of every query row over its sequence's cached context.
 
     `num_splits` forces the split-KV factor (None: `choose_num_splits`; a fixed value keeps
     the launch shape fixed, e.g. for CUDA graphs); `tiles` overrides `default_tiles`.
-    `window`: each query reads its last `window` positions only; `softcap`: scores capped.
+    `window`: each query reads its last `window` positions only; `softcap`: scores capped;
+    `sinks` [Hq]: each head's logit added to its rows' softmax denominators.
     """
     assert window is None or window >= 1, f"window must be >= 1, got {window}"
     assert softcap is None or softcap > 0, f"softcap must be positive, got {softcap}"
     _check_attention(query, k_cache, v_cache, meta)
+    if sinks is not None:
+        _check_device(_paged_attention_kernel, query, sinks)
+        assert tuple(sinks.shape) == (query.shape[1],) and sinks.stride(0) == 1, (
+            f"sinks must be a contiguous [Hq={query.shape[1]}], got {tuple(sinks.shape)}")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, group = k_cache.shape[2], num_q_heads // k_cache.shape[2]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -246,6 +256,7 @@ def paged_attention(
     k_shift = fp8_widen.SHIFT if bits else 0
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        query if sinks is None else sinks,  # (a pointer the kernel reads only with SINKS)
         part_acc, part_max, part_sum, scale * math.log2(math.e) * 2.0**(q_shift + k_shift),
         2.0**-q_shift, 2.0**k_shift, window or 0, (softcap or 1.0) * math.log2(math.e),
         num_seqs, num_splits,
@@ -255,6 +266,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n, SPLIT=num_splits > 1,
         DECODE_ONLY=meta.decode_only, WINDOW=window is not None, SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", F16_DOTS=f16_dots,
         BITS=bits, ASM=bits and fp8_widen.use_asm(query.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(query.device))
@@ -332,14 +344,14 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2, q_scale,
+    query_start_loc_ptr, sinks_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2, q_scale,
     v_scale, window, softcap_log2, num_seqs, num_splits, stride_qt, stride_qh, stride_ot,
     stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, DECODE_ONLY: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, BITS: tl.constexpr,
-    ASM: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     kv_head = tl.program_id(1)
@@ -382,11 +394,12 @@ def _paged_attention_kernel(
     tile_lo, tile_hi = _tile_range(context_len + local_block * BLOCK_Q, kv_end, window, split,
                                    num_splits, TILE_N, SPLIT, WINDOW)
     acc, row_max, row_sum = _attend_tiles(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        q, sinks_ptr + head, row_ok & (split == 0), k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt,
         context_len + q_tok, kv_end, tile_lo, tile_hi, scale_log2, v_scale, window,
         softcap_log2, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, F16_DOTS,
-        BITS, ASM, WINDOW, SOFTCAP)
+        BITS, ASM, WINDOW, SOFTCAP, SINKS)
 
     mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -424,20 +437,25 @@ def _tile_range(first_pos, kv_end, window, split, num_splits, TILE_N: tl.constex
 
 @triton.jit
 def _attend_tiles(
-    q, k_cache_ptr, v_cache_ptr, table_ptr, q_pos, kv_end, tile_lo, tile_hi, scale_log2,
-    v_scale, window, softcap_log2, kv_head, stride_kb, stride_ks, stride_kh, stride_vb,
-    stride_vs, stride_vh,
+    q, sink_ptrs, sink_rows, k_cache_ptr, v_cache_ptr, table_ptr, q_pos, kv_end, tile_lo, tile_hi,
+    scale_log2, v_scale, window, softcap_log2, kv_head, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, HEAD_PAD] over key tiles [tile_lo, tile_hi) of one
     sequence. Returns the unnormalised output [BLOCK_M, HEAD_PAD], the running max (base 2,
-    scaled) and the running sum [BLOCK_M], all float32."""
+    scaled) and the running sum [BLOCK_M], all float32. With SINKS, the `sink_rows` start
+    from their head's sink (at `sink_ptrs`) as a first key of zero value."""
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:  # (every row's head exists: the load needs no mask)
+        sink = tl.load(sink_ptrs).to(tl.float32) * 1.4426950408889634  # * log2(e)
+        row_max = tl.where(sink_rows, sink, row_max)
+        row_sum = tl.where(sink_rows, 1.0, row_sum)
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_DIM
     for tile in range(tile_lo, tile_hi):
