@@ -104,8 +104,10 @@ def sliding_window_of(architecture: str, cfg: dict[str, Any]) -> int | None:
 
 
 # Architectures that interleave sliding-window layers with global ones and run the window in
-# attention (services/worker/models/gemma.py): their context is not capped to the window.
-INTERLEAVED_WINDOW_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# attention (services/worker/models/gemma.py, gpt_oss.py): their context is not capped to the
+# window.
+INTERLEAVED_WINDOW_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                                    "GptOssForCausalLM")
 
 
 def context_length(max_position_embeddings: int, sliding_window: int | None) -> int:

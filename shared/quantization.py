@@ -8,6 +8,9 @@ Supported, as vLLM reads them:
   despite its name); `activation_scheme` dynamic or static.
 - `quant_method: "compressed-tensors"` FP8 checkpoints (format float-quantized or
   naive-quantized): 8-bit float weights, strategy tensor, channel or block, `weight_scale`.
+- `quant_method: "mxfp4"`, gpt-oss's published checkpoints: the experts in MXFP4, which the
+  model dequantizes on load (services/worker/models/gpt_oss.py); no `QuantConfig`, the
+  model then runs as from an unquantized checkpoint.
 
 Activations are always quantized per token at run time: a checkpoint's static
 `input_scale`s are not needed for that and are left unused (the load says so in its log).
@@ -24,6 +27,8 @@ from meshserve.shared.errors import ModelLoadError
 
 SUPPORTED = ("fp8",)
 """`--quantization` values served."""
+# Architectures whose model module reads MXFP4 experts (dequantized on load).
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,22 @@ def quantization_of(hf_config: dict[str, Any], requested: str | None,
         return _fp8_format(qc, source)
     if method == "compressed-tensors":
         return _compressed_tensors(qc, source)
+    if method == "mxfp4":
+        return _mxfp4(hf_config, requested, source)
     raise ModelLoadError(f"{source}: quant_method {method!r} is not supported (supported: "
                          f"fp8, compressed-tensors FP8)", param="quantization_config")
+
+
+def _mxfp4(hf_config: dict[str, Any], requested: str | None,
+           source: str) -> QuantConfig | None:
+    """MXFP4 experts, dequantized by the model as it loads them: what runs is what an
+    unquantized checkpoint of the model runs (`requested` as for one)."""
+    architectures = hf_config.get("architectures") or []
+    if not set(architectures) & set(MXFP4_ARCHITECTURES):
+        raise ModelLoadError(f"{source}: quant_method 'mxfp4' is supported for "
+                             f"{', '.join(MXFP4_ARCHITECTURES)} only, not {architectures}",
+                             param="quantization_config")
+    return None if requested is None else QuantConfig(method="fp8", checkpoint_format=None)
 
 
 def _fp8_format(qc: dict[str, Any], source: str) -> QuantConfig:

@@ -24,6 +24,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -49,6 +50,7 @@ CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Conf
 CONFIG_CLASSES.update({"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig})
 CONFIG_CLASSES["phi3"] = Phi3Config
 CONFIG_CLASSES.update({"deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config})
+CONFIG_CLASSES["gpt_oss"] = GptOssConfig
 TINY_DIMS: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -103,6 +105,17 @@ DEEPSEEK_YARN: dict[str, Any] = {
     "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
     "original_max_position_embeddings": 64, "mscale": 0.8, "mscale_all_dim": 1.0,
     "beta_fast": 32, "beta_slow": 1}
+# gpt-oss defaults (overrides win): 4 layers alternating a 12-token window (shorter than most
+# test prompts, not a block multiple) and full attention, 8 experts of intermediate 32, top 2,
+# a SwiGLU limit low enough for the clamps to bite; YaRN with truncate off as the published
+# configs have it, its ramp over the 8 rotary pairs, scaling from position 64 on. Its sinks
+# are drawn large enough to take a sizeable share of each softmax (_randomize).
+GPT_OSS_DIMS: dict[str, dict[str, Any]] = {"gpt_oss": {
+    "num_hidden_layers": 4, "sliding_window": 12, "intermediate_size": 32,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": 1.0,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 64}}}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
@@ -155,8 +168,9 @@ def build_tiny_model(dir: Path, arch: str = "llama", *, seed: int = 0,
                      vocab_size: int | None = None, shards: int = 1,
                      tie_word_embeddings: bool = False, **overrides: Any) -> Path:
     """Write a tiny random model folder for `arch` in {llama, qwen2, qwen3, mistral,
-    qwen3_moe, qwen2_moe, mixtral, gemma2, gemma3} (MoE ones with MOE_DIMS, Gemma ones with
-    GEMMA_DIMS and tied embeddings).
+    qwen3_moe, qwen2_moe, mixtral, gemma2, gemma3, phi3, deepseek_v2, deepseek_v3, gpt_oss}
+    (MoE ones with MOE_DIMS, Gemma ones with GEMMA_DIMS and tied embeddings, DeepSeek ones
+    with DEEPSEEK_DIMS, gpt-oss with GPT_OSS_DIMS).
 
     `overrides` go into the transformers config (e.g. head_dim=24, rope_scaling=LLAMA3_ROPE).
     Returns `dir`.
@@ -170,7 +184,7 @@ def build_tiny_model(dir: Path, arch: str = "llama", *, seed: int = 0,
     assert vocab >= len(tokenizer), f"vocab_size {vocab} < tokenizer size {len(tokenizer)}"
     config = CONFIG_CLASSES[arch](**{
         **TINY_DIMS, **MOE_DIMS.get(arch, {}), **GEMMA_DIMS.get(arch, {}),
-        **DEEPSEEK_DIMS.get(arch, {}), "vocab_size": vocab,
+        **DEEPSEEK_DIMS.get(arch, {}), **GPT_OSS_DIMS.get(arch, {}), "vocab_size": vocab,
         "tie_word_embeddings": tie_word_embeddings or arch in GEMMA_DIMS,
         "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": eos_id, **overrides})
     torch.manual_seed(seed)
@@ -191,7 +205,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             noise = torch.randn(param.shape, generator=generator)
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
+            elif name.endswith(".sinks"):  # gpt-oss's attention sinks
+                param.copy_(1.5 + noise)
+            elif name.endswith((".bias", "_proj_bias")):
                 param.copy_(0.3 * noise)
             elif "embed_tokens" in name:
                 param.copy_(0.25 * noise)

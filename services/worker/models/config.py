@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshserve.kernels.activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from meshserve.kernels.rotary import compute_inv_freq, rope_type_of
 from meshserve.services.worker.models.deepseek_config import deepseek_options, rope_head_dim
 from meshserve.services.worker.models.gemma_config import GEMMA_ARCHITECTURES, gemma_options
+from meshserve.services.worker.models.gpt_oss_config import gpt_oss_options
 from meshserve.services.worker.models.registry import MOE_ARCHITECTURES, check_supported
 from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.model_config import (
@@ -81,6 +83,9 @@ class ModelConfig:
     topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc (DeepSeek-V3)
     n_group: int = 1  # experts fall in n_group groups; only the best topk_group are chosen
     topk_group: int = 1
+    # gpt-oss (models/gpt_oss.py, gpt_oss_config.py): the experts' clamped SwiGLU.
+    swiglu_alpha: float = SWIGLU_OAI_ALPHA
+    swiglu_limit: float = SWIGLU_OAI_LIMIT
 
     @property
     def max_model_len(self) -> int:
@@ -168,6 +173,7 @@ class ModelConfig:
             **_moe_options(architecture, cfg, source),
             **gemma_options(architecture, cfg, source),
             **deepseek_options(architecture, cfg, source),
+            **gpt_oss_options(architecture, cfg, source),
         )
         config.validate(source)
         return config

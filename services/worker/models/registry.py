@@ -27,6 +27,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 # The mixtures of experts among them (services/worker/models/moe.py).
@@ -69,6 +70,11 @@ _NOT_YET: dict[str, tuple[str, frozenset[str], str]] = {
                                      "fp8_checkpoint"}),
               "run it on one device from a bf16 Hugging Face safetensors folder")
        for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")},
+    # Sinks, windows and biased clamped-SwiGLU experts: neither the slicer, the adapters, the
+    # FP8 layers nor the GGUF reader know them (MXFP4 checkpoints load, dequantized).
+    "GptOssForCausalLM": ("gpt-oss", frozenset({"tensor_parallel", "lora", "gguf", "fp8",
+                                                "fp8_checkpoint"}),
+                          "run it on one device from a safetensors folder, bf16 or MXFP4"),
 }
 
 
