@@ -43,7 +43,6 @@ from meshserve.bench.serve.datasets import (  # noqa: F401 (the bench's names)
 )
 from meshserve.services.worker.config import EngineConfig, short_flags
 from meshserve.services.worker.engine.sequence import SequenceState
-from meshserve.services.worker.models.moe import Experts
 from meshserve.services.worker.serving.step_trace import StepRecord, device_fields, write_step_trace
 from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, MeshError
@@ -280,6 +279,8 @@ def decode_read_bytes(model: torch.nn.Module, top_k: int) -> int:
     """The parameter bytes one decode token reads: all of them (as model_info's
     weight_bytes), except that of each mixture-of-experts layer's routed experts (stacked
     [E, ...] tensors) only top_k of E are read."""
+    from meshserve.services.worker.models.moe import Experts  # torch: not at module import
+
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # as weight_bytes
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
         num_experts = experts.w13.shape[0]
