@@ -22,7 +22,13 @@ and `softcap` c, scores s -> tanh(s / c) * c before the mask and softmax. A thir
 (models/gpt_oss.py): `sinks` [Hq], one learned logit per query head that joins the softmax's
 denominator and carries no value, so a head can attend to "nothing" (each row's weights then
 sum to less than 1). The Triton kernel has all three; the fused fresh-prefill path has none,
-so such steps go to the Triton kernel.
+so such steps go to the Triton kernel (a window no sequence of the step reaches past is
+dropped first: plain causal attention is then the same).
+
+With a window, no path reads a block-table entry of a block wholly before the window of the
+first query of its sequence (or of its query block, in the Triton kernel): when every layer
+of a model slides, the KV cache manager frees those blocks as the sequence advances and
+their entries hold a placeholder (services/worker/engine/kv_cache_manager.py).
 """
 
 from __future__ import annotations
@@ -133,6 +139,8 @@ def paged_attention(
         f"query heads {query.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
     assert sinks is None or tuple(sinks.shape) == (query.shape[1],), (
         f"sinks must be [Hq={query.shape[1]}], got {tuple(sinks.shape)}")
+    if window is not None and meta.max_seq_len <= window:
+        window = None  # every key is inside every query's window
     if query.is_cuda:
         # (PyTorch's fused attention has none of the options)
         plain = window is None and softcap is None and sinks is None
@@ -207,12 +215,14 @@ def _fused_backends(on_gpu: bool) -> Iterator[None]:
         yield
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first `seq_len` cached tokens of one sequence: [seq_len, Hkv, D]."""
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                    start: int = 0) -> torch.Tensor:
+    """Cached tokens start..seq_len - 1 of one sequence, `start` a block multiple (the table
+    entries before it are not read): [seq_len - start, Hkv, D]."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks])  # [nb, bs, Hkv, D]
-    return blocks.view(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    blocks = cache.index_select(0, block_table[start // block_size:num_blocks])  # [nb, bs, ...]
+    return blocks.view(-1, cache.shape[2], cache.shape[3])[:seq_len - start]
 
 
 def paged_attention_reference(
@@ -227,15 +237,19 @@ def paged_attention_reference(
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        k_start = 0  # position of the first key read
         if seq_len == q_len and key is not None and value is not None:
             # No cached prefix: plain causal attention over this step's own KV.
             k = key[start : start + q_len].transpose(0, 1)  # [Hkv, q_len, D]
             v = value[start : start + q_len].transpose(0, 1)
             mask = None
         else:
-            k = _widen(_gather_context(k_cache, meta.block_tables[i], seq_len),
+            if window is not None:  # from the block of the first query's first key
+                block_size = k_cache.shape[1]
+                k_start = max(seq_len - q_len - window + 1, 0) // block_size * block_size
+            k = _widen(_gather_context(k_cache, meta.block_tables[i], seq_len, k_start),
                        query.dtype).transpose(0, 1)
-            v = _widen(_gather_context(v_cache, meta.block_tables[i], seq_len),
+            v = _widen(_gather_context(v_cache, meta.block_tables[i], seq_len, k_start),
                        query.dtype).transpose(0, 1)
             # Query row j sits at position seq_len - q_len + j and sees keys 0..that position.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
@@ -244,7 +258,7 @@ def paged_attention_reference(
         if window is not None or eager:
             # Explicit mask either way (the fresh branch's keys are positions 0..seq_len too).
             mask = _window_causal_mask(torch.arange(seq_len - q_len, seq_len, device=query.device),
-                                       torch.arange(seq_len, device=query.device), window)
+                                       torch.arange(k_start, seq_len, device=query.device), window)
         groups = num_q_heads // k.shape[0]
         if groups > 1:  # k, v: [Hkv, L, D] -> [Hq, L, D]
             k = k.repeat_interleave(groups, dim=0)
@@ -266,11 +280,18 @@ def decode_attention_reference(
     meta: AttentionMetadata, scale: float, *,
     window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All sequences at once when each has one query token: gather, pad, mask, one SDPA."""
+    """All sequences at once when each has one query token: gather, pad, mask, one SDPA.
+    With a window, only the blocks holding each query's window are gathered."""
     num_seqs, max_len = meta.num_seqs, meta.max_seq_len
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    max_blocks = (max_len + block_size - 1) // block_size
-    tables = meta.block_tables[:num_seqs, :max_blocks].reshape(-1)  # [B * nb]
+    lens = meta.seq_lens[:num_seqs].to(torch.long)
+    if window is None:
+        max_blocks = (max_len + block_size - 1) // block_size
+        tables = meta.block_tables[:num_seqs, :max_blocks].reshape(-1)  # [B * nb]
+        k_pos = torch.arange(max_len, device=query.device)[None, :]  # [1, L]
+    else:
+        tables, k_pos = _window_blocks(meta.block_tables[:num_seqs], lens, window, block_size)
+        max_len = k_pos.shape[1]
     # index_select + one contiguous copy is far cheaper on CPU than advanced indexing
     # followed by attention over a strided view.
     k = _widen(k_cache.index_select(0, tables),
@@ -281,8 +302,6 @@ def decode_attention_reference(
     v = v.transpose(1, 2).contiguous()
     groups = query.shape[1] // num_kv_heads
     q = query.view(num_seqs, num_kv_heads, groups, head_dim)  # [B, Hkv, G, D]
-    lens = meta.seq_lens[:num_seqs].to(torch.long)
-    k_pos = torch.arange(max_len, device=query.device)[None, :]
     mask = k_pos < lens[:, None]  # [B, L]
     if window is not None:  # the query sits at position len - 1
         mask &= k_pos >= lens[:, None] - window
@@ -294,6 +313,21 @@ def decode_attention_reference(
         o = F.scaled_dot_product_attention(
             q.to(k.dtype), k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return o.reshape(num_seqs, -1, head_dim).to(query.dtype)
+
+
+def _window_blocks(block_tables: torch.Tensor, lens: torch.Tensor, window: int,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table entries of the blocks holding each decode query's window, from the block of
+    its first key (len - window), padded with the sequence's last block (masked by position):
+    ([B * nb] block ids, [B, nb * block_size] the positions of their keys)."""
+    num_blocks = min((window - 1 + block_size - 1) // block_size + 1, block_tables.shape[1])
+    first = (lens - window).clamp(min=0) // block_size  # [B]
+    index = first[:, None] + torch.arange(num_blocks, device=lens.device)[None, :]  # [B, nb]
+    last = (lens[:, None] - 1) // block_size
+    tables = block_tables.gather(1, torch.minimum(index, last).to(torch.long)).reshape(-1)
+    k_pos = (first[:, None] * block_size
+             + torch.arange(num_blocks * block_size, device=lens.device)[None, :])
+    return tables, k_pos
 
 
 def _window_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor,

@@ -13,7 +13,8 @@ through the block table (so TILE_N need not equal the cache block size), and kee
 softmax in float32 (base 2, with the scale folded in). Query row j of a sequence sits at
 position seq_len - q_len + j and sees keys 0..that position; with a sliding `window` W
 (Gemma 2/3) only keys p-W+1..p, and a query block's key loop starts at the tile of its first
-row's first key. A `softcap` c caps the scaled scores s to tanh(s / c) * c before the softmax.
+row's first key, loading nothing before that key (blocks behind every window may be freed).
+A `softcap` c caps the scaled scores s to tanh(s / c) * c before the softmax.
 Attention `sinks` (gpt-oss: a logit per query head that joins the softmax's denominator and
 carries no value) start each row's online softmax as if one key with that score and a zero
 value came first: running max = the sink, running sum = 1 (with split-KV, in split 0 only, so
@@ -389,14 +390,16 @@ def _paged_attention_kernel(
         # float16. The products sum in float32.
         q = (q.to(tl.float32) * q_scale).to(tl.float16)
 
-    # Keys this block can see end at its last row's position (causal) or the sequence.
+    # Keys this block can see end at its last row's position (causal) or the sequence, and
+    # with a window start at its first row's first key (kv_start, read with WINDOW only).
     kv_end = tl.minimum(seq_len, context_len + (local_block + 1) * BLOCK_Q)
+    kv_start = tl.maximum(context_len + local_block * BLOCK_Q - window + 1, 0)
     tile_lo, tile_hi = _tile_range(context_len + local_block * BLOCK_Q, kv_end, window, split,
                                    num_splits, TILE_N, SPLIT, WINDOW)
     acc, row_max, row_sum = _attend_tiles(
         q, sinks_ptr + head, row_ok & (split == 0), k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        context_len + q_tok, kv_end, tile_lo, tile_hi, scale_log2, v_scale, window,
+        context_len + q_tok, kv_start, kv_end, tile_lo, tile_hi, scale_log2, v_scale, window,
         softcap_log2, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, F16_DOTS,
         BITS, ASM, WINDOW, SOFTCAP, SINKS)
@@ -437,9 +440,9 @@ def _tile_range(first_pos, kv_end, window, split, num_splits, TILE_N: tl.constex
 
 @triton.jit
 def _attend_tiles(
-    q, sink_ptrs, sink_rows, k_cache_ptr, v_cache_ptr, table_ptr, q_pos, kv_end, tile_lo, tile_hi,
-    scale_log2, v_scale, window, softcap_log2, kv_head, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    q, sink_ptrs, sink_rows, k_cache_ptr, v_cache_ptr, table_ptr, q_pos, kv_start, kv_end,
+    tile_lo, tile_hi, scale_log2, v_scale, window, softcap_log2, kv_head, stride_kb, stride_ks,
+    stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WINDOW: tl.constexpr,
@@ -461,6 +464,8 @@ def _attend_tiles(
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
         key_ok = key_pos < kv_end
+        if WINDOW:  # nothing before kv_start is loaded, block-table entries included
+            key_ok = key_ok & (key_pos >= kv_start)
         # Each key's physical block from the table; int64 because caches can be large.
         block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = key_pos % BLOCK_SIZE

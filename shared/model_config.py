@@ -108,11 +108,17 @@ def sliding_window_of(architecture: str, cfg: dict[str, Any]) -> int | None:
 # window.
 INTERLEAVED_WINDOW_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM",
                                     "GptOssForCausalLM")
+# Architectures whose every layer slides over `sliding_window`, as transformers runs them; the
+# worker applies the window in attention (and frees the blocks that fall behind it), so their
+# context is not capped to the window either.
+SLIDING_EVERY_LAYER_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM",
+                                     "Phi3ForCausalLM")
 
 
 def context_length(max_position_embeddings: int, sliding_window: int | None) -> int:
-    """Longest context served. Attention is always full, so a sliding window caps it:
-    within the window full and sliding attention agree."""
+    """Longest context served. `sliding_window` is given for the models whose window the
+    worker does not apply (Qwen2/3 with use_sliding_window): their attention is full, so the
+    window caps the context (within it full and sliding attention agree)."""
     if sliding_window is not None:
         return min(max_position_embeddings, sliding_window)
     return max_position_embeddings
@@ -149,5 +155,6 @@ def max_model_len_of(files: ModelFiles) -> int:
                              f"missing", param="max_position_embeddings")
     architecture = architecture_of(cfg, files.where)
     window = (None if architecture in INTERLEAVED_WINDOW_ARCHITECTURES
+              or architecture in SLIDING_EVERY_LAYER_ARCHITECTURES
               else sliding_window_of(architecture, cfg))
     return context_length(int(cfg["max_position_embeddings"]), window)

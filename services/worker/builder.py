@@ -127,7 +127,9 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
     lora = _lora(config, loaded, device, max(batched_tokens, max_num_seqs))
     num_blocks = _num_kv_blocks(config, loaded, device, max_num_seqs, batched_tokens,
                                 parallel, sync)
-    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    # (A model whose every layer slides frees the blocks behind its window.)
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                        window=model_config.kv_window)
     sampler = Sampler(model_config.vocab_size, device)
     speculate = config.speculative is not None and parallel.is_driver
     runner = ModelRunner(loaded.model, model_config, kv, loaded.kv_dtype, device, sync,
@@ -162,8 +164,8 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
         model_config=model_config, dtype=loaded.dtype, kv_dtype=loaded.kv_dtype,
         max_model_len=loaded.max_model_len, max_num_seqs=max_num_seqs, kv=kv, quant=quant,
         scheduler=scheduler, runner=runner,
-        validator=RequestValidator(model_config.vocab_size, loaded.max_model_len, num_blocks,
-                                   config.block_size),
+        validator=RequestValidator(model_config.vocab_size, loaded.max_model_len,
+                                   kv.sequence_capacity(batched_tokens, loaded.max_model_len)),
         hooks=hooks, ranks=ranks, graph_report=graphs, piecewise_report=pieces))
 
 

@@ -268,9 +268,16 @@ def test_model_config_reads_both_rope_layouts_and_generation_config() -> None:
     plain = ModelConfig.from_hf({**base, "architectures": None, "model_type": "qwen2"})
     assert plain.architecture == "Qwen2ForCausalLM" and plain.attention_bias
     assert not plain.o_proj_bias and plain.rope_scaling is None and plain.rope_theta == 10000.0
+    # Mistral slides every layer over its window (applied in attention): no cap. Qwen2's
+    # use_sliding_window is not applied, so its window caps the context.
     mistral = ModelConfig.from_hf({**base, "architectures": ["MistralForCausalLM"],
                                    "sliding_window": 128})
-    assert mistral.max_model_len == 128 and plain.max_model_len == 512
+    assert mistral.max_model_len == 512 and plain.max_model_len == 512
+    assert mistral.layer_windows == (128, 128)
+    assert mistral.kv_window == 128 and plain.kv_window is None
+    capped = ModelConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"],
+                                  "use_sliding_window": True, "sliding_window": 128})
+    assert capped.max_model_len == 128 and capped.kv_window is None
 
 
 def test_resolve_dtype() -> None:

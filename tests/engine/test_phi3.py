@@ -127,7 +127,7 @@ def test_longrope_table_matches_transformers(tmp_path) -> None:
 
 def test_phi3_config_fields() -> None:
     """The legacy layout (rope_scaling "su", top-level lengths and partial factor) and
-    Phi-3-mini-4k's sliding window, which caps the served context."""
+    Phi-3-mini-4k's sliding window, applied on every layer (the context is not capped)."""
     base = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 64, "hidden_size": 64,
             "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
             "max_position_embeddings": 256}
@@ -140,7 +140,7 @@ def test_phi3_config_fields() -> None:
                                    "original_max_position_embeddings": 64}
     window = ModelConfig.from_hf({**base, "max_position_embeddings": 4096,
                                   "sliding_window": 2047})
-    assert (window.max_model_len, window.rotary_dim) == (2047, 16)
+    assert (window.max_model_len, window.kv_window, window.rotary_dim) == (4096, 2047, 16)
     with pytest.raises(ModelLoadError, match="short_factor has 8 entries, expected 6"):
         ModelConfig.from_hf({**base, "partial_rotary_factor": 0.75, "rope_scaling": {
             "type": "longrope", "original_max_position_embeddings": 64,

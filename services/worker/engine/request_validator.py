@@ -11,12 +11,13 @@ from meshserve.shared.sampling_params import SamplingParams
 class RequestValidator:
     """Rejects what could never run, so that a bad request fails alone and at once."""
 
-    def __init__(self, vocab_size: int, max_model_len: int, num_blocks: int,
-                 block_size: int) -> None:
+    def __init__(self, vocab_size: int, max_model_len: int, capacity: int) -> None:
+        """`capacity`: most tokens one sequence can reach in the KV cache
+        (`KVCacheManager.sequence_capacity`: every block's worth, or more where blocks
+        behind a sliding window are freed)."""
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.capacity = capacity
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Validate; return the resolved max_tokens of each sequence."""
@@ -44,7 +45,7 @@ class RequestValidator:
                 f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                 f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
                 param="max_tokens")
-        capacity = self.num_blocks * self.block_size
+        capacity = self.capacity
         if max_tokens is None:
             # Up to the context length, and never more than one sequence can hold in the cache.
             max_tokens = min(self.max_model_len, capacity) - num_prompt

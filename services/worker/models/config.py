@@ -19,6 +19,7 @@ from meshserve.services.worker.models.gpt_oss_config import gpt_oss_options
 from meshserve.services.worker.models.registry import MOE_ARCHITECTURES, check_supported
 from meshserve.shared.errors import ModelLoadError
 from meshserve.shared.model_config import (
+    SLIDING_EVERY_LAYER_ARCHITECTURES,
     architecture_of,
     bos_token_id,
     context_length,
@@ -64,8 +65,9 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not one of these (dense MLP layers)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
-    # Gemma 2/3 (models/gemma.py, gemma_config.py). layer_windows: each layer's attention
-    # window (None: global); empty for the models whose attention is always full.
+    # Each layer's attention window (None: global); empty for the models whose attention is
+    # always full. Gemma 2/3 and gpt-oss interleave (gemma_config.py, gpt_oss_config.py);
+    # Mistral, Mixtral and Phi-3 slide every layer over `sliding_window` (_windows).
     layer_windows: tuple[int | None, ...] = ()
     query_pre_attn_scalar: float = 0.0  # attention scale query_pre_attn_scalar ** -0.5
     attn_logit_softcapping: float | None = None
@@ -90,9 +92,19 @@ class ModelConfig:
     @property
     def max_model_len(self) -> int:
         """Longest context served (`meshserve.shared.model_config.context_length`). Models
-        with per-layer windows (Gemma) apply them in attention and are not capped."""
+        with per-layer windows apply them in attention and are not capped."""
         return context_length(self.max_position_embeddings,
                               None if self.layer_windows else self.sliding_window)
+
+    @property
+    def kv_window(self) -> int | None:
+        """How far back any layer's attention reaches when every layer slides: the largest
+        window (a query at p reads no key before p - kv_window + 1, so the KV cache manager
+        frees the blocks behind it). None when some layer reads the whole context."""
+        windows = [w for w in self.layer_windows if w is not None]
+        if not windows or len(windows) < len(self.layer_windows):
+            return None
+        return max(windows)
 
     @property
     def is_moe(self) -> bool:
@@ -174,6 +186,7 @@ class ModelConfig:
             **gemma_options(architecture, cfg, source),
             **deepseek_options(architecture, cfg, source),
             **gpt_oss_options(architecture, cfg, source),
+            **_windows(architecture, cfg),
         )
         config.validate(source)
         return config
@@ -212,6 +225,16 @@ class ModelConfig:
         if self.decoder_sparse_step <= 0:
             raise ModelLoadError(f"{source}: decoder_sparse_step must be positive, got "
                                  f"{self.decoder_sparse_step}", param="decoder_sparse_step")
+
+
+def _windows(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """`layer_windows` of the architectures that slide every layer over `sliding_window`, as
+    transformers runs them (Mistral, Mixtral, Phi-3): the window applied in attention (llama.py)
+    instead of capping the context to it."""
+    window = sliding_window_of(architecture, cfg)
+    if architecture not in SLIDING_EVERY_LAYER_ARCHITECTURES or window is None:
+        return {}
+    return {"layer_windows": (window,) * int(cfg["num_hidden_layers"])}
 
 
 def _check_mlp(cfg: dict[str, Any], source: str) -> None:

@@ -18,7 +18,8 @@ The layers keep llama.py's protocol (input_norm, the attention's project and att
 each layer returns its MLP output and the residual stream, the add left to the next layer's
 input norm), and the model its `embed` and per-layer `rotary_for`, so the engine's decode and
 piecewise CUDA graphs run Gemma as they run Llama. Blocks that fall out of a sliding layer's
-window stay allocated (all layers share one block table, and global layers read them).
+window stay allocated while a global layer reads them (all layers share one block table); a
+config whose every layer slides has them freed (`ModelConfig.kv_window`, kv_cache_manager.py).
 """
 
 from __future__ import annotations

@@ -86,6 +86,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Mistral-style models slide every layer over one window (None: full attention);
+        # models with per-layer windows set their own (gemma.py, gpt_oss.py).
+        self.window = config.kv_window
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
@@ -98,7 +101,8 @@ class Attention(nn.Module):
         """Attention of q [T, Hq, D] over the cache (k, v: this step's, already written):
         [T, Hq, D]. The one piece of a layer that the piecewise CUDA graphs run eagerly."""
         k_cache, v_cache = kv_cache
-        return paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v)
+        return paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v,
+                               window=self.window)
 
     def project(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 slot_mapping: torch.Tensor, rotary: RotaryEmbedding,

@@ -5,7 +5,8 @@ transformers' Phi-3 is Llama with q/k/v and gate/up already fused in the checkpo
 llama.py fuses into, so the checkpoint names map one to one. What else sets Phi-3 apart is read
 from its config by `ModelConfig`: LongRoPE (`rope_scaling` type "longrope", kernels/rotary.py),
 `partial_rotary_factor` (Phi-4-mini rotates 3/4 of each head) and `sliding_window` (Phi-3-mini-4k:
-2047; attention here is full, so the served context is capped at the window, as for Mistral).
+2047), which slides every layer as Mistral's does (`ModelConfig.layer_windows`, applied by
+llama.py's attention; the blocks behind the window are freed as a sequence advances).
 """
 
 from __future__ import annotations
