@@ -25,8 +25,9 @@ DeepSeek's RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... of the P rotar
 the pairs apart and returns the rotated halves [evens | odds], the layout transformers' V3
 returns. Queries and keys share it, so their products are V2's too.
 
-The PyTorch code here is the reference and, for now, the only path (no Triton kernel yet: the
-DeepSeek models refuse CUDA devices).
+The PyTorch code here is the reference and the CPU path; on CUDA tensors `mla_attention` runs
+the Triton kernel of triton_mla.py (the same signature), and `write_latents` the paged
+kernel's cache write.
 """
 
 from __future__ import annotations
@@ -96,7 +97,10 @@ def mla_attention(
     rows already written)."""
     assert query.dim() == 3 and query.shape[2] == 2 * k_cache.shape[3], (
         f"latent queries {tuple(query.shape)} do not fit a cache of {tuple(k_cache.shape)}")
-    assert query.device.type != "cuda", "latent attention has no CUDA kernel yet"
+    if query.is_cuda:
+        from meshserve.kernels import triton_mla  # imported on the GPU path only
+
+        return triton_mla.mla_attention(query, k_cache, v_cache, meta, scale, kv_lora_rank)
     if meta.decode_only:
         return _decode(query, k_cache, v_cache, meta, scale, kv_lora_rank)
     out = query.new_empty(*query.shape[:2], kv_lora_rank)

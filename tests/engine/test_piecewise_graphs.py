@@ -24,7 +24,7 @@ def test_token_buckets_pad_by_less_than_a_quarter() -> None:
     assert token_buckets(100)[-1] == 100 and token_buckets(16) == [16]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v2", "deepseek_v3"])
 def test_pieces_give_the_eager_outputs(tmp_path: Path, arch: str) -> None:
     folder = build_tiny_model(tmp_path, arch, seed=2)
     rng = random.Random(9)

@@ -234,7 +234,9 @@ class PiecewiseGraphRunner:
     with T real rows and B - T padding rows (no KV write, outputs ignored), and launches L
     attentions in between: L + 1 graph replays and L attention launches instead of about ten
     eager launches per layer. Pieces exchange q/k/v, the attention output and the residual
-    stream through static buffers sized for the largest bucket.
+    stream through static buffers sized for the largest bucket, in the shapes the layers'
+    attention declares (`piece_shapes`: llama.py's heads, or latent attention's latent
+    queries and outputs, models/deepseek_v2.py).
     """
 
     def __init__(self, model: CausalLM, kv_caches: list[KVCache], *, max_tokens: int,
@@ -256,10 +258,12 @@ class PiecewiseGraphRunner:
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
-        self.q = buffer(attn.num_heads, attn.head_dim)
-        self.k = buffer(attn.num_kv_heads, attn.head_dim)
-        self.v = buffer(attn.num_kv_heads, attn.head_dim)
-        self.attn_out = buffer(attn.num_heads, attn.head_dim)
+        # What the attention's project returns and its attend returns, per token.
+        shapes = attn.piece_shapes()
+        self.q = buffer(*shapes.q)
+        self.k = buffer(*shapes.k)
+        self.v = buffer(*shapes.v)
+        self.attn_out = buffer(*shapes.out)
         self.residual = buffer(hidden_size)
         self.hidden = buffer(hidden_size)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -285,7 +289,7 @@ class PiecewiseGraphRunner:
     def _finish(self, index: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index` after attention: (MLP output, residual stream)."""
         layer = self.layers[index]
-        attn_out = layer.self_attn.o_proj(self.attn_out[:batch].view(batch, -1))
+        attn_out = layer.self_attn.output(self.attn_out[:batch])
         return layer.finish(attn_out, self.residual[:batch])
 
     def _piece(self, index: int, batch: int) -> None:

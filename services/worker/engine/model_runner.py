@@ -197,11 +197,14 @@ class ModelRunner:
         # cuBLAS's first LM-head product of each row count stalls the host: few counts.
         model.pad_logit_rows = device.type == "cuda"
         if device.type == "cuda":  # attention's kernels compiled now, not while serving
-            from meshserve.kernels import triton_attention
+            from meshserve.kernels import triton_attention, triton_mla
 
-            triton_attention.compile_every_variant(
-                *self.kv_caches[0], model.config.num_attention_heads,
-                model.model.embed_tokens.weight.dtype)
+            heads, dtype = model.config.num_attention_heads, model.model.embed_tokens.weight.dtype
+            if model.config.kv_lora_rank:  # latent attention (models/deepseek_v2.py)
+                triton_mla.compile_every_variant(*self.kv_caches[0], heads,
+                                                 model.config.kv_lora_rank, dtype)
+            else:
+                triton_attention.compile_every_variant(*self.kv_caches[0], heads, dtype)
 
     @torch.inference_mode()
     def warm_logits(self, max_rows: int) -> int:

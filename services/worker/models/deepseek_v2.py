@@ -15,9 +15,14 @@
 The residual stream, norms, embeddings and LM head are the Llama-family decoder's (llama.py),
 and checkpoints name experts as models/moe.py reads them (per expert, or stacked as transformers
 holds them), the shared experts `mlp.shared_experts.{gate,up,down}_proj`. The cache holds only
-the compressed rows (`ModelConfig.cache_kv_heads` / `cache_head_dim`, kernels/mla.py). The model
-runs on CPU only for now: latent attention has no Triton kernel and the engine's piecewise CUDA
-graphs cut llama.py's attention, not this one.
+the compressed rows (`ModelConfig.cache_kv_heads` / `cache_head_dim`, kernels/mla.py).
+
+On a GPU latent attention runs the Triton kernel of kernels/triton_mla.py, and the layers keep
+llama.py's protocol (input_norm, the attention's project, attend and output, finish), so the
+engine's decode and piecewise CUDA graphs run them: `project` (captured) returns the latent
+queries [T, H, R + P] and this step's cached rows, already written; `attend` (eager in the
+piecewise graphs) the latent outputs [T, H, R]; `output` (captured) multiplies by W_UV, then
+o_proj.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from meshserve.services.worker.models.llama import (
     DecoderModel,
     KVCache,
     Linear,
+    PieceShapes,
     RMSNorm,
 )
 from meshserve.services.worker.models.moe import (
@@ -48,7 +54,6 @@ from meshserve.services.worker.models.moe import (
     MoeCausalLM,
     SparseMoeBlock,
 )
-from meshserve.shared.errors import ModelLoadError
 
 # The eps of the q_a and kv_a norms: DeepSeek builds them with RMSNorm's default, whatever
 # rms_norm_eps says.
@@ -106,6 +111,17 @@ class LatentAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        q, k, v = self.project(positions, hidden, kv_cache, meta.slot_mapping, rotary)
+        return self.output(self.attend(q, k, v, kv_cache, meta))  # [T, hidden]
+
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The latent queries [T, H, R + P] ([q_nope W_UK, rotated q_pe]) and this step's
+        cached rows [c_kv, rotated k_pe], written to the cache and returned as the slot holds
+        them: k and v [T, 1, (R + P) / 2], each row's halves.
+
+        Everything before attention reads the cache: one piece of a piecewise CUDA graph."""
         heads = self.num_heads
         q = self.queries(hidden).view(-1, heads, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)  # [T, H, nope], [T, H, P]
@@ -114,15 +130,35 @@ class LatentAttention(nn.Module):
         q_pe, k_pe = rotate_pe(positions, q_pe, k_pe[:, None], rotary.cos_sin_cache,
                                self.interleave)  # [T, H, P], [T, 1, P]
         k_cache, v_cache = kv_cache
-        write_latents(torch.cat((latent, k_pe[:, 0]), dim=-1), k_cache, v_cache,
-                      meta.slot_mapping)
+        rows = torch.cat((latent, k_pe[:, 0]), dim=-1)  # [T, R + P]
+        write_latents(rows, k_cache, v_cache, slot_mapping)
         w_kv = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope :]  # [H, nope, R], [H, v, R]
+        w_uk = w_kv[:, : self.nope]  # [H, nope, R]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
-        out = mla_attention(torch.cat((q_latent, q_pe), dim=-1), k_cache, v_cache, meta,
-                            self.scale, self.rank)  # [T, H, R]
+        half = k_cache.shape[3]
+        return torch.cat((q_latent, q_pe), dim=-1), rows[:, None, :half], rows[:, None, half:]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Latent attention of q [T, H, R + P] over the cache (k, v: this step's rows, already
+        written, not read again): the latent outputs [T, H, R]. The one piece of a layer
+        that the piecewise CUDA graphs run eagerly."""
+        k_cache, v_cache = kv_cache
+        return mla_attention(q, k_cache, v_cache, meta, self.scale, self.rank)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Latent outputs [T, H, R] -> [T, hidden]: per head through W_UV, then o_proj."""
+        heads = self.num_heads
+        w_kv = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
+        w_uv = w_kv[:, self.nope :]  # [H, v, R]
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
-        return self.o_proj(out.transpose(0, 1).reshape(-1, heads * self.v_dim))  # [T, hidden]
+        return self.o_proj(out.transpose(0, 1).reshape(-1, heads * self.v_dim))
+
+    def piece_shapes(self) -> PieceShapes:
+        """q [H, R + P], k and v [1, (R + P) / 2] (a row's halves), out [H, R] per token."""
+        half = (self.rank + self.rope) // 2
+        return PieceShapes(q=(self.num_heads, self.rank + self.rope), k=(1, half), v=(1, half),
+                           out=(self.num_heads, self.rank))
 
 
 def grouped_topk(
@@ -244,15 +280,6 @@ class DeepseekV2ForCausalLM(MoeCausalLM):
         super().__init__(config)
         assert config.kv_lora_rank > 0, "a DeepSeek config has kv_lora_rank (deepseek_config.py)"
         self.model = DeepseekModel(config)
-
-    def reset_buffers(self) -> None:
-        """The RoPE table; refuses a GPU, where latent attention has no kernel yet."""
-        if self.model.embed_tokens.weight.is_cuda:
-            raise ModelLoadError(
-                f"{self.config.architecture} runs on CPU only for now: latent attention has "
-                "no Triton kernel yet and the GPU path's piecewise CUDA graphs do not fit its "
-                "layers", param="device")
-        super().reset_buffers()
 
     def _expert_layout(self, index: int,
                        block: SparseMoeBlock) -> dict[str, tuple[str, int, int]]:

@@ -12,6 +12,7 @@ and gate/up into `gate_up_proj` (one matmul each); `load_weights` does the fusin
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -74,6 +75,17 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+@dataclass(frozen=True)
+class PieceShapes:
+    """Per-token shapes of what an attention's `project` returns (q, k, v) and what its
+    `attend` returns (out): the piecewise CUDA graphs hold them in static buffers."""
+
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+    out: tuple[int, ...]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -94,7 +106,17 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
         q, k, v = self.project(positions, hidden, kv_cache, meta.slot_mapping, rotary)
         out = self.attend(q, k, v, kv_cache, meta)  # [T, Hq, D]
-        return self.o_proj(out.reshape(-1, self.q_size))  # [T, H]
+        return self.output(out)  # [T, H]
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output [T, Hq, D] -> [T, H] through o_proj (in the piecewise CUDA
+        graphs, the first step of the next piece)."""
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def piece_shapes(self) -> PieceShapes:
+        """q [Hq, D], k and v [Hkv, D], out [Hq, D] per token."""
+        q, kv = (self.num_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+        return PieceShapes(q=q, k=kv, v=kv, out=q)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                meta: AttentionMetadata) -> torch.Tensor:
