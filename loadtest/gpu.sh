@@ -32,8 +32,11 @@ PARTS_HELP="
   profile     where a decode step's device time goes (2 GPUs; loadtest/gpu_profile.py)
   tests       the GPU correctness tests: pytest -q tests/gpu
   ab          the suite's latency, ShareGPT-like throughput and 8k prefill on a baseline
-              tree (BASE_TREE) and on this tree, side by side"
-PARTS=(suite peer mesh kv lora spec fp8 tp structured metrics profile tests ab)
+              tree (BASE_TREE) and on this tree, side by side
+  vllm        vLLM's offline engine next to \`meshserve bench\` on the same prompts
+              (ShareGPT-like throughput, single-stream TPOT); installs vLLM from the parts
+              loadtest/vllm_fetch.sh prepares, carried over several calls"
+PARTS=(suite peer mesh kv lora spec fp8 tp structured metrics profile tests ab vllm)
 
 usage() {
   echo "usage: bash loadtest/gpu.sh PART [PART...]   (results in \$OUT/PART/)"

@@ -12,7 +12,8 @@ ignore_eos: every request yields exactly its output length. latency: each batch 
 e2e, ttft, tpot, the decode floor and prefill FLOP/s (`latency_report`). throughput: every
 request is added at once and run to completion (`throughput_report`, preemptions, and each
 request's TTFT, ITL, TPOT and e2e under bench serve's names: `TokenTimes`). Both print
-a summary, show progress on stderr and write `--output-json` with config and environment.
+a summary, show progress on stderr and write `--output-json` with config and environment;
+`--save-prompts` writes the token prompts they run, for a peer engine to run the same ones.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ class BenchOptions(EngineConfig):
     output_json: Path | None = option(None, "write the results as JSON here")  # noqa: RUF009
     num_iters_warmup: int = option(2, "untimed warm-up runs before measuring")
     progress: bool = option(True, "show a progress bar on stderr")
+    save_prompts: Path | None = option(  # noqa: RUF009
+        None, "write the prompts it runs here, one JSON line each ({\"prompt_token_ids\": "
+              "[...], \"output_tokens\": N}), for a peer engine to run the same ones "
+              "(loadtest/vllm_offline.py): latency's iterations, warm-up ones first; "
+              "throughput's timed requests")
 
     def validate(self) -> None:
         super().validate()
@@ -304,6 +310,19 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
                                       if engine.piecewise_report is not None else None)}
 
 
+def save_prompts(path: Path | None, prompts: Sequence[Sequence[int]],
+                 output_lens: Sequence[int]) -> None:
+    """`--save-prompts`: one JSON line per prompt, in run order, under the keys of vLLM's
+    TokensPrompt (`prompt_token_ids`) and of its custom dataset (`output_tokens`)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for prompt, output_len in zip(prompts, output_lens, strict=True):
+            out.write(json.dumps({"prompt_token_ids": list(prompt),
+                                  "output_tokens": output_len}, separators=(",", ":")) + "\n")
+
+
 def write_json(path: Path | None, result: dict[str, Any]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -339,6 +358,7 @@ def bench_latency(engine: LLMEngine, config: LatencyConfig) -> dict[str, Any]:
     runs, size = config.num_iters_warmup + config.num_iters, config.batch_size
     prompts = random_prompts([config.input_len] * (runs * size), engine.model_config,
                              config.seed)
+    save_prompts(config.save_prompts, prompts, [config.output_len] * len(prompts))
     ttfts, e2es = [], []
     with progress_bar(runs, config.progress, "batch") as bar:
         for run in range(runs):
@@ -358,16 +378,17 @@ def bench_latency(engine: LLMEngine, config: LatencyConfig) -> dict[str, Any]:
 
 def bench_throughput(engine: LLMEngine, config: ThroughputConfig) -> dict[str, Any]:
     """Warm-up batches, then every request at once; the throughput JSON's figures."""
-    lengths = config.lengths(engine.max_model_len)
+    all_lengths = config.lengths(engine.max_model_len)
+    prompts = random_prompts([i for i, _ in all_lengths], engine.model_config, config.seed)
+    share = slice(config.shard_index, None, config.num_shards)
+    lengths, prompts = all_lengths[share], prompts[share]
+    save_prompts(config.save_prompts, prompts, [o for _, o in lengths])
     # Warm-up prompts (short outputs) come from another seed, so that they leave nothing of
     # the timed prompts in the prefix cache. Lengths cycle through the timed ones.
-    warm_lengths = [lengths[i % len(lengths)][0] for i in range(config.warmup_prompts)]
+    warm_lengths = [all_lengths[i % len(all_lengths)][0] for i in range(config.warmup_prompts)]
     warm = random_prompts(warm_lengths, engine.model_config, config.seed + 1)
     for run in range(config.num_iters_warmup):
-        run_batch(engine, warm, min(_WARMUP_OUTPUT_LEN, lengths[0][1]), f"warm{run}")
-    prompts = random_prompts([i for i, _ in lengths], engine.model_config, config.seed)
-    share = slice(config.shard_index, None, config.num_shards)
-    lengths, prompts = lengths[share], prompts[share]
+        run_batch(engine, warm, min(_WARMUP_OUTPUT_LEN, all_lengths[0][1]), f"warm{run}")
     sequences: list[SequenceState] = []
     times = TokenTimes()
     if config.step_trace:

@@ -34,14 +34,22 @@ print(" ".join(linked))
 PY
 }
 
+# `gpu_install_wheels TARGET WHEEL...`: the wheels installed into TARGET, offline, none of
+# their dependencies resolved, no bytecode compiled, replacing what TARGET held of them.
+gpu_install_wheels() {
+  local target=$1
+  shift
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$target" "$@"
+}
+
 # `gpu_env RUN_DIR`: the carried wheels of .whl/ (if any) installed into /tmp/site, the
 # package root RUN_DIR/pkgroot (gpu_pkgroot), both put on PYTHONPATH; MESHSERVE_CLI names the
 # module of the `meshserve` command (`python3 -m "$MESHSERVE_CLI" bench ...`).
 gpu_env() {
   local run_dir=$1
   if compgen -G ".whl/*.whl" >/dev/null; then
-    if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl; then
+    if gpu_install_wheels /tmp/site .whl/*.whl; then
       export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
     else
       echo "!! installing the wheels of .whl/ failed" >&2
@@ -66,9 +74,10 @@ torch.cuda.nccl.version() if torch.cuda.is_available() else None)"
 
 # `gpu_step NAME LIMIT_S COMMAND...`: run COMMAND under `timeout` with its output in
 # $OUT/NAME.log, note its start, exit code and seconds in $OUT/steps.log, show the last
-# $STEP_TAIL lines (default 6) of its log. A NAME listed in $SKIP is noted as skipped.
+# $STEP_TAIL lines (default 6) of its log; returns COMMAND's exit code. A NAME listed in
+# $SKIP is noted as skipped (and returns 0).
 gpu_step() {
-  local name=$1 limit=$2
+  local name=$1 limit=$2 rc
   shift 2
   if [[ " ${SKIP:-} " == *" $name "* ]]; then
     echo "== $name: skipped" | tee -a "$OUT/steps.log"
@@ -77,8 +86,10 @@ gpu_step() {
   echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/steps.log"
   local began=$SECONDS
   timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
+  rc=$?
+  echo "== $name: exit $rc in $((SECONDS - began))s" | tee -a "$OUT/steps.log"
   tail -"${STEP_TAIL:-6}" "$OUT/$name.log"
+  return $rc
 }
 
 # `fp8_report TITLE RUN...`: loadtest/fp8_bench.py's table of $OUT/RUN.json (those that
