@@ -18,7 +18,7 @@ import pytest
 import torch
 from gpu_record import record
 from latent_steps import make_latent_step
-from test_gpu_engine_paths import BF16_LOGPROB_TOL, FP32_LOGPROB_TOL, compare, run
+from test_gpu_engine_paths import fp32_failures_against_cpu
 from tiny_models import build_tiny_model
 
 from meshserve.kernels import triton_mla
@@ -69,16 +69,5 @@ def test_gpu_deepseek_paths_match_cpu(setup: str, tmp_path: Path) -> None:
     folder = build_tiny_model(tmp_path, arch, seed=5, max_position_embeddings=1024, **overrides)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (1, 9, 40, 130, 3, 77, 520)]
-    cpu = run(folder, "cpu", "float32", True, prompts, 24)
-    row = {}
-    for name, dtype, eager in (("cuda_eager_fp32", "float32", True),
-                               ("cuda_graphs_fp32", "float32", False),
-                               ("cuda_graphs_bf16", "bfloat16", False)):
-        got = run(folder, "cuda", dtype, eager, prompts, 24)
-        fp32 = dtype == "float32"
-        row[name] = compare(cpu, got, FP32_LOGPROB_TOL if fp32 else BF16_LOGPROB_TOL,
-                            exact_tokens=fp32)
-    record(f"deepseek_paths_{setup}", {"gpu": torch.cuda.get_device_name(0), **row})
-    failures = [f"{name}: {failure}" for name, figures in row.items() if "fp32" in name
-                for failure in figures["failures"]]  # type: ignore[attr-defined]
+    failures = fp32_failures_against_cpu(folder, prompts, 24, f"deepseek_paths_{setup}")
     assert not failures, "\n".join(failures[:20])

@@ -86,6 +86,25 @@ def compare(ref: Outputs, got: Outputs, tol: float, exact_tokens: bool) -> dict[
             "max_abs_logprob_diff_on_shared_prefix": worst, "failures": failures}
 
 
+def fp32_failures_against_cpu(folder: Path, prompts: list[list[int]], max_tokens: int,
+                              name: str) -> list[str]:
+    """Run `folder` on CPU (float32) and on CUDA (eager fp32, graphs fp32, graphs bf16),
+    record each CUDA run's agreement with the CPU as $GPU_TEST_OUT/<name>.json, and return
+    the float32 runs' failures (their tokens must equal the CPU's; bf16 is recorded only)."""
+    cpu = run(folder, "cpu", "float32", True, prompts, max_tokens)
+    row = {}
+    for label, dtype, eager in (("cuda_eager_fp32", "float32", True),
+                                ("cuda_graphs_fp32", "float32", False),
+                                ("cuda_graphs_bf16", "bfloat16", False)):
+        got = run(folder, "cuda", dtype, eager, prompts, max_tokens)
+        fp32 = dtype == "float32"
+        row[label] = compare(cpu, got, FP32_LOGPROB_TOL if fp32 else BF16_LOGPROB_TOL,
+                             exact_tokens=fp32)
+    record(name, {"gpu": torch.cuda.get_device_name(0), **row})
+    return [f"{label}: {failure}" for label, figures in row.items() if "fp32" in label
+            for failure in figures["failures"]]  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("arch, head_dim", [("llama", 64), ("qwen3", 128)])
 def test_gpu_paths_match_cpu(arch: str, head_dim: int, tmp_path: Path) -> None:
     max_tokens = 24
