@@ -11,10 +11,6 @@ without a GPU.
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 from hopper_compile import compile_launches
+from test_triton_kernels import interpreted_passes
 from triton.runtime import interpreter as triton_interpreter
 
 from meshserve.kernels import fp8_widen, knobs, triton_attention, triton_fp8_linear, triton_rotary
@@ -425,15 +422,7 @@ def test_triton_rotary_write_into_fp8_equals_the_reference() -> None:
 
 @outside_interpreter
 def test_fp8_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q",
-         "-p", "no:cacheprovider"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) == 29 and "skipped" not in summary, summary
+    assert interpreted_passes(__file__) == 29
 
 
 _COMPILE_FOR_HOPPER = r"""

@@ -10,10 +10,6 @@ TRITON_INTERPRET=1 (Triton picks its interpreter when first imported).
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +22,7 @@ from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
     _interpreter_with_gpu_bf16_numerics,
     assert_attention_close,
     in_interpreter,
+    interpreted_passes,
     make_step,
     outside_interpreter,
     run_attention,
@@ -153,16 +150,7 @@ def test_triton_sinks_are_checked() -> None:
 
 @outside_interpreter
 def test_sink_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q",
-         "-p", "no:cacheprovider"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) == len(CASES) * 4 + 2 + 1 and "skipped" not in summary, \
-        summary
+    assert interpreted_passes(__file__) == len(CASES) * 4 + 2 + 1
 
 
 # -- experts --------------------------------------------------------------------------------

@@ -10,10 +10,6 @@ TRITON_INTERPRET=1 (Triton picks its interpreter when first imported).
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +21,7 @@ from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
     REL_ERR,
     _interpreter_with_gpu_bf16_numerics,
     in_interpreter,
+    interpreted_passes,
     outside_interpreter,
 )
 
@@ -167,15 +164,7 @@ def test_every_latent_variant_is_launched_up_front(monkeypatch: pytest.MonkeyPat
 
 @outside_interpreter
 def test_mla_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q",
-         "-p", "no:cacheprovider"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) >= 28 and "skipped" not in summary, summary
+    assert interpreted_passes(__file__, timeout=900) >= 28
 
 
 _HOPPER_SCRIPT = """

@@ -8,10 +8,6 @@ with TRITON_INTERPRET=1 (Triton picks its interpreter when first imported).
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +16,7 @@ import torch.nn.functional as F
 from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
     _interpreter_with_gpu_bf16_numerics,
     in_interpreter,
+    interpreted_passes,
     outside_interpreter,
 )
 
@@ -266,12 +263,4 @@ def test_cpu_entry_point_takes_the_reference() -> None:
 
 @outside_interpreter
 def test_moe_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q",
-         "-p", "no:cacheprovider"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) == len(CASES) + len(ALIGN_CASES) + 5 + 4 + 2 + 3 + 1 and "skipped" not in summary, summary
+    assert interpreted_passes(__file__) == len(CASES) + len(ALIGN_CASES) + 5 + 4 + 2 + 3 + 1

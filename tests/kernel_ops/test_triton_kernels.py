@@ -67,18 +67,25 @@ def outside_interpreter(test: Callable[..., None]) -> Callable[..., None] | None
     return None if INTERPRETED else test
 
 
-@outside_interpreter
-def test_kernels_under_the_interpreter() -> None:
+def interpreted_passes(test_file: str, timeout: int = 600) -> int:
+    """Run `test_file`'s @in_interpreter tests in a child pytest with TRITON_INTERPRET=1
+    (Triton picks its interpreter when first imported): how many passed. The child must exit
+    0 and skip none."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q",
+        [sys.executable, "-m", "pytest", str(Path(test_file).resolve()), "-q",
          "-p", "no:cacheprovider"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    # Over fifty kernel cases; none may be skipped.
-    assert passed and int(passed[1]) > 50 and "skipped" not in summary, summary
+    assert passed and "skipped" not in summary, summary
+    return int(passed[1])
+
+
+@outside_interpreter
+def test_kernels_under_the_interpreter() -> None:
+    assert interpreted_passes(__file__) > 50  # over fifty kernel cases
 
 
 # Norm-relative error bounds of half-precision attention against a float32 reference.

@@ -12,10 +12,6 @@ process as in test_triton_kernels.py, with key tiles wider than a block and spli
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +21,7 @@ from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
     _interpreter_with_gpu_bf16_numerics,
     assert_attention_close,
     in_interpreter,
+    interpreted_passes,
     make_step,
     outside_interpreter,
 )
@@ -147,12 +144,4 @@ def test_triton_reads_no_block_behind_the_window_in_half_precision(dtype: torch.
 
 @outside_interpreter
 def test_window_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q",
-         "-p", "no:cacheprovider"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed[1]) == 14 and "skipped" not in summary, summary
+    assert interpreted_passes(__file__) == 14
