@@ -135,17 +135,24 @@ async def _one_request(session: aiohttp.ClientSession, url: str, model: str) -> 
         return False
 
 
-def _kill_once_generating(addresses: list[str], streams: int, kill: Callable[[], None],
+def _kill_once_generating(addresses: list[str], streams: int, finished: Callable[[], int],
+                          target: int, kill: Callable[[], None],
                           give_up: threading.Event) -> tuple[list[int], float]:
-    """Poll the workers' own loads until they show `streams` requests running, none waiting
-    and no prompt token left to compute (every stream generating), then `kill` at once: each
-    worker's running count then, and the time of the kill. RuntimeError once `give_up` is set.
+    """Poll the workers' own loads until every stream has started (those running plus those
+    the client saw finish make `streams`), none waits, no prompt token is left to compute and
+    worker `target` runs some, then `kill` at once: each worker's running count then, and the
+    time of the kill. RuntimeError once `give_up` is set.
+
+    Counting the finished ones lets the kill come when admissions straggle: on a loaded
+    machine the first streams can end before the last one is admitted, so all of them never
+    run at once.
 
     The worker drill kills on this, in a thread of its own, rather than on the client's
     chunks: the client's event loop reads behind the workers, on a loaded 2-core machine by
     a second or more (a tiny model's 400 tokens had all gone by on one worker when the last
     stream showed its third chunk), and the killed worker's streams must still be running
-    at the kill. Requests left over from an earlier drill keep the sum off `streams`.
+    at the kill. Requests left over from an earlier drill keep the sum off `streams`, so
+    the kill waits for them to end.
     """
     channels = [grpc.insecure_channel(address) for address in addresses]
     stubs = [worker_pb2_grpc.WorkerStub(channel) for channel in channels]
@@ -154,7 +161,8 @@ def _kill_once_generating(addresses: list[str], streams: int, kill: Callable[[],
         while not give_up.is_set():
             loads = [stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0).load
                      for stub in stubs]
-            if (sum(load.num_running for load in loads) == streams
+            if (sum(load.num_running for load in loads) + finished() == streams
+                    and loads[target].num_running > 0
                     and not any(load.num_waiting or load.num_pending_prefill_tokens
                                 for load in loads)):
                 killed_at = time.monotonic()
@@ -165,8 +173,8 @@ def _kill_once_generating(addresses: list[str], streams: int, kill: Callable[[],
         for channel in channels:
             channel.close()
     raise RuntimeError(
-        f"the workers never ran all {streams} streams at once; last seen (running, waiting, "
-        f"prompt tokens to compute): "
+        f"the workers never showed all {streams} streams started ({finished()} finished); "
+        f"last seen (running, waiting, prompt tokens to compute): "
         f"{[(x.num_running, x.num_waiting, x.num_pending_prefill_tokens) for x in loads]}")
 
 
@@ -235,6 +243,8 @@ async def _kill_under_load(stack: Stack, part: str, service: str, ends: list[Str
     give_up = threading.Event()
     ready: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(
         _kill_once_generating, stack.worker_addresses, len(ends),
+        lambda: sum(end.done or end.failure is not None for end in ends),
+        stack.worker_ids.index(service) if part == "worker" else 0,
         lambda: stack.kill(service, signal.SIGKILL), give_up)
         if part == "worker" else all_started.wait())
     every_stream = asyncio.ensure_future(asyncio.wait(tasks))

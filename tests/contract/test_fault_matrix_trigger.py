@@ -1,5 +1,6 @@
 """When the fault drill kills a worker: once the workers' own loads show every stream
-generating (loadtest/fault_matrix.py), read from real grpc.aio servers on 127.0.0.1."""
+generating or finished (loadtest/fault_matrix.py), read from real grpc.aio servers on
+127.0.0.1."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ async def test_the_worker_is_killed_once_every_stream_is_generating(serve) -> No
     addresses = [await serve(first), await serve(second)]
     kills: list[tuple[int, int]] = []  # GetLoad calls each worker had answered at the kill
     running, killed_at = await asyncio.to_thread(
-        fault_matrix._kill_once_generating, addresses, 10,
+        fault_matrix._kill_once_generating, addresses, 10, lambda: 0, 0,
         lambda: kills.append((first.calls, second.calls)), threading.Event())
     assert (running, kills) == ([5, 5], [(3, 3)])
     assert killed_at <= time.monotonic()
@@ -69,11 +70,41 @@ async def test_requests_left_over_from_an_earlier_drill_hold_the_kill_back(serve
     give_up = threading.Event()
     kills: list[None] = []
     poll = asyncio.ensure_future(asyncio.to_thread(
-        fault_matrix._kill_once_generating, addresses, 10, lambda: kills.append(None), give_up))
+        fault_matrix._kill_once_generating, addresses, 10, lambda: 0, 0,
+        lambda: kills.append(None), give_up))
     done, _ = await asyncio.wait([poll], timeout=0.3)
     assert not done  # still polling: 11 requests for 10 streams
     give_up.set()
-    with pytest.raises(RuntimeError, match=r"never ran all 10 streams at once; last seen "
-                       r".*: \[\(6, 0, 0\), \(5, 0, 0\)\]"):
+    with pytest.raises(RuntimeError, match=r"never showed all 10 streams started \(0 finished\); "
+                       r"last seen .*: \[\(6, 0, 0\), \(5, 0, 0\)\]"):
+        await poll
+    assert kills == []
+
+
+async def test_streams_that_finished_before_the_last_one_started_count_as_started(
+        serve) -> None:
+    # Four of ten ended before the last was admitted: the other six never ran beside them.
+    first = ScriptedLoads((2, 1, 0), (3, 0, 0))
+    second = ScriptedLoads((3, 0, 0))
+    addresses = [await serve(first), await serve(second)]
+    finished = [4]
+    kills: list[int] = []
+    running, _ = await asyncio.to_thread(
+        fault_matrix._kill_once_generating, addresses, 10, lambda: finished[0], 1,
+        lambda: kills.append(first.calls), threading.Event())
+    assert (running, kills) == ([3, 3], [2])
+
+
+async def test_the_kill_waits_while_the_worker_to_kill_runs_nothing(serve) -> None:
+    addresses = [await serve(ScriptedLoads((4, 0, 0))), await serve(ScriptedLoads((0, 0, 0)))]
+    give_up = threading.Event()
+    kills: list[None] = []
+    poll = asyncio.ensure_future(asyncio.to_thread(
+        fault_matrix._kill_once_generating, addresses, 10, lambda: 6, 1,
+        lambda: kills.append(None), give_up))
+    done, _ = await asyncio.wait([poll], timeout=0.3)
+    assert not done  # every stream started, but none runs on worker 1
+    give_up.set()
+    with pytest.raises(RuntimeError, match=r"\(6 finished\)"):
         await poll
     assert kills == []
