@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshserve.proto.v1 import common_pb2 as meshserve_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"meshserve/proto/v1/tokenizer.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\"\xb1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\x12\x63ontent_parts_json\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x06 \x01(\t\x12\x19\n\x11reasoning_content\x18\x07 \x01(\tB\n\n\x08_content\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\xa4\x03\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.meshserve.v1.ChatMessagesH\x00\x12\x12\n\ntools_json\x18\x04 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x07 \x01(\x08\x12\x15\n\rchat_template\x18\x08 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\t \x01(\t\x12\x1e\n\x16truncate_prompt_tokens\x18\n \x01(\r\x12\x19\n\x11return_token_strs\x18\x14 \x01(\x08\x12\x13\n\x06suffix\x18\x15 \x01(\tH\x03\x88\x01\x01\x42\x07\n\x05inputB\x18\n\x16_add_generation_promptB\x15\n\x13_add_special_tokensB\t\n\x07_suffix\"e\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\"C\n\x12\x43ountTokensRequest\x12-\n\x06prompt\x18\x01 \x01(\x0b\x32\x1d.meshserve.v1.TokenizeRequest\";\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\xb5\x02\n\x11\x44\x65tokenizeOptions\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rnum_sequences\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\rB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xb1\x01\n\x0e\x44\x65tokenizeOpen\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x30\n\x07options\x18\x02 \x01(\x0b\x32\x1f.meshserve.v1.DetokenizeOptions\x12,\n\x0cprompt_tails\x18\x03 \x03(\x0b\x32\x16.meshserve.v1.TokenIds\x12\x1a\n\x12samples_per_prompt\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xe5\x01\n\x18\x44\x65tokenizeSessionRequest\x12+\n\x05opens\x18\x01 \x03(\x0b\x32\x1c.meshserve.v1.DetokenizeOpen\x12\x0f\n\x07handles\x18\x02 \x03(\x04\x12\x0f\n\x07indices\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x03(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x0e\n\x06\x66inals\x18\x06 \x03(\x08\x12\x19\n\x11stopped_on_tokens\x18\x07 \x03(\x08\x12\x18\n\x10lookup_token_ids\x18\x08 \x03(\r\x12\x0e\n\x06\x63loses\x18\t \x03(\x04\"\xbe\x01\n\x19\x44\x65tokenizeSessionResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0f\n\x07stopped\x18\x02 \x03(\x08\x12\x10\n\x08\x66inished\x18\x03 \x03(\x08\x12\x19\n\x11num_output_tokens\x18\x04 \x03(\r\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\x12\x13\n\x0btoken_bytes\x18\x06 \x03(\x0c\x12)\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x19.meshserve.v1.HandleError\"A\n\x0bHandleError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Error2\x94\x02\n\tTokenizer\x12I\n\x08Tokenize\x12\x1d.meshserve.v1.TokenizeRequest\x1a\x1e.meshserve.v1.TokenizeResponse\x12R\n\x0b\x43ountTokens\x12 .meshserve.v1.CountTokensRequest\x1a!.meshserve.v1.CountTokensResponse\x12h\n\x11\x44\x65tokenizeSession\x12&.meshserve.v1.DetokenizeSessionRequest\x1a\'.meshserve.v1.DetokenizeSessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"meshserve/proto/v1/tokenizer.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\"\xb1\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1a\n\x12\x63ontent_parts_json\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x06 \x01(\t\x12\x19\n\x11reasoning_content\x18\x07 \x01(\tB\n\n\x08_content\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\xcd\x03\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.meshserve.v1.ChatMessagesH\x00\x12\x12\n\ntools_json\x18\x04 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x07 \x01(\x08\x12\x15\n\rchat_template\x18\x08 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\t \x01(\t\x12\x1e\n\x16truncate_prompt_tokens\x18\n \x01(\r\x12\x19\n\x11return_token_strs\x18\x14 \x01(\x08\x12\x13\n\x06suffix\x18\x15 \x01(\tH\x03\x88\x01\x01\x12\'\n\x06images\x18\x16 \x03(\x0b\x32\x17.meshserve.v1.ImageSizeB\x07\n\x05inputB\x18\n\x16_add_generation_promptB\x15\n\x13_add_special_tokensB\t\n\x07_suffix\"*\n\tImageSize\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\"\x9b\x01\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\x12\x34\n\x0cimage_ranges\x18\x05 \x03(\x0b\x32\x1e.meshserve.v1.PlaceholderRange\"C\n\x12\x43ountTokensRequest\x12-\n\x06prompt\x18\x01 \x01(\x0b\x32\x1d.meshserve.v1.TokenizeRequest\";\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\xb5\x02\n\x11\x44\x65tokenizeOptions\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rnum_sequences\x18\x03 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\rB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xb1\x01\n\x0e\x44\x65tokenizeOpen\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x30\n\x07options\x18\x02 \x01(\x0b\x32\x1f.meshserve.v1.DetokenizeOptions\x12,\n\x0cprompt_tails\x18\x03 \x03(\x0b\x32\x16.meshserve.v1.TokenIds\x12\x1a\n\x12samples_per_prompt\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xe5\x01\n\x18\x44\x65tokenizeSessionRequest\x12+\n\x05opens\x18\x01 \x03(\x0b\x32\x1c.meshserve.v1.DetokenizeOpen\x12\x0f\n\x07handles\x18\x02 \x03(\x04\x12\x0f\n\x07indices\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x03(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x0e\n\x06\x66inals\x18\x06 \x03(\x08\x12\x19\n\x11stopped_on_tokens\x18\x07 \x03(\x08\x12\x18\n\x10lookup_token_ids\x18\x08 \x03(\r\x12\x0e\n\x06\x63loses\x18\t \x03(\x04\"\xbe\x01\n\x19\x44\x65tokenizeSessionResponse\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x0f\n\x07stopped\x18\x02 \x03(\x08\x12\x10\n\x08\x66inished\x18\x03 \x03(\x08\x12\x19\n\x11num_output_tokens\x18\x04 \x03(\r\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\x12\x13\n\x0btoken_bytes\x18\x06 \x03(\x0c\x12)\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x19.meshserve.v1.HandleError\"A\n\x0bHandleError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Error2\x94\x02\n\tTokenizer\x12I\n\x08Tokenize\x12\x1d.meshserve.v1.TokenizeRequest\x1a\x1e.meshserve.v1.TokenizeResponse\x12R\n\x0b\x43ountTokens\x12 .meshserve.v1.CountTokensRequest\x1a!.meshserve.v1.CountTokensResponse\x12h\n\x11\x44\x65tokenizeSession\x12&.meshserve.v1.DetokenizeSessionRequest\x1a\'.meshserve.v1.DetokenizeSessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=265
   _globals['_CHATMESSAGES']._serialized_end=324
   _globals['_TOKENIZEREQUEST']._serialized_start=327
-  _globals['_TOKENIZEREQUEST']._serialized_end=747
-  _globals['_TOKENIZERESPONSE']._serialized_start=749
-  _globals['_TOKENIZERESPONSE']._serialized_end=850
-  _globals['_COUNTTOKENSREQUEST']._serialized_start=852
-  _globals['_COUNTTOKENSREQUEST']._serialized_end=919
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=921
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=980
-  _globals['_DETOKENIZEOPTIONS']._serialized_start=983
-  _globals['_DETOKENIZEOPTIONS']._serialized_end=1292
-  _globals['_DETOKENIZEOPEN']._serialized_start=1295
-  _globals['_DETOKENIZEOPEN']._serialized_end=1472
-  _globals['_TOKENIDS']._serialized_start=1474
-  _globals['_TOKENIDS']._serialized_end=1503
-  _globals['_DETOKENIZESESSIONREQUEST']._serialized_start=1506
-  _globals['_DETOKENIZESESSIONREQUEST']._serialized_end=1735
-  _globals['_DETOKENIZESESSIONRESPONSE']._serialized_start=1738
-  _globals['_DETOKENIZESESSIONRESPONSE']._serialized_end=1928
-  _globals['_HANDLEERROR']._serialized_start=1930
-  _globals['_HANDLEERROR']._serialized_end=1995
-  _globals['_TOKENIZER']._serialized_start=1998
-  _globals['_TOKENIZER']._serialized_end=2274
+  _globals['_TOKENIZEREQUEST']._serialized_end=788
+  _globals['_IMAGESIZE']._serialized_start=790
+  _globals['_IMAGESIZE']._serialized_end=832
+  _globals['_TOKENIZERESPONSE']._serialized_start=835
+  _globals['_TOKENIZERESPONSE']._serialized_end=990
+  _globals['_COUNTTOKENSREQUEST']._serialized_start=992
+  _globals['_COUNTTOKENSREQUEST']._serialized_end=1059
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=1061
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=1120
+  _globals['_DETOKENIZEOPTIONS']._serialized_start=1123
+  _globals['_DETOKENIZEOPTIONS']._serialized_end=1432
+  _globals['_DETOKENIZEOPEN']._serialized_start=1435
+  _globals['_DETOKENIZEOPEN']._serialized_end=1612
+  _globals['_TOKENIDS']._serialized_start=1614
+  _globals['_TOKENIDS']._serialized_end=1643
+  _globals['_DETOKENIZESESSIONREQUEST']._serialized_start=1646
+  _globals['_DETOKENIZESESSIONREQUEST']._serialized_end=1875
+  _globals['_DETOKENIZESESSIONRESPONSE']._serialized_start=1878
+  _globals['_DETOKENIZESESSIONRESPONSE']._serialized_end=2068
+  _globals['_HANDLEERROR']._serialized_start=2070
+  _globals['_HANDLEERROR']._serialized_end=2135
+  _globals['_TOKENIZER']._serialized_start=2138
+  _globals['_TOKENIZER']._serialized_end=2414
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "text", "chat", "tools_json", "add_generation_prompt", "add_special_tokens", "continue_final_message", "chat_template", "chat_template_kwargs_json", "truncate_prompt_tokens", "return_token_strs", "suffix")
+    __slots__ = ("model", "text", "chat", "tools_json", "add_generation_prompt", "add_special_tokens", "continue_final_message", "chat_template", "chat_template_kwargs_json", "truncate_prompt_tokens", "return_token_strs", "suffix", "images")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class TokenizeRequest(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     chat: ChatMessages
@@ -57,19 +58,30 @@ class TokenizeRequest(_message.Message):
     truncate_prompt_tokens: int
     return_token_strs: bool
     suffix: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tools_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., return_token_strs: _Optional[bool] = ..., suffix: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageSize]
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tools_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., return_token_strs: _Optional[bool] = ..., suffix: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageSize, _Mapping]]] = ...) -> None: ...
+
+class ImageSize(_message.Message):
+    __slots__ = ("width", "height")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    height: int
+    def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "prompt_text", "max_model_len", "token_strs")
+    __slots__ = ("token_ids", "prompt_text", "max_model_len", "token_strs", "image_ranges")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_RANGES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_text: str
     max_model_len: int
     token_strs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., max_model_len: _Optional[int] = ..., token_strs: _Optional[_Iterable[str]] = ...) -> None: ...
+    image_ranges: _containers.RepeatedCompositeFieldContainer[_common_pb2.PlaceholderRange]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., max_model_len: _Optional[int] = ..., token_strs: _Optional[_Iterable[str]] = ..., image_ranges: _Optional[_Iterable[_Union[_common_pb2.PlaceholderRange, _Mapping]]] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
     __slots__ = ("prompt",)
