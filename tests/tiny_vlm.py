@@ -8,8 +8,9 @@ built from transformers' own classes with their PIL backends, so that transforme
 reference for the prompt's placeholder tokens, the pixels and the model.
 
 Families (VLM_FAMILIES) and their prompts, as the published folders write them:
-- llava: LLaVA-1.5 (CLIP tower, projector, Llama), "USER: <image>\\n... ASSISTANT:", each
-  image 16 patches of a 56-pixel square (the class embedding dropped): 16 `<image>` tokens.
+- llava: LLaVA-1.5 (CLIP tower, projector, Llama) with llava-interleave's ChatML template
+  (each `<image>` where its part is), each image 16 patches of a 56-pixel square (the class
+  embedding dropped): 16 `<image>` tokens.
 - llava_next: LLaVA-NeXT (the same parts, any-resolution tiles of 56 pixels chosen among
   _PINPOINTS, an image_newline), Mistral's "[INST] <image>\\n... [/INST]"; the count of
   `<image>` tokens depends on the image's size.
@@ -64,7 +65,7 @@ IMAGE_TOKEN = {"llava": "<image>", "llava_next": "<image>", "qwen2_5_vl": "<|ima
                "gemma3": "<image_soft_token>"}
 # What the chat template writes for one {"type": "image"} part (before the processor's
 # expansion).
-IMAGE_PART = {"llava": "<image>\n", "llava_next": "<image>\n",
+IMAGE_PART = {"llava": "<image>", "llava_next": "<image>\n",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
               "gemma3": "<start_of_image>"}
 # Special tokens each family's tokenizer adds (beyond <|im_start|>, <|im_end|>).
@@ -78,16 +79,11 @@ _PARTS = ("{% if message['content'] is string %}{{ message['content'] }}{% else 
           "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '@IMAGE@' }}"
           "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
           "{% endif %}")
-# llava-hf/llava-1.5: images first (one "<image>\n" each), then the texts.
+# LLaVA as llava-hf's llava-interleave-qwen writes it: ChatML, each image where its part is.
 _LLAVA_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] != 'system' %}"
-    "{{ message['role'].upper() + ': ' }}{% endif %}"
-    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}"
-    "{{ '<image>\n' }}{% endfor %}"
-    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{{ part['text'] + ' ' }}{% endfor %}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    + _PARTS.replace("@IMAGE@", "<image>") + "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # llava-hf/llava-v1.6-mistral: [INST] images first, then the texts [/INST].
 _LLAVA_NEXT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' }}"
