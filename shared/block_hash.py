@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import orjson
 
@@ -45,21 +46,40 @@ def hash_block(
     return h.digest()
 
 
+class ImageSpan(NamedTuple):
+    """An image's placeholder tokens in a prompt and the image's identity."""
+
+    offset: int  # first placeholder position
+    length: int  # placeholder tokens
+    digest: bytes  # SHA-256 of the image file
+
+
 def hash_blocks(
     token_ids: Sequence[int],
     block_size: int,
     extra_keys: tuple[object, ...] = (),
     parent: BlockHash | None = None,
     start_block: int = 0,
+    images: Sequence[ImageSpan] = (),
 ) -> list[BlockHash]:
     """Hashes of every full block of `token_ids` from block `start_block` on.
 
     `parent` is the hash of block `start_block - 1` (None for the first block),
     so a caller that already holds the first hashes extends them incrementally.
+    A block that holds placeholder tokens of one of `images` adds that image's digest
+    (and where its tokens start) to its extra keys: the same placeholders over another
+    image are other KV, and the chain carries the difference to every later block, while
+    the blocks before the first image stay shared with any prompt of the same text.
     """
     assert block_size > 0, f"block_size must be positive, got {block_size}"
     hashes: list[BlockHash] = []
     for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+        keys = extra_keys
+        end = start + block_size
+        overlapping = tuple(("image", span.digest.hex(), span.offset) for span in images
+                            if span.offset < end and start < span.offset + span.length)
+        if overlapping:
+            keys = extra_keys + overlapping
+        parent = hash_block(parent, token_ids[start:end], keys)
         hashes.append(parent)
     return hashes

@@ -30,6 +30,18 @@ MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
 }
 
 
+# Vision-language architectures -> the text architecture their language model runs as when
+# its config names none (Qwen2.5-VL's checkpoints keep the text fields at the top level).
+VISION_ARCHITECTURES: dict[str, str] = {
+    "LlavaForConditionalGeneration": "LlamaForCausalLM",
+}
+# `text_config.model_type` of vision-language models -> the language model's architecture.
+_TEXT_MODEL_TYPES: dict[str, str] = {**MODEL_TYPE_ARCHITECTURES}
+# Fields of a vision-language config that its language model inherits when the text config
+# lacks them.
+_INHERITED = ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype")
+
+
 class SourceLike(Protocol):
     """Where a model lives (`meshserve.shared.model_source.ModelSource`, a frozen dataclass:
     the members are read-only)."""
@@ -94,6 +106,24 @@ def architecture_of(cfg: dict[str, Any], where: str) -> str:
     return str(model_type)
 
 
+def text_config_of(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """The language model's config: `cfg` itself for a text model; for a vision-language
+    one its `text_config` (else its top level), naming the text architecture it runs as."""
+    architecture = architecture_of(cfg, where)
+    if architecture not in VISION_ARCHITECTURES:
+        return cfg
+    nested = cfg.get("text_config")
+    text = dict(nested) if isinstance(nested, dict) else {
+        k: v for k, v in cfg.items() if k not in ("vision_config", "architectures")}
+    for key in _INHERITED:
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    model_type = text.get("model_type")
+    text["architectures"] = [_TEXT_MODEL_TYPES.get(str(model_type),
+                                                   VISION_ARCHITECTURES[architecture])]
+    return text
+
+
 def sliding_window_of(architecture: str, cfg: dict[str, Any]) -> int | None:
     """The attention window a config sets, None for full attention."""
     window = cfg.get("sliding_window")
@@ -149,7 +179,7 @@ def bos_token_id(cfg: dict[str, Any], generation: dict[str, Any] | None) -> int 
 
 def max_model_len_of(files: ModelFiles) -> int:
     """The context length a worker serves for this model (before any --max-model-len)."""
-    cfg = files.config
+    cfg = text_config_of(files.config, files.where)
     if cfg.get("max_position_embeddings") is None:
         raise ModelLoadError(f"{files.where}: required field 'max_position_embeddings' is "
                              f"missing", param="max_position_embeddings")

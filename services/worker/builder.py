@@ -63,6 +63,7 @@ from meshserve.services.worker.spec.setup import (
 from meshserve.services.worker.structured.grammars import GrammarCompiler
 from meshserve.services.worker.structured.hook import StructuredOutputsHook
 from meshserve.services.worker.tier.kv_tier import KVTier, KVTransport
+from meshserve.services.worker.vision.encoder import build_image_encoder
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
 from meshserve.shared.kv_dtype import kv_cache_dtype_name
 from meshserve.shared.lora_config import parse_lora_modules
@@ -135,7 +136,10 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
     runner = ModelRunner(loaded.model, model_config, kv, loaded.kv_dtype, device, sync,
                          sampler=sampler, adapters=lora,
                          verifier=build_verifier(sampler, device, config.seed)
-                         if speculate else None)
+                         if speculate else None,
+                         images=build_image_encoder(loaded.model, source, device,
+                                                    config.mm_embedding_cache_memory)
+                         if model_config.vision is not None else None)
     graphs, pieces = _capture_graphs(config, runner, max_num_seqs, loaded.max_model_len,
                                      batched_tokens)
     spec = config.speculative  # verify steps take k+1 logit rows per sequence

@@ -62,6 +62,8 @@ class EngineConfig(Config):
               "that a long prompt does not stall them (unset: 2048 on a GPU, 256 on a CPU; "
               "0: no cap)")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
+    mm_embedding_cache_memory: int = option(
+        1 * GiB, "bytes of image embeddings kept by image hash (vision-language models)")
     scheduling_policy: Literal["fcfs", "priority"] = option("fcfs", "local queue order")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     async_scheduling: Literal["auto", "on", "off"] = option(

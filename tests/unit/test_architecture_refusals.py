@@ -22,6 +22,8 @@ LACKING = {
     "DeepseekV2ForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint"},
     "DeepseekV3ForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint"},
     "GptOssForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint"},
+    "LlavaForConditionalGeneration": {"tensor_parallel", "lora", "gguf", "fp8",
+                                      "fp8_checkpoint"},
 }
 FEATURES = ("tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint")
 FLAGS = {"tensor_parallel": "tensor_parallel_size", "lora": "enable_lora", "gguf": "model",

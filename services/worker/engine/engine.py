@@ -30,6 +30,7 @@ from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.cuda_graphs import CaptureReport
 from meshserve.services.worker.engine.device_timeline import DeviceTimeline
 from meshserve.services.worker.engine.hooks import NewRequest, StepHook, Verified
+from meshserve.services.worker.engine.images import PromptImage, check_images
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.kv_copy import KVCaches
 from meshserve.services.worker.engine.model_runner import LaunchedStep, ModelRunner, StepResult
@@ -199,7 +200,8 @@ class LLMEngine:
                     lora_id: int | None = None, arrival_time: float | None = None,
                     resumed: Mapping[int, Sequence[int]] | None = None,
                     store_lookup: bool = True, grammar: Any = None,
-                    bad_words_ids: tuple[tuple[int, ...], ...] | None = None) -> None:
+                    bad_words_ids: tuple[tuple[int, ...], ...] | None = None,
+                    images: Sequence[PromptImage] = ()) -> None:
         """Queue a request (n sequences). Raises InvalidRequestError for a bad one.
 
         `grammar`: the compiled grammar of `params.structured` (the structured-outputs
@@ -208,7 +210,8 @@ class LLMEngine:
         adding instead). `bad_words_ids`: `params.bad_words` tokenized, likewise.
 
         `store_lookup` False: the KV tier is not asked for its prompt blocks (the router
-        saw none there).
+        saw none there). `images`: the prompt's images over their placeholder tokens (a
+        vision-language model's; each must decode to as many rows as it has placeholders).
 
         `resumed` (sequence index -> output tokens it already produced elsewhere): only
         those sequences run, each continuing after its tokens, which count as its output
@@ -221,6 +224,11 @@ class LLMEngine:
         max_tokens = self.validator.check(prompt_token_ids, params)
         if resumed is not None:
             self.validator.check_resumed(resumed, len(prompt_token_ids), params.n, max_tokens)
+        images = tuple(images)
+        embedder = self.runner.images
+        check_images(images, len(prompt_token_ids), takes_images=embedder is not None)
+        if images and embedder is not None:
+            embedder.check(images)
         if lora_id is not None and not self.config.enable_lora:
             raise NotFoundError(f"LoRA adapter {lora_id} is not loaded on this worker "
                                 "(LoRA is off)", param="model")
@@ -238,14 +246,15 @@ class LLMEngine:
                 priority=priority, arrival_time=arrival,
                 eos_token_ids=self.model_config.eos_token_ids, max_tokens=max_tokens,
                 extra_keys=extra_keys, leader=sequences[0] if share and sequences else None,
-                lora_id=lora_id)
+                lora_id=lora_id, images=images)
             if resumed is not None:
                 seq.output_token_ids.extend(resumed[index])
             seq.store_checked = not store_lookup
             if params.seed is not None:
                 seq.generator = make_generator(params.seed, self.device, index)
             sequences.append(seq)
-        self._admit(sequences, NewRequest(request_id, params, lora_id, grammar, bad_words_ids))
+        self._admit(sequences, NewRequest(request_id, params, lora_id, images, grammar,
+                                          bad_words_ids))
         self._groups[request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)

@@ -14,10 +14,11 @@ same fixed points of each request's life and of each step:
                   record_verified(verified)         a verify pass's outcome, applied
                   step_ends(idle) -> bool           after the launch; True: device work queued
 
-Two features also act inside the runner's forward pass, and the runner takes them as parts
+Three features also act inside the runner's forward pass, and the runner takes them as parts
 at construction, typed by the protocols below (so that the core imports no feature):
-`AdapterSlots` (LoRA: which adapter slot each row of the batch uses) and `DraftVerifier`
-(speculation: the verify pass over [last token + drafts] queries).
+`AdapterSlots` (LoRA: which adapter slot each row of the batch uses), `DraftVerifier`
+(speculation: the verify pass over [last token + drafts] queries) and `ImageEmbedder`
+(images: the vision encoder's rows for placeholder tokens).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from meshserve.services.worker.engine.images import ImageSlice, PromptImage
 from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
@@ -40,6 +42,7 @@ class NewRequest:
     request_id: str
     params: SamplingParams
     lora_id: int | None = None
+    images: tuple[PromptImage, ...] = ()  # the prompt's images (engine/images.py)
     # The compiled grammar of `params.structured` and `params.bad_words` tokenized, when the
     # caller prepared them ahead (the worker's engine thread does); else the hook does.
     grammar: Any = None
@@ -138,3 +141,18 @@ class DraftVerifier(Protocol):
                ) -> PendingVerification:
         """Queue the verification of `requests`' drafts from their rows' logits
         ([sum(k_i + 1), V] float32)."""
+
+
+class ImageEmbedder(Protocol):
+    """The vision encoder as the model runner uses it (services/worker/vision/)."""
+
+    def embed(self, slices: Sequence[ImageSlice]) -> torch.Tensor:
+        """The embedding rows of `slices`, one after another: [sum of counts, H], in the
+        model's dtype on its device."""
+        ...
+
+    def check(self, images: Sequence[PromptImage]) -> None:
+        """Refuse (InvalidRequestError) an image that does not decode, or whose embedding
+        rows differ in number from its placeholder tokens."""
+        ...
+

@@ -96,7 +96,7 @@ class KVCacheManager:
             parent = request.block_hashes[-1] if known else None
             request.block_hashes.extend(hash_blocks(
                 request.token_ids(0, num_known), self.block_size, request.extra_keys, parent,
-                known))
+                known, [image.span for image in request.images]))
 
     def get_computed_blocks(self, request: SequenceState) -> list[KVBlock]:
         """Longest run of leading blocks already cached for this request's tokens.

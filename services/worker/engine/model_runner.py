@@ -16,9 +16,11 @@ from meshserve.services.worker.engine.cuda_graphs import (
 from meshserve.services.worker.engine.hooks import (
     AdapterSlots,
     DraftVerifier,
+    ImageEmbedder,
     PendingVerification,
     Verified,
 )
+from meshserve.services.worker.engine.images import ImageSlice, slices_in
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.sampler import (
     HostCopy,
@@ -70,6 +72,9 @@ class StepInputs:
     # Speculating sequences and the rows of their [last token + drafts] queries.
     verify_requests: list[SequenceState] = field(default_factory=list)
     verify_rows: list[int] = field(default_factory=list)
+    # Rows on images' placeholder tokens, and the images' rows they take, in that order.
+    image_rows: list[int] = field(default_factory=list)
+    image_slices: list[ImageSlice] = field(default_factory=list)
 
 
 @dataclass
@@ -167,10 +172,12 @@ class ModelRunner:
     def __init__(self, model: CausalLM, config: ModelConfig, kv: KVCacheManager,
                  dtype: torch.dtype, device: torch.device, sync: StepSync | None = None, *,
                  sampler: Sampler | None = None, adapters: AdapterSlots | None = None,
-                 verifier: DraftVerifier | None = None) -> None:
+                 verifier: DraftVerifier | None = None,
+                 images: ImageEmbedder | None = None) -> None:
         """`sync`: hands each step to the other tensor-parallel ranks (None: no others).
         `adapters`: multi-LoRA serving's slots (None: off); `verifier`: speculation's verify
-        pass (None: no drafts are scheduled); `sampler`: shared with the verifier."""
+        pass (None: no drafts are scheduled); `sampler`: shared with the verifier;
+        `images`: a vision-language model's encoder (None: the model takes no images)."""
         self.model = model
         self.config = config
         self.kv = kv
@@ -193,6 +200,7 @@ class ModelRunner:
         self.pieces: PiecewiseGraphRunner | None = None
         self.lora = adapters
         self.verifier = verifier
+        self.images = images
         self.last_path = ""  # how the last forward ran: graph, verify_graph, piecewise, eager
         # cuBLAS's first LM-head product of each row count stalls the host: few counts.
         model.pad_logit_rows = device.type == "cuda"
@@ -250,8 +258,15 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Decode steps replay a whole-step graph; other steps up to the piecewise limit
-        replay pieces around eager attention; larger ones run eagerly."""
+        replay pieces around eager attention; larger ones, and steps with image rows, run
+        eagerly."""
         meta = inputs.meta
+        if inputs.image_rows:
+            assert self.images is not None, "image rows scheduled without an encoder"
+            self.last_path = "eager"
+            rows = self._tensor(inputs.image_rows, torch.long)
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta,
+                              image_rows=(rows, self.images.embed(inputs.image_slices)))
         graphs = self.graphs
         if graphs is not None and ((meta.decode_only and meta.num_seqs <= graphs.max_batch)
                                    or (inputs.verify_rows and graphs.verify_key(meta))):
@@ -335,6 +350,8 @@ class ModelRunner:
         pending_sources: list[int] = []
         verify_requests: list[SequenceState] = []
         verify_rows: list[int] = []
+        image_rows: list[int] = []
+        image_slices: list[ImageSlice] = []
         for s in out.scheduled:
             r, n = s.request, s.num_new_tokens
             start = r.num_computed_tokens
@@ -350,6 +367,11 @@ class ModelRunner:
                 ids.extend(drafts)
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if r.images and start < r.images[-1].end:
+                for part in slices_in(r.images, start, start + n):
+                    first = row0 + part.image.offset + part.first - start
+                    image_rows.extend(range(first, first + part.count))
+                    image_slices.append(part)
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
@@ -385,6 +407,8 @@ class ModelRunner:
             plan=plan,
             verify_requests=verify_requests,
             verify_rows=verify_rows,
+            image_rows=image_rows,
+            image_slices=image_slices,
         )
 
     @torch.inference_mode()

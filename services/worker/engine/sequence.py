@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass
 
+from meshserve.services.worker.engine.images import PromptImage
 from meshserve.shared.block_hash import BlockHash
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class SequenceState:
         extra_keys: tuple[object, ...] = (),
         leader: SequenceState | None = None,
         lora_id: int | None = None,
+        images: tuple[PromptImage, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id
@@ -75,6 +77,8 @@ class SequenceState:
         self.max_tokens = max_tokens
         self.extra_keys = extra_keys
         self.lora_id = lora_id  # the LoRA adapter the sequence runs with (None: the base)
+        # The prompt's images, in order: their embeddings replace their placeholder tokens.
+        self.images = images
         # A sibling whose prompt blocks this one waits to share (n > 1).
         self.leader = leader
         self.status = SequenceStatus.WAITING

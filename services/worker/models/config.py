@@ -8,7 +8,7 @@ Both rope layouts are read: transformers 4 (`rope_theta` + `rope_scaling`) and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshserve.kernels.activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
@@ -25,6 +25,7 @@ from meshserve.shared.model_config import (
     context_length,
     eos_token_ids,
     sliding_window_of,
+    text_config_of,
 )
 
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -88,6 +89,9 @@ class ModelConfig:
     # gpt-oss (models/gpt_oss.py, gpt_oss_config.py): the experts' clamped SwiGLU.
     swiglu_alpha: float = SWIGLU_OAI_ALPHA
     swiglu_limit: float = SWIGLU_OAI_LIMIT
+    # A vision-language model's whole Hugging Face config (its vision tower, projector and
+    # image token); the fields above are its language model's. None: a text model.
+    vision: dict[str, Any] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -149,9 +153,11 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, *, generation_config: dict[str, Any] | None = None,
                 source: str = "config.json") -> ModelConfig:
         """Build from a config dict or PretrainedConfig; `source` names the file in errors."""
-        cfg: dict[str, Any] = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        outer: dict[str, Any] = (hf_config if isinstance(hf_config, dict)
+                                 else hf_config.to_dict())
+        check_supported(architecture_of(outer, source), source)
+        cfg = text_config_of(outer, source)  # a vision-language model's language model
         architecture = architecture_of(cfg, source)
-        check_supported(architecture, source)
         for name in _REQUIRED_FIELDS:
             if cfg.get(name) is None:
                 raise ModelLoadError(f"{source}: required field {name!r} is missing", param=name)
@@ -188,6 +194,8 @@ class ModelConfig:
             **gpt_oss_options(architecture, cfg, source),
             **_windows(architecture, cfg),
         )
+        if cfg is not outer:
+            config = replace(config, architecture=architecture_of(outer, source), vision=outer)
         config.validate(source)
         return config
 

@@ -195,6 +195,10 @@ class TokenEmbedding(Protocol):
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
 
+# (rows [R] of the step's tokens, their embeddings [R, H]): images' rows.
+ImageRows = tuple[torch.Tensor, torch.Tensor]
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
@@ -216,10 +220,14 @@ class DecoderModel(nn.Module):
         return self.rotary_emb
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[KVCache], meta: AttentionMetadata,
+                image_rows: ImageRows | None = None) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), (
             f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed(input_ids)  # [T, H]
+        if image_rows is not None:  # images' embeddings replace their placeholder tokens'
+            rows, embeds = image_rows  # rows [R], embeds [R, H]
+            hidden[rows] = embeds.to(hidden.dtype)
         residual: torch.Tensor | None = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
@@ -257,9 +265,12 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[KVCache],  # per layer, each [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
+        image_rows: ImageRows | None = None,
     ) -> torch.Tensor:  # hidden states [T, H]
-        """Run every layer over the step's tokens, writing their KV into the cache."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        """Run every layer over the step's tokens, writing their KV into the cache.
+        `image_rows`: (rows [R], embeddings [R, H]) that replace those rows' token
+        embeddings (a vision-language model's images)."""
+        return self.model(input_ids, positions, kv_caches, meta, image_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] hidden states of the rows to sample -> [N, V] float32 logits.

@@ -28,6 +28,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 
 # The mixtures of experts among them (services/worker/models/moe.py).
@@ -75,6 +76,12 @@ _NOT_YET: dict[str, tuple[str, frozenset[str], str]] = {
     "GptOssForCausalLM": ("gpt-oss", frozenset({"tensor_parallel", "lora", "gguf", "fp8",
                                                 "fp8_checkpoint"}),
                           "run it on one device from a safetensors folder, bf16 or MXFP4"),
+    # The image rows reach the first layer on one rank only; the vision tower and projector
+    # are neither sliced, adapted nor quantized.
+    **{arch: ("vision-language", frozenset({"tensor_parallel", "lora", "gguf", "fp8",
+                                            "fp8_checkpoint"}),
+              "run it on one device from a bf16 Hugging Face safetensors folder")
+       for arch in ("LlavaForConditionalGeneration",)},
 }
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from meshserve.services.worker.engine.device import make_current
 from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.images import PromptImage
 from meshserve.services.worker.engine.sequence import SequenceOutput, SequenceState
 from meshserve.services.worker.serving.request_stream import (
     RequestStream,
@@ -67,6 +68,7 @@ class _Add:
     store_lookup: bool = True
     grammar: Any = None  # params.structured compiled (set once the compile is done)
     bad_words_ids: tuple[tuple[int, ...], ...] | None = None  # params.bad_words tokenized
+    images: tuple[PromptImage, ...] = ()  # the prompt's images (vision-language models)
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,11 @@ class EngineThread:
                lora_id: int | None = None,
                on_ready: Callable[[RequestStream], None] | None = None,
                resumed: Mapping[int, Sequence[int]] | None = None,
-               store_lookup: bool = True) -> RequestStream:
+               store_lookup: bool = True,
+               images: Sequence[Sequence[PromptImage]] = ()) -> RequestStream:
         """Queue a request; prompt p's sample s is sequence p * n + s of the stream.
+
+        `images`: each prompt's images (empty, or one entry per prompt).
 
         `store_lookup`: whether the KV tier may be asked for prompt blocks the engine's
         cache lacks (False when the router saw none in the kvstore).
@@ -185,6 +190,9 @@ class EngineThread:
                                       param="request_id")
         if not prompts:
             raise InvalidRequestError("a request needs at least one prompt", param="prompts")
+        if images and len(images) != len(prompts):
+            raise InvalidRequestError(f"{len(images)} prompts' images for {len(prompts)} "
+                                      "prompts", param="images")
         n = params.n
         if resumed is not None:
             if not resumed:
@@ -207,7 +215,8 @@ class EngineThread:
                 continue  # every sequence of this prompt had finished
             self._routes[engine_id] = _Route(stream, p * n)
             self._commands.put(_Add(engine_id, list(prompt), params, priority, cache_salt,
-                                    lora_id, arrival, local, store_lookup))
+                                    lora_id, arrival, local, store_lookup,
+                                    images=tuple(images[p]) if images else ()))
         return stream
 
     def abort(self, request_id: str, indices: Sequence[int] = ()) -> int:
@@ -383,7 +392,8 @@ class EngineThread:
                                     resumed=command.resumed,
                                     store_lookup=command.store_lookup,
                                     grammar=command.grammar,
-                                    bad_words_ids=command.bad_words_ids)
+                                    bad_words_ids=command.bad_words_ids,
+                                    images=command.images)
         except MeshError as exc:
             self._pending_errors.append((command.engine_id, exc))
             return

@@ -31,6 +31,7 @@ from meshserve.services.worker.serving.request_stream import RequestStream, Sequ
 from meshserve.services.worker.serving.wire import (
     FINISH_PB,
     logprobs_pb,
+    prompt_images,
     prompt_logprobs_pb,
     resumed_sequences,
     timings_pb,
@@ -128,7 +129,9 @@ class WorkerSession:
                 on_ready=self._on_ready,
                 resumed=resumed_sequences(add.resumed) if add.resumed else None,
                 store_lookup=not request.HasField("kvstore_blocks")
-                or request.kvstore_blocks > 0)
+                or request.kvstore_blocks > 0,
+                images=[prompt_images(p) for p in request.prompts]
+                if any(p.images for p in request.prompts) else ())
         except MeshError as exc:
             self._fail_handle(handle, exc)
             return

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import orjson
 
 from meshserve.proto.v1 import common_pb2, worker_pb2
+from meshserve.services.worker.engine.images import PromptImage
 from meshserve.services.worker.serving.request_stream import RequestTimes
 from meshserve.shared.errors import InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
@@ -69,6 +70,12 @@ def _extra(extra_json: str) -> dict[str, object]:
     if not isinstance(extra, dict):
         raise InvalidRequestError("extra_json must be a JSON object", param="extra_json")
     return extra
+
+
+def prompt_images(prompt: worker_pb2.Prompt) -> list[PromptImage]:
+    """A prompt's images (their order and ranges are checked by the engine)."""
+    return [PromptImage(image.data, image.hash, image.range.offset, image.range.length)
+            for image in prompt.images]
 
 
 def resumed_sequences(resumed: Iterable[worker_pb2.ResumedSequence]) -> dict[int, list[int]]:
