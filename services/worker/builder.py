@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -63,8 +64,9 @@ from meshserve.services.worker.spec.setup import (
 from meshserve.services.worker.structured.grammars import GrammarCompiler
 from meshserve.services.worker.structured.hook import StructuredOutputsHook
 from meshserve.services.worker.tier.kv_tier import KVTier, KVTransport
-from meshserve.services.worker.vision.encoder import build_image_encoder
+from meshserve.services.worker.vision.encoder import ImageEncoder, build_image_encoder
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
+from meshserve.shared.image_encoding import VisionModel
 from meshserve.shared.kv_dtype import kv_cache_dtype_name
 from meshserve.shared.lora_config import parse_lora_modules
 from meshserve.shared.model_source import tokenizer_folder
@@ -137,9 +139,7 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
                          sampler=sampler, adapters=lora,
                          verifier=build_verifier(sampler, device, config.seed)
                          if speculate else None,
-                         images=build_image_encoder(loaded.model, source, device,
-                                                    config.mm_embedding_cache_memory)
-                         if model_config.vision is not None else None)
+                         images=_image_encoder(config, loaded, device))
     graphs, pieces = _capture_graphs(config, runner, max_num_seqs, loaded.max_model_len,
                                      batched_tokens)
     spec = config.speculative  # verify steps take k+1 logit rows per sequence
@@ -171,6 +171,16 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
         validator=RequestValidator(model_config.vocab_size, loaded.max_model_len,
                                    kv.sequence_capacity(batched_tokens, loaded.max_model_len)),
         hooks=hooks, ranks=ranks, graph_report=graphs, piecewise_report=pieces))
+
+
+def _image_encoder(config: EngineConfig, loaded: _Loaded,
+                   device: torch.device) -> ImageEncoder | None:
+    """A vision-language model's encoder (None for a text model)."""
+    if loaded.model_config.vision is None:
+        return None
+    # A vision-language model class has rows_for and embed_images (models/llava.py).
+    return build_image_encoder(cast(VisionModel, loaded.model), loaded.source.path, device,
+                               config.mm_embedding_cache_memory)
 
 
 def _hooks(config: EngineConfig, grammars: GrammarCompiler, draft: DraftModel | None,

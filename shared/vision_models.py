@@ -1,0 +1,168 @@
+"""The vision halves of vision-language models: what turns images into embedding rows.
+
+The worker runs one inside its model (services/worker/models/llava.py composes it); the
+encoder service runs it alone, without the language model (services/encoder/). A
+`VisionPart` owns the checkpoint tensors under its prefixes, says how many rows an image of
+a size becomes, and embeds a batch of the image processor's output:
+
+    part = build_vision_part(config_json)          # on the meta device, then to_empty
+    part.load(tensors)                             # (name, tensor) of the whole checkpoint
+    rows = part.embed_images(processor(images=...))  # each image's [rows, H]
+
+The towers are transformers' own modules for the tower's config (CLIP, SigLIP, ...): they
+run once per image, never per decode step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshserve.shared.errors import ModelLoadError
+from meshserve.shared.model_config import text_config_of
+
+# Checkpoint prefixes of the vision half -> its parameters' (transformers 4 and 5 layouts).
+_LLAVA_PREFIXES = (
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),  # transformers 4 wrapped the tower
+    ("vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+def vision_tower(vision_config: dict[str, Any]) -> nn.Module:
+    """transformers' vision model for a `vision_config` dict (CLIP, SigLIP, ...)."""
+    from transformers import AutoConfig, AutoModel
+
+    settings = dict(vision_config)
+    model_type = settings.pop("model_type", "clip_vision_model")
+    try:
+        config = AutoConfig.for_model(model_type, **settings)
+    except ValueError as exc:
+        raise ModelLoadError(f"vision tower type {model_type!r} is not known to transformers",
+                             param="vision_config") from exc
+    return AutoModel.from_config(config)
+
+
+class VisionPart(nn.Module):
+    """A model's vision half. Subclasses set PREFIXES and the three methods below."""
+
+    PREFIXES: tuple[tuple[str, str], ...] = ()
+
+    def rows_for(self, width: int, height: int) -> int:
+        """Embedding rows an image of that size becomes."""
+        raise NotImplementedError
+
+    def embed_images(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The image processor's output for N images -> each image's rows [rows, H]."""
+        raise NotImplementedError
+
+    def reset_buffers(self) -> None:
+        """Rebuild non-weight buffers after `to_empty` (the towers' position ids)."""
+        for name, buffer in self.named_buffers():
+            assert name.endswith("position_ids"), f"vision buffer {name} is not rebuilt"
+            buffer.copy_(torch.arange(buffer.shape[-1], device=buffer.device).expand_as(buffer))
+
+    @classmethod
+    def own_name(cls, name: str) -> str | None:
+        """This part's parameter name for a checkpoint tensor name; None: not the part's."""
+        for old, new in cls.PREFIXES:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return None
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the part's tensors from a whole checkpoint's; ModelLoadError naming a
+        missing or wrongly shaped one."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                own = self.own_name(name)
+                if own is None:
+                    continue
+                if own not in params:
+                    raise ModelLoadError(f"unexpected vision tensor {name!r}", param=name)
+                if tuple(tensor.shape) != tuple(params[own].shape):
+                    raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(params[own].shape)}", param=name)
+                params[own].copy_(tensor)
+                loaded.add(own)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ModelLoadError(f"missing vision tensors in the checkpoint: {missing[:8]}",
+                                 param=missing[0])
+
+
+class LlavaProjector(nn.Module):
+    """linear_1 -> activation -> linear_2: tower features [N, Dv] -> text embeddings [N, H]."""
+
+    def __init__(self, vision_dim: int, hidden_size: int, activation: str, bias: bool) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.linear_1 = nn.Linear(vision_dim, hidden_size, bias=bias)
+        self.act = ACT2FN[activation]
+        self.linear_2 = nn.Linear(hidden_size, hidden_size, bias=bias)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(features)))
+
+
+class LlavaVision(VisionPart):
+    """LLaVA-1.5: the tower's hidden states at `vision_feature_layer` (several layers
+    concatenated when it is a list), less the class embedding with the "default" strategy,
+    through the projector; every image is resized to the tower's square, so each becomes
+    the same number of rows."""
+
+    PREFIXES = _LLAVA_PREFIXES
+
+    def __init__(self, hf: dict[str, Any], hidden_size: int) -> None:
+        super().__init__()
+        self.vision_tower = vision_tower(hf["vision_config"])
+        layer = hf.get("vision_feature_layer", -2)
+        self.feature_layers = [int(i) for i in layer] if isinstance(layer, list) else [int(layer)]
+        self.feature_strategy = str(hf.get("vision_feature_select_strategy", "default"))
+        tower: Any = self.vision_tower.config
+        self.multi_modal_projector = LlavaProjector(
+            int(tower.hidden_size) * len(self.feature_layers), hidden_size,
+            str(hf.get("projector_hidden_act", "gelu")),
+            bool(hf.get("multimodal_projector_bias", True)))
+        patches = (int(tower.image_size) // int(tower.patch_size)) ** 2
+        self.num_image_rows: int = patches + (1 if self.feature_strategy == "full" else 0)
+
+    def rows_for(self, width: int, height: int) -> int:
+        return self.num_image_rows
+
+    def embed_images(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        pixels = inputs["pixel_values"]  # [N, 3, S, S]
+        dtype = self.multi_modal_projector.linear_1.weight.dtype
+        out = self.vision_tower(pixels.to(dtype), output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
+        if self.feature_strategy == "default":
+            features = features[:, 1:]  # without the class embedding
+        return list(self.multi_modal_projector(features))  # N x [rows, H]
+
+
+# Architecture -> its vision half.
+VISION_PARTS: dict[str, type[VisionPart]] = {
+    "LlavaForConditionalGeneration": LlavaVision,
+}
+
+
+def build_vision_part(hf: dict[str, Any], where: str = "config.json") -> VisionPart:
+    """The vision half of the vision-language model whose config.json is `hf` (built in
+    the current default device: pass through torch.device("meta") to allocate later)."""
+    from meshserve.shared.model_config import architecture_of
+
+    architecture = architecture_of(hf, where)
+    if architecture not in VISION_PARTS:
+        raise ModelLoadError(f"{where}: {architecture!r} is not a vision-language "
+                             f"architecture meshserve encodes images for "
+                             f"({', '.join(VISION_PARTS)})", param="architectures")
+    hidden = int(text_config_of(hf, where)["hidden_size"])
+    return VISION_PARTS[architecture](hf, hidden)
