@@ -14,7 +14,8 @@ from pathlib import Path
 
 from meshserve.proto.v1 import tokenizer_pb2_grpc
 from meshserve.services.tokenizer.config import TokenizerConfig
-from meshserve.services.tokenizer.loader import load_tokenizer
+from meshserve.services.tokenizer.images import load_image_placeholders
+from meshserve.services.tokenizer.loader import hf_folder, load_tokenizer
 from meshserve.services.tokenizer.model import ServedModel
 from meshserve.services.tokenizer.service import SERVICE_NAME, TokenizerServicer
 from meshserve.shared.errors import ConfigError, MeshError
@@ -46,13 +47,17 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def load_served_model(config: TokenizerConfig) -> ServedModel:
-    """Find the model, load its tokenizer and read its context length (blocking)."""
+    """Find the model, load its tokenizer (and a vision-language model's image
+    placeholders) and read its context length (blocking)."""
     source = resolve_model(config.model)
     tokenizer = load_tokenizer(config.tokenizer or source)
+    folder = hf_folder(config.tokenizer or source)
+    images = load_image_placeholders(folder, tokenizer.hf) if folder is not None else None
     max_model_len = config.max_model_len or max_model_len_of(read_model_files(source))
     name = config.served_model_name or source.name
     names = tuple(dict.fromkeys([name, source.name, config.model]))
-    return ServedModel(tokenizer, names, max_model_len, read_chat_template(config.chat_template))
+    return ServedModel(tokenizer, names, max_model_len, read_chat_template(config.chat_template),
+                       images)
 
 
 async def _load_and_serve(config: TokenizerConfig, server: GrpcServer,

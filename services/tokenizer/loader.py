@@ -196,16 +196,18 @@ class Tokenizer:
     def render_chat(self, messages: object, tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     chat_template_kwargs: Mapping[str, Any] | None = None, *,
-                    chat_template: str | None = None) -> str:
+                    chat_template: str | None = None, content_parts: bool = False) -> str:
         """The prompt text the chat template makes of `messages`.
 
         `chat_template` (Jinja text) replaces the model's own template when given.
+        `content_parts` (vision-language models): content given as parts stays a list of
+        text and image parts, as Hugging Face processors pass it to their templates.
         """
         if not (chat_template or self.has_chat_template):
             raise InvalidRequestError(
                 f"model {self.name or '(unnamed)'} has no chat template; use /v1/completions "
                 "with a prompt instead", param="messages")
-        conversation = normalize_messages(messages)
+        conversation = normalize_messages(messages, content_parts=content_parts)
         kwargs = _check_template_kwargs(chat_template_kwargs)
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("add_generation_prompt and continue_final_message "
@@ -235,19 +237,32 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
-def normalize_messages(messages: object) -> list[dict[str, Any]]:
+def normalize_messages(messages: object, *,
+                       content_parts: bool = False) -> list[dict[str, Any]]:
     """Check chat messages and shape them for chat templates.
 
     Content may be a string or a list of {"type": "text", "text": ...} parts
     (joined with newlines); tool-call arguments given as JSON strings become
-    objects, which is what templates expect.
+    objects, which is what templates expect. With `content_parts`, parts stay a list of
+    {"type": "text", "text": ...} and {"type": "image"} parts.
     """
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty array of messages", "messages")
-    return [_normalize_message(message, i) for i, message in enumerate(messages)]
+    return [_normalize_message(message, i, content_parts)
+            for i, message in enumerate(messages)]
 
 
-def _normalize_message(message: object, index: int) -> dict[str, Any]:
+def count_image_parts(messages: object) -> int:
+    """How many {"type": "image"} content parts `messages` hold (0 for malformed ones)."""
+    if not isinstance(messages, list):
+        return 0
+    return sum(1 for message in messages if isinstance(message, dict)
+               and isinstance(message.get("content"), list)
+               for part in message["content"]
+               if isinstance(part, dict) and part.get("type") == "image")
+
+
+def _normalize_message(message: object, index: int, content_parts: bool) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise _bad(f"{where} must be an object", "messages")
@@ -262,7 +277,8 @@ def _normalize_message(message: object, index: int) -> dict[str, Any]:
             raise _bad(f"{where}.content is required", f"{where}.content")
         out["content"] = ""
     elif isinstance(content, list):
-        out["content"] = _text_parts(content, where)
+        out["content"] = (_parts(content, where) if content_parts
+                          else _text_parts(content, where))
     elif not isinstance(content, str):
         raise _bad(f"{where}.content must be a string or an array of content parts",
                    f"{where}.content")
@@ -271,17 +287,26 @@ def _normalize_message(message: object, index: int) -> dict[str, Any]:
     return out
 
 
-def _text_parts(parts: list[Any], where: str) -> str:
-    texts = []
+def _checked_parts(parts: list[Any], where: str,
+                   kinds: tuple[str, ...]) -> list[dict[str, Any]]:
+    """`parts`, each an object of one of `kinds` (a text part with its text string)."""
     for j, part in enumerate(parts):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad(f"{where}.content[{j}]: only text parts are supported, got {kind!r}",
-                       f"{where}.content")
-        if not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds:
+            raise _bad(f"{where}.content[{j}]: only {' and '.join(kinds)} parts are "
+                       f"supported, got {kind!r}", f"{where}.content")
+        if kind == "text" and not isinstance(part.get("text"), str):
             raise _bad(f"{where}.content[{j}].text must be a string", f"{where}.content")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return parts
+
+
+def _text_parts(parts: list[Any], where: str) -> str:
+    return "\n".join(part["text"] for part in _checked_parts(parts, where, ("text",)))
+
+
+def _parts(parts: list[Any], where: str) -> list[dict[str, str]]:
+    return [{"type": "text", "text": part["text"]} if part["type"] == "text"
+            else {"type": "image"} for part in _checked_parts(parts, where, ("text", "image"))]
 
 
 def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
@@ -363,6 +388,13 @@ def _generation_eos(folder: Path) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+
+def hf_folder(source: ModelSourceLike | str | os.PathLike[str]) -> Path | None:
+    """The Hugging Face folder a model source's tokenizer loads from; None for a GGUF file
+    (whose tokenizer comes from its exported folder, with no processor)."""
+    _, folder, gguf_name = _resolve(source)
+    return folder if gguf_name is None else None
 
 
 def load_tokenizer(source: ModelSourceLike | str | os.PathLike[str]) -> Tokenizer:

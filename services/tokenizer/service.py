@@ -28,7 +28,7 @@ from meshserve.proto.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from meshserve.services.tokenizer.encode_pool import EncodePool, PromptLimits
 from meshserve.services.tokenizer.model import ServedModel, TokenizedPrompt
 from meshserve.services.tokenizer.session import SessionTexts
-from meshserve.services.tokenizer.wire import prompt_input
+from meshserve.services.tokenizer.wire import placeholder_ranges, prompt_input
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.telemetry import Telemetry
 
@@ -107,6 +107,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             span.set_attribute("gen_ai.request.model", model.name)
             span.set_attribute("meshserve.prompt.kind", "text" if prompt.text is not None
                                else "chat")
+            span.set_attribute("meshserve.prompt.images", len(prompt.images))
             result = await self._pool.tokenize(model, prompt)
             span.set_attribute("gen_ai.usage.input_tokens", len(result.token_ids))
         self.metrics.tokens.labels("tokenize").inc(len(result.token_ids))
@@ -119,7 +120,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 if request.return_token_strs else [])
         return tokenizer_pb2.TokenizeResponse(token_ids=result.token_ids, prompt_text=result.text,
                                               max_model_len=self.model.max_model_len,
-                                              token_strs=strs)
+                                              token_strs=strs,
+                                              image_ranges=placeholder_ranges(result.image_ranges))
 
     async def CountTokens(self, request: tokenizer_pb2.CountTokensRequest,
                           context: grpc.aio.ServicerContext

@@ -6,14 +6,15 @@ from typing import Any
 
 import orjson
 
-from meshserve.proto.v1 import tokenizer_pb2
+from meshserve.proto.v1 import common_pb2, tokenizer_pb2
+from meshserve.services.tokenizer.images import ImageSize, PlaceholderRange
 from meshserve.services.tokenizer.model import PromptInput
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.sampling_params import MAX_N, SamplingParams
 
 # Chat-only TokenizeRequest fields: setting one with plain text is a client mistake.
 _CHAT_ONLY_FIELDS = ("tools_json", "chat_template", "chat_template_kwargs_json",
-                     "continue_final_message", "add_generation_prompt")
+                     "continue_final_message", "add_generation_prompt", "images")
 
 
 def _json(text: str, param: str) -> Any:
@@ -77,7 +78,13 @@ def prompt_input(request: tokenizer_pb2.TokenizeRequest) -> PromptInput:
         add_special_tokens=False if add_special is None else add_special,
         continue_final_message=request.continue_final_message,
         chat_template=request.chat_template or None, chat_template_kwargs=kwargs,
-        truncate_prompt_tokens=request.truncate_prompt_tokens)
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
+        images=tuple(ImageSize(image.width, image.height) for image in request.images))
+
+
+def placeholder_ranges(ranges: tuple[PlaceholderRange, ...]) -> list[common_pb2.PlaceholderRange]:
+    """The image ranges of a tokenized prompt as TokenizeResponse.image_ranges."""
+    return [common_pb2.PlaceholderRange(offset=r.offset, length=r.length) for r in ranges]
 
 
 def _is_set(request: tokenizer_pb2.TokenizeRequest, name: str) -> bool:
