@@ -136,15 +136,18 @@ def load_image_placeholders(folder: Path, tokenizer: Any) -> ImagePlaceholders |
     name = processor_class_of(folder)
     try:
         if name in _LLAVA:
-            return _llava(name, _processor(folder), tokenizer)
-        if name in _QWEN:
-            return _qwen(name, folder, tokenizer)
-        if name in _GEMMA:
-            return _gemma(name, _processor(folder), tokenizer)
+            placeholders = _llava(name, _processor(folder), tokenizer)
+        elif name in _QWEN:
+            placeholders = _qwen(name, folder, tokenizer)
+        elif name in _GEMMA:
+            placeholders = _gemma(name, _processor(folder), tokenizer)
+        else:
+            return None
+        placeholders.token_counts([ImageSize(64, 48)])  # fails here, not per request
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ModelLoadError(f"cannot load the image processor {name} of {folder}: "
                              f"{exc}") from exc
-    return None
+    return placeholders
 
 
 def _processor(folder: Path) -> Any:

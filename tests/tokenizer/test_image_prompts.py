@@ -8,7 +8,10 @@ the rendered text and blank images of the chat's sizes.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from image_prompts import CHATS, IMAGE, ImageChat, reference, text
@@ -19,7 +22,7 @@ from meshserve.services.tokenizer.__main__ import load_served_model
 from meshserve.services.tokenizer.config import TokenizerConfig
 from meshserve.services.tokenizer.images import ImageSize, processor_class_of
 from meshserve.services.tokenizer.model import PromptInput, ServedModel
-from meshserve.shared.errors import InvalidRequestError
+from meshserve.shared.errors import InvalidRequestError, ModelLoadError
 
 Family = tuple[str, ServedModel, ProcessorMixin]
 
@@ -120,3 +123,20 @@ def test_a_text_only_model_refuses_images_and_keeps_its_rendering(tiny_llama_dir
     assert served.tokenize(PromptInput(messages=parts)).text == (
         "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n")
     assert served.tokenize(PromptInput(messages=parts)).image_ranges == ()
+
+
+@pytest.mark.parametrize(("family_name", "edit", "match"), [
+    ("llava", lambda config: config.pop("patch_size"), "cannot load the image processor"),
+    ("gemma3", lambda config: config["image_processor"].update(do_pan_and_scan=True),
+     "pan-and-scan"),
+])
+def test_processor_configs_it_cannot_follow_fail_at_load(
+        tmp_path: Path, family_name: str, edit: Callable[[dict[str, Any]], object],
+        match: str) -> None:
+    folder = build_tiny_vlm(tmp_path / family_name, family_name)
+    path = folder / "processor_config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=match):
+        load_served_model(TokenizerConfig(model=str(folder), max_model_len=256))
