@@ -42,6 +42,8 @@ METHOD_TIMEOUTS_S: Mapping[str, float] = MappingProxyType({
     # Bulk KV transfers.
     "meshserve.v1.KVStore/Put": 120.0,
     "meshserve.v1.KVStore/Get": 120.0,
+    # A batch of images through a vision tower.
+    "meshserve.v1.Encoder/Encode": 60.0,
     "grpc.health.v1.Health/Watch": 86400.0,
 })
 """Default deadline of each method ("service/method"; "" for all others), in seconds."""
@@ -53,6 +55,7 @@ IDEMPOTENT_METHODS: Mapping[str, tuple[str, ...]] = MappingProxyType({
                                "ListWorkers"),
     "meshserve.v1.Worker": ("Abort", "GetLoad", "GetInfo"),
     "meshserve.v1.KVStore": ("Get", "Contains", "Stats"),
+    "meshserve.v1.Encoder": ("Encode",),
     "grpc.health.v1.Health": ("Check", "List"),
 })
 """Methods retried on UNAVAILABLE. Not the session streams or Put: a retry could run a

@@ -1,7 +1,7 @@
 """The `meshserve` command.
 
     meshserve up [--model M] [--workers N] [--port P] ...   the whole stack, one command
-    meshserve gateway|tokenizer|scheduler|worker|kvstore ... one service (its own flags)
+    meshserve gateway|tokenizer|scheduler|worker|kvstore|encoder ... one service (its flags)
     meshserve run-batch -i IN.jsonl -o OUT.jsonl --model M   offline OpenAI batch file
     meshserve version
 
@@ -23,7 +23,7 @@ from meshserve.services.worker.config import EngineConfig
 from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, MeshError
 
-ROLES = ("gateway", "tokenizer", "scheduler", "worker", "kvstore")
+ROLES = ("gateway", "tokenizer", "scheduler", "worker", "kvstore", "encoder")
 _USAGE = """usage: meshserve COMMAND [ARGS]
 
 commands:
@@ -34,6 +34,7 @@ commands:
   scheduler   run the global scheduler
   worker      run one model worker
   kvstore     run the KV-cache store
+  encoder     run a vision-language model's image encoder
   run-batch   run an OpenAI batch file offline (-i IN -o OUT --model M)
   bench       benchmark the in-process engine (bench latency|throughput ...)
   version     print versions

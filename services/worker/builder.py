@@ -65,6 +65,7 @@ from meshserve.services.worker.structured.grammars import GrammarCompiler
 from meshserve.services.worker.structured.hook import StructuredOutputsHook
 from meshserve.services.worker.tier.kv_tier import KVTier, KVTransport
 from meshserve.services.worker.vision.encoder import ImageEncoder, build_image_encoder
+from meshserve.services.worker.vision.remote import RemoteRows
 from meshserve.shared.errors import InvalidRequestError, ModelLoadError
 from meshserve.shared.image_encoding import VisionModel
 from meshserve.shared.kv_dtype import kv_cache_dtype_name
@@ -178,9 +179,13 @@ def _image_encoder(config: EngineConfig, loaded: _Loaded,
     """A vision-language model's encoder (None for a text model)."""
     if loaded.model_config.vision is None:
         return None
+    addresses = config.encoder_address_list
+    remote = RemoteRows(addresses, loaded.source.name) if addresses and (
+        config.mm_encoder_placement != "worker") else None
     # A vision-language model class has rows_for and embed_images (models/llava.py).
     return build_image_encoder(cast(VisionModel, loaded.model), loaded.source.path, device,
-                               config.mm_embedding_cache_memory)
+                               config.mm_embedding_cache_memory,
+                               config.mm_encoder_placement if remote else "worker", remote)
 
 
 def _hooks(config: EngineConfig, grammars: GrammarCompiler, draft: DraftModel | None,

@@ -64,6 +64,12 @@ class EngineConfig(Config):
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
     mm_embedding_cache_memory: int = option(
         1 * GiB, "bytes of image embeddings kept by image hash (vision-language models)")
+    mm_encoder_placement: Literal["auto", "worker", "encoder"] = option(
+        "auto", "where images are encoded: auto (the encoder services of "
+                "--encoder-addresses when given, the worker itself when they fail or none "
+                "are given), worker (always itself), encoder (only the services)")
+    encoder_addresses: str | None = option(
+        None, "encoder services (host:port, comma-separated) for vision-language models")
     scheduling_policy: Literal["fcfs", "priority"] = option("fcfs", "local queue order")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     async_scheduling: Literal["auto", "on", "off"] = option(
@@ -133,6 +139,11 @@ class EngineConfig(Config):
         True, "kernels: at tensor parallelism, sum over ranks, add the residual and RMS-norm "
               "in one kernel (off: the sum, then the norm)")
 
+    @property
+    def encoder_address_list(self) -> list[str]:
+        """--encoder-addresses as a list (empty when unset)."""
+        return [a.strip() for a in (self.encoder_addresses or "").split(",") if a.strip()]
+
     def validate(self) -> None:
         super().validate()
         require = self.require
@@ -140,6 +151,9 @@ class EngineConfig(Config):
                 f"--block-size must be one of 8, 16, 32, 64, 128, got {self.block_size}",
                 "block_size")
         require(self.kv_cache_memory > 0, "--kv-cache-memory must be positive", "kv_cache_memory")
+        require(self.mm_encoder_placement != "encoder" or bool(self.encoder_address_list),
+                "--mm-encoder-placement encoder needs --encoder-addresses",
+                "mm_encoder_placement")
         require(0.0 < self.gpu_memory_utilization <= 1.0,
                 "--gpu-memory-utilization must be in (0, 1]", "gpu_memory_utilization")
         for name in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "num_threads"):

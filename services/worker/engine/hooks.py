@@ -24,6 +24,7 @@ at construction, typed by the protocols below (so that the core imports no featu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -149,6 +150,11 @@ class ImageEmbedder(Protocol):
     def embed(self, slices: Sequence[ImageSlice]) -> torch.Tensor:
         """The embedding rows of `slices`, one after another: [sum of counts, H], in the
         model's dtype on its device."""
+        ...
+
+    def prefetch(self, images: Sequence[PromptImage]) -> Future[bool] | None:
+        """Start making `images`' rows off the engine thread (encoder services), or None
+        when there is nothing to start; the request waits for the future."""
         ...
 
     def check(self, images: Sequence[PromptImage]) -> None:

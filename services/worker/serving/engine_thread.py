@@ -69,6 +69,8 @@ class _Add:
     grammar: Any = None  # params.structured compiled (set once the compile is done)
     bad_words_ids: tuple[tuple[int, ...], ...] | None = None  # params.bad_words tokenized
     images: tuple[PromptImage, ...] = ()  # the prompt's images (vision-language models)
+    # Whether encoder services were asked for the images' rows (None: not yet).
+    images_fetched: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -382,6 +384,12 @@ class EngineThread:
             if params.structured is not None and command.grammar is None:
                 self._prepare(command, "grammar", grammars.submit(params.structured))
                 return
+            embedder = self.engine.runner.images
+            if command.images and command.images_fetched is None and embedder is not None:
+                fetching = embedder.prefetch(command.images)
+                if fetching is not None:  # encoder services encode while others run
+                    self._prepare(command, "images_fetched", fetching)
+                    return
         except MeshError as exc:
             self._pending_errors.append((command.engine_id, exc))
             return

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from meshserve.services.worker.engine.images import ImageSlice, PromptImage
+from meshserve.services.worker.vision.remote import RemoteRows
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.image_encoding import (
     RowsCache,
@@ -39,14 +41,27 @@ class RowsSource(Protocol):
 class ImageEncoder:
     """Image files -> embedding rows for the model runner, with an LRU of rows by hash."""
 
-    def __init__(self, model: VisionModel, source: RowsSource, cache_bytes: int) -> None:
-        """`model`: says how many rows an image becomes; `source`: makes them;
-        `cache_bytes`: the budget of cached rows."""
+    def __init__(self, model: VisionModel, local: RowsSource | None, device: torch.device,
+                 cache_bytes: int, remote: RemoteRows | None = None) -> None:
+        """`model`: says how many rows an image becomes; `local`: makes them in this
+        process (None: only `remote` does); `remote`: encoder services, asked ahead at
+        admission; `cache_bytes`: the budget of cached rows."""
+        assert local is not None or remote is not None, "rows must come from somewhere"
         self.model = model
-        self.source = source
+        self.local = local
+        self.remote = remote
+        self.device = device
         self.cache = RowsCache(cache_bytes)
         self.hits = 0
         self.misses = 0
+
+    def prefetch(self, images: Sequence[PromptImage]) -> Future[bool] | None:
+        """Ask the encoder services for `images`' rows ahead of admission (None: nothing
+        to ask: no services, or every image cached)."""
+        todo = [image for image in images if image.digest not in self.cache]
+        if self.remote is None or not todo:
+            return None
+        return self.remote.prefetch(todo, must_succeed=self.local is None)
 
     def check(self, images: Sequence[PromptImage]) -> None:
         for i, image in enumerate(images):
@@ -70,7 +85,7 @@ class ImageEncoder:
                    if s.image.digest not in self.cache}
         self.hits += len({s.image.digest for s in slices}) - len(missing)
         self.misses += len(missing)
-        fresh = self.source.encode(list(missing.items())) if missing else {}
+        fresh = self._rows(missing) if missing else {}
         parts = []
         for s in slices:
             rows = fresh.get(s.image.digest)
@@ -82,10 +97,29 @@ class ImageEncoder:
             self.cache.put(digest, rows)
         return torch.cat(parts)
 
+    def _rows(self, missing: dict[bytes, bytes]) -> dict[bytes, torch.Tensor]:
+        """Rows of images not cached: those fetched ahead, then the rest encoded now."""
+        fresh: dict[bytes, torch.Tensor] = {}
+        if self.remote is not None:
+            for digest in missing:
+                rows = self.remote.take(digest)
+                if rows is not None:
+                    fresh[digest] = rows.to(self.device, non_blocking=True)
+        rest = [(digest, data) for digest, data in missing.items() if digest not in fresh]
+        if rest:  # (evicted since admission, or no services)
+            source: RowsSource = self.local if self.local is not None else self.remote  # type: ignore[assignment]
+            fresh.update({digest: rows.to(self.device)
+                          for digest, rows in source.encode(rest).items()})
+        return fresh
+
 
 def build_image_encoder(model: VisionModel, folder: Path, device: torch.device,
-                        cache_bytes: int) -> ImageEncoder:
-    """The encoder of a vision-language `model` loaded from `folder`, encoding in process
-    with the folder's image processor."""
-    return ImageEncoder(model, RowsEncoder(model, load_image_processor(folder), device),
-                        cache_bytes)
+                        cache_bytes: int, placement: str = "worker",
+                        remote: RemoteRows | None = None) -> ImageEncoder:
+    """The encoder of a vision-language `model` loaded from `folder`: in process with the
+    folder's image processor, through `remote` encoder services, or both ("auto": the
+    services first, the worker itself when they fail)."""
+    local = None if placement == "encoder" else RowsEncoder(
+        model, load_image_processor(folder), device)
+    return ImageEncoder(model, local, device, cache_bytes,
+                        None if placement == "worker" else remote)
