@@ -20,7 +20,7 @@ from meshserve.shared.service_main import PARENT_PID_ENV
 _LOG_TAIL_LINES = 40
 _CONFIG_CLASSES = {"tokenizer": "TokenizerConfig", "scheduler": "SchedulerConfig",
                    "kvstore": "KVStoreConfig", "worker": "WorkerConfig",
-                   "gateway": "GatewayConfig"}
+                   "gateway": "GatewayConfig", "encoder": "EncoderConfig"}
 
 
 @dataclasses.dataclass

@@ -82,6 +82,8 @@ class LauncherConfig(RunnerOptions, EngineConfig):
 
     workers: int = option(1, "model workers to start")
     tokenizers: int = option(1, "tokenizer replicas to start")
+    encoders: int = option(0, "image encoder services to start for a vision-language model "
+                              "(0: the workers encode images themselves)")
     gateways: int = option(1, "gateway processes sharing the HTTP port (SO_REUSEPORT when "
                               "more than 1); 0: one per 8 CPU cores, from 1 to 4")
     kvstore: bool = option(True, "start the KV-cache store")
@@ -140,6 +142,7 @@ class LauncherConfig(RunnerOptions, EngineConfig):
         for name in ("workers", "tokenizers"):
             value = getattr(self, name)
             self.require(value >= 1, f"must be at least 1, got {value}", name)
+        self.require(self.encoders >= 0, f"must be >= 0, got {self.encoders}", "encoders")
         self.require(self.gateways >= 0, f"must be >= 0 (0: by cores), got {self.gateways}",
                      "gateways")
         self.require(0 <= self.port <= 65535, f"must be in [0, 65535], got {self.port}", "port")
@@ -196,6 +199,7 @@ class Stack:
         self.tokenizer_addresses = [self._free() for _ in range(config.tokenizers)]
         self.scheduler_address = self._free()
         self.kvstore_address = self._free() if config.kvstore else None
+        self.encoder_addresses = [self._free() for _ in range(config.encoders)]
         self.worker_addresses = [self._free() for _ in range(config.workers)]
         self.worker_ids = [f"worker-{i}" for i in range(config.workers)]
         self.gateway_names = (["gateway"] if config.num_gateways == 1 else
@@ -286,9 +290,16 @@ class Stack:
             self._add("kvstore", "kvstore", [*self._common(self.kvstore_address),
                                              "--redis-url", self.redis_url, *capacity],
                       grpc_serving(self.kvstore_address))
+        for i, address in enumerate(self.encoder_addresses):
+            self._add(f"encoder-{i}", "encoder", [
+                *self._common(address), "--model", model, "--device", c.device,
+                "--dtype", c.dtype, "--load-format",
+                "dummy" if c.load_format == "dummy" else "auto"], grpc_serving(address))
         served = ["--served-model-names", c.served_model_name] if c.served_model_name else []
         if self.kvstore_address is not None:
             served += ["--kvstore-address", self.kvstore_address]
+        if self.encoder_addresses:
+            served += ["--encoder-addresses", ",".join(self.encoder_addresses)]
         for worker_id, address, placement in zip(self.worker_ids, self.worker_addresses,
                                                  _worker_devices(c), strict=True):
             self._add(worker_id, "worker", [

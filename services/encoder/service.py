@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from meshserve.proto.v1 import encoder_pb2, encoder_pb2_grpc
 from meshserve.services.encoder.model import ServedVision
@@ -34,6 +34,7 @@ class EncoderMetrics:
     registry: CollectorRegistry
     images: Counter = field(init=False)
     seconds: Histogram = field(init=False)
+    in_flight: Gauge = field(init=False)
 
     def __post_init__(self) -> None:
         self.images = Counter("meshserve:encoder_images", "Images encoded", ["payload"],
@@ -42,6 +43,10 @@ class EncoderMetrics:
                                  "call's images (processor and forward)",
                                  registry=self.registry,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        # What an autoscaler watches: calls waiting for or in the one encoding thread.
+        self.in_flight = Gauge("meshserve:encoder_calls_in_flight", "Encode calls being "
+                               "encoded or waiting for the encoding thread",
+                               registry=self.registry)
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
@@ -88,8 +93,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         with self._tracer.start_as_current_span("encode") as span:
             span.set_attribute("meshserve.images", len(files))
             started = time.perf_counter_ns()
-            rows = await asyncio.get_running_loop().run_in_executor(
-                self._thread, vision.encoder.encode, files)
+            with self.metrics.in_flight.track_inprogress():
+                rows = await asyncio.get_running_loop().run_in_executor(
+                    self._thread, vision.encoder.encode, files)
             spent = time.perf_counter_ns() - started
             span.set_attribute("meshserve.encode_ms", spent / 1e6)
         self.metrics.seconds.observe(spent / 1e9)

@@ -180,7 +180,8 @@ def _image_encoder(config: EngineConfig, loaded: _Loaded,
     if loaded.model_config.vision is None:
         return None
     addresses = config.encoder_address_list
-    remote = RemoteRows(addresses, loaded.source.name) if addresses and (
+    shared = {"auto": None, "on": True, "off": False}[config.encoder_shared_memory]
+    remote = RemoteRows(addresses, loaded.source.name, shared_memory=shared) if addresses and (
         config.mm_encoder_placement != "worker") else None
     # A vision-language model class has rows_for and embed_images (models/llava.py).
     return build_image_encoder(cast(VisionModel, loaded.model), loaded.source.path, device,

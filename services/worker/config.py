@@ -70,6 +70,10 @@ class EngineConfig(Config):
                 "are given), worker (always itself), encoder (only the services)")
     encoder_addresses: str | None = option(
         None, "encoder services (host:port, comma-separated) for vision-language models")
+    encoder_shared_memory: Literal["auto", "on", "off"] = option(
+        "auto", "take image rows from encoder services through shared-memory files (auto: "
+                "for loopback addresses; off where the two do not share /dev/shm, such as "
+                "containers)")
     scheduling_policy: Literal["fcfs", "priority"] = option("fcfs", "local queue order")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     async_scheduling: Literal["auto", "on", "off"] = option(

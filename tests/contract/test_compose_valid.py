@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from meshserve.services.encoder.config import EncoderConfig
 from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.kvstore.config import KVStoreConfig
 from meshserve.services.scheduler.config import SchedulerConfig
@@ -33,13 +34,13 @@ HOST_FILE = REPO / "compose" / "docker-compose.host.yml"
 PROXY_CONF = REPO / "compose" / "gateway-proxy.conf"
 IMAGE = "meshserve:latest"
 GPU_WORKERS = ("worker-gpu-0", "worker-gpu-1")
-SCALABLE = ("tokenizer", "worker", "gateway")
+SCALABLE = ("tokenizer", "worker", "gateway", "encoder")
 MESH_ROLES = {"tokenizer": "tokenizer", "scheduler": "scheduler", "kvstore": "kvstore",
               "worker": "worker", "worker-gpu-0": "worker", "worker-gpu-1": "worker",
-              "gateway": "gateway"}
+              "gateway": "gateway", "encoder": "encoder"}
 CONFIGS: dict[str, type[ServiceConfig]] = {
     "tokenizer": TokenizerConfig, "scheduler": SchedulerConfig, "kvstore": KVStoreConfig,
-    "worker": WorkerConfig, "gateway": GatewayConfig}
+    "worker": WorkerConfig, "gateway": GatewayConfig, "encoder": EncoderConfig}
 # Images the stack pulls as they are (no meshserve code in them).
 THIRD_PARTY = {"gateway-proxy", "otel-collector", "jaeger", "prometheus", "grafana"}
 UIS = {"jaeger": 16686, "prometheus": 9090, "grafana": 3000}
@@ -64,7 +65,8 @@ def compose(*args: str, files: tuple[Path, ...] = (), env: dict[str, str] | None
 
 def resolve(*files: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """The fully resolved services, every profile included."""
-    done = compose("--profile", "gpu", "--profile", "monitoring", "config", "--format",
+    done = compose("--profile", "gpu", "--profile", "monitoring", "--profile", "vision",
+                   "config", "--format",
                    "json", files=files, env=env)
     assert done.returncode == 0, done.stderr
     resolved: dict[str, Any] = json.loads(done.stdout)["services"]
@@ -236,6 +238,20 @@ def test_tokenizers_are_found_through_one_dns_name(services: dict[str, Any]) -> 
         assert "MESHSERVE_ADVERTISE_ADDRESS" not in env, "a scaled worker advertises itself"
 
 
+def test_encoders_are_a_profile_the_workers_find_by_one_name(
+        services: dict[str, Any]) -> None:
+    """A text stack starts no encoder; with `--profile vision`, workers pointed at
+    dns:///encoder:50056 take rows in the answers (containers share no /dev/shm)."""
+    assert services["encoder"]["profiles"] == ["vision"]
+    assert services["encoder"]["environment"]["MESHSERVE_PORT"] == "50056"
+    pointed = resolve(env={"MESHSERVE_ENCODER_ADDRESSES": "dns:///encoder:50056"})
+    for name in ("worker", *GPU_WORKERS):
+        env = {k: str(v) for k, v in pointed[name]["environment"].items()}
+        config = WorkerConfig.from_args([], environ=env)
+        assert config.encoder_address_list == ["dns:///encoder:50056"], name
+        assert config.encoder_shared_memory == "off", name
+
+
 def test_healthchecks_start_no_python(services: dict[str, Any]) -> None:
     for name, service in services.items():
         assert service.get("restart") == "unless-stopped", f"{name}: {service.get('restart')}"
@@ -324,7 +340,9 @@ def test_host_networking_override(host_services: dict[str, Any]) -> None:
     assert env["worker"]["MESHSERVE_PORT"] == "0"
     for name, values in env.items():
         for key, value in values.items():
-            if key.endswith(("_ADDRESS", "_ADDRESSES", "REDIS_URL", "OTLP_ENDPOINT")):
+            # (An empty address list is none: the encoders, unless asked for.)
+            if key.endswith(("_ADDRESS", "_ADDRESSES", "REDIS_URL", "OTLP_ENDPOINT")) and (
+                    value or not key.endswith("_ADDRESSES")):
                 assert "127.0.0.1" in value, (name, key, value)
     ports = [int(env[n][k]) for n in ("tokenizer", "scheduler", "kvstore", "gateway",
                                       "worker", *GPU_WORKERS)
