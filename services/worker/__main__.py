@@ -35,6 +35,7 @@ from meshserve.services.worker.heap import settle_heap
 from meshserve.services.worker.lora.control import LoraControl, with_loras
 from meshserve.services.worker.lora.hook import LoraHook
 from meshserve.services.worker.serving.engine_thread import EngineThread
+from meshserve.services.worker.serving.image_metrics import register_image_metrics
 from meshserve.services.worker.serving.kv_publisher import KVEventPublisher
 from meshserve.services.worker.serving.lifecycle import ProcessLifecycle, run_process
 from meshserve.services.worker.serving.service import WorkerServicer
@@ -257,6 +258,7 @@ class WorkerProcess:
                                             telemetry.registry)
         self.servicer.on_params = self.vllm_metrics.observe_params
         register_spec_metrics(telemetry.registry, engine.hook(SpecDecoder), names[0])
+        register_image_metrics(telemetry.registry, engine.runner.images, names[0])
 
     async def _update_info(self, update: Callable[[WorkerInfo], WorkerInfo]) -> None:
         """Change the worker's info (its LoRA adapters) and tell the scheduler."""

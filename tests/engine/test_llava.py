@@ -160,3 +160,26 @@ def test_bad_images_fail_their_request_alone(llava, tmp_path) -> None:
     with pytest.raises(InvalidRequestError, match="does not take images"):
         text_only.add_request("t", [5] * 20, GREEDY, images=[dataclasses.replace(
             image, offset=0)])
+
+
+def test_image_counters_reach_metrics(llava) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from meshserve.services.worker.serving.image_metrics import register_image_metrics
+
+    folder, _, _, cases, _ = llava
+    engine = make_engine(folder)
+    registry = CollectorRegistry()
+    register_image_metrics(registry, engine.runner.images, "tiny")
+    run_cases(engine, [cases[0], cases[2]], GREEDY)  # images: wide; square, wide
+    run_cases(engine, [cases[1]], GREEDY, prefix="again")  # tall, square
+    labels = {"model_name": "tiny"}
+    value = registry.get_sample_value
+    # One step needs wide and square (wide twice: one query), both new; the next needs tall,
+    # new, and square, cached.
+    assert value("vllm:mm_cache_queries_total", labels) == 4
+    assert value("vllm:mm_cache_hits_total", labels) == 1
+    assert value("meshserve:worker_images_encoded_total", {**labels, "where": "worker"}) == 3
+    assert value("meshserve:worker_images_encoded_total", {**labels, "where": "encoder"}) == 0
+    assert value("meshserve:worker_image_encode_seconds_total", labels) > 0
+    assert value("meshserve:worker_image_cache_bytes", labels) == 3 * 16 * 64 * 4

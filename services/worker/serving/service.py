@@ -167,6 +167,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             "meshserve.worker.id": self.info.worker_id,
             "meshserve.worker.num_steps": times.num_steps,
             "meshserve.worker.num_preemptions": times.num_preemptions,
+            "meshserve.worker.images": sum(len(p.images) for p in request.prompts),
         }
         if error_kind is not None:
             attributes["meshserve.error_kind"] = error_kind
