@@ -158,4 +158,5 @@ class Gateway:
             await self._runner.cleanup()
             self._runner = None
         await self.clients.close()
+        await self.orchestrator.close()
         _log.info("gateway stopped")

@@ -19,6 +19,11 @@ Choices, written down:
   one host:port, the kernel spreading new connections over them; `meshserve up
   --gateways N` turns it on when N > 1. Off otherwise, so that a second gateway started
   by mistake on a taken port fails instead of silently sharing it.
+- Images in chat requests (docs/behaviour.md, "Images"): fetched within 5 s each (vLLM's
+  `VLLM_IMAGE_FETCH_TIMEOUT`), up to 20 MiB a file, never from a non-public address unless
+  `allow_private_media_urls` or `allowed_media_networks` say so, with no redirect followed
+  unless `media_max_redirects` allows some (vLLM follows them by default: a redirect to an
+  internal address is the classic way around an SSRF check).
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshserve.services.gateway.media.policy import (
+    MediaSettings,
+    images_per_prompt,
+    parse_limit_mm_per_prompt,
+    parse_networks,
+)
 from meshserve.shared.config import ServiceConfig, option
 from meshserve.shared.errors import ConfigError
 
@@ -95,6 +106,28 @@ class GatewayConfig(ServiceConfig):
         False, "let tool_choice 'auto' parse tool calls with --tool-call-parser (as vLLM)")
     reasoning_parser: str | None = option(
         None, "split a reasoning model's thinking into reasoning_content: deepseek_r1 or qwen3")
+    limit_mm_per_prompt: str = option(
+        "", "items allowed per prompt by modality, as vLLM's JSON: '{\"image\": 4}' "
+            "(a modality left out: 999, vLLM's default); past it a request is a 400")
+    media_fetch_timeout_s: float = option(
+        5.0, "seconds to fetch one image URL, lookup, redirects and body included (vLLM's "
+             "5 s)")
+    media_max_bytes: int = option(
+        20 * 2**20, "largest image file accepted, fetched or in a data URL (20M: 20 MiB)")
+    media_max_image_pixels: int = option(
+        89_478_485, "most pixels (width x height) an image may have (a decompression bomb "
+                    "is refused before it is decoded); Pillow's own threshold")
+    media_max_redirects: int = option(
+        0, "redirects followed when fetching an image URL, each hop checked again "
+           "(0: none)")
+    allowed_media_domains: tuple[str, ...] = option(
+        (), "hosts image URLs may name, comma-separated (empty: any host)")
+    allow_private_media_urls: bool = option(
+        False, "let image URLs reach loopback, private, link-local, multicast, reserved and "
+               "other non-public addresses (off: such URLs are a 400, an SSRF guard)")
+    allowed_media_networks: tuple[str, ...] = option(
+        (), "networks (CIDR, comma-separated) image URLs may reach although not public, "
+            "e.g. an internal image store at 10.2.0.0/16")
     allow_runtime_lora_updating: bool = option(
         False, "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM, off "
                "unless asked: they read adapter folders on the workers' file systems)",
@@ -134,10 +167,33 @@ class GatewayConfig(ServiceConfig):
                      "needs --tool-call-parser", "enable_auto_tool_choice")
         self._require_parser("tool_call_parser", "tool_parsers", "TOOL_PARSERS")
         self._require_parser("reasoning_parser", "reasoning_parsers", "REASONING_PARSERS")
+        self._validate_media()
         for name in ("request_timeout_s", "model_cache_ttl_s", "health_timeout_s",
-                     "responses_ttl_s"):
+                     "responses_ttl_s", "media_fetch_timeout_s"):
             value = getattr(self, name)
             self.require(value > 0, f"must be > 0, got {value}", name)
+
+    def _validate_media(self) -> None:
+        for name in ("media_max_bytes", "media_max_image_pixels"):
+            value = getattr(self, name)
+            self.require(value >= 1, f"must be >= 1, got {value}", name)
+        self.require(self.media_max_redirects >= 0,
+                     f"must be >= 0, got {self.media_max_redirects}", "media_max_redirects")
+        self.media  # noqa: B018 (parsed to validate the limits and networks)
+
+    @property
+    def media(self) -> MediaSettings:
+        """How images in chat requests are fetched and checked."""
+        limits = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        return MediaSettings(
+            fetch_timeout_s=self.media_fetch_timeout_s, max_bytes=self.media_max_bytes,
+            max_redirects=self.media_max_redirects,
+            allowed_domains=frozenset(d.strip().rstrip(".").lower()
+                                      for d in self.allowed_media_domains),
+            allow_private=self.allow_private_media_urls,
+            allowed_networks=parse_networks(self.allowed_media_networks,
+                                            "allowed_media_networks"),
+            max_pixels=self.media_max_image_pixels, max_images=images_per_prompt(limits))
 
     def _read_api_key(self, path: Path) -> str:
         try:

@@ -16,6 +16,8 @@ from meshserve.shared import vllm_metrics as vm
 
 # The `engine` label of the gateway's vLLM-named series.
 GATEWAY_ENGINE = "gateway"
+# Seconds of one image fetch, past the default timeout (5 s) for longer --media-fetch-timeout-s.
+_FETCH_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class GatewayMetrics:
@@ -43,6 +45,20 @@ class GatewayMetrics:
             "Requests whose worker was lost mid-generation, by outcome (resumed: continued on "
             "another worker; exhausted: past max_failovers; unplaced: no other worker took "
             "it)", ["outcome"], registry=registry)
+        self.images = Counter(
+            "meshserve:gateway_images", "Images of chat requests loaded, by source (data: a "
+            "data URL; http: fetched)", ["source"], registry=registry)
+        self.image_bytes = Counter(
+            "meshserve:gateway_image_bytes", "Bytes of the image files loaded, by source",
+            ["source"], registry=registry)
+        self.images_refused = Counter(
+            "meshserve:gateway_images_refused", "Images refused with a 400, by reason "
+            "(forbidden, timeout, too_large, not_image, limit, ...)", ["reason"],
+            registry=registry)
+        self.image_fetch_seconds = Histogram(
+            "meshserve:gateway_image_fetch_seconds", "Time to fetch one image URL: lookup, "
+            "connect, redirects and body (failed fetches too)", registry=registry,
+            buckets=_FETCH_BUCKETS)
         labels = list(vm.LABELS)
         self.ttft = Histogram(
             vm.TTFT, "Arrival of a generation request at the gateway until its first output "

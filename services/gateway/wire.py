@@ -13,8 +13,10 @@ from typing import Any, TypeVar
 
 import orjson
 
-from meshserve.proto.v1 import common_pb2, tokenizer_pb2
-from meshserve.shared.errors import InvalidRequestError
+from meshserve.proto.v1 import common_pb2, tokenizer_pb2, worker_pb2
+from meshserve.services.gateway.flow.job import PreparedPrompt, PromptImage
+from meshserve.services.gateway.media.loader import LoadedImage
+from meshserve.shared.errors import InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.structured_outputs import StructuredOutputs
@@ -116,6 +118,40 @@ def chat_messages(messages: Sequence[Mapping[str, Any]]) -> tokenizer_pb2.ChatMe
     """The conversation of a chat request."""
     return tokenizer_pb2.ChatMessages(messages=[chat_message(m, i)
                                                 for i, m in enumerate(messages)])
+
+
+def image_sizes(images: Sequence[LoadedImage]) -> list[tokenizer_pb2.ImageSize]:
+    """TokenizeRequest.images: each image's pixel size, in conversation order."""
+    return [tokenizer_pb2.ImageSize(width=image.width, height=image.height) for image in images]
+
+
+def check_image_ranges(response: tokenizer_pb2.TokenizeResponse, num_images: int) -> None:
+    """InternalError unless the tokenizer placed each image sent, inside the prompt."""
+    ranges, size = response.image_ranges, len(response.token_ids)
+    if len(ranges) != num_images:
+        raise InternalError(
+            f"the tokenizer answered {len(ranges)} image range(s) for the {num_images} "
+            "image(s) sent (TokenizeResponse.image_ranges); is it older than the gateway?")
+    for k, placed in enumerate(ranges):
+        if placed.length == 0 or placed.offset + placed.length > size:
+            raise InternalError(f"the tokenizer placed image {k} at tokens [{placed.offset}, "
+                                f"{placed.offset + placed.length}) of a {size}-token prompt")
+
+
+def prompt_images(images: Sequence[LoadedImage], response: tokenizer_pb2.TokenizeResponse
+                  ) -> tuple[PromptImage, ...]:
+    """Each image with the placeholder run the tokenizer gave it (check_image_ranges first)."""
+    return tuple(PromptImage(image, placed.offset, placed.length)
+                 for image, placed in zip(images, response.image_ranges, strict=True))
+
+
+def prompt(prepared: PreparedPrompt) -> worker_pb2.Prompt:
+    """A worker's Prompt: token ids, and each image's file, SHA-256 and placeholder run."""
+    return worker_pb2.Prompt(token_ids=prepared.token_ids, images=[
+        worker_pb2.ImageInput(data=placed.image.data, hash=placed.image.sha256,
+                              range=common_pb2.PlaceholderRange(offset=placed.offset,
+                                                                length=placed.length))
+        for placed in prepared.images])
 
 
 def token_logprobs(entry: common_pb2.TokenLogprobs) -> TokenLogprobs:

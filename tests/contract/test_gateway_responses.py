@@ -203,7 +203,7 @@ async def test_refusals_name_the_field(api: AsyncOpenAI) -> None:
                          ({"truncation": "auto"}, "truncation"),
                          ({"max_output_tokens": 0}, "max_output_tokens"),
                          ({"input": [{"role": "user", "content": [
-                             {"type": "input_image", "image_url": "http://x"}]}]}, "input")):
+                             {"type": "input_image", "file_id": "file-1"}]}]}, "input")):
         body = {"model": MODEL, "input": "hi", **extra}
         with pytest.raises(openai.BadRequestError) as refused:
             await api.responses.create(**body)  # type: ignore[call-overload]

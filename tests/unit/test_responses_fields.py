@@ -99,6 +99,21 @@ def test_a_function_call_without_an_assistant_message_before_it_opens_one() -> N
                         "function": {"name": "f", "arguments": "{}"}}]}
 
 
+def test_input_images_become_image_url_parts_in_their_place() -> None:
+    url = "data:image/png;base64,iVBORw0KGgo="
+    [message] = input_messages([{"role": "user", "content": [
+        {"type": "input_text", "text": "what is"}, {"type": "input_image", "image_url": url,
+                                                     "detail": "low"},
+        {"type": "input_text", "text": "this?"}]}])
+    assert message == {"role": "user", "content": [
+        {"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "this?"}]}
+    with pytest.raises(InvalidRequestError, match=r"input\[0\]\.content\[1\]\.detail"):
+        input_messages([{"role": "user", "content": [
+            {"type": "input_text", "text": "x"},
+            {"type": "input_image", "image_url": url, "detail": "max"}]}])
+
+
 def test_text_formats_become_structured_outputs() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     parsed = parse_chat(chat_body({**BASE, "text": {"format": {
@@ -137,8 +152,10 @@ def test_sampling_fields_and_vllm_extras_reach_the_chat_request() -> None:
     ({"input": None}, "input", "string or a non-empty array"),
     ({"input": []}, "input", "string or a non-empty array"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "role must be one of"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-     "input", "only text input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "input", "file_id is not supported"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_image", "image_url": "u"}]}]}, "input", "images only in a message"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input",
      "call_id must be a string"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference'"),

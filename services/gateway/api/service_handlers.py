@@ -75,15 +75,14 @@ class ServiceHandlers:
         return json_response(await self._model_card(name))
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        """POST /tokenize: {"prompt"} or {"messages", ...} -> {count, max_model_len, tokens}."""
+        """POST /tokenize: {"prompt"} or {"messages", ...} -> {count, max_model_len, tokens};
+        a chat's images are fetched and counted as their placeholder tokens."""
         body = await read_json(request)
         model = await self._orch.resolve_model(_typed(body, "model", str, "a string"))
         prompt: str | ChatPrompt
         if "messages" in body:
             parsed = oai.parse_chat_request(body)
-            prompt = ChatPrompt(parsed.messages, parsed.tools, parsed.add_generation_prompt,
-                                parsed.continue_final_message, parsed.chat_template_kwargs,
-                                parsed.chat_template)
+            prompt = ChatPrompt.of(parsed)
             add_special = parsed.add_special_tokens
         else:
             if not isinstance(body.get("prompt"), str):
@@ -93,8 +92,11 @@ class ServiceHandlers:
             add_special = _typed(body, "add_special_tokens", bool, "a boolean", True)
         strs = _typed(body, "return_token_strs", bool, "a boolean", False)
         model = await self._orch.base_model(model)  # an adapter tokenizes as its base
+        # Images count as the placeholder tokens their sizes take, as vLLM counts them.
+        images = await self._orch.load_images(prompt)
         response = await self._orch.tokenize(model, prompt, add_special_tokens=add_special,
-                                             deadline=self._deadline(), return_token_strs=strs)
+                                             deadline=self._deadline(), return_token_strs=strs,
+                                             images=images)
         tokens = list(response.token_ids)
         return json_response({"count": len(tokens), "max_model_len": response.max_model_len,
                               "tokens": tokens,

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshserve.services.gateway.media.loader import LoadedImage
+from meshserve.services.gateway.media.parts import ImageRef, split_images
 from meshserve.services.gateway.parsers.chat_output import ChatOutputSettings
 from meshserve.shared.errors import ContextLengthError
 from meshserve.shared.logprobs import TokenLogprobs
@@ -25,7 +27,11 @@ from meshserve.shared.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """A conversation to render through the chat template."""
+    """A conversation to render through the chat template.
+
+    Its image parts are `{"type": "image"}` in `messages`; `images` says where each came
+    from and its URL, in conversation order (media/parts.py).
+    """
 
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] | None = None
@@ -33,6 +39,15 @@ class ChatPrompt:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # this request's own template (None: the model's)
+    images: tuple[ImageRef, ...] = ()
+
+    @classmethod
+    def of(cls, parsed: ChatCompletionRequest) -> ChatPrompt:
+        """The prompt of a validated chat body, its image parts set apart."""
+        messages, images = split_images(parsed.messages)
+        return cls(messages, parsed.tools, parsed.add_generation_prompt,
+                   parsed.continue_final_message, parsed.chat_template_kwargs,
+                   parsed.chat_template, images)
 
 
 PromptInput = str | tuple[int, ...] | ChatPrompt
@@ -89,10 +104,7 @@ class GenerationJob:
                  deadline: float, chat_output: ChatOutputSettings | None = None
                  ) -> GenerationJob:
         """A /v1/chat/completions job."""
-        prompt = ChatPrompt(parsed.messages, parsed.tools, parsed.add_generation_prompt,
-                            parsed.continue_final_message, parsed.chat_template_kwargs,
-                            parsed.chat_template)
-        return cls(model=model, prompts=(prompt,), params=parsed.params, options=parsed.options,
+        return cls(model=model, prompts=(ChatPrompt.of(parsed),), params=parsed.params, options=parsed.options,
                    deadline=deadline, arrival=arrival, chat=True,
                    max_tokens=parsed.params.max_tokens, default_max_tokens=default_max_tokens,
                    add_special_tokens=parsed.add_special_tokens,
@@ -114,12 +126,24 @@ class GenerationJob:
 
 
 @dataclass(frozen=True)
+class PromptImage:
+    """An image of a tokenized prompt: the file, and the run of placeholder tokens
+    (`length` from `offset`) its embeddings replace."""
+
+    image: LoadedImage
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
 class PreparedPrompt:
-    """A tokenized prompt: its ids, its text (for echo) and its model's context length."""
+    """A tokenized prompt: its ids, its text (for echo), its model's context length and its
+    images."""
 
     token_ids: list[int]
     text: str | None = None
     max_model_len: int | None = None
+    images: tuple[PromptImage, ...] = ()
 
 
 @dataclass(slots=True)

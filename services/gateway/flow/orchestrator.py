@@ -51,6 +51,7 @@ from meshserve.services.gateway.flow.job import (
 )
 from meshserve.services.gateway.links.clients import LoraEntry, MeshClients
 from meshserve.services.gateway.links.detokenize import open_request
+from meshserve.services.gateway.media.loader import LoadedImage, MediaLoader
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.shared.errors import (
     DeadlineExceededError,
@@ -75,6 +76,11 @@ class Orchestrator:
         self._metrics = metrics
         self._tracer = tracer
         self._handles = itertools.count(1)  # session handles, unique in this gateway
+        self._media = MediaLoader(config.media, metrics, tracer)
+
+    async def close(self) -> None:
+        """Release what requests used (the image fetcher's connections)."""
+        await self._media.close()
 
     # -- models -----------------------------------------------------------------------------
 
@@ -136,12 +142,19 @@ class Orchestrator:
                                         f"({self._config.request_timeout_s}s)")
         return left
 
+    async def load_images(self, prompt: PromptInput) -> list[LoadedImage]:
+        """The images of a chat prompt, fetched and checked ([] for any other prompt)."""
+        if not isinstance(prompt, ChatPrompt):
+            return []
+        return await self._media.load(prompt.images)
+
     async def tokenize(self, model: str, prompt: str | ChatPrompt, *, add_special_tokens: bool,
                        deadline: float, truncate_prompt_tokens: int | None = None,
-                       return_token_strs: bool = False, suffix: str | None = None
-                       ) -> tokenizer_pb2.TokenizeResponse:
+                       return_token_strs: bool = False, suffix: str | None = None,
+                       images: Sequence[LoadedImage] = ()) -> tokenizer_pb2.TokenizeResponse:
         """Tokenize one text or chat prompt on a tokenizer replica (keeping only its last
-        `truncate_prompt_tokens` tokens when set; -1: the model's context length)."""
+        `truncate_prompt_tokens` tokens when set; -1: the model's context length). A chat
+        prompt's `images` (load_images) are sent as their sizes; the answer places each."""
         request = tokenizer_pb2.TokenizeRequest(model=model,
                                                 add_special_tokens=add_special_tokens,
                                                 return_token_strs=return_token_strs)
@@ -162,9 +175,13 @@ class Orchestrator:
                     prompt.chat_template_kwargs).decode()
             if prompt.chat_template:
                 request.chat_template = prompt.chat_template
+            assert len(images) == len(prompt.images), "a chat prompt's images are loaded first"
+            request.images.extend(wire.image_sizes(images))
         timeout = self.remaining_s(deadline)
-        return await self._clients.call_tokenizer(
+        response = await self._clients.call_tokenizer(
             lambda stub: stub.Tokenize(request, timeout=timeout))
+        wire.check_image_ranges(response, len(images))
+        return response
 
     async def detokenize(self, model: str, token_ids: Sequence[int], deadline: float) -> str:
         """Text of `token_ids` (special tokens kept), from a tokenizer replica."""
@@ -181,7 +198,8 @@ class Orchestrator:
             return truncate
         return await self._clients.max_model_len(model)  # -1: the context length
 
-    async def _prepare_one(self, job: GenerationJob, prompt: PromptInput) -> PreparedPrompt:
+    async def _prepare_one(self, job: GenerationJob, prompt: PromptInput,
+                           images: list[LoadedImage]) -> PreparedPrompt:
         truncate = job.options.truncate_prompt_tokens
         if isinstance(prompt, tuple):  # token ids go straight through
             ids = wire.check_token_ids(prompt, "prompt")
@@ -193,7 +211,8 @@ class Orchestrator:
             return PreparedPrompt(ids, text, await self._clients.max_model_len(job.target_model))
         response = await self.tokenize(job.target_model, prompt, deadline=job.deadline,
                                        add_special_tokens=job.add_special_tokens,
-                                       truncate_prompt_tokens=truncate, suffix=job.suffix)
+                                       truncate_prompt_tokens=truncate, suffix=job.suffix,
+                                       images=images)
         if not response.token_ids:
             raise InvalidRequestError("the prompt is empty (it has no tokens)",
                                       param=job.prompt_param)
@@ -201,13 +220,17 @@ class Orchestrator:
         if truncate is not None and job.echo:  # echo what was kept, not what was sent
             text = await self.detokenize(job.target_model, list(response.token_ids),
                                         job.deadline)
-        return PreparedPrompt(list(response.token_ids), text, response.max_model_len or None)
+        return PreparedPrompt(list(response.token_ids), text, response.max_model_len or None,
+                              wire.prompt_images(images, response))
 
     async def _prepare(self, job: GenerationJob) -> list[PreparedPrompt]:
+        # Images first, under their own span: fetching is not tokenizing.
+        images = [await self.load_images(p) for p in job.prompts]
         with self._tracer.start_as_current_span("tokenize", attributes={
                 "gen_ai.request.model": job.model,
                 "meshserve.num_prompts": len(job.prompts)}) as span:
-            prompts = await _gather_all([self._prepare_one(job, p) for p in job.prompts])
+            prompts = await _gather_all([self._prepare_one(job, p, i)
+                                         for p, i in zip(job.prompts, images, strict=True)])
             span.set_attribute("gen_ai.usage.input_tokens",
                                sum(len(p.token_ids) for p in prompts))
         return prompts
@@ -246,7 +269,7 @@ class Orchestrator:
                           max_tokens: int | None) -> worker_pb2.GenerateRequest:
         return wire.guarded(lambda: worker_pb2.GenerateRequest(
             request_id=job.request_id,
-            prompts=[worker_pb2.Prompt(token_ids=p.token_ids) for p in prompts],
+            prompts=[wire.prompt(p) for p in prompts],
             params=wire.sampling_params(job.params, max_tokens),
             priority=job.options.priority, cache_salt=job.options.cache_salt or "",
             lora_id=job.lora_id), "priority")

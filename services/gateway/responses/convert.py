@@ -1,7 +1,8 @@
 """OpenAI's Responses API on top of the chat path: the request side.
 
 A /v1/responses body becomes a chat body (`chat_body`): input items, instructions and the
-stored conversation of `previous_response_id` become messages, function tools become chat
+stored conversation of `previous_response_id` become messages (a message's input_image
+parts become image_url parts, loaded as a chat's images are), function tools become chat
 tools, `text.format` becomes `response_format` (structured outputs), included logprobs
 become chat logprobs; `parse_chat` validates it as any chat request, naming the Responses
 field when something is wrong. The answer side is objects.py, the stream of
@@ -206,7 +207,7 @@ def _message(item: Mapping[str, Any], index: int) -> dict[str, Any]:
     if role not in _ROLES:
         raise _bad(f"input[{index}].role must be one of {', '.join(_ROLES)}, got {role!r:.40}",
                    "input")
-    return {"role": role, "content": _text(item.get("content"), f"input[{index}].content")}
+    return {"role": role, "content": _content(item.get("content"), f"input[{index}].content")}
 
 
 def _field(item: Mapping[str, Any], key: str, index: int) -> str:
@@ -218,16 +219,48 @@ def _field(item: Mapping[str, Any], key: str, index: int) -> str:
 
 def _text(content: object, where: str) -> str:
     """The text of a string or of a list of input_text / output_text parts."""
+    if isinstance(content, list) and any(_is_image(part) for part in content):
+        raise _bad(f"{where} may hold images only in a message's content", "input")
+    text = _content(content, where)
+    assert isinstance(text, str), "content without images is text"
+    return text
+
+
+def _content(content: object, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or chat parts (text and image_url) when it holds
+    input_image parts (whose URL, http(s) or data:, the chat path fetches)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        for part in content:
-            kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-                raise _bad(f"{where} parts must be input_text or output_text with a text "
-                           f"(only text input is supported), got {kind!r:.40}", "input")
-        return "".join(part["text"] for part in content)
-    raise _bad(f"{where} must be a string or an array of input_text parts", "input")
+    if not isinstance(content, list):
+        raise _bad(f"{where} must be a string or an array of input_text parts", "input")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if _is_image(part):
+            parts.append({"type": "image_url",
+                          "image_url": {"url": _image_url(part, f"{where}[{j}]")}})
+        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise _bad(f"{where} parts must be input_text, output_text or input_image, got "
+                       f"{kind!r:.40}", "input")
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
+
+
+def _is_image(part: object) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "input_image"
+
+
+def _image_url(part: Mapping[str, Any], where: str) -> str:
+    url = part.get("image_url")
+    if part.get("file_id") is not None or not isinstance(url, str) or not url:
+        raise _bad(f"{where}: an input_image needs an image_url (an http(s) or data: URL); "
+                   "file_id is not supported (there is no file store)", "input")
+    if part.get("detail") not in (None, "auto", "low", "high"):
+        raise _bad(f"{where}.detail must be auto, low or high", "input")
+    return url
 
 
 def _chat_tool(tool: object, index: int) -> dict[str, Any]:

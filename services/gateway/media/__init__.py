@@ -1,0 +1,1 @@
+"""Images in chat requests: image parts read, fetched under an SSRF guard, decoded, checked."""
