@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from meshserve.shared.config import ServiceConfig
 from meshserve.shared.errors import ConfigError, MeshError
+from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.logs import setup_logging
 from meshserve.shared.telemetry import Telemetry
 
@@ -124,3 +125,34 @@ async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return await future
+
+
+async def load_then_serve(server: GrpcServer, load: Callable[[], T], what: str,
+                          serving: Callable[[T], Awaitable[None]]) -> int:
+    """Load `what` with `load()` in a daemon thread while the server answers health checks
+    (NOT_SERVING), then hand it to `serving` (which turns the server SERVING) and wait for a
+    stop. The process exit code: 0 when drained (also when stopped while loading), 1 when
+    the load failed (logged, the server stopped)."""
+    loading = asyncio.ensure_future(in_daemon_thread(load, f"load-{what}"))
+    stopping = asyncio.ensure_future(server.wait_for_termination())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():
+        loading.cancel()
+        _log.info("stopped while loading the %s", what)
+        return 0
+    try:
+        loaded = loading.result()
+    except MeshError as exc:
+        _log.error("cannot load the %s: %s", what, exc.message,
+                   extra={"error_kind": exc.kind, "error_param": exc.param})
+        server.request_stop()
+        await stopping
+        return 1
+    except Exception:  # noqa: BLE001 (a bug: logged with its traceback, clean exit)
+        _log.exception("cannot load the %s", what)
+        server.request_stop()
+        await stopping
+        return 1
+    await serving(loaded)
+    await stopping
+    return 0

@@ -14,12 +14,11 @@ from pathlib import Path
 
 from meshserve.proto.v1 import encoder_pb2_grpc
 from meshserve.services.encoder.config import EncoderConfig
-from meshserve.services.encoder.model import load_served_vision
+from meshserve.services.encoder.model import ServedVision, load_served_vision
 from meshserve.services.encoder.service import SERVICE_NAME, EncoderServicer
-from meshserve.shared.errors import MeshError
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.rows_files import RowsFiles
-from meshserve.shared.service_main import in_daemon_thread, run_service, service_telemetry
+from meshserve.shared.service_main import load_then_serve, run_service, service_telemetry
 
 _log = logging.getLogger("meshserve.services.encoder")
 
@@ -31,32 +30,12 @@ async def _expire_files(files: RowsFiles) -> None:
         files.expire()
 
 
-async def _load_and_serve(config: EncoderConfig, server: GrpcServer,
-                          servicer: EncoderServicer) -> int:
-    """Load the vision half, go SERVING, and wait for a stop; 0 when drained, 1 if the
-    load failed."""
-    loading = asyncio.ensure_future(
-        in_daemon_thread(lambda: load_served_vision(config), "encoder-load"))
-    stopping = asyncio.ensure_future(server.wait_for_termination())
-    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not loading.done():
-        loading.cancel()
-        _log.info("stopped while loading the vision model")
-        return 0
-    try:
-        vision = loading.result()
-    except MeshError as exc:
-        _log.error("cannot load the vision model: %s", exc.message,
-                   extra={"error_kind": exc.kind, "error_param": exc.param})
-        server.request_stop()
-        await stopping
-        return 1
+async def _go_serving(server: GrpcServer, servicer: EncoderServicer,
+                      vision: ServedVision) -> None:
     servicer.set_vision(vision)
     await server.set_serving()
     _log.info("encoder serving", extra={"model": vision.name, "port": server.port,
                                         "device": str(vision.encoder.device)})
-    await stopping
-    return 0
 
 
 async def serve(config: EncoderConfig) -> int:
@@ -72,7 +51,9 @@ async def serve(config: EncoderConfig) -> int:
         server.install_signal_handlers()
         expiry = asyncio.ensure_future(_expire_files(files))
         try:
-            return await _load_and_serve(config, server, servicer)
+            return await load_then_serve(
+                server, lambda: load_served_vision(config), "vision model",
+                lambda vision: _go_serving(server, servicer, vision))
         finally:
             expiry.cancel()
             with contextlib.suppress(asyncio.CancelledError):

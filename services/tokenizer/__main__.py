@@ -7,7 +7,6 @@ and drains on SIGTERM / SIGINT, also while still loading.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -18,11 +17,11 @@ from meshserve.services.tokenizer.images import load_image_placeholders
 from meshserve.services.tokenizer.loader import hf_folder, load_tokenizer
 from meshserve.services.tokenizer.model import ServedModel
 from meshserve.services.tokenizer.service import SERVICE_NAME, TokenizerServicer
-from meshserve.shared.errors import ConfigError, MeshError
+from meshserve.shared.errors import ConfigError
 from meshserve.shared.grpc_server import GrpcServer
 from meshserve.shared.model_config import max_model_len_of, read_model_files
 from meshserve.shared.model_source import resolve_model
-from meshserve.shared.service_main import in_daemon_thread, run_service, service_telemetry
+from meshserve.shared.service_main import load_then_serve, run_service, service_telemetry
 from meshserve.shared.torch_free import forbid_torch
 
 _log = logging.getLogger("meshserve.services.tokenizer")
@@ -60,37 +59,13 @@ def load_served_model(config: TokenizerConfig) -> ServedModel:
                        images)
 
 
-async def _load_and_serve(config: TokenizerConfig, server: GrpcServer,
-                          servicer: TokenizerServicer) -> int:
-    """Load the model, go SERVING, and wait for a stop; 0 when drained, 1 if loading failed."""
-    loading = asyncio.ensure_future(
-        in_daemon_thread(lambda: load_served_model(config), "tokenizer-load"))
-    stopping = asyncio.ensure_future(server.wait_for_termination())
-    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not loading.done():
-        loading.cancel()
-        _log.info("stopped while loading the tokenizer")
-        return 0
-    try:
-        model = loading.result()
-    except MeshError as exc:
-        _log.error("cannot load the tokenizer: %s", exc.message,
-                   extra={"error_kind": exc.kind, "error_param": exc.param})
-        server.request_stop()
-        await stopping
-        return 1
-    except Exception:  # noqa: BLE001 (a bug: logged with its traceback, clean exit)
-        _log.exception("cannot load the tokenizer")
-        server.request_stop()
-        await stopping
-        return 1
+async def _go_serving(server: GrpcServer, servicer: TokenizerServicer,
+                      model: ServedModel) -> None:
     servicer.set_model(model)
     await server.set_serving()
     _log.info("tokenizer serving", extra={
         "model": model.name, "vocab_size": model.tokenizer.vocab_size,
         "max_model_len": model.max_model_len, "port": server.port})
-    await stopping
-    return 0
 
 
 async def serve(config: TokenizerConfig) -> int:
@@ -104,7 +79,9 @@ async def serve(config: TokenizerConfig) -> int:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
         await server.start()
         server.install_signal_handlers()
-        return await _load_and_serve(config, server, servicer)
+        return await load_then_serve(
+            server, lambda: load_served_model(config), "tokenizer",
+            lambda model: _go_serving(server, servicer, model))
 
 
 def main(argv: list[str] | None = None) -> int:
