@@ -46,25 +46,26 @@ class ImageRef:
         return self.url if len(self.url) <= 120 else self.url[:117] + "..."
 
 
-def split_images(messages: Sequence[Mapping[str, Any]]
+def split_images(messages: Sequence[dict[str, Any]]
                  ) -> tuple[tuple[dict[str, Any], ...], tuple[ImageRef, ...]]:
-    """The messages with image parts as `{"type": "image"}`, and the images in order."""
+    """The messages with image parts as `{"type": "image"}`, and the images in order (the
+    messages themselves when they hold none: a text chat is not copied)."""
     result: list[dict[str, Any]] = []
     images: list[ImageRef] = []
     for i, message in enumerate(messages):
         content = message.get("content")
-        if not isinstance(content, list):
-            result.append(dict(message))
-            continue
+        found = len(images)
         parts = []
-        for j, part in enumerate(content):
+        for j, part in enumerate(content if isinstance(content, list) else ()):
             url = _image_url(part, f"messages[{i}].content[{j}]")
             if url is None:
                 parts.append(part)
             else:
                 images.append(ImageRef(f"messages[{i}].content[{j}]", url))
                 parts.append(dict(IMAGE_PART))
-        result.append({**message, "content": parts})
+        result.append({**message, "content": parts} if len(images) > found else message)
+    if not images:
+        return tuple(messages), ()
     return tuple(result), tuple(images)
 
 
