@@ -12,11 +12,6 @@ gone, `auto` placement encodes in the worker and `encoder` placement fails the r
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,16 +20,16 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from service_process import free_port, service_process
 from tiny_vlm import build_tiny_vlm
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from vlm_reference import hf_vlm_greedy, image_file, run_cases, vlm_case
 
 from meshserve.proto.v1 import encoder_pb2, encoder_pb2_grpc
+from meshserve.services.encoder.service import SERVICE_NAME
 from meshserve.services.worker.builder import build_engine
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.encoder.service import SERVICE_NAME
 from meshserve.services.worker.vision.remote import rows_of
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.grpc_client import error_from_rpc
@@ -60,51 +55,14 @@ class Encoder:
     shm_dir: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_serving(address: str, process: subprocess.Popen[bytes]) -> None:
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, "the encoder exited while loading"
-            try:
-                status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                                      timeout=1.0, wait_for_ready=True).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, "the encoder never turned SERVING"
-            time.sleep(0.1)  # polling health: loading sends no signal
-
-
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Encoder]:
     folder = build_tiny_vlm(tmp_path_factory.mktemp("llava"), "llava", seed=5)
     shm_dir = tmp_path_factory.mktemp("shm")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")}
-    env["HF_HUB_OFFLINE"] = "1"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "meshserve.services.encoder", "--model", str(folder),
-         "--served-model-name", NAME, "--port", str(port), "--device", "cpu",
-         "--shm-dir", str(shm_dir), "--max-images-per-call", "4"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_serving(f"127.0.0.1:{port}", process)
-        yield Encoder(folder, f"127.0.0.1:{port}", shm_dir)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with service_process("encoder", [
+            "--model", str(folder), "--served-model-name", NAME, "--device", "cpu",
+            "--shm-dir", str(shm_dir), "--max-images-per-call", "4"], SERVICE_NAME) as address:
+        yield Encoder(folder, address, shm_dir)
 
 
 def _request(files: list[bytes], shared: bool, model: str = NAME) -> encoder_pb2.EncodeRequest:
@@ -149,9 +107,9 @@ def test_bad_calls_are_refused(encoder: Encoder, case: str, code: grpc.StatusCod
         "model": _request([good], False, model="another-model"),
         "count": _request([good] * 5, False),
     }[case]
-    with grpc.insecure_channel(encoder.address) as channel:
-        with pytest.raises(grpc.RpcError) as raised:
-            encoder_pb2_grpc.EncoderStub(channel).Encode(request)
+    with grpc.insecure_channel(encoder.address) as channel, \
+            pytest.raises(grpc.RpcError) as raised:
+        encoder_pb2_grpc.EncoderStub(channel).Encode(request)
     assert raised.value.code() == code
     assert message in error_from_rpc(raised.value).message
 
@@ -185,7 +143,7 @@ def test_an_engine_encoding_through_the_service_equals_transformers(encoder: Enc
 def test_without_the_service_auto_encodes_in_the_worker_and_encoder_fails(
         encoder: Encoder, chats) -> None:
     cases, expected = chats
-    gone = f"127.0.0.1:{_free_port()}"
+    gone = f"127.0.0.1:{free_port()}"
     auto = make_engine(encoder.folder, encoder_addresses=gone, mm_encoder_placement="auto")
     images = auto.runner.images
     assert images is not None and images.local is not None and images.remote is not None

@@ -9,12 +9,6 @@ placeholder token, which `TokenizeResponse.image_ranges` must cover exactly.
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +17,7 @@ import grpc
 import orjson
 import pytest
 from image_prompts import CHATS, IMAGE, ImageChat, reference, text
+from service_process import free_port, service_process
 from tiny_vlm import VLM_FAMILIES, build_tiny_vlm, load_processor
 from tokenizer_harness import Harness
 from transformers import ProcessorMixin
@@ -30,7 +25,7 @@ from transformers import ProcessorMixin
 from meshserve.proto.v1 import tokenizer_pb2 as pb
 from meshserve.proto.v1 import tokenizer_pb2_grpc
 from meshserve.services.tokenizer.service import SERVICE_NAME
-from meshserve.shared.grpc_client import GrpcClient, error_from_rpc, wait_until_serving
+from meshserve.shared.grpc_client import GrpcClient, error_from_rpc
 
 NAME = "tiny-vlm"
 
@@ -42,48 +37,15 @@ class Service:
     processor: ProcessorMixin
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def _wait_serving(port: int, process: subprocess.Popen[bytes]) -> None:
-    channel = GrpcClient().channel(f"127.0.0.1:{port}")
-    try:
-        serving = asyncio.ensure_future(wait_until_serving(channel, SERVICE_NAME,
-                                                           timeout_s=120))
-        while not serving.done():
-            assert process.poll() is None, "the tokenizer exited while loading"
-            await asyncio.wait({serving}, timeout=0.2)
-        await serving
-    finally:
-        await channel.close()
-
-
 @pytest.fixture(scope="module", params=VLM_FAMILIES)
 def service(request: pytest.FixtureRequest,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     family = request.param
     folder = build_tiny_vlm(tmp_path_factory.mktemp(family), family)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")}
-    env["HF_HUB_OFFLINE"] = "1"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "meshserve.services.tokenizer", "--model", str(folder),
-         "--served-model-name", NAME, "--max-model-len", "256", "--port", str(port),
-         "--metrics-port", str(_free_port())],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        asyncio.run(_wait_serving(port, process))
-        yield Service(family, port, load_processor(folder))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with service_process("tokenizer", [
+            "--model", str(folder), "--served-model-name", NAME, "--max-model-len", "256",
+            "--metrics-port", str(free_port())], SERVICE_NAME) as address:
+        yield Service(family, int(address.rsplit(":", 1)[1]), load_processor(folder))
 
 
 @pytest.fixture
