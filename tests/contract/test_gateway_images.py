@@ -1,7 +1,8 @@
 """Images in chat requests through a real gateway, its fake tokenizer and worker (real gRPC on
 127.0.0.1) and a real image server: the tokenizer gets `{"type": "image"}` parts and each
 image's size, the worker gets each image's bytes, SHA-256 and placeholder run; a bad image
-is a 400 naming its part while the request beside it is served."""
+is a 400 naming its part while the request beside it is served. Last, the real tokenizer
+servicer of a tiny LLaVA-NeXT folder in place of the fake one."""
 
 from __future__ import annotations
 
@@ -11,17 +12,24 @@ import hashlib
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import grpc
 import orjson
 import pytest
-from media_server import JPEG, PNG, ImageServer, image_server
+from image_prompts import IMAGE, ImageChat, reference, text
+from media_server import JPEG, PNG, ImageServer, image_server, picture
 from openai import AsyncOpenAI, BadRequestError, InternalServerError
 from test_gateway_fakes import MODEL, FakeTokenizer, Mesh, script, start_mesh
+from tiny_vlm import build_tiny_vlm, load_processor
 
 from meshserve.proto.v1 import common_pb2, tokenizer_pb2
+from meshserve.services.tokenizer.images import load_image_placeholders
+from meshserve.services.tokenizer.loader import load_tokenizer
+from meshserve.services.tokenizer.model import ServedModel
+from meshserve.services.tokenizer.service import TokenizerServicer
 
 IMAGE_TOKEN = 300
 PATCH = 16  # the fake model's image tokens: one per 16x16 pixels
@@ -178,3 +186,33 @@ async def test_responses_input_images_reach_the_worker() -> None:
         assert answer.output_text == script(0)
         [request] = mesh.worker.requests
         assert [i.data for i in request.prompts[0].images] == [PNG]
+
+
+async def test_through_the_real_tokenizer_the_ranges_are_the_processors(
+        tmp_path: Path) -> None:
+    # The tiny LLaVA-NeXT folder's own tokenizer service, in process: its ranges for the sizes
+    # the gateway decoded cover the placeholders transformers' processor makes for images
+    # of those sizes, and the worker gets them with the files.
+    folder = build_tiny_vlm(tmp_path, "llava_next")  # placeholders by image size
+    tokenizer = load_tokenizer(folder)
+    served = ServedModel(tokenizer, (MODEL,), 4096,
+                         images=load_image_placeholders(folder, tokenizer.hf))
+    big = picture("PNG", (80, 50))
+    async with image_server() as server, \
+            start_mesh(tokenizer=TokenizerServicer(served), allow_private_media_urls=True,
+                       served_model_names=(MODEL,)) as mesh, \
+            AsyncOpenAI(base_url=f"{mesh.base_url}/v1", api_key="x", max_retries=0) as api:
+        messages: Any = [{"role": "user", "content": [
+            {"type": "text", "text": "Compare"}, image(server.url("/cat.jpg")),
+            {"type": "text", "text": "with"}, image(data_url(big))]}]
+        await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        prompt = mesh.worker.requests[0].prompts[0]
+        chat = ImageChat("sent", [{"role": "user", "content": [
+            text("Compare"), IMAGE, text("with"), IMAGE]}], [(40, 30), (80, 50)])
+        expected = reference(load_processor(folder), "llava_next", chat)
+        assert list(prompt.token_ids) == expected.token_ids
+        covered = [p for i in prompt.images
+                   for p in range(i.range.offset, i.range.offset + i.range.length)]
+        assert covered == expected.image_positions
+        assert prompt.images[0].range.length != prompt.images[1].range.length  # by size
+        assert [i.data for i in prompt.images] == [JPEG, big]
