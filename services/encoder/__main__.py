@@ -45,7 +45,8 @@ async def serve(config: EncoderConfig) -> int:
         servicer = EncoderServicer(files, config.max_images_per_call, telemetry=telemetry)
         server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
                             telemetry=telemetry, grace_s=config.drain_grace_s,
-                            reuse_port=config.reuse_port)
+                            reuse_port=config.reuse_port,
+                            max_connection_age_s=config.max_connection_age_s)
         encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server.server)
         await server.start()
         server.install_signal_handlers()

@@ -27,6 +27,10 @@ class EncoderConfig(ServiceConfig):
     shm_ttl_s: float = option(60.0, "seconds after which an answer file nobody read is "
                                     "deleted")
     max_images_per_call: int = option(64, "most images one Encode call may carry")
+    max_connection_age_s: float | None = option(
+        None, "close each client connection after this many seconds (calls in flight "
+              "finish), so that workers naming the replicas by DNS resolve the name again "
+              "and find replicas added since (unset: never)")
 
     def validate(self) -> None:
         super().validate()
@@ -34,3 +38,5 @@ class EncoderConfig(ServiceConfig):
         self.require(self.shm_ttl_s > 0, f"must be > 0, got {self.shm_ttl_s}", "shm_ttl_s")
         self.require(self.max_images_per_call >= 1,
                      f"must be >= 1, got {self.max_images_per_call}", "max_images_per_call")
+        self.require(self.max_connection_age_s is None or self.max_connection_age_s > 0,
+                     f"must be > 0, got {self.max_connection_age_s}", "max_connection_age_s")

@@ -244,6 +244,8 @@ def test_encoders_are_a_profile_the_workers_find_by_one_name(
     dns:///encoder:50056 take rows in the answers (containers share no /dev/shm)."""
     assert services["encoder"]["profiles"] == ["vision"]
     assert services["encoder"]["environment"]["MESHSERVE_PORT"] == "50056"
+    # Connections age out, so workers resolve the name again and find added replicas.
+    assert float(services["encoder"]["environment"]["MESHSERVE_MAX_CONNECTION_AGE_S"]) > 0
     pointed = resolve(env={"MESHSERVE_ENCODER_ADDRESSES": "dns:///encoder:50056"})
     for name in ("worker", *GPU_WORKERS):
         env = {k: str(v) for k, v in pointed[name]["environment"].items()}
