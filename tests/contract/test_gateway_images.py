@@ -197,22 +197,22 @@ async def test_through_the_real_tokenizer_the_ranges_are_the_processors(
     tokenizer = load_tokenizer(folder)
     served = ServedModel(tokenizer, (MODEL,), 4096,
                          images=load_image_placeholders(folder, tokenizer.hf))
-    big = picture("PNG", (80, 50))
+    tall = picture("PNG", (40, 120))
     async with image_server() as server, \
             start_mesh(tokenizer=TokenizerServicer(served), allow_private_media_urls=True,
                        served_model_names=(MODEL,)) as mesh, \
             AsyncOpenAI(base_url=f"{mesh.base_url}/v1", api_key="x", max_retries=0) as api:
         messages: Any = [{"role": "user", "content": [
             {"type": "text", "text": "Compare"}, image(server.url("/cat.jpg")),
-            {"type": "text", "text": "with"}, image(data_url(big))]}]
+            {"type": "text", "text": "with"}, image(data_url(tall))]}]
         await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
         prompt = mesh.worker.requests[0].prompts[0]
         chat = ImageChat("sent", [{"role": "user", "content": [
-            text("Compare"), IMAGE, text("with"), IMAGE]}], [(40, 30), (80, 50)])
+            text("Compare"), IMAGE, text("with"), IMAGE]}], [(40, 30), (40, 120)])
         expected = reference(load_processor(folder), "llava_next", chat)
         assert list(prompt.token_ids) == expected.token_ids
         covered = [p for i in prompt.images
                    for p in range(i.range.offset, i.range.offset + i.range.length)]
         assert covered == expected.image_positions
         assert prompt.images[0].range.length != prompt.images[1].range.length  # by size
-        assert [i.data for i in prompt.images] == [JPEG, big]
+        assert [i.data for i in prompt.images] == [JPEG, tall]
