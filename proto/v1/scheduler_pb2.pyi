@@ -50,7 +50,7 @@ class DeregisterWorkerResponse(_message.Message):
     def __init__(self, removed: _Optional[bool] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "block_hashes", "num_prompt_tokens", "lora_id", "cache_salt", "priority", "deadline_unix_ns", "expected_output_tokens", "num_sequences", "exclude_worker_ids", "runner")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "block_hashes", "num_prompt_tokens", "lora_id", "cache_salt", "priority", "deadline_unix_ns", "expected_output_tokens", "num_sequences", "exclude_worker_ids", "runner", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class RouteRequest(_message.Message):
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     RUNNER_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -77,7 +78,16 @@ class RouteRequest(_message.Message):
     num_sequences: int
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
     runner: _common_pb2.Runner
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., runner: _Optional[_Union[_common_pb2.Runner, str]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[RouteImage]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., runner: _Optional[_Union[_common_pb2.Runner, str]] = ..., images: _Optional[_Iterable[_Union[RouteImage, _Mapping]]] = ...) -> None: ...
+
+class RouteImage(_message.Message):
+    __slots__ = ("hash", "range")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    range: _common_pb2.PlaceholderRange
+    def __init__(self, hash: _Optional[bytes] = ..., range: _Optional[_Union[_common_pb2.PlaceholderRange, _Mapping]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("worker_id", "address", "epoch", "num_matched_blocks", "num_kvstore_blocks", "block_size", "queued_ns", "policy", "score", "num_prompt_blocks", "num_running", "num_waiting", "num_used_blocks")

@@ -27,7 +27,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
-from meshserve.shared.block_hash import BlockHash, extra_keys_for, hash_blocks
+from meshserve.shared.block_hash import BlockHash, ImageSpan, extra_keys_for, hash_blocks
 from meshserve.shared.kv_index import KVIndex
 from meshserve.shared.redis_server import run_pipeline
 from meshserve.shared.worker_registry import WorkerLoad, WorkerRecord, WorkerRegistry
@@ -46,9 +46,12 @@ class PromptHashes:
     """A prompt's full-block hashes per block size, computed once per request."""
 
     def __init__(self, token_ids: tuple[int, ...], block_hashes: tuple[BlockHash, ...],
-                 lora_id: int | None, cache_salt: str, mesh_block_size: int) -> None:
-        """`block_hashes`: hashes at `mesh_block_size`, used when there are no token ids."""
+                 lora_id: int | None, cache_salt: str, mesh_block_size: int,
+                 images: tuple[ImageSpan, ...] = ()) -> None:
+        """`block_hashes`: hashes at `mesh_block_size`, used when there are no token ids;
+        `images`: the prompt's images, hashed into their blocks as the workers do."""
         self._token_ids = token_ids
+        self._images = images
         self._block_hashes = block_hashes
         self._mesh_block_size = mesh_block_size
         self._extra_keys = extra_keys_for(lora_id, cache_salt or None)
@@ -59,7 +62,8 @@ class PromptHashes:
         hashes = self._by_size.get(block_size)
         if hashes is None:
             if self._token_ids:
-                hashes = hash_blocks(self._token_ids, block_size, self._extra_keys)
+                hashes = hash_blocks(self._token_ids, block_size, self._extra_keys,
+                                     images=self._images)
             elif block_size == self._mesh_block_size:
                 hashes = list(self._block_hashes)
             else:

@@ -32,7 +32,7 @@ from meshserve.services.scheduler.reads import (
     PlacementReads,
     PromptHashes,
 )
-from meshserve.shared.block_hash import BlockHash
+from meshserve.shared.block_hash import BlockHash, ImageSpan
 from meshserve.shared.errors import InvalidRequestError, NotFoundError, UnavailableError
 from meshserve.shared.kv_index import KVSTORE_HOLDER_PREFIX, KVIndex
 from meshserve.shared.worker_registry import (
@@ -69,6 +69,8 @@ class RouteQuery:
     exclude_worker_ids: frozenset[str] = frozenset()
     runner: str = RUNNER_GENERATE
     """The kind of worker the request needs (generation or pooling)."""
+    images: tuple[ImageSpan, ...] = ()
+    """The prompt's images: keys of the blocks holding their placeholders."""
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -85,6 +87,9 @@ class RouteQuery:
         if self.num_sequences < 1:
             raise InvalidRequestError(f"num_sequences must be >= 1, got {self.num_sequences}",
                                       param="num_sequences")
+        if any(len(image.digest) != _HASH_BYTES for image in self.images):
+            raise InvalidRequestError(f"an image hash must have {_HASH_BYTES} bytes",
+                                      param="images")
 
     @property
     def prompt_len(self) -> int:
@@ -227,7 +232,7 @@ class Router:
         queue is full, DeadlineExceededError when the query's deadline passes.
         """
         hashes = PromptHashes(query.prompt_token_ids, query.block_hashes, query.lora_id,
-                              query.cache_salt, self.block_size)
+                              query.cache_salt, self.block_size, query.images)
         started = time.monotonic_ns()
         last_try = [started]
 

@@ -6,6 +6,7 @@ import asyncio
 
 from meshserve.proto.v1 import common_pb2, scheduler_pb2
 from meshserve.services.scheduler.router import RouteDecision, RouteQuery
+from meshserve.shared.block_hash import ImageSpan
 from meshserve.shared.worker_registry import (
     RUNNER_GENERATE,
     RUNNER_POOLING,
@@ -89,7 +90,9 @@ def query_from_proto(msg: scheduler_pb2.RouteRequest, wait_s: float) -> RouteQue
         priority=msg.priority, deadline=asyncio.get_running_loop().time() + wait_s,
         expected_output_tokens=msg.expected_output_tokens,
         num_sequences=max(1, msg.num_sequences),
-        exclude_worker_ids=frozenset(msg.exclude_worker_ids), runner=runner_name(msg.runner))
+        exclude_worker_ids=frozenset(msg.exclude_worker_ids), runner=runner_name(msg.runner),
+        images=tuple(ImageSpan(image.range.offset, image.range.length, image.hash)
+                     for image in msg.images))
 
 
 def decision_to_proto(decision: RouteDecision) -> scheduler_pb2.RouteResponse:

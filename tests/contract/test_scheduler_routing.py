@@ -9,6 +9,7 @@ metrics registry record the same, and the gateway's route span copies the respon
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +29,11 @@ from test_scheduler_service import (
     route_request,
 )
 
-from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
+from meshserve.proto.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from meshserve.services.scheduler.config import SchedulerConfig
 from meshserve.services.scheduler.service import SchedulerService
-from meshserve.shared.block_hash import hash_blocks
+from meshserve.shared.block_hash import ImageSpan, hash_blocks
+from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.grpc_client import GrpcClient
 from meshserve.shared.kv_events import BlockStored
 from meshserve.shared.kv_index import KVIndex
@@ -155,6 +157,31 @@ async def test_kv_aware_sends_the_prompt_to_its_holder_then_weighs_the_kvstore(
         "meshserve.routing.policy": "kv-aware", "meshserve.routing.score": 2.0,
         "meshserve.worker.num_running": 0, "meshserve.worker.num_waiting": 0,
         "meshserve.worker.num_used_blocks": 0}
+
+
+async def test_a_prompts_images_enter_its_block_hashes_as_on_the_workers(
+        start_scheduler: Callable[..., Awaitable[Scheduler]], redis_client: aioredis.Redis
+        ) -> None:
+    scheduler = await start_scheduler("kv-aware")
+    cat, dog = hashlib.sha256(b"cat").digest(), hashlib.sha256(b"dog").digest()
+    # w0 holds the prompt with a cat image over tokens 5..8 (blocks 1 and 2), hashed as
+    # a worker hashes it.
+    held = hash_blocks(PROMPT, BLOCK, images=[ImageSpan(5, 4, cat)])
+    await KVIndex(redis_client, NS).apply_events(
+        "w0", 1, 1, [BlockStored(tuple(held), None, (), BLOCK)])
+
+    def with_image(request_id: str, digest: bytes) -> scheduler_pb2.RouteRequest:
+        return route_request(request_id, images=[scheduler_pb2.RouteImage(
+            hash=digest, range=common_pb2.PlaceholderRange(offset=5, length=4))])
+
+    same = await scheduler.session.route(with_image("cat", cat))
+    assert (same.worker_id, same.num_matched_blocks) == ("w0", 4)
+    scheduler.session.release("cat", same.worker_id)
+    other = await scheduler.session.route(with_image("dog", dog))  # block 0 is text only
+    assert other.num_matched_blocks == (1 if other.worker_id == "w0" else 0)
+    scheduler.session.release("dog", other.worker_id)
+    with pytest.raises(InvalidRequestError, match="image hash must have 32 bytes"):
+        await scheduler.session.route(with_image("short", b"x" * 8))
 
 
 async def test_route_session_outcomes_carry_the_decision_record(
