@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 import orjson
 
-from meshserve.proto.v1 import common_pb2, tokenizer_pb2, worker_pb2
-from meshserve.services.gateway.flow.job import PreparedPrompt, PromptImage
+from meshserve.proto.v1 import common_pb2, scheduler_pb2, tokenizer_pb2, worker_pb2
+from meshserve.services.gateway.flow.job import PlacedImage, PreparedPrompt
 from meshserve.services.gateway.media.loader import LoadedImage
 from meshserve.shared.errors import InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
@@ -139,9 +139,9 @@ def check_image_ranges(response: tokenizer_pb2.TokenizeResponse, num_images: int
 
 
 def prompt_images(images: Sequence[LoadedImage], response: tokenizer_pb2.TokenizeResponse
-                  ) -> tuple[PromptImage, ...]:
+                  ) -> tuple[PlacedImage, ...]:
     """Each image with the placeholder run the tokenizer gave it (check_image_ranges first)."""
-    return tuple(PromptImage(image, placed.offset, placed.length)
+    return tuple(PlacedImage(image, placed.offset, placed.length)
                  for image, placed in zip(images, response.image_ranges, strict=True))
 
 
@@ -152,6 +152,12 @@ def prompt(prepared: PreparedPrompt) -> worker_pb2.Prompt:
                               range=common_pb2.PlaceholderRange(offset=placed.offset,
                                                                 length=placed.length))
         for placed in prepared.images])
+
+
+def route_images(prepared: PreparedPrompt) -> list[scheduler_pb2.RouteImage]:
+    """A prompt's images as the scheduler hashes them into the prompt's blocks."""
+    return [scheduler_pb2.RouteImage(hash=placed.image.sha256, range=common_pb2.PlaceholderRange(
+        offset=placed.offset, length=placed.length)) for placed in prepared.images]
 
 
 def token_logprobs(entry: common_pb2.TokenLogprobs) -> TokenLogprobs:

@@ -116,6 +116,10 @@ async def test_the_tokenizer_gets_image_parts_and_sizes_the_worker_gets_the_imag
         for placed in prompt.images:
             run = prompt.token_ids[placed.range.offset:placed.range.offset + placed.range.length]
             assert set(run) == {IMAGE_TOKEN}
+        # The scheduler hashes the same images into the prompt's blocks as the worker does.
+        [route] = mesh.scheduler.routes
+        assert [(i.hash, i.range) for i in route.images] == [(i.hash, i.range)
+                                                              for i in prompt.images]
         assert result.usage is not None
         assert result.usage.prompt_tokens == len(prompt.token_ids)
         assert server.hits == [("127.0.0.1", "/cat.jpg")]

@@ -126,7 +126,7 @@ class GenerationJob:
 
 
 @dataclass(frozen=True)
-class PromptImage:
+class PlacedImage:
     """An image of a tokenized prompt: the file, and the run of placeholder tokens
     (`length` from `offset`) its embeddings replace."""
 
@@ -143,7 +143,7 @@ class PreparedPrompt:
     token_ids: list[int]
     text: str | None = None
     max_model_len: int | None = None
-    images: tuple[PromptImage, ...] = ()
+    images: tuple[PlacedImage, ...] = ()
 
 
 @dataclass(slots=True)
