@@ -3,7 +3,8 @@ Kubernetes API schemas offline (kubernetes-validate, strict: unknown fields fail
 follow the policy of docs/scaling.md: resources, a locked-down security context, three
 probes, pinned images, a disruption budget per Deployment, an autoscaler per scalable
 service on metrics the services export, and container flags that the services' own
-config parsers accept.
+config parsers accept. Every rule runs over each variant: the base (CPU workers), gpu and
+vision (the base with image encoders).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 import yaml
 from k8s_build import CLUSTER_SCOPED, Doc, build, container_env, find, load_documents, pod_spec
 
+from meshserve.services.encoder.config import EncoderConfig
 from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.kvstore.config import KVStoreConfig
 from meshserve.services.scheduler.config import SchedulerConfig
@@ -30,7 +32,7 @@ from meshserve.shared.config import ServiceConfig
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "compose" / "k8s"
-VARIANTS = ("base", "gpu")
+VARIANTS = ("base", "gpu", "vision")
 # The oldest Kubernetes the manifests are written for (grpc probes, autoscaling/v2 and
 # policy/v1 are all GA there); kubernetes-validate bundles its schemas.
 KUBERNETES_VERSION = "1.30.0"
@@ -38,19 +40,38 @@ NAMESPACE = "meshserve"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 CONFIGS: dict[str, type[ServiceConfig]] = {
     "gateway": GatewayConfig, "tokenizer": TokenizerConfig, "scheduler": SchedulerConfig,
-    "worker": WorkerConfig, "kvstore": KVStoreConfig}
-SCALABLE = {"gateway", "tokenizer", "worker"}
+    "worker": WorkerConfig, "kvstore": KVStoreConfig, "encoder": EncoderConfig}
+# The roles each variant runs, and which of them scale out.
+ROLES = {"base": set(CONFIGS) - {"encoder"}, "gpu": set(CONFIGS) - {"encoder"},
+         "vision": set(CONFIGS)}
+SCALABLE = {"base": {"gateway", "tokenizer", "worker"}, "gpu": {"gateway", "tokenizer", "worker"},
+            "vision": {"gateway", "tokenizer", "worker", "encoder"}}
+# What saturates each scalable service: the exported gauge or the resource its autoscaler
+# watches.
+SATURATION = {"gateway": {"meshserve:gateway_requests_in_flight"},
+              "tokenizer": {"Resource/cpu"},
+              "worker": {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"},
+              "encoder": {"meshserve:encoder_calls_in_flight"}}
 # Prometheus names of the gauges the autoscalers act on, as the services export them.
 EXPORTED_METRICS = {"meshserve:gateway_requests_in_flight", "vllm:num_requests_waiting",
-                    "vllm:kv_cache_usage_perc"}
+                    "vllm:kv_cache_usage_perc", "meshserve:encoder_calls_in_flight"}
+# What the vision variant adds to the base.
+ENCODER_OBJECTS = {("Deployment", "encoder"), ("Service", "encoder-headless"),
+                   ("PodDisruptionBudget", "encoder"), ("HorizontalPodAutoscaler", "encoder")}
 METRICS_PORT = 8001
 POD_IP = "10.1.2.3"
 SECRET = "key-from-the-secret"
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
-def docs(request: pytest.FixtureRequest) -> list[Doc]:
-    return build(K8S / request.param)
+def variant(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture(scope="module")
+def docs(variant: str) -> list[Doc]:
+    return build(K8S / variant)
 
 
 def of_kind(docs: list[Doc], kind: str) -> dict[str, Doc]:
@@ -201,7 +222,8 @@ def test_every_service_selects_pods_on_a_named_port(docs: list[Doc]) -> None:
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= names, name
 
 
-def test_every_container_flag_and_variable_is_one_its_service_reads(docs: list[Doc]) -> None:
+def test_every_container_flag_and_variable_is_one_its_service_reads(
+        variant: str, docs: list[Doc]) -> None:
     """Each mesh container's args and environment, built by the service's own parser
     (strict: an unknown flag or MESHSERVE_* variable is an error)."""
     seen = set()
@@ -224,18 +246,18 @@ def test_every_container_flag_and_variable_is_one_its_service_reads(docs: list[D
                 assert config.kvstore_address == "kvstore:50054"
             if isinstance(config, GatewayConfig):
                 assert config.api_key == SECRET
-    assert seen == set(CONFIGS)
+    assert seen == ROLES[variant]
 
 
-def test_tokenizer_and_workers_read_one_model_setting(docs: list[Doc]) -> None:
+def test_tokenizer_workers_and_encoders_read_one_model_setting(docs: list[Doc]) -> None:
     settings = find(docs, "ConfigMap", "meshserve-config")["data"]
-    for name in ("tokenizer", "worker"):
+    for name in {"tokenizer", "worker", "encoder"} & set(of_kind(docs, "Deployment")):
         container = pod_spec(find(docs, "Deployment", name))["containers"][0]
         env = container_env(container, docs, pod_ip=POD_IP, secret_value=SECRET)
         config = CONFIGS[name].from_args(container["args"], environ=env)
         values = config.as_dict()
         assert values["model"] == settings["model"] == "default", name
-        assert values["max_model_len"] is None, name  # "" reads as unset
+        assert values.get("max_model_len") is None, name  # "" reads as unset
 
 
 def test_gateway_finds_every_tokenizer_through_the_headless_service(docs: list[Doc]) -> None:
@@ -248,6 +270,77 @@ def test_gateway_finds_every_tokenizer_through_the_headless_service(docs: list[D
     namespace = headless["metadata"]["namespace"]
     assert config.tokenizer_addresses == (
         f"dns:///tokenizer-headless.{namespace}.svc:{port}",)
+
+
+def test_replicas_behind_a_headless_service_end_connections_so_new_ones_are_found(
+        docs: list[Doc]) -> None:
+    """Clients name such replicas by one DNS name and gRPC resolves it again only when a
+    connection ends: each replica ends its connections after a while, or pods the
+    autoscaler adds would get no calls from the clients already running."""
+    headless = [s for s in of_kind(docs, "Service").values()
+                if s["spec"].get("clusterIP") == "None"]
+    assert headless
+    for service in headless:
+        selector = service["spec"]["selector"].items()
+        deployment = next(d for d in of_kind(docs, "Deployment").values()
+                          if selector <= d["spec"]["template"]["metadata"]["labels"].items())
+        container = pod_spec(deployment)["containers"][0]
+        env = container_env(container, docs, pod_ip=POD_IP, secret_value=SECRET)
+        config = CONFIGS[container["command"][1]].from_args(container["args"], environ=env)
+        age = getattr(config, "max_connection_age_s", None)
+        assert age is not None and 0 < age <= 120, service["metadata"]["name"]
+
+
+def test_workers_find_every_encoder_through_the_headless_service() -> None:
+    docs = build(K8S / "vision")
+    worker = pod_spec(find(docs, "Deployment", "worker"))["containers"][0]
+    config = WorkerConfig.from_args(worker["args"], environ=container_env(
+        worker, docs, pod_ip=POD_IP, secret_value=SECRET))
+    headless = find(docs, "Service", "encoder-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    port = headless["spec"]["ports"][0]["port"]
+    namespace = headless["metadata"]["namespace"]
+    # The gateway's form for the tokenizers (gateway.yaml).
+    assert config.encoder_address_list == [f"dns:///encoder-headless.{namespace}.svc:{port}"]
+    # Pods share no /dev/shm: rows come in the answers. With no encoder answering, the
+    # worker encodes the images itself.
+    assert config.encoder_shared_memory == "off"
+    assert config.mm_encoder_placement == "auto"
+    encoder = pod_spec(find(docs, "Deployment", "encoder"))["containers"][0]
+    env = container_env(encoder, docs, pod_ip=POD_IP, secret_value=SECRET)
+    assert EncoderConfig.from_args(encoder["args"], environ=env).port == port
+    # torch's threads: as many as the CPUs the encoder may use.
+    assert env["OMP_NUM_THREADS"] == encoder["resources"]["limits"]["cpu"]
+
+
+def test_the_encoder_exports_the_gauge_its_autoscaler_reads() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from meshserve.services.encoder.service import EncoderMetrics
+
+    registry = CollectorRegistry()
+    EncoderMetrics(registry)
+    kinds = {m.name: m.type for m in registry.collect()}
+    assert kinds["meshserve:encoder_calls_in_flight"] == "gauge"
+
+
+def test_vision_variant_differs_only_by_the_encoders_and_workers_encoder_variables() -> None:
+    base, vision = build(K8S / "base"), build(K8S / "vision")
+
+    def key(doc: Doc) -> tuple[str, str]:
+        return doc["kind"], doc["metadata"]["name"]
+
+    worker = ("Deployment", "worker")
+    assert {key(d) for d in vision} - {key(d) for d in base} == ENCODER_OBJECTS
+    assert [d for d in vision if key(d) not in ENCODER_OBJECTS | {worker}] == \
+        [d for d in base if key(d) != worker]
+    base_worker, vision_worker = find(base, *worker), find(vision, *worker)
+    base_env = pod_spec(base_worker)["containers"][0].pop("env")
+    vision_env = pod_spec(vision_worker)["containers"][0].pop("env")
+    assert vision_worker == base_worker
+    assert [e for e in vision_env if e in base_env] == base_env
+    assert {e["name"] for e in vision_env if e not in base_env} == {
+        "MESHSERVE_ENCODER_ADDRESSES", "MESHSERVE_ENCODER_SHARED_MEMORY"}
 
 
 def test_the_api_key_comes_from_a_secret_and_is_never_inlined(docs: list[Doc]) -> None:
@@ -293,10 +386,11 @@ def test_adapter_rules_expose_the_exported_gauges_as_pods_metrics() -> None:
     assert {series_name(r) for r in adapter_rules()} == EXPORTED_METRICS
 
 
-def test_every_scalable_service_scales_on_what_saturates_it(docs: list[Doc]) -> None:
+def test_every_scalable_service_scales_on_what_saturates_it(
+        variant: str, docs: list[Doc]) -> None:
     served = {r["name"]["as"]: series_name(r) for r in adapter_rules()}
     autoscalers = of_kind(docs, "HorizontalPodAutoscaler")
-    assert set(autoscalers) == SCALABLE
+    assert set(autoscalers) == SCALABLE[variant]
     watched: dict[str, set[str]] = {}
     for name, hpa in autoscalers.items():
         target = hpa["spec"]["scaleTargetRef"]
@@ -309,12 +403,10 @@ def test_every_scalable_service_scales_on_what_saturates_it(docs: list[Doc]) -> 
                 watched[name].add(served[metric["pods"]["metric"]["name"]])
             else:
                 watched[name].add(f"{metric['type']}/{metric['resource']['name']}")
-    assert watched == {"gateway": {"meshserve:gateway_requests_in_flight"},
-                       "tokenizer": {"Resource/cpu"},
-                       "worker": {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}}
+    assert watched == {name: SATURATION[name] for name in SCALABLE[variant]}
     # The autoscalers own the replica counts: a Deployment that set one would be reset to
     # it by every `kubectl apply`.
-    for name in SCALABLE:
+    for name in SCALABLE[variant]:
         assert "replicas" not in find(docs, "Deployment", name)["spec"], name
     # CPU utilization is a share of the request: the tokenizer must request CPU.
     tokenizer = pod_spec(find(docs, "Deployment", "tokenizer"))["containers"][0]
