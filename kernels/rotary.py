@@ -23,6 +23,12 @@ cache. That equals transformers' `generate` while prompt + output stay within
 original_max_position_embeddings tokens. Past it, it equals transformers' model run with its cache
 in pieces split at original_max_position_embeddings, not `generate`: the positions below it keep
 the short set.
+
+M-RoPE (Qwen2-VL, Qwen2.5-VL; `MropeRotaryEmbedding`) gives each token three positions (time,
+height, width) and splits the rotary pairs into `mrope_section` runs, each rotated by one of the
+three. Where the three are equal (text, decode) that is plain RoPE at that position, so only steps
+holding image tokens pass positions [3, T]: their rows of the one table are recombined per step
+(`mrope_cos_sin`) and rotated as plain RoPE of positions 0..T-1 over that step table.
 """
 
 from __future__ import annotations
@@ -264,3 +270,62 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     if 2 * half == x.shape[-1]:
         return torch.cat(rotated, dim=-1)
     return torch.cat((*rotated, x[..., 2 * half :]), dim=-1)
+
+
+class MropeRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE: positions [T] rotate as plain RoPE (the three positions equal, as the
+    runner passes them for text and decode rows); positions [3, T] of (time, height, width)
+    rotate each `mrope_section` run of pairs by its own position."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None, mrope_section: tuple[int, ...]) -> None:
+        super().__init__(head_dim, rotary_dim, max_position, base, rope_scaling)
+        assert len(mrope_section) == 3 and sum(mrope_section) == rotary_dim // 2, (
+            f"mrope_section {mrope_section} must split the {rotary_dim // 2} rotary pairs in 3")
+        self.mrope_section = mrope_section
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return apply_rotary(query, key, positions, self.cos_sin_cache)
+        table = mrope_cos_sin(self.cos_sin_cache, positions, self.mrope_section)
+        return apply_rotary(query, key, _rows(table), table)
+
+    def rotate_and_write_kv(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().rotate_and_write_kv(positions, query, key, value, k_cache, v_cache,
+                                               slot_mapping)
+        table = mrope_cos_sin(self.cos_sin_cache, positions, self.mrope_section)  # [T, rd]
+        if query.is_cuda:
+            from meshserve.kernels import triton_rotary  # GPU only
+
+            return triton_rotary.apply_rotary_and_write_kv(
+                query, key, value, _rows(table), table, k_cache, v_cache, slot_mapping)
+        query, key = apply_rotary(query, key, _rows(table), table)
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return query, key
+
+
+def mrope_cos_sin(
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]
+    positions: torch.Tensor,  # [3, T] int64: time, height, width
+    mrope_section: tuple[int, ...],  # pairs rotated by each of the three, summing to rotary_dim/2
+) -> torch.Tensor:  # [T, rotary_dim]: each token's cos/sin row
+    """Each token's cos/sin row under M-RoPE, as transformers' Qwen2.5-VL recombines them:
+    the first mrope_section[0] pairs from the time position's row, the next from the
+    height's, the last from the width's (the cos half and the sin half alike)."""
+    assert positions.dim() == 2 and positions.shape[0] == 3, (
+        f"M-RoPE positions must be [3, T], got {tuple(positions.shape)}")
+    rows = cos_sin_cache[positions]  # [3, T, rd]
+    owner = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))  # [rd/2]
+    owner = torch.cat((owner, owner)).to(positions.device)  # [rd]: 0 time, 1 height, 2 width
+    return rows.gather(0, owner.expand(1, rows.shape[1], -1)).squeeze(0)
+
+
+def _rows(table: torch.Tensor) -> torch.Tensor:
+    """Positions 0..T-1: row t of a per-step table is token t's."""
+    return torch.arange(table.shape[0], device=table.device)

@@ -34,12 +34,14 @@ MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
 # its config names none (Qwen2.5-VL's checkpoints keep the text fields at the top level).
 VISION_ARCHITECTURES: dict[str, str] = {
     "LlavaForConditionalGeneration": "LlamaForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
 }
 # `text_config.model_type` of vision-language models -> the language model's architecture.
 _TEXT_MODEL_TYPES: dict[str, str] = {**MODEL_TYPE_ARCHITECTURES}
 # Fields of a vision-language config that its language model inherits when the text config
 # lacks them.
-_INHERITED = ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype")
+_INHERITED = ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype",
+              "tie_word_embeddings")
 
 
 class SourceLike(Protocol):

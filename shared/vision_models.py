@@ -9,8 +9,8 @@ a size becomes, and embeds a batch of the image processor's output:
     part.load(tensors)                             # (name, tensor) of the whole checkpoint
     rows = part.embed_images(processor(images=...))  # each image's [rows, H]
 
-The towers are transformers' own modules for the tower's config (CLIP, SigLIP, ...): they
-run once per image, never per decode step.
+The towers are transformers' own modules for the tower's config (CLIP, SigLIP, Qwen2.5-VL's
+window-attention tower): they run once per image, never per decode step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshserve.shared.errors import ModelLoadError
+from meshserve.shared.errors import InvalidRequestError, ModelLoadError
 from meshserve.shared.model_config import text_config_of
 
 # Checkpoint prefixes of the vision half -> its parameters' (transformers 4 and 5 layouts).
@@ -148,9 +148,84 @@ class LlavaVision(VisionPart):
         return list(self.multi_modal_projector(features))  # N x [rows, H]
 
 
+# transformers' Qwen2VLImageProcessor's resize bounds (pixels of the resized image) when
+# the processor's settings are not given.
+_QWEN_MIN_PIXELS, _QWEN_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
+
+
+class Qwen2_5_VLVision(VisionPart):
+    """Qwen2.5-VL: transformers' window-attention tower with its 2x2 patch merger. An image
+    is resized, keeping its aspect, to multiples of patch_size x merge_size within the image
+    processor's pixel bounds (its `smart_resize`) and cut in patches; each merge x merge
+    patches become one row. The grid of rows (`image_grid`) also places them in M-RoPE.
+
+    `image_processor`: the folder's image processor settings (`ModelConfig.image_processor`),
+    which `rows_for` and `image_grid` follow; without them, transformers' defaults."""
+
+    PREFIXES = (("model.visual.", "visual."), ("visual.", "visual."))
+
+    def __init__(self, hf: dict[str, Any], hidden_size: int,
+                 image_processor: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
+            Qwen2_5_VLVisionConfig,
+        )
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        config = Qwen2_5_VLVisionConfig(**{k: v for k, v in hf["vision_config"].items()
+                                           if k != "model_type"})
+        if config.out_hidden_size != hidden_size:
+            raise ModelLoadError(f"vision_config.out_hidden_size {config.out_hidden_size} is "
+                                 f"not the language model's hidden_size {hidden_size}",
+                                 param="vision_config.out_hidden_size")
+        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config)
+        settings = image_processor or {}
+        size = settings.get("size") or {}
+        self.patch_size = int(settings.get("patch_size") or config.patch_size)
+        self.merge_size = int(settings.get("merge_size") or config.spatial_merge_size)
+        self.min_pixels = int(size.get("shortest_edge") or settings.get("min_pixels")
+                              or _QWEN_MIN_PIXELS)
+        self.max_pixels = int(size.get("longest_edge") or settings.get("max_pixels")
+                              or _QWEN_MAX_PIXELS)
+
+    def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """(time, height, width) of an image's rows (merged patches): (1, h, w)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        unit = self.patch_size * self.merge_size
+        try:
+            resized_h, resized_w = smart_resize(height, width, unit, self.min_pixels,
+                                                self.max_pixels)
+        except ValueError as exc:  # an aspect ratio over 200
+            raise InvalidRequestError(f"a {width}x{height} image: {exc}",
+                                      param="images") from exc
+        return 1, resized_h // unit, resized_w // unit
+
+    def rows_for(self, width: int, height: int) -> int:
+        t, h, w = self.image_grid(width, height)
+        return t * h * w
+
+    def embed_images(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        pixels = inputs["pixel_values"]  # [patches of all images, C * T * P * P]
+        grid = inputs["image_grid_thw"]  # [N, 3] in patches
+        dtype = self.visual.patch_embed.proj.weight.dtype
+        rows = self.visual(pixels.to(dtype), grid_thw=grid).pooler_output  # [rows, H]
+        return list(rows.split((grid.prod(-1) // self.merge_size**2).tolist()))
+
+    def reset_buffers(self) -> None:
+        """The tower's rotary inverse frequencies, in float32 as transformers keeps them."""
+        rotary: Any = self.visual.rotary_pos_emb
+        inv_freq, _ = rotary.compute_axial_rope_parameters(rotary.config)
+        rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
+        rotary.original_inv_freq = inv_freq.clone().to(rotary.inv_freq.device)
+
+
 # Architecture -> its vision half.
 VISION_PARTS: dict[str, type[VisionPart]] = {
     "LlavaForConditionalGeneration": LlavaVision,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLVision,
 }
 
 

@@ -81,6 +81,9 @@ def hf_vlm_logits(hf: torch.nn.Module, case: VlmCase, generated: list[int]) -> t
     ids = torch.tensor([case.token_ids + generated])
     inputs["input_ids"] = ids
     inputs["attention_mask"] = torch.ones_like(ids)
+    for key in ("token_type_ids", "mm_token_type_ids"):  # generated tokens are text (0)
+        if key in inputs:
+            inputs[key] = torch.nn.functional.pad(inputs[key], (0, len(generated)))
     with torch.no_grad():
         return hf(**inputs).logits[0].float()
 

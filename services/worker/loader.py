@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,10 +49,17 @@ _DUMMY_RANGE = 1e-3
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:
-    """The model's config from config.json (+ generation_config.json) or GGUF metadata."""
+    """The model's config from config.json (+ generation_config.json) or GGUF metadata; a
+    vision-language folder's with its image processor's settings."""
     files = read_model_files(source)
-    return ModelConfig.from_hf(files.config, generation_config=files.generation,
-                               source=files.where)
+    config = ModelConfig.from_hf(files.config, generation_config=files.generation,
+                                 source=files.where)
+    if config.vision is not None and source.format == "hf":
+        from meshserve.shared.image_encoding import load_image_processor
+
+        settings = load_image_processor(source.path).to_dict()  # type: ignore[attr-defined]
+        config = replace(config, image_processor=settings)
+    return config
 
 
 def load_quant_config(source: ModelSource, requested: str | None) -> QuantConfig | None:

@@ -16,7 +16,13 @@ from transformers.models.llama.modeling_llama import (
 
 from meshserve.kernels.activation import silu_and_mul
 from meshserve.kernels.norm import fused_add_rms_norm, rms_norm
-from meshserve.kernels.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
+from meshserve.kernels.rotary import (
+    MropeRotaryEmbedding,
+    RotaryEmbedding,
+    apply_rotary,
+    compute_inv_freq,
+    mrope_cos_sin,
+)
 from meshserve.shared.errors import ModelLoadError
 
 GEN = torch.Generator().manual_seed(1234)
@@ -117,6 +123,39 @@ def test_rotary_in_bfloat16_matches_transformers() -> None:
     assert got_q.dtype == torch.bfloat16
     torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), rtol=0, atol=0)
     torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), rtol=0, atol=0)
+
+
+def test_mrope_matches_transformers_qwen2_5_vl() -> None:
+    """Positions [3, T] rotate each mrope_section run of pairs by its own position, as
+    Qwen2.5-VL's text rotary; positions [T] are the three equal; the cache write with it."""
+    from transformers import Qwen2_5_VLTextConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+
+    head_dim, theta, section = 32, 1000000.0, (4, 6, 6)
+    config = Qwen2_5_VLTextConfig(hidden_size=head_dim * 4, num_attention_heads=4,
+                                  max_position_embeddings=256, rope_parameters={
+                                      "rope_type": "default", "rope_theta": theta,
+                                      "mrope_section": list(section)})
+    hf = Qwen2_5_VLRotaryEmbedding(config)
+    rope = MropeRotaryEmbedding(head_dim, head_dim, 256, theta, None, section)
+    positions = torch.randint(0, 256, (3, 10), generator=GEN)
+    q, k, v = _randn(10, 4, head_dim), _randn(10, 2, head_dim), _randn(10, 2, head_dim)
+    k_cache, v_cache = torch.zeros(2, 8, 2, head_dim), torch.zeros(2, 8, 2, head_dim)
+    slots = torch.arange(3, 13)
+    got_q, got_k = rope.rotate_and_write_kv(positions, q, k, v, k_cache, v_cache, slots)
+    cos, sin = hf(q, positions[:, None])  # [1, T, D]
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          cos, sin)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(k_cache.flatten(0, 1)[3:13], got_k)
+    assert torch.equal(v_cache.flatten(0, 1)[3:13], v)
+    equal = positions[1]
+    plain_q, plain_k = rope(equal, q, k)
+    three_q, three_k = rope(equal.expand(3, -1), q, k)
+    assert torch.equal(plain_q, three_q) and torch.equal(plain_k, three_k)
+    assert torch.equal(mrope_cos_sin(rope.cos_sin_cache, equal.expand(3, -1), section),
+                       rope.cos_sin_cache[equal])
 
 
 def test_partial_rotary_rotates_only_the_leading_dims() -> None:

@@ -229,6 +229,7 @@ class LLMEngine:
         check_images(images, len(prompt_token_ids), takes_images=embedder is not None)
         if images and embedder is not None:
             embedder.check(images)
+        mrope = self.runner.prompt_positions(len(prompt_token_ids), images)
         if lora_id is not None and not self.config.enable_lora:
             raise NotFoundError(f"LoRA adapter {lora_id} is not loaded on this worker "
                                 "(LoRA is off)", param="model")
@@ -246,7 +247,7 @@ class LLMEngine:
                 priority=priority, arrival_time=arrival,
                 eos_token_ids=self.model_config.eos_token_ids, max_tokens=max_tokens,
                 extra_keys=extra_keys, leader=sequences[0] if share and sequences else None,
-                lora_id=lora_id, images=images)
+                lora_id=lora_id, images=images, mrope=mrope)
             if resumed is not None:
                 seq.output_token_ids.extend(resumed[index])
             seq.store_checked = not store_lookup

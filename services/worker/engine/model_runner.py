@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -20,8 +22,15 @@ from meshserve.services.worker.engine.hooks import (
     PendingVerification,
     Verified,
 )
-from meshserve.services.worker.engine.images import ImageSlice, slices_in
+from meshserve.services.worker.engine.images import ImageSlice, PromptImage, slices_in
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
+from meshserve.services.worker.engine.mrope import (
+    ImageGrids,
+    MropePositions,
+    image_grids,
+    prompt_positions,
+    step_positions,
+)
 from meshserve.services.worker.engine.sampler import (
     HostCopy,
     PendingSample,
@@ -201,6 +210,8 @@ class ModelRunner:
         self.lora = adapters
         self.verifier = verifier
         self.images = images
+        # M-RoPE models (Qwen2.5-VL) take each step's positions from its sequences' images.
+        self.mrope = bool(config.mrope_section)
         self.last_path = ""  # how the last forward ran: graph, verify_graph, piecewise, eager
         # cuBLAS's first LM-head product of each row count stalls the host: few counts.
         model.pad_logit_rows = device.type == "cuda"
@@ -397,7 +408,7 @@ class ModelRunner:
             [rows for _, rows in prompt_rows], pending_rows, verify_rows)
         return StepInputs(
             input_ids=self._tensor(ids, torch.long),
-            positions=self._tensor(positions, torch.long),
+            positions=self._positions(out, positions),
             meta=self._metadata(slots, query_lens, seq_lens, tables),
             sample_rows=sample_rows,
             sample_requests=sample_requests,
@@ -435,6 +446,24 @@ class ModelRunner:
             self.model.compute_logits(hidden[self._tensor(plan.verify_rows, torch.long)])
         if plan.sample_rows:
             self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.long)])
+
+    def prompt_positions(self, num_tokens: int, images: Sequence[PromptImage],
+                         ) -> MropePositions | None:
+        """An M-RoPE model's positions of a prompt with `images` (None: other models, and
+        prompts without images, whose positions are their indices)."""
+        if not self.mrope or not images:
+            return None
+        return prompt_positions(num_tokens, image_grids(cast(ImageGrids, self.model), images))
+
+    def _positions(self, out: SchedulerOutput, positions: list[int]) -> torch.Tensor:
+        """The step's positions [T] on the device; an M-RoPE model's from its sequences'
+        (engine/mrope.py): [3, T] in steps with image rows, else shifted [T]."""
+        if not self.mrope:
+            return self._tensor(positions, torch.long)
+        shifted = step_positions(out.scheduled)
+        if isinstance(shifted, torch.Tensor):
+            return shifted.to(self.device)
+        return self._tensor(shifted, torch.long)
 
     def _metadata(self, slots: list[int], query_lens: list[int], seq_lens: list[int],
                   tables: list[list[int]]) -> AttentionMetadata:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshserve.services.worker.engine.images import PromptImage
 from meshserve.shared.block_hash import BlockHash
 from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (the state of a sequence imports no torch)
+    from meshserve.services.worker.engine.mrope import MropePositions
 
 
 class SequenceStatus(enum.Enum):
@@ -63,6 +67,7 @@ class SequenceState:
         leader: SequenceState | None = None,
         lora_id: int | None = None,
         images: tuple[PromptImage, ...] = (),
+        mrope: MropePositions | None = None,
     ) -> None:
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id
@@ -79,6 +84,8 @@ class SequenceState:
         self.lora_id = lora_id  # the LoRA adapter the sequence runs with (None: the base)
         # The prompt's images, in order: their embeddings replace their placeholder tokens.
         self.images = images
+        # An M-RoPE model's positions of the prompt (engine/mrope.py; None: its indices).
+        self.mrope = mrope
         # A sibling whose prompt blocks this one waits to share (n > 1).
         self.leader = leader
         self.status = SequenceStatus.WAITING

@@ -92,6 +92,12 @@ class ModelConfig:
     # A vision-language model's whole Hugging Face config (its vision tower, projector and
     # image token); the fields above are its language model's. None: a text model.
     vision: dict[str, Any] | None = None
+    # Its image processor's settings (transformers' `to_dict()` of the folder's), which its
+    # `rows_for` may follow (Qwen2.5-VL's resize bounds); set by the worker's loader.
+    image_processor: dict[str, Any] | None = None
+    # M-RoPE (Qwen2.5-VL): the rotary pairs rotated by each of a token's (time, height,
+    # width) positions, summing to rotary_dim / 2; empty: one position a token.
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def max_model_len(self) -> int:
@@ -193,6 +199,7 @@ class ModelConfig:
             **deepseek_options(architecture, cfg, source),
             **gpt_oss_options(architecture, cfg, source),
             **_windows(architecture, cfg),
+            mrope_section=_mrope_section(cfg),
         )
         if cfg is not outer:
             config = replace(config, architecture=architecture_of(outer, source), vision=outer)
@@ -219,6 +226,11 @@ class ModelConfig:
                 f"{source}: partial_rotary_factor {self.partial_rotary_factor} gives "
                 f"{self.rotary_dim} rotary dims of head_dim {self.head_dim}; they must be even "
                 "and in 2..head_dim", param="partial_rotary_factor")
+        if self.mrope_section and (len(self.mrope_section) != 3
+                                   or sum(self.mrope_section) != self.rotary_dim // 2):
+            raise ModelLoadError(
+                f"{source}: rope_scaling.mrope_section {list(self.mrope_section)} must be 3 "
+                f"runs of the {self.rotary_dim // 2} rotary pairs", param="mrope_section")
         if self.num_experts > 0:
             self._validate_moe(source)
 
@@ -272,7 +284,10 @@ def _rope(cfg: dict[str, Any], head_dim: int,
     merged: dict[str, Any] = {**params, **(cfg.get("rope_scaling") or {})}
     theta = float(merged.pop("rope_theta", None) or cfg.get("rope_theta") or _DEFAULT_ROPE_THETA)
     merged.pop("partial_rotary_factor", None)  # (_partial_rotary_factor)
+    merged.pop("mrope_section", None)  # (_mrope_section)
     rope_type = rope_type_of(merged)
+    if rope_type == "mrope":  # Qwen2-VL's configs of transformers 4: default frequencies
+        rope_type = "default"
     merged.pop("type", None)
     if rope_type in ("longrope", "su"):  # ("su": LongRoPE's name in early Phi-3 configs)
         rope_type = "longrope"
@@ -283,6 +298,12 @@ def _rope(cfg: dict[str, Any], head_dim: int,
     except ModelLoadError as exc:
         raise ModelLoadError(f"{source}: {exc.message}", param=exc.param) from exc
     return theta, scaling
+
+
+def _mrope_section(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """M-RoPE's split of the rotary pairs (rope_parameters or rope_scaling), () without."""
+    merged = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+    return tuple(int(n) for n in merged.get("mrope_section") or ())
 
 
 def _longrope_lengths(cfg: dict[str, Any], merged: dict[str, Any]) -> None:
