@@ -18,7 +18,9 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
+from meshserve.local.media_options import MediaOptions
 from meshserve.services.worker.config import EngineConfig
 from meshserve.shared.config import option
 from meshserve.shared.errors import ConfigError, MeshError
@@ -45,7 +47,7 @@ _SHORT_FLAGS = {"-i": "--input-file", "-o": "--output-file"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RunBatchConfig(EngineConfig):
+class RunBatchConfig(MediaOptions, EngineConfig):
     """Run an OpenAI batch input file through an in-process engine."""
 
     # option() returns a dataclasses.field (the default is None), not a shared mutable value.
@@ -94,7 +96,8 @@ def run_batch_main(argv: Sequence[str]) -> int:
             adapters = {m.name: m.lora_id for m in (lora.manager.served() if lora else [])}
             summary = run_batch(config.input_file, config.output_file, llm,
                                 config.served_model_name or engine.source.name,
-                                show_progress=config.progress, adapters=adapters)
+                                show_progress=config.progress, adapters=adapters,
+                                images=_batch_images(config, engine, llm))
     except MeshError as exc:
         print(f"meshserve run-batch: {exc.message}", file=sys.stderr)
         return 1
@@ -103,6 +106,19 @@ def run_batch_main(argv: Sequence[str]) -> int:
           f"({summary.cached_tokens} cached), {summary.completion_tokens} completion tokens "
           f"in {summary.elapsed_s:.1f}s; output in {config.output_file}", file=sys.stderr)
     return 0
+
+
+def _batch_images(config: RunBatchConfig, engine: Any, llm: Any) -> Any:
+    """A vision-language model's image handling for run-batch (None for a text model)."""
+    from meshserve.offline.images import batch_images
+    from meshserve.services.tokenizer.images import load_image_placeholders
+    from meshserve.services.tokenizer.loader import hf_folder
+
+    folder = hf_folder(engine.source)
+    placeholders = (load_image_placeholders(folder, llm.tokenizer.hf)
+                    if folder is not None else None)
+    return batch_images(llm.tokenizer, placeholders, engine.max_model_len,
+                        config.media_settings())
 
 
 def version_main(argv: Sequence[str]) -> int:

@@ -55,6 +55,7 @@ from meshserve.local.children import (
     child_env,
     terminate,
 )
+from meshserve.local.media_options import MediaOptions
 from meshserve.local.probes import (
     grpc_serving,
     http_ok,
@@ -77,7 +78,7 @@ _GATEWAY_LISTENING = "meshserve:gateway_http_listening 1.0"  # a sample of its /
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LauncherConfig(RunnerOptions, EngineConfig):
+class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
     """The whole mesh on this machine; engine and runner options go to every worker."""
 
     workers: int = option(1, "model workers to start")
@@ -111,16 +112,6 @@ class LauncherConfig(RunnerOptions, EngineConfig):
         False, "let tool_choice 'auto' parse tool calls with --tool-call-parser")
     reasoning_parser: str | None = option(
         None, "split a reasoning model's thinking into reasoning_content (deepseek_r1, qwen3)")
-    limit_mm_per_prompt: str = option("", "images allowed per prompt, as vLLM's JSON: "
-                                          "'{\"image\": 4}' (the gateway's flag)")
-    media_fetch_timeout_s: float = option(5.0, "seconds to fetch one image URL")
-    allowed_media_domains: tuple[str, ...] = option(
-        (), "hosts image URLs may name, comma-separated (empty: any host)")
-    allow_private_media_urls: bool = option(
-        False, "let image URLs reach loopback and other non-public addresses (an SSRF guard "
-               "refuses them when off)")
-    allowed_media_networks: tuple[str, ...] = option(
-        (), "non-public networks (CIDR, comma-separated) image URLs may reach")
     run_dir: str | None = option(None, "folder for the services' logs (unset: a new "
                                        "temporary folder)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = option("INFO", "services' "
@@ -163,20 +154,6 @@ class LauncherConfig(RunnerOptions, EngineConfig):
         for name in ("startup_timeout_s", "stop_grace_s", "restart_window_s"):
             value = getattr(self, name)
             self.require(value > 0, f"must be positive, got {value}", name)
-
-
-def _media_flags(c: LauncherConfig) -> list[str]:
-    """The gateway's image-fetching flags that differ from its defaults."""
-    flags = ["--media-fetch-timeout-s", str(c.media_fetch_timeout_s)]
-    if c.limit_mm_per_prompt:
-        flags += ["--limit-mm-per-prompt", c.limit_mm_per_prompt]
-    for flag, values in (("--allowed-media-domains", c.allowed_media_domains),
-                         ("--allowed-media-networks", c.allowed_media_networks)):
-        if values:
-            flags += [flag, ",".join(values)]
-    if c.allow_private_media_urls:
-        flags.append("--allow-private-media-urls")
-    return flags
 
 
 def _worker_devices(config: LauncherConfig) -> list[list[str]]:
@@ -349,7 +326,7 @@ class Stack:
                 gateway += [flag, value]
         if c.enable_auto_tool_choice:
             gateway.append("--enable-auto-tool-choice")
-        gateway += _media_flags(c)
+        gateway += c.media_flags()
         if c.num_gateways > 1:
             gateway.append("--reuse-port")
         # /metrics/all: the services planned so far; workers advertise theirs themselves.

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from meshserve.services.tokenizer.detokenizer import TextStream
 from meshserve.services.tokenizer.loader import Tokenizer
+from meshserve.services.worker.engine.images import PromptImage
 from meshserve.services.worker.engine.sequence import SequenceOutput as EngineOutput
 from meshserve.shared.errors import InternalError, InvalidRequestError, NotFoundError
 from meshserve.shared.logprobs import TokenLogprobs
@@ -31,7 +32,8 @@ class EngineLike(Protocol):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str | None = None,
-                    lora_id: int | None = None) -> None: ...
+                    lora_id: int | None = None,
+                    images: Sequence[PromptImage] = ()) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -51,6 +53,8 @@ class GenerationItem:
     cache_salt: str | None = None
     lora_id: int | None = None
     """The LoRA adapter to run it with (None: the base model)."""
+    images: tuple[PromptImage, ...] = ()
+    """The prompt's images over their placeholder tokens (vision-language models)."""
 
 
 @dataclass
@@ -188,7 +192,7 @@ class OfflineLLM:
         try:
             self.engine.add_request(item.request_id, list(item.prompt_token_ids), item.params,
                                     priority=item.priority, cache_salt=item.cache_salt,
-                                    lora_id=item.lora_id)
+                                    lora_id=item.lora_id, images=item.images)
         except (InvalidRequestError, NotFoundError) as exc:
             tracker.result.error = exc
             tracker.result.sequences = []

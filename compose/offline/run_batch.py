@@ -25,8 +25,11 @@ from typing import Any
 import orjson
 from tqdm import tqdm
 
+from meshserve.offline.images import BatchImages, refuse_images
 from meshserve.offline.llm import GenerationItem, GenerationResult, OfflineLLM
+from meshserve.services.gateway.media.parts import split_images
 from meshserve.services.tokenizer.loader import Tokenizer
+from meshserve.services.tokenizer.model import PromptInput
 from meshserve.shared import openai_bodies as bodies
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.errors import InvalidRequestError, MeshError, NotFoundError
@@ -160,10 +163,24 @@ def _completion_items(line: _Line, body: dict[str, Any], tokenizer: Tokenizer,
 
 
 def _chat_items(line: _Line, body: dict[str, Any], tokenizer: Tokenizer,
-                models: BatchModels) -> None:
+                models: BatchModels, images: BatchImages | None) -> None:
     request = oai.parse_chat_request(body)
     lora_id = _check_options(line, request.options, models)
     line.request = request
+    messages, refs = split_images(list(request.messages))
+    if refs:  # a vision-language chat: images loaded, placeholders placed
+        if images is None:
+            refuse_images(refs)
+        assert images is not None
+        ids, placed = images.tokenize(messages, refs, PromptInput(
+            tools=list(request.tools or ()) or None,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs))
+        line.items.append(GenerationItem(f"{line.custom_id}#{line.number}", ids,
+                                         request.params, request.options.priority,
+                                         request.options.cache_salt, lora_id, tuple(placed)))
+        return
     text = tokenizer.render_chat(list(request.messages), list(request.tools or ()) or None,
                                  request.add_generation_prompt, request.continue_final_message,
                                  request.chat_template_kwargs)
@@ -173,14 +190,15 @@ def _chat_items(line: _Line, body: dict[str, Any], tokenizer: Tokenizer,
                                      lora_id))
 
 
-def _prepare(raw: bytes, number: int, tokenizer: Tokenizer, models: BatchModels) -> _Line:
+def _prepare(raw: bytes, number: int, tokenizer: Tokenizer, models: BatchModels,
+             images: BatchImages | None) -> _Line:
     line = _Line(number)
     try:
         body = _envelope(raw, line)
         if line.url == oai.COMPLETIONS_URL:
             _completion_items(line, body, tokenizer, models)
         else:
-            _chat_items(line, body, tokenizer, models)
+            _chat_items(line, body, tokenizer, models, images)
     except _LineError as exc:
         line.output = _record(line.custom_id, None, {"code": exc.code, "message": exc.message})
     except MeshError as exc:
@@ -253,18 +271,20 @@ def _read_lines(input_path: str | os.PathLike[str]) -> list[tuple[int, bytes]]:
 
 def run_batch(input_path: str | os.PathLike[str], output_path: str | os.PathLike[str],
               llm: OfflineLLM, model_name: str, *, show_progress: bool = True,
-              adapters: Mapping[str, int] | None = None) -> BatchSummary:
+              adapters: Mapping[str, int] | None = None,
+              images: BatchImages | None = None) -> BatchSummary:
     """Run every request of an OpenAI batch input file; write the output file.
 
     A request names `model_name` (or no model) for the base model, or one of `adapters`
     (LoRA adapter name -> id, as the engine serves them) to run with that adapter, as
     vLLM's run-batch takes them. All requests go to the engine together so it batches
-    them. A tqdm bar on stderr counts finished lines.
+    them. A tqdm bar on stderr counts finished lines. `images`: a vision-language
+    model's image handling (chats with image parts; None: a text model refuses them).
     """
     start = time.monotonic()
     tokenizer = llm.tokenizer
     models = BatchModels(model_name, dict(adapters or {}))
-    lines = [_prepare(raw, number, tokenizer, models)
+    lines = [_prepare(raw, number, tokenizer, models, images)
              for number, raw in _read_lines(input_path)]
     items = [item for line in lines for item in line.items]
     owners = [i for i, line in enumerate(lines) for _ in line.items]
