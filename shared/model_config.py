@@ -34,6 +34,8 @@ MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
 # its config names none (Qwen2.5-VL's checkpoints keep the text fields at the top level).
 VISION_ARCHITECTURES: dict[str, str] = {
     "LlavaForConditionalGeneration": "LlamaForCausalLM",
+    # (its text_config names llama for Vicuna, Yi and Llama 3, mistral or qwen2)
+    "LlavaNextForConditionalGeneration": "LlamaForCausalLM",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
 }
 # `text_config.model_type` of vision-language models -> the language model's architecture.

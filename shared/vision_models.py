@@ -25,7 +25,7 @@ from meshserve.shared.errors import InvalidRequestError, ModelLoadError
 from meshserve.shared.model_config import text_config_of
 
 # Checkpoint prefixes of the vision half -> its parameters' (transformers 4 and 5 layouts).
-_LLAVA_PREFIXES = (
+_LLAVA_PREFIXES: tuple[tuple[str, str], ...] = (
     ("model.vision_tower.", "vision_tower."),
     ("vision_tower.vision_model.", "vision_tower."),  # transformers 4 wrapped the tower
     ("vision_tower.", "vision_tower."),
@@ -139,13 +139,92 @@ class LlavaVision(VisionPart):
         return self.num_image_rows
 
     def embed_images(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        pixels = inputs["pixel_values"]  # [N, 3, S, S]
+        return list(self.project(inputs["pixel_values"]))  # N x [rows, H]
+
+    def project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Square images [N, 3, S, S] -> their projected features [N, rows, H]."""
         dtype = self.multi_modal_projector.linear_1.weight.dtype
         out = self.vision_tower(pixels.to(dtype), output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)
         if self.feature_strategy == "default":
             features = features[:, 1:]  # without the class embedding
-        return list(self.multi_modal_projector(features))  # N x [rows, H]
+        return self.multi_modal_projector(features)  # type: ignore[no-any-return]
+
+
+# transformers' LlavaNextConfig's resolutions when a config names none, as [height, width].
+_LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+
+
+class LlavaNextVision(LlavaVision):
+    """LLaVA-NeXT (LLaVA-1.6): any-resolution tiling. The image processor resizes an image
+    to the best of `image_grid_pinpoints` for its size, cuts it into tiles of the tower's
+    square, and adds the whole image resized as a base tile first; the tower and projector
+    run over every tile. An image's rows are, as transformers' `pack_image_features` packs
+    them for "spatial_unpad": the base tile's, then the grid tiles' patches as one picture
+    with the padding the resize added cut off (`unpad_image`), row by row, each row ended by
+    the learned `image_newline`. The row count so depends on the image's size."""
+
+    PREFIXES = (("model.image_newline", "image_newline"), ("image_newline", "image_newline"),
+                *_LLAVA_PREFIXES)
+
+    def __init__(self, hf: dict[str, Any], hidden_size: int) -> None:
+        super().__init__(hf, hidden_size)
+        if self.feature_strategy != "default":
+            # transformers packs the tiles as squares of patches, without a class embedding.
+            raise ModelLoadError(f"LLaVA-NeXT's vision_feature_select_strategy must be "
+                                 f"'default', not {self.feature_strategy!r}",
+                                 param="vision_feature_select_strategy")
+        tower: Any = self.vision_tower.config
+        self.tile = int(tower.image_size)  # pixels of a tile's side
+        self.side = self.tile // int(tower.patch_size)  # patches of a tile's side
+        self.pinpoints = [[int(h), int(w)] for h, w in
+                          hf.get("image_grid_pinpoints") or _LLAVA_NEXT_PINPOINTS]
+        self.image_newline = nn.Parameter(torch.empty(hidden_size))
+
+    def rows_for(self, width: int, height: int) -> int:
+        from transformers.models.llava_next.modeling_llava_next import unpad_image
+
+        rows, cols = self.tile_grid(width, height)
+        grid = torch.empty(0, rows * self.side, cols * self.side, device="meta")
+        kept_h, kept_w = unpad_image(grid, [height, width]).shape[1:]
+        return self.side * self.side + kept_h * (kept_w + 1)  # base tile; rows + newlines
+
+    def embed_images(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        from transformers.models.llava_next.modeling_llava_next import (
+            image_size_to_num_patches,
+        )
+
+        pixels = inputs["pixel_values"]  # [N, tiles (the batch's most), 3, S, S]
+        sizes = [(int(h), int(w)) for h, w in inputs["image_sizes"].tolist()]  # [N] (H, W)
+        counts = [image_size_to_num_patches(size, self.pinpoints, self.tile) for size in sizes]
+        tiles = torch.cat([image[:n] for image, n in zip(pixels, counts, strict=True)])
+        features = self.project(tiles)  # [all tiles, side * side, H]
+        return [self._pack(part, size)
+                for part, size in zip(features.split(counts), sizes, strict=True)]
+
+    def tile_grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, columns) of the grid tiles of an image of that size."""
+        from transformers.models.llava_next.modeling_llava_next import (
+            get_anyres_image_grid_shape,
+        )
+
+        rows, cols = get_anyres_image_grid_shape([height, width], self.pinpoints, self.tile)
+        return int(rows), int(cols)
+
+    def _pack(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """One image's tile features [tiles, side * side, H] -> its rows [rows, H]."""
+        from transformers.models.llava_next.modeling_llava_next import unpad_image
+
+        assert features.shape[0] > 1, "an any-resolution image has a base tile and a grid"
+        base, grid = features[0], features[1:]
+        rows, cols = self.tile_grid(size[1], size[0])
+        side = self.side
+        # [rows, cols, side, side, H] -> [H, rows * side, cols * side]: one picture of patches
+        picture = grid.view(rows, cols, side, side, -1).permute(4, 0, 2, 1, 3)
+        picture = unpad_image(picture.flatten(1, 2).flatten(2, 3), list(size))
+        newline = self.image_newline[:, None, None].to(picture.dtype)
+        picture = torch.cat((picture, newline.expand(*picture.shape[:-1], 1)), dim=-1)
+        return torch.cat((base, picture.flatten(1, 2).transpose(0, 1)))
 
 
 # transformers' Qwen2VLImageProcessor's resize bounds (pixels of the resized image) when
@@ -225,6 +304,7 @@ class Qwen2_5_VLVision(VisionPart):
 # Architecture -> its vision half.
 VISION_PARTS: dict[str, type[VisionPart]] = {
     "LlavaForConditionalGeneration": LlavaVision,
+    "LlavaNextForConditionalGeneration": LlavaNextVision,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLVision,
 }
 

@@ -24,6 +24,8 @@ LACKING = {
     "GptOssForCausalLM": {"tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint"},
     "LlavaForConditionalGeneration": {"tensor_parallel", "lora", "gguf", "fp8",
                                       "fp8_checkpoint"},
+    "LlavaNextForConditionalGeneration": {"tensor_parallel", "lora", "gguf", "fp8",
+                                          "fp8_checkpoint"},
     "Qwen2_5_VLForConditionalGeneration": {"tensor_parallel", "lora", "gguf", "fp8",
                                            "fp8_checkpoint"},
 }

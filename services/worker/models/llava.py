@@ -1,5 +1,7 @@
-"""LLaVA-1.5 (`LlavaForConditionalGeneration`): a vision half (shared/vision_models.py: the
-tower and the projector) and a Llama-family language model over the paged KV cache.
+"""LLaVA-1.5 (`LlavaForConditionalGeneration`) and LLaVA-NeXT
+(`LlavaNextForConditionalGeneration`): a vision half (shared/vision_models.py: the tower and
+the projector; LLaVA-NeXT's any-resolution tiles and image_newline) and a Llama-family
+language model (Llama, Vicuna, Mistral, Qwen2) over the paged KV cache.
 
 The vision half turns each image into `rows_for` embedding rows; they replace the prompt's
 run of image tokens (`CausalLM.forward`'s `image_rows`); the rest is the language model of
@@ -14,7 +16,7 @@ import torch
 
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
-from meshserve.shared.vision_models import LlavaVision, VisionPart
+from meshserve.shared.vision_models import LlavaNextVision, LlavaVision, VisionPart
 
 # The language model's checkpoint prefixes -> this module's: transformers 4's layout
 # (language_model.model.*) and 5's (model.language_model.*).
@@ -60,3 +62,12 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         super().__init__(config)
         assert config.vision is not None, "a LLaVA config names its vision tower"
         self.vision = LlavaVision(config.vision, config.hidden_size)
+
+
+class LlavaNextForConditionalGeneration(VisionLanguageModel):
+    """LLaVA-NeXT: images of any size in tiles, each its own number of rows."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        assert config.vision is not None, "a LLaVA-NeXT config names its vision tower"
+        self.vision = LlavaNextVision(config.vision, config.hidden_size)

@@ -29,6 +29,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "LlavaNextForConditionalGeneration": ("llava", "LlavaNextForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
@@ -82,7 +83,8 @@ _NOT_YET: dict[str, tuple[str, frozenset[str], str]] = {
     **{arch: ("vision-language", frozenset({"tensor_parallel", "lora", "gguf", "fp8",
                                             "fp8_checkpoint"}),
               "run it on one device from a bf16 Hugging Face safetensors folder")
-       for arch in ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")},
+       for arch in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                    "Qwen2_5_VLForConditionalGeneration")},
 }
 
 
