@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from test_engine_vs_hf import (
 from test_kv_tier import MemoryStore, wait_saved
 from test_kv_tier import make_engine as tier_engine
 from test_kv_tier import run as tier_run
-from test_models import PagedRunner, hf_logits, load, token_ids
+from test_models import PagedRunner, check_stacked_experts_load, hf_logits, load, token_ids
 from tiny_models import DEEPSEEK_YARN, build_tiny_model
 from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.cache_utils import DynamicCache
@@ -290,18 +289,8 @@ def test_unsupported_deepseek_configs_are_refused_by_name(change: dict[str, obje
 
 
 def test_stacked_expert_tensors_load_like_per_expert_ones(ds_setup, tmp_path: Path) -> None:
-    """Checkpoints holding [E, 2I, H] / [E, H, I] stacks (transformers' in-memory names)."""
     _, folder, hf, _, _ = ds_setup
-    from safetensors.torch import save_file
-
-    copy = Path(shutil.copytree(folder, tmp_path / "stacked"))
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    assert any(k.endswith("experts.gate_up_proj") for k in state)
-    (copy / "model.safetensors").unlink()
-    save_file(state, str(copy / "model.safetensors"))
-    ids = token_ids(9, seed=5)
-    got = PagedRunner(load(copy)).step([(0, ids, 0)])[0]
-    torch.testing.assert_close(got, hf_logits(folder, ids), atol=1e-4, rtol=1e-4)
+    check_stacked_experts_load(folder, hf, tmp_path)
 
 
 def test_lora_fp8_and_gguf_are_refused_by_name(tmp_path: Path) -> None:

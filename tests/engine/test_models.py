@@ -102,6 +102,19 @@ def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
         return ref(ids[None]).logits[0].float()  # [T, V]
 
 
+def check_stacked_experts_load(folder: Path, hf: torch.nn.Module, tmp_path: Path) -> None:
+    """A copy of `folder` whose experts are saved as [E, 2I, H] / [E, H, I] stacks
+    (transformers' in-memory names) gives the logits of the per-expert checkpoint."""
+    copy = Path(shutil.copytree(folder, tmp_path / "stacked"))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    (copy / "model.safetensors").unlink()
+    save_file(state, str(copy / "model.safetensors"))
+    ids = token_ids(9, seed=5)
+    got = PagedRunner(load(copy)).step([(0, ids, 0)])[0]
+    torch.testing.assert_close(got, hf_logits(folder, ids), atol=1e-4, rtol=1e-4)
+
+
 def token_ids(n: int, seed: int, vocab: int = 450) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from test_engine_vs_hf import (
     make_engine,
 )
 from test_fp8_engine import assert_matches, engine_run, is_projection, per_channel
-from test_models import PagedRunner, hf_logits, load, token_ids
+from test_models import PagedRunner, check_stacked_experts_load, hf_logits, load, token_ids
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -71,18 +70,8 @@ def test_logprobs_match_transformers(moe_setup) -> None:
 
 
 def test_stacked_expert_tensors_load_like_per_expert_ones(moe_setup, tmp_path: Path) -> None:
-    """Checkpoints holding [E, 2I, H] / [E, H, I] stacks (transformers' in-memory names)."""
     _, folder, hf, _, _ = moe_setup
-    from safetensors.torch import save_file
-
-    copy = Path(shutil.copytree(folder, tmp_path / "stacked"))
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    assert any(k.endswith("experts.gate_up_proj") for k in state)
-    (copy / "model.safetensors").unlink()
-    save_file(state, str(copy / "model.safetensors"))
-    ids = token_ids(9, seed=5)
-    got = PagedRunner(load(copy)).step([(0, ids, 0)])[0]
-    torch.testing.assert_close(got, hf_logits(folder, ids), atol=1e-4, rtol=1e-4)
+    check_stacked_experts_load(folder, hf, tmp_path)
 
 
 def test_missing_and_unexpected_expert_tensors_are_named(tmp_path: Path) -> None:
