@@ -25,6 +25,11 @@ sum to less than 1). The Triton kernel has all three; the fused fresh-prefill pa
 so such steps go to the Triton kernel (a window no sequence of the step reaches past is
 dropped first: plain causal attention is then the same).
 
+A step may also let query rows read keys after their own position (`meta.lookahead`): Gemma 3's
+image rows attend to every row of their image during prefill (transformers' `token_type_ids`
+mask), so a row of an image reads the keys up to the image's last. Such steps go to the
+reference or the Triton kernel; the window stays measured from the query's own position.
+
 With a window, no path reads a block-table entry of a block wholly before the window of the
 first query of its sequence (or of its query block, in the Triton kernel): when every layer
 of a model slides, the KV cache manager frees those blocks as the sequence advances and
@@ -54,6 +59,9 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # [T] int32: keys past its own position each query row also reads (the rest of a
+    # bidirectional image's rows; capped at its sequence's end); None: none, causal.
+    lookahead: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -143,14 +151,14 @@ def paged_attention(
         window = None  # every key is inside every query's window
     if query.is_cuda:
         # (PyTorch's fused attention has none of the options)
-        plain = window is None and softcap is None and sinks is None
+        plain = window is None and softcap is None and sinks is None and meta.lookahead is None
         if plain and key is not None and value is not None and _fresh_prefill(meta):
             return fresh_prefill_attention(query, key, value, meta, scale)
         from meshserve.kernels import triton_attention  # imported on the GPU path only
 
         return triton_attention.paged_attention(query, k_cache, v_cache, meta, scale,
                                                 window=window, softcap=softcap, sinks=sinks)
-    if meta.decode_only:
+    if meta.decode_only and meta.lookahead is None:
         return decode_attention_reference(query, k_cache, v_cache, meta, scale,
                                           window=window, softcap=softcap, sinks=sinks)
     return paged_attention_reference(query, k_cache, v_cache, meta, scale, key=key, value=value,
@@ -231,12 +239,14 @@ def paged_attention_reference(
     key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One sequence at a time; any mix of prefill, chunked prefill and decode."""
+    """One sequence at a time; any mix of prefill, chunked prefill and decode (and query
+    rows reading ahead, `meta.lookahead`)."""
     out = torch.empty_like(query)
     num_q_heads = query.shape[1]
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        ahead = None if meta.lookahead is None else meta.lookahead[start : start + q_len]
         k_start = 0  # position of the first key read
         if seq_len == q_len and key is not None and value is not None:
             # No cached prefix: plain causal attention over this step's own KV.
@@ -255,10 +265,11 @@ def paged_attention_reference(
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             mask = q_pos[:, None] >= torch.arange(seq_len, device=query.device)[None, :]
         eager = softcap is not None or sinks is not None  # (beyond PyTorch's fused attention)
-        if window is not None or eager:
+        if window is not None or eager or ahead is not None:
             # Explicit mask either way (the fresh branch's keys are positions 0..seq_len too).
             mask = _window_causal_mask(torch.arange(seq_len - q_len, seq_len, device=query.device),
-                                       torch.arange(k_start, seq_len, device=query.device), window)
+                                       torch.arange(k_start, seq_len, device=query.device), window,
+                                       ahead)
         groups = num_q_heads // k.shape[0]
         if groups > 1:  # k, v: [Hkv, L, D] -> [Hq, L, D]
             k = k.repeat_interleave(groups, dim=0)
@@ -330,11 +341,12 @@ def _window_blocks(block_tables: torch.Tensor, lens: torch.Tensor, window: int,
     return tables, k_pos
 
 
-def _window_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor,
-                        window: int | None) -> torch.Tensor:
-    """[Lq, Lk] bool: key position j is visible to query position p when j <= p and, with a
-    window W, j > p - W."""
-    mask = q_pos[:, None] >= k_pos[None, :]
+def _window_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
+                        ahead: torch.Tensor | None = None) -> torch.Tensor:
+    """[Lq, Lk] bool: key position j is visible to query position p when j <= p (p + a with
+    `ahead` a [Lq] for the row) and, with a window W, j > p - W."""
+    ends = q_pos if ahead is None else q_pos + ahead.to(q_pos.device, torch.long)
+    mask = ends[:, None] >= k_pos[None, :]
     if window is not None:
         mask &= k_pos[None, :] > q_pos[:, None] - window
     return mask

@@ -18,8 +18,10 @@ A `softcap` c caps the scaled scores s to tanh(s / c) * c before the softmax.
 Attention `sinks` (gpt-oss: a logit per query head that joins the softmax's denominator and
 carries no value) start each row's online softmax as if one key with that score and a zero
 value came first: running max = the sink, running sum = 1 (with split-KV, in split 0 only, so
-the merge counts it once). All three are constexpr switches: without them the kernel compiles
-as before.
+the merge counts it once). With `meta.lookahead` (LOOKAHEAD: Gemma 3's image rows read the rest
+of their image) row j also sees that many keys past its position, and the block's key loop
+ends past its rows' last such key; the window still counts back from the row's own position.
+All four are constexpr switches: without them the kernel compiles as before.
 
 Split-KV (flash decoding): when a decode step has too few (sequence, KV head) programs to fill
 the GPU and long contexts, a third grid axis cuts each sequence's key tiles into num_splits
@@ -54,15 +56,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from meshserve.kernels import fp8_widen, knobs, pdl
 from meshserve.kernels.attention import FP8_KV_DTYPES, AttentionMetadata
 from meshserve.kernels.fp8_widen import e4m3_to_f16_scaled
 from meshserve.kernels.pdl import pdl_prologue
+from meshserve.kernels.triton_checks import check_attention, check_device, check_kv_write
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
 # Split-KV: at least this many keys per split, and never more splits than this.
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -181,27 +181,6 @@ def _write_kv_kernel(
              v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def check_kv_write(kernel: object, key: torch.Tensor, value: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """The inputs of a kernel that stores keys and values [T, Hkv, D] at cache slots."""
-    _check_device(kernel, key, value, k_cache, v_cache, slot_mapping)
-    assert key.dim() == 3 and key.shape == value.shape, (
-        f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} and "
-        f"{tuple(value.shape)}")
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
-        f"k_cache and v_cache must both be [N, bs, Hkv, D], got {tuple(k_cache.shape)} and "
-        f"{tuple(v_cache.shape)}")
-    assert key.shape[1:] == k_cache.shape[2:], (
-        f"key heads/dim {tuple(key.shape[1:])} do not match the cache's {tuple(k_cache.shape[2:])}")
-    assert slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0], (
-        f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    assert slot_mapping.dtype in (torch.int32, torch.int64), (
-        f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    _check_last_dim_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                               slot_mapping=slot_mapping)
-
-
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
@@ -220,13 +199,14 @@ def paged_attention(
     `num_splits` forces the split-KV factor (None: `choose_num_splits`; a fixed value keeps
     the launch shape fixed, e.g. for CUDA graphs); `tiles` overrides `default_tiles`.
     `window`: each query reads its last `window` positions only; `softcap`: scores capped;
-    `sinks` [Hq]: each head's logit added to its rows' softmax denominators.
+    `sinks` [Hq]: each head's logit added to its rows' softmax denominators. Rows read
+    `meta.lookahead` keys past their own position where it is given.
     """
     assert window is None or window >= 1, f"window must be >= 1, got {window}"
     assert softcap is None or softcap > 0, f"softcap must be positive, got {softcap}"
-    _check_attention(query, k_cache, v_cache, meta)
+    check_attention(_paged_attention_kernel, query, k_cache, v_cache, meta)
     if sinks is not None:
-        _check_device(_paged_attention_kernel, query, sinks)
+        check_device(_paged_attention_kernel, query, sinks)
         assert tuple(sinks.shape) == (query.shape[1],) and sinks.stride(0) == 1, (
             f"sinks must be a contiguous [Hq={query.shape[1]}], got {tuple(sinks.shape)}")
     num_tokens, num_q_heads, head_dim = query.shape
@@ -258,6 +238,7 @@ def paged_attention(
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         query if sinks is None else sinks,  # (a pointer the kernel reads only with SINKS)
+        meta.seq_lens if meta.lookahead is None else meta.lookahead,  # (LOOKAHEAD only)
         part_acc, part_max, part_sum, scale * math.log2(math.e) * 2.0**(q_shift + k_shift),
         2.0**-q_shift, 2.0**k_shift, window or 0, (softcap or 1.0) * math.log2(math.e),
         num_seqs, num_splits,
@@ -267,7 +248,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n, SPLIT=num_splits > 1,
         DECODE_ONLY=meta.decode_only, WINDOW=window is not None, SOFTCAP=softcap is not None,
-        SINKS=sinks is not None,
+        SINKS=sinks is not None, LOOKAHEAD=meta.lookahead is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", F16_DOTS=f16_dots,
         BITS=bits, ASM=bits and fp8_widen.use_asm(query.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(query.device))
@@ -345,14 +326,15 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    query_start_loc_ptr, sinks_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale_log2, q_scale,
-    v_scale, window, softcap_log2, num_seqs, num_splits, stride_qt, stride_qh, stride_ot,
-    stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    query_start_loc_ptr, sinks_ptr, lookahead_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale_log2, q_scale, v_scale, window, softcap_log2, num_seqs, num_splits, stride_qt,
+    stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+    stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, DECODE_ONLY: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, F16_DOTS: tl.constexpr, BITS: tl.constexpr,
-    ASM: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr, SINKS: tl.constexpr, LOOKAHEAD: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     kv_head = tl.program_id(1)
@@ -393,13 +375,18 @@ def _paged_attention_kernel(
     # Keys this block can see end at its last row's position (causal) or the sequence, and
     # with a window start at its first row's first key (kv_start, read with WINDOW only).
     kv_end = tl.minimum(seq_len, context_len + (local_block + 1) * BLOCK_Q)
+    q_pos = context_len + q_tok  # [BLOCK_M]
+    q_end = q_pos  # the last key a row sees: its own (causal), or with LOOKAHEAD a later one
+    if LOOKAHEAD:
+        q_end = q_pos + tl.load(lookahead_ptr + q_start + q_tok, mask=row_ok, other=0)
+        kv_end = tl.minimum(seq_len, tl.maximum(kv_end, tl.max(q_end, axis=0) + 1))
     kv_start = tl.maximum(context_len + local_block * BLOCK_Q - window + 1, 0)
     tile_lo, tile_hi = _tile_range(context_len + local_block * BLOCK_Q, kv_end, window, split,
                                    num_splits, TILE_N, SPLIT, WINDOW)
     acc, row_max, row_sum = _attend_tiles(
         q, sinks_ptr + head, row_ok & (split == 0), k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        context_len + q_tok, kv_start, kv_end, tile_lo, tile_hi, scale_log2, v_scale, window,
+        q_pos, q_end, kv_start, kv_end, tile_lo, tile_hi, scale_log2, v_scale, window,
         softcap_log2, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, BLOCK_M, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, TILE_N, DOT_PRECISION, F16_DOTS,
         BITS, ASM, WINDOW, SOFTCAP, SINKS)
@@ -440,18 +427,19 @@ def _tile_range(first_pos, kv_end, window, split, num_splits, TILE_N: tl.constex
 
 @triton.jit
 def _attend_tiles(
-    q, sink_ptrs, sink_rows, k_cache_ptr, v_cache_ptr, table_ptr, q_pos, kv_start, kv_end,
-    tile_lo, tile_hi, scale_log2, v_scale, window, softcap_log2, kv_head, stride_kb, stride_ks,
-    stride_kh, stride_vb, stride_vs, stride_vh,
+    q, sink_ptrs, sink_rows, k_cache_ptr, v_cache_ptr, table_ptr, q_pos, q_end, kv_start,
+    kv_end, tile_lo, tile_hi, scale_log2, v_scale, window, softcap_log2, kv_head, stride_kb,
+    stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, HEAD_PAD] over key tiles [tile_lo, tile_hi) of one
-    sequence. Returns the unnormalised output [BLOCK_M, HEAD_PAD], the running max (base 2,
-    scaled) and the running sum [BLOCK_M], all float32. With SINKS, the `sink_rows` start
-    from their head's sink (at `sink_ptrs`) as a first key of zero value."""
+    sequence, row m seeing keys up to q_end[m] (and, with WINDOW, after q_pos[m] - window).
+    Returns the unnormalised output [BLOCK_M, HEAD_PAD], the running max (base 2, scaled)
+    and the running sum [BLOCK_M], all float32. With SINKS, the `sink_rows` start from
+    their head's sink (at `sink_ptrs`) as a first key of zero value."""
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -481,7 +469,7 @@ def _attend_tiles(
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         if SOFTCAP:  # scores are s * log2(e); softcap_log2 is c * log2(e): tanh(s / c) * c
             scores = _tanh(scores / softcap_log2) * softcap_log2
-        visible = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        visible = key_ok[None, :] & (key_pos[None, :] <= q_end[:, None])
         if WINDOW:
             visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
@@ -550,51 +538,3 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_NUM_SMS
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-def _check_device(kernel: object, *tensors: torch.Tensor) -> None:
-    """All tensors on one device, and that device CUDA unless the kernel is interpreted."""
-    device = tensors[0].device
-    assert all(t.device == device for t in tensors), (
-        f"tensors must share one device, got {sorted({str(t.device) for t in tensors})}")
-    assert device.type == "cuda" or isinstance(kernel, InterpretedFunction), (
-        f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {device}")
-
-
-def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        assert t.stride(-1) == 1, (
-            f"{name} must be contiguous in its last dim, got strides {tuple(t.stride())}")
-
-
-def _check_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata) -> None:
-    _check_device(_paged_attention_kernel, query, k_cache, v_cache, meta.block_tables,
-                  meta.seq_lens, meta.query_start_loc)
-    assert query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
-        f"query must be [T, Hq, D] and caches [N, bs, Hkv, D], got {tuple(query.shape)}, "
-        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    assert query.dtype in SUPPORTED_DTYPES, f"query dtype {query.dtype} is not supported"
-    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (query.dtype, *FP8_KV_DTYPES), (
-        f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must be the query's dtype "
-        f"({query.dtype}) or FP8")
-    assert query.shape[2] == k_cache.shape[3] <= MAX_HEAD_DIM, (
-        f"query head_dim {query.shape[2]} must equal the cache's {k_cache.shape[3]} and be "
-        f"at most {MAX_HEAD_DIM}")
-    assert query.shape[1] % k_cache.shape[2] == 0, (
-        f"query heads {query.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
-    _check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache,
-                               block_tables=meta.block_tables, seq_lens=meta.seq_lens,
-                               query_start_loc=meta.query_start_loc)
-    num_seqs = meta.num_seqs
-    assert meta.block_tables.dim() == 2 and meta.block_tables.shape[0] >= num_seqs, (
-        f"block_tables must be [B >= {num_seqs}, max_blocks], got "
-        f"{tuple(meta.block_tables.shape)}")
-    assert meta.seq_lens.shape[0] >= num_seqs and meta.query_start_loc.shape[0] >= num_seqs + 1, (
-        f"seq_lens {tuple(meta.seq_lens.shape)} / query_start_loc "
-        f"{tuple(meta.query_start_loc.shape)} are too short for {num_seqs} sequences")
-    for name in ("block_tables", "seq_lens", "query_start_loc"):
-        dtype = getattr(meta, name).dtype
-        assert dtype == torch.int32, f"meta.{name} must be int32, got {dtype}"
-    assert meta.max_query_len >= 1 and meta.max_seq_len >= meta.max_query_len, (
-        f"meta.max_query_len {meta.max_query_len} / max_seq_len {meta.max_seq_len} are invalid")

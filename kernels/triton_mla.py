@@ -42,13 +42,15 @@ from meshserve.kernels.attention import FP8_KV_DTYPES, AttentionMetadata
 from meshserve.kernels.pdl import pdl_prologue
 from meshserve.kernels.triton_attention import (
     MAX_SPLITS,
-    SUPPORTED_DTYPES,
     AttentionTiles,
-    _check_device,
-    _check_last_dim_contiguous,
     _find_seq,
     _num_sms,
     choose_num_splits,
+)
+from meshserve.kernels.triton_checks import (
+    SUPPORTED_DTYPES,
+    check_device,
+    check_last_dim_contiguous,
 )
 
 # The merge of split-KV partials handles R in chunks of this many values per program.
@@ -341,8 +343,8 @@ def _merge_splits_kernel(
 
 def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, kv_lora_rank: int) -> None:
-    _check_device(_mla_kernel, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                  meta.query_start_loc)
+    check_device(_mla_kernel, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                 meta.query_start_loc)
     assert query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
         f"query must be [T, H, R + P] and caches [N, bs, 1, (R + P) / 2], got "
         f"{tuple(query.shape)}, {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -355,9 +357,9 @@ def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (query.dtype, *FP8_KV_DTYPES), (
         f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must be the query's dtype "
         f"({query.dtype}) or FP8")
-    _check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache,
-                               block_tables=meta.block_tables, seq_lens=meta.seq_lens,
-                               query_start_loc=meta.query_start_loc)
+    check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache,
+                              block_tables=meta.block_tables, seq_lens=meta.seq_lens,
+                              query_start_loc=meta.query_start_loc)
     num_seqs = meta.num_seqs
     assert meta.block_tables.dim() == 2 and meta.block_tables.shape[0] >= num_seqs, (
         f"block_tables must be [B >= {num_seqs}, max_blocks], got "

@@ -20,7 +20,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from meshserve.kernels import pdl
 from meshserve.kernels.pdl import pdl_prologue
-from meshserve.kernels.triton_attention import check_kv_write
+from meshserve.kernels.triton_checks import check_kv_write
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -447,7 +447,7 @@ types = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
          "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
          "query_start_loc_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
          "part_sum_ptr": "*fp32", "scale_log2": "fp32", "q_scale": "fp32", "v_scale": "fp32",
-         "softcap_log2": "fp32", "sinks_ptr": "*bf16"}
+         "softcap_log2": "fp32", "sinks_ptr": "*bf16", "lookahead_ptr": "*i32"}
 for decode in (0, 1):
   for bits in (False, True):
     import torch
@@ -455,7 +455,7 @@ for decode in (0, 1):
     out.append(build(ta._paged_attention_kernel, types, dict(GROUP=4, HEAD_DIM=128,
         HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // 4,
         TILE_N=tiles.tile_n, SPLIT=bool(decode), DECODE_ONLY=bool(decode), WINDOW=False,
-        SOFTCAP=False, SINKS=False,
+        SOFTCAP=False, SINKS=False, LOOKAHEAD=False,
         DOT_PRECISION="tf32", F16_DOTS=True, BITS=bits, ASM=bits), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages) | {"bits": bits})
 out.append(build(tf._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",

@@ -702,11 +702,12 @@ from meshserve.kernels import (triton_activation, triton_attention as ta, triton
                                triton_norm, triton_rank_sum_norm, triton_rotary,
                                triton_sampling)
 
-def attention(dtype, name, head_dim, decode, gemma=False, sinks=False):
+def attention(dtype, name, head_dim, decode, gemma=False, sinks=False, lookahead=False):
     tiles = ta.default_tiles(head_dim, dtype, decode)
     types = {n: "*" + name for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr",
                                      "sinks_ptr")}
-    types.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")})
+    types.update({n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr",
+                                      "lookahead_ptr")})
     types.update({n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")})
     types["scale_log2"] = types["q_scale"] = types["v_scale"] = "fp32"
     types["softcap_log2"] = "fp32"
@@ -714,7 +715,7 @@ def attention(dtype, name, head_dim, decode, gemma=False, sinks=False):
                   BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // 4, TILE_N=tiles.tile_n,
                   SPLIT=bool(decode), DECODE_ONLY=bool(decode), WINDOW=gemma or sinks,
                   SOFTCAP=gemma, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                  F16_DOTS=False, BITS=False, ASM=False, SINKS=sinks)
+                  F16_DOTS=False, BITS=False, ASM=False, SINKS=sinks, LOOKAHEAD=lookahead)
     return build(ta._paged_attention_kernel, types, consts, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages)
 
@@ -722,6 +723,9 @@ out = [attention(torch.bfloat16, "bf16", d, decode) for d in (128, 256) for deco
 out.append(attention(torch.float32, "fp32", 128, 0))
 # Gemma 2's layers: a sliding window and soft-capped scores (head_dim 256 as Gemma 2's).
 out += [attention(torch.bfloat16, "bf16", 256, decode, gemma=True) for decode in (0, 1)]
+# Gemma 3's prefill over images: rows reading ahead, with a window (and soft-capping, which
+# Gemma 3 has not: the widest variant); head_dim 256 as Gemma 2's.
+out.append(attention(torch.bfloat16, "bf16", 256, 0, gemma=True, lookahead=True))
 # gpt-oss's layers: attention sinks and a sliding window (head_dim 64 as gpt-oss's).
 out += [attention(torch.bfloat16, "bf16", 64, decode, sinks=True) for decode in (0, 1)]
 bf16 = lambda *names: {n: "*bf16" for n in names}
@@ -761,7 +765,7 @@ print(json.dumps(out))
 @outside_interpreter
 def test_kernels_compile_for_hopper_without_spills() -> None:
     launches = compile_launches(_COMPILE_FOR_HOPPER)
-    assert len(launches) == 21
+    assert len(launches) == 22
     # Every kernel of a step but the sampler's waits for the kernel before (PDL on Hopper).
     assert {launch["kernel"] for launch in launches if not launch["pdl"]} == {
         "_gumbel_argmax_kernel"}
