@@ -30,7 +30,7 @@ from meshserve.services.encoder.service import SERVICE_NAME
 from meshserve.services.worker.builder import build_engine
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
-from meshserve.services.worker.vision.remote import rows_of
+from meshserve.services.worker.vision.remote import RemoteRows, rows_of
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.grpc_client import error_from_rpc
 from meshserve.shared.sampling_params import SamplingParams
@@ -157,6 +157,19 @@ def test_without_the_service_auto_encodes_in_the_worker_and_encoder_fails(
     assert fetching is not None
     with pytest.raises(UnavailableError, match="no encoder service answered"):
         fetching.result(timeout=60)
+
+
+def test_a_request_with_many_images_is_split_into_calls(encoder: Encoder) -> None:
+    """A few images a call, so that rows answered in the message stay under its limit."""
+    from meshserve.services.worker.engine.images import PromptImage
+
+    files = [image_file(20 + i, 30, 40 + i) for i in range(5)]
+    remote = RemoteRows([encoder.address], NAME, shared_memory=False, images_per_call=2)
+    images = [PromptImage(f, hashlib.sha256(f).digest(), 0, 16) for f in files]
+    assert remote.prefetch(images).result(timeout=60) is True
+    assert remote.calls == 3 and remote.calls_failed == 0
+    assert all(remote.take(image.digest) is not None for image in images)
+    remote.close()
 
 
 def test_unread_answer_files_expire(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ class RemoteRows:
 
     def __init__(self, addresses: Sequence[str], model: str, *,
                  shared_memory: bool | None = None, timeout_s: float = 60.0,
-                 threads: int = 4) -> None:
+                 threads: int = 4, images_per_call: int = 4) -> None:
         """`shared_memory` None: for the replicas on this host (loopback addresses)."""
         assert addresses, "RemoteRows needs at least one encoder address"
         client = GrpcClient()
@@ -67,10 +67,12 @@ class RemoteRows:
             for address in addresses]
         self._model = model
         self._timeout_s = timeout_s
+        self._images_per_call = images_per_call
         self._turn = itertools.count()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="encode-client")
         self._lock = threading.Lock()
         self._ready: dict[bytes, torch.Tensor] = {}
+        self.calls = 0  # answered
         self.calls_failed = 0
 
     def prefetch(self, images: Sequence[PromptImage], *,
@@ -94,14 +96,21 @@ class RemoteRows:
             return self._ready.pop(digest, None)
 
     def _fetch(self, images: list[PromptImage], must_succeed: bool) -> bool:
-        unique = {image.digest: image.data for image in images}
+        unique = list({image.digest: image.data for image in images}.items())
+        # A few images a call: rows answered in the message stay far below its size limit
+        # (a 7B LLaVA image is 4.7 MB of bf16 rows).
+        calls = [unique[i:i + self._images_per_call]
+                 for i in range(0, len(unique), self._images_per_call)]
+        return all(self._fetch_call(call, must_succeed) for call in calls)
+
+    def _fetch_call(self, files: list[tuple[bytes, bytes]], must_succeed: bool) -> bool:
         start = next(self._turn)
         for k in range(len(self._targets)):
             stub, shared = self._targets[(start + k) % len(self._targets)]
             request = encoder_pb2.EncodeRequest(
                 model=self._model, shared_memory=shared,
                 images=[encoder_pb2.EncodeImage(data=data, hash=digest)
-                        for digest, data in unique.items()])
+                        for digest, data in files])
             try:
                 answer = stub.Encode(request, timeout=self._timeout_s)
             except grpc.RpcError as exc:
@@ -111,6 +120,7 @@ class RemoteRows:
                 self.calls_failed += 1
                 continue
             with self._lock:
+                self.calls += 1
                 for embedding in answer.embeddings:
                     self._ready[embedding.hash] = rows_of(embedding)
             return True
