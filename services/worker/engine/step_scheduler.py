@@ -25,6 +25,9 @@ class StepSchedulerConfig:
     max_model_len: int = 2048
     # Distinct LoRA adapters among running requests (the device slots; 0: LoRA is off).
     max_loras: int = 0
+    # Never end a prefill chunk inside an image's placeholder run: the model's image rows
+    # attend to their whole image (Gemma 3), so a run is computed in one step (`_image_cut`).
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         assert self.policy in ("fcfs", "priority"), f"unknown scheduling policy {self.policy!r}"
@@ -62,7 +65,8 @@ class StepScheduler:
 
     Running requests go first (decodes, then unfinished prefills, each in the
     order they were admitted; while other requests run or wait, a prefill chunk
-    is capped at long_prefill_token_threshold); when blocks run out the lowest-ranked running
+    is capped at long_prefill_token_threshold; with whole_images no chunk ends inside an
+    image's placeholder run); when blocks run out the lowest-ranked running
     request is preempted (its KV freed, to be recomputed later). Waiting
     requests are admitted in policy order while budget, sequence slots and
     blocks last; FCFS never lets a later request jump a blocked earlier one.
@@ -135,6 +139,24 @@ class StepScheduler:
             num_new = min(num_new, cap)
         return min(num_new, budget)
 
+    def _image_cut(self, request: SequenceState, start: int, num_new: int, budget: int) -> int:
+        """With `whole_images`, the tokens from `start` to prefill instead of a chunk of
+        `num_new` that would end inside an image's placeholder run: up to the run when the
+        chunk starts before it; else the rest of the run, past a long-prefill cap, when it
+        fits the step's `budget`; else none (a later step with fewer decodes has room), unless
+        the run is longer than any step's budget: then the whole run, past the budget (the
+        one way it can make progress)."""
+        if not self.config.whole_images or not request.images:
+            return num_new
+        end = start + num_new
+        image = next((i for i in request.images if i.offset < end < i.end), None)
+        if image is None:
+            return num_new
+        if image.offset > start:
+            return image.offset - start
+        run = image.end - start
+        return run if run <= budget or run > self.config.max_num_batched_tokens else 0
+
     def _schedule_running(self, out: SchedulerOutput, budget: int,
                           requests: list[SequenceState]) -> int:
         for request in requests:
@@ -147,9 +169,12 @@ class StepScheduler:
             drafts = request.spec_token_ids  # verified after the last token, if room allows
             num_new = request.num_tokens - request.num_computed_tokens + len(drafts)
             if self.config.enable_chunked_prefill:
-                num_new = self._chunk(num_new, budget)
+                num_new = self._image_cut(request, request.num_computed_tokens,
+                                          self._chunk(num_new, budget), budget)
             elif num_new > budget:
                 continue
+            if num_new == 0:
+                continue  # its next image waits for a step with room for all of it
             del drafts[max(num_new - 1, 0):]
             if not (drafts and self.kv.allocate_slots(request, num_new)):
                 num_new -= len(drafts)  # no room for drafts: no one is preempted for them
@@ -196,9 +221,12 @@ class StepScheduler:
             num_computed = len(computed) * self.kv.block_size
             num_new = request.num_tokens - num_computed
             if self.config.enable_chunked_prefill:
-                num_new = self._chunk(num_new, budget)
+                num_new = self._image_cut(request, num_computed, self._chunk(num_new, budget),
+                                          budget)
             elif num_new > budget:
                 break
+            if num_new == 0:
+                break  # (as a prompt over the budget: no later request goes first)
             request.num_computed_tokens = num_computed
             if not self.kv.allocate_slots(request, num_new, computed):
                 request.num_computed_tokens = 0
