@@ -37,9 +37,22 @@ VISION_ARCHITECTURES: dict[str, str] = {
     # (its text_config names llama for Vicuna, Yi and Llama 3, mistral or qwen2)
     "LlavaNextForConditionalGeneration": "LlamaForCausalLM",
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
 }
 # `text_config.model_type` of vision-language models -> the language model's architecture.
-_TEXT_MODEL_TYPES: dict[str, str] = {**MODEL_TYPE_ARCHITECTURES}
+_TEXT_MODEL_TYPES: dict[str, str] = {**MODEL_TYPE_ARCHITECTURES,
+                                     "gemma3_text": "Gemma3ForCausalLM"}
+# transformers' defaults of the text config class, for the fields the worker and tokenizer
+# read, where published configs leave them out: gemma-3-4b-it's text_config names only the
+# few that differ from Gemma3TextConfig's.
+_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0, "sliding_window": 4096, "tie_word_embeddings": True,
+    },
+}
 # Fields of a vision-language config that its language model inherits when the text config
 # lacks them.
 _INHERITED = ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype",
@@ -123,6 +136,8 @@ def text_config_of(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         if text.get(key) is None and cfg.get(key) is not None:
             text[key] = cfg[key]
     model_type = text.get("model_type")
+    for key, value in _TEXT_DEFAULTS.get(str(model_type), {}).items():
+        text.setdefault(key, value)
     text["architectures"] = [_TEXT_MODEL_TYPES.get(str(model_type),
                                                    VISION_ARCHITECTURES[architecture])]
     return text

@@ -301,11 +301,44 @@ class Qwen2_5_VLVision(VisionPart):
         rotary.original_inv_freq = inv_freq.clone().to(rotary.inv_freq.device)
 
 
+class Gemma3Vision(VisionPart):
+    """Gemma 3: transformers' SigLIP tower over the image resized to its square, and its
+    multi-modal projector: the last hidden states average-pooled to `mm_tokens_per_image`
+    rows, RMS-normed (Gemma's 1 + weight) and projected to the text width. Every image
+    becomes the same rows (pan-and-scan's extra crops are refused by the tokenizer)."""
+
+    PREFIXES = _LLAVA_PREFIXES  # (the same names: vision_tower, multi_modal_projector)
+
+    def __init__(self, hf: dict[str, Any], hidden_size: int) -> None:
+        super().__init__()
+        from transformers import Gemma3Config
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        config = Gemma3Config.from_dict(hf)
+        width = int(config.text_config.hidden_size)  # the projection's (transformers' default)
+        if width != hidden_size:
+            raise ModelLoadError(f"Gemma 3's projector makes rows of {width} values, not the "
+                                 f"language model's {hidden_size}", param="text_config")
+        self.vision_tower = vision_tower(hf["vision_config"])
+        self.multi_modal_projector = Gemma3MultiModalProjector(config)
+        self.num_image_rows = int(config.mm_tokens_per_image)
+
+    def rows_for(self, width: int, height: int) -> int:
+        return self.num_image_rows
+
+    def embed_images(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        pixels = inputs["pixel_values"]  # [N, 3, S, S]
+        dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
+        patches = self.vision_tower(pixel_values=pixels.to(dtype)).last_hidden_state
+        return list(self.multi_modal_projector(patches))  # N x [rows, H]
+
+
 # Architecture -> its vision half.
 VISION_PARTS: dict[str, type[VisionPart]] = {
     "LlavaForConditionalGeneration": LlavaVision,
     "LlavaNextForConditionalGeneration": LlavaNextVision,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLVision,
+    "Gemma3ForConditionalGeneration": Gemma3Vision,
 }
 
 

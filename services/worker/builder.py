@@ -161,6 +161,7 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
         policy=config.scheduling_policy,
         max_model_len=loaded.max_model_len,
         max_loras=config.max_loras if lora is not None else 0,
+        whole_images=loaded.model.bidirectional_images,
     ), kv, store_gate=tier.holds_back if tier is not None else None)
     grammars.preload()
     log.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)

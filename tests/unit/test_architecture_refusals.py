@@ -28,6 +28,8 @@ LACKING = {
                                           "fp8_checkpoint"},
     "Qwen2_5_VLForConditionalGeneration": {"tensor_parallel", "lora", "gguf", "fp8",
                                            "fp8_checkpoint"},
+    "Gemma3ForConditionalGeneration": {"tensor_parallel", "lora", "gguf", "fp8",
+                                       "fp8_checkpoint"},
 }
 FEATURES = ("tensor_parallel", "lora", "gguf", "fp8", "fp8_checkpoint")
 FLAGS = {"tensor_parallel": "tensor_parallel_size", "lora": "enable_lora", "gguf": "model",

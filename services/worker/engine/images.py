@@ -55,6 +55,19 @@ def slices_in(images: Sequence[PromptImage], start: int, end: int) -> list[Image
     return out
 
 
+def image_lookahead(num_rows: int, image_rows: Sequence[int],
+                    image_slices: Sequence[ImageSlice]) -> list[int]:
+    """For a model whose image rows attend to their whole image: per row of a step, how many
+    keys after its own it reads (`AttentionMetadata.lookahead`): the rows of its image after
+    it, for a row on an image (`image_rows`, taken in `image_slices`' order); 0 elsewhere."""
+    ahead = [0] * num_rows
+    rows = iter(image_rows)
+    for part in image_slices:
+        for first in range(part.first, part.first + part.count):
+            ahead[next(rows)] = part.image.length - 1 - first
+    return ahead
+
+
 def check_images(images: Sequence[PromptImage], num_prompt_tokens: int,
                  takes_images: bool) -> None:
     """Refuse images a model cannot take, or that do not lie apart, in order, inside the

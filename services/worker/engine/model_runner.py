@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -22,7 +22,12 @@ from meshserve.services.worker.engine.hooks import (
     PendingVerification,
     Verified,
 )
-from meshserve.services.worker.engine.images import ImageSlice, PromptImage, slices_in
+from meshserve.services.worker.engine.images import (
+    ImageSlice,
+    PromptImage,
+    image_lookahead,
+    slices_in,
+)
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.mrope import (
     ImageGrids,
@@ -276,6 +281,10 @@ class ModelRunner:
             assert self.images is not None, "image rows scheduled without an encoder"
             self.last_path = "eager"
             rows = self._tensor(inputs.image_rows, torch.long)
+            if self.model.bidirectional_images:  # image rows read the rest of their image
+                ahead = image_lookahead(len(inputs.input_ids), inputs.image_rows,
+                                        inputs.image_slices)
+                meta = replace(meta, lookahead=self._tensor(ahead, torch.int32))
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta,
                               image_rows=(rows, self.images.embed(inputs.image_slices)))
         graphs = self.graphs

@@ -244,6 +244,9 @@ class CausalLM(nn.Module):
     # Tensor parallelism's sums over ranks, set by shard_modules (parallel/layers.py's
     # RankSum; models imports no parallel module). A declaration only: unsharded, none.
     rank_sum: object
+    # Whether an image's rows attend to every row of their image during prefill (Gemma 3):
+    # the scheduler then computes each image in one step and attention reads ahead.
+    bidirectional_images: bool = False
 
     def __init__(self, config: ModelConfig, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()

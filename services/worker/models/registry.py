@@ -31,6 +31,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("llava", "LlavaNextForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("gemma3_vlm", "Gemma3ForConditionalGeneration"),
 }
 
 # The mixtures of experts among them (services/worker/models/moe.py).
@@ -84,7 +85,7 @@ _NOT_YET: dict[str, tuple[str, frozenset[str], str]] = {
                                             "fp8_checkpoint"}),
               "run it on one device from a bf16 Hugging Face safetensors folder")
        for arch in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                    "Qwen2_5_VLForConditionalGeneration")},
+                    "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")},
 }
 
 
