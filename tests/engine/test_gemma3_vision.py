@@ -27,8 +27,12 @@ from tiny_vlm import build_tiny_vlm, load_processor
 from transformers import AutoModelForImageTextToText
 from vlm_reference import (
     VlmCase,
+    check_all_vlm_logprobs,
+    check_repeated_image,
+    check_vlm_greedy,
+    check_vlm_logprobs,
+    check_vlm_preemption,
     hf_vlm_greedy,
-    hf_vlm_logits,
     image_file,
     run_cases,
     vlm_case,
@@ -112,32 +116,18 @@ def test_greedy_tokens_equal_transformers(gemma3, setup: dict, stagger: bool) ->
     engine = make_engine(folder, **setup)
     assert isinstance(engine.runner.model, Gemma3ForConditionalGeneration)
     assert engine.scheduler.config.whole_images
-    assert all(len(want) == MAX_NEW for want in expected)
-    assert len({tuple(want) for want in expected}) == len(expected)
     slices = _record_image_slices(engine)
-    outputs = run_cases(engine, cases, GREEDY, stagger=stagger)
-    assert [tokens_of(outputs[f"r{i}"]) for i in range(len(cases))] == expected
+    check_vlm_greedy(engine, cases, expected, stagger=stagger)
     assert len(slices) == 5 and all(s.first == 0 and s.count == 4 for s in slices)
-    assert engine.kv.num_free_blocks == 256
 
 
 def _assert_logprobs_equal(hf: torch.nn.Module, case: VlmCase, outs: list) -> None:
-    generated = tokens_of(outs)
-    reference = torch.log_softmax(hf_vlm_logits(hf, case, generated), -1)
-    logprobs = [lp for out in outs for lp in (out.new_logprobs or [])]
-    assert len(logprobs) == MAX_NEW
-    for k, lp in enumerate(logprobs):
-        row = reference[len(case.token_ids) - 1 + k]
-        assert abs(lp.logprob - row[generated[k]].item()) < 1e-4
-        assert [t for t, _ in lp.top] == torch.topk(row, 5).indices.tolist()
+    check_vlm_logprobs(hf, case, outs, MAX_NEW)
 
 
 def test_logprobs_equal_transformers_log_softmax(gemma3) -> None:
     folder, hf, _, cases, _ = gemma3
-    engine = make_engine(folder, max_num_batched_tokens=24)
-    outputs = run_cases(engine, cases, LOGPROBS)
-    for i, case in enumerate(cases):
-        _assert_logprobs_equal(hf, case, outputs[f"r{i}"])
+    check_all_vlm_logprobs(make_engine(folder, max_num_batched_tokens=24), hf, cases, MAX_NEW)
 
 
 def test_images_attend_to_their_whole_image(gemma3) -> None:
@@ -153,25 +143,11 @@ def test_images_attend_to_their_whole_image(gemma3) -> None:
 
 def test_a_repeated_image_hits_the_prefix_cache_and_a_changed_one_does_not(gemma3) -> None:
     folder, hf, processor, cases, expected = gemma3
-    engine = make_engine(folder, block_size=8)
-    first = run_cases(engine, [cases[0]], GREEDY, prefix="a")
-    assert tokens_of(first["a0"]) == expected[0]
-    encoder = engine.runner.images
-    assert encoder is not None and (encoder.misses, encoder.hits) == (1, 0)
-    # The same chat again: every full block is cached, the image's included.
-    again = run_cases(engine, [cases[0]], GREEDY, prefix="b")
-    assert tokens_of(again["b0"]) == expected[0]
-    whole = (len(cases[0].token_ids) - 1) // 8 * 8
-    assert again["b0"][-1].num_cached_tokens == whole
-    # The same text over another image of the same size: blocks up to the image only.
-    token = hf.config.image_token_index
-    changed = vlm_case(processor, token, FIRST, [image_file(80, 60, 99)])
-    assert changed.token_ids == cases[0].token_ids
-    out = run_cases(engine, [changed], GREEDY, prefix="c")
-    image = changed.images[0]
-    assert (image.offset, image.length) == (95, 4)
-    assert out["c0"][-1].num_cached_tokens == 88
-    assert tokens_of(out["c0"]) == hf_vlm_greedy(hf, changed, MAX_NEW) != expected[0]
+    changed = vlm_case(processor, hf.config.image_token_index, FIRST,
+                       [image_file(80, 60, 99)])
+    assert (changed.images[0].offset, changed.images[0].length) == (95, 4)
+    check_repeated_image(make_engine(folder, block_size=8), hf, cases[0], changed, expected[0],
+                         block_size=8)
 
 
 def test_a_prefix_hit_ending_inside_an_image_equals_transformers(gemma3) -> None:
@@ -194,18 +170,7 @@ def test_a_prefix_hit_ending_inside_an_image_equals_transformers(gemma3) -> None
 def test_preempted_sequences_recompute_their_images(gemma3) -> None:
     folder, _, _, cases, expected = gemma3
     engine = make_engine(folder, num_kv_blocks=22, max_num_batched_tokens=24)
-    preempted: set[str] = set()
-    original = engine.scheduler._preempt
-
-    def spy(request, out):  # type: ignore[no-untyped-def]
-        preempted.add(request.request_id)
-        original(request, out)
-
-    engine.scheduler._preempt = spy  # type: ignore[method-assign]
-    outputs = run_cases(engine, cases[:3], GREEDY)
-    assert preempted, "a 22-block cache must force preemption"
-    assert [tokens_of(outputs[f"r{i}"]) for i in range(3)] == expected[:3]
-    assert engine.kv.num_free_blocks == 22
+    check_vlm_preemption(engine, cases[:3], expected[:3])
 
 
 def _other_layout(folder: Path, dest: Path, transformers_5: bool) -> Path:

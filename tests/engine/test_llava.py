@@ -19,7 +19,18 @@ from test_engine_vs_hf import make_engine, tokens_of
 from tiny_models import build_tiny_model
 from tiny_vlm import build_tiny_vlm
 from transformers import AutoModelForImageTextToText, AutoProcessor
-from vlm_reference import hf_vlm_greedy, hf_vlm_logits, image_file, run_cases, vlm_case
+from vlm_reference import (
+    FIRST_CHAT,
+    check_all_vlm_logprobs,
+    check_repeated_image,
+    check_vlm_greedy,
+    check_vlm_preemption,
+    hf_vlm_greedy,
+    image_file,
+    run_cases,
+    standard_chats,
+    vlm_case,
+)
 
 from meshserve.services.worker.engine.images import PromptImage
 from meshserve.services.worker.models.llava import LlavaForConditionalGeneration
@@ -28,17 +39,6 @@ from meshserve.shared.sampling_params import SamplingParams
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-IMAGE = {"type": "image"}
-
-
-def _text(text: str) -> dict[str, str]:
-    return {"type": "text", "text": text}
-
-
-# A system turn long enough that the image starts past the first 8-token block.
-FIRST = [{"role": "system", "content": "You look very closely at pictures, at their colours, "
-                                       "their shapes and their edges, before you answer."},
-         {"role": "user", "content": [IMAGE, _text("What is in it?")]}]
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +49,7 @@ def llava(tmp_path_factory: pytest.TempPathFactory):
     token = hf.config.image_token_index
     wide, tall, square = image_file(80, 60, 1), image_file(40, 90, 2, "JPEG"), image_file(
         56, 56, 3)
-    chats = [
-        (FIRST, [wide]),
-        ([{"role": "user", "content": [_text("Compare "), IMAGE, _text(" with "), IMAGE,
-                                        _text(".")]}], [tall, square]),
-        ([{"role": "user", "content": [IMAGE, _text("Describe it.")]},
-          {"role": "assistant", "content": [_text("A pattern of dots.")]},
-          {"role": "user", "content": [_text("And this one?"), IMAGE]}], [square, wide]),
-        ([{"role": "user", "content": [_text("No picture today, only words.")]}], []),
-    ]
+    chats = standard_chats(wide, tall, square)
     cases = [vlm_case(processor, token, messages, files) for messages, files in chats]
     expected = [hf_vlm_greedy(hf, case, MAX_NEW) for case in cases]
     return folder, hf, processor, cases, expected
@@ -72,68 +64,25 @@ def test_greedy_tokens_equal_transformers(llava, setup: dict, stagger: bool) -> 
     folder, _, _, cases, expected = llava
     engine = make_engine(folder, **setup)
     assert isinstance(engine.runner.model, LlavaForConditionalGeneration)
-    assert all(len(want) == MAX_NEW for want in expected)
-    assert len({tuple(want) for want in expected}) == len(expected)
-    outputs = run_cases(engine, cases, GREEDY, stagger=stagger)
-    assert [tokens_of(outputs[f"r{i}"]) for i in range(len(cases))] == expected
-    assert engine.kv.num_free_blocks == 256
+    check_vlm_greedy(engine, cases, expected, stagger=stagger)
 
 
 def test_logprobs_equal_transformers_log_softmax(llava) -> None:
     folder, hf, _, cases, _ = llava
-    engine = make_engine(folder, max_num_batched_tokens=24)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    outputs = run_cases(engine, cases, params)
-    for i, case in enumerate(cases):
-        generated = tokens_of(outputs[f"r{i}"])
-        reference = torch.log_softmax(hf_vlm_logits(hf, case, generated), -1)
-        logprobs = [lp for out in outputs[f"r{i}"] for lp in (out.new_logprobs or [])]
-        assert len(logprobs) == MAX_NEW
-        for k, lp in enumerate(logprobs):
-            row = reference[len(case.token_ids) - 1 + k]
-            assert abs(lp.logprob - row[generated[k]].item()) < 1e-4
-            assert [t for t, _ in lp.top] == torch.topk(row, 5).indices.tolist()
+    check_all_vlm_logprobs(make_engine(folder, max_num_batched_tokens=24), hf, cases, MAX_NEW)
 
 
 def test_a_repeated_image_hits_the_prefix_cache_and_a_changed_one_does_not(llava) -> None:
     folder, hf, processor, cases, expected = llava
-    engine = make_engine(folder, block_size=8)
-    first = run_cases(engine, [cases[0]], GREEDY, prefix="a")
-    assert tokens_of(first["a0"]) == expected[0]
-    encoder = engine.runner.images
-    assert encoder is not None and (encoder.misses, encoder.hits) == (1, 0)
-    # The same chat again: every full block is cached, the image's included.
-    again = run_cases(engine, [cases[0]], GREEDY, prefix="b")
-    assert tokens_of(again["b0"]) == expected[0]
-    whole = (len(cases[0].token_ids) - 1) // 8 * 8
-    assert again["b0"][-1].num_cached_tokens == whole
-    # The same text over another image of the same size: blocks up to the image only.
-    other = image_file(80, 60, 99)
-    changed = vlm_case(processor, hf.config.image_token_index,
-                       FIRST, [other])
-    assert changed.token_ids == cases[0].token_ids
-    out = run_cases(engine, [changed], GREEDY, prefix="c")
-    image = changed.images[0]
-    assert image.offset >= 8
-    assert out["c0"][-1].num_cached_tokens == image.offset // 8 * 8
-    assert tokens_of(out["c0"]) == hf_vlm_greedy(hf, changed, MAX_NEW) != expected[0]
+    changed = vlm_case(processor, hf.config.image_token_index, FIRST_CHAT, [image_file(80, 60, 99)])
+    check_repeated_image(make_engine(folder, block_size=8), hf, cases[0], changed, expected[0],
+                         block_size=8)
 
 
 def test_preempted_sequences_recompute_their_images(llava) -> None:
     folder, _, _, cases, expected = llava
     engine = make_engine(folder, num_kv_blocks=14, max_num_batched_tokens=24)
-    preempted: set[str] = set()
-    original = engine.scheduler._preempt
-
-    def spy(request, out):
-        preempted.add(request.request_id)
-        original(request, out)
-
-    engine.scheduler._preempt = spy  # type: ignore[method-assign]
-    outputs = run_cases(engine, cases[:3], GREEDY)
-    assert preempted, "a 14-block cache must force preemption"
-    assert [tokens_of(outputs[f"r{i}"]) for i in range(3)] == expected[:3]
-    assert engine.kv.num_free_blocks == 14
+    check_vlm_preemption(engine, cases[:3], expected[:3])
 
 
 def test_bad_images_fail_their_request_alone(llava, tmp_path) -> None:

@@ -24,7 +24,16 @@ from safetensors.torch import load_file, save_file
 from test_engine_vs_hf import make_engine, tokens_of
 from tiny_vlm import build_tiny_vlm, load_processor
 from transformers import AutoModelForImageTextToText, AutoTokenizer
-from vlm_reference import hf_vlm_greedy, hf_vlm_logits, image_file, run_cases, vlm_case
+from vlm_reference import (
+    check_all_vlm_logprobs,
+    check_repeated_image,
+    check_vlm_greedy,
+    check_vlm_preemption,
+    hf_vlm_greedy,
+    image_file,
+    run_cases,
+    vlm_case,
+)
 
 from meshserve.services.encoder.config import EncoderConfig
 from meshserve.services.encoder.model import load_served_vision
@@ -99,50 +108,20 @@ def test_greedy_tokens_equal_transformers(llava_next, setup: dict, stagger: bool
     folder, _, _, cases, expected = llava_next
     engine = make_engine(folder, **setup)
     assert isinstance(engine.runner.model, LlavaNextForConditionalGeneration)
-    assert all(len(want) == MAX_NEW for want in expected)
-    assert len({tuple(want) for want in expected}) == len(expected)
-    outputs = run_cases(engine, cases, GREEDY, stagger=stagger)
-    assert [tokens_of(outputs[f"r{i}"]) for i in range(len(cases))] == expected
-    assert engine.kv.num_free_blocks == 256
+    check_vlm_greedy(engine, cases, expected, stagger=stagger)
 
 
 def test_logprobs_equal_transformers_log_softmax(llava_next) -> None:
     folder, hf, _, cases, _ = llava_next
-    engine = make_engine(folder, max_num_batched_tokens=24)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    outputs = run_cases(engine, cases, params)
-    for i, case in enumerate(cases):
-        generated = tokens_of(outputs[f"r{i}"])
-        reference = torch.log_softmax(hf_vlm_logits(hf, case, generated), -1)
-        logprobs = [lp for out in outputs[f"r{i}"] for lp in (out.new_logprobs or [])]
-        assert len(logprobs) == MAX_NEW
-        for k, lp in enumerate(logprobs):
-            row = reference[len(case.token_ids) - 1 + k]
-            assert abs(lp.logprob - row[generated[k]].item()) < 1e-4
-            assert [t for t, _ in lp.top] == torch.topk(row, 5).indices.tolist()
+    check_all_vlm_logprobs(make_engine(folder, max_num_batched_tokens=24), hf, cases, MAX_NEW)
 
 
 def test_a_repeated_image_hits_the_prefix_cache_and_a_changed_one_does_not(
         llava_next) -> None:
     folder, hf, processor, cases, expected = llava_next
-    engine = make_engine(folder, block_size=8)
-    first = run_cases(engine, [cases[0]], GREEDY, prefix="a")
-    assert tokens_of(first["a0"]) == expected[0]
-    encoder = engine.runner.images
-    assert encoder is not None and (encoder.misses, encoder.hits) == (1, 0)
-    # The same chat again: every full block is cached, the image's included.
-    again = run_cases(engine, [cases[0]], GREEDY, prefix="b")
-    assert tokens_of(again["b0"]) == expected[0]
-    whole = (len(cases[0].token_ids) - 1) // 8 * 8
-    assert again["b0"][-1].num_cached_tokens == whole
-    # The same text over another image of the same size: blocks up to the image only.
     changed = vlm_case(processor, hf.config.image_token_id, FIRST, [_file("wide", 99)])
-    assert changed.token_ids == cases[0].token_ids
-    out = run_cases(engine, [changed], GREEDY, prefix="c")
-    image = changed.images[0]
-    assert image.offset >= 8
-    assert out["c0"][-1].num_cached_tokens == image.offset // 8 * 8
-    assert tokens_of(out["c0"]) == hf_vlm_greedy(hf, changed, MAX_NEW) != expected[0]
+    check_repeated_image(make_engine(folder, block_size=8), hf, cases[0], changed, expected[0],
+                         block_size=8)
 
 
 def test_preempted_sequences_recompute_their_images(llava_next) -> None:
@@ -150,18 +129,7 @@ def test_preempted_sequences_recompute_their_images(llava_next) -> None:
     # Room for the longest of the three alone, not for all three at once.
     blocks = math.ceil((max(len(c.token_ids) for c in cases[:3]) + MAX_NEW) / 16) + 1
     engine = make_engine(folder, num_kv_blocks=blocks, max_num_batched_tokens=24)
-    preempted: set[str] = set()
-    original = engine.scheduler._preempt
-
-    def spy(request, out):
-        preempted.add(request.request_id)
-        original(request, out)
-
-    engine.scheduler._preempt = spy  # type: ignore[method-assign]
-    outputs = run_cases(engine, cases[:3], GREEDY)
-    assert preempted, f"a {blocks}-block cache must force preemption"
-    assert [tokens_of(outputs[f"r{i}"]) for i in range(3)] == expected[:3]
-    assert engine.kv.num_free_blocks == blocks
+    check_vlm_preemption(engine, cases[:3], expected[:3])
 
 
 def test_the_vision_half_alone_gives_the_worker_models_rows(llava_next) -> None:

@@ -24,7 +24,18 @@ from safetensors.torch import load_file, save_file
 from test_engine_vs_hf import make_engine, tokens_of
 from tiny_vlm import build_tiny_vlm, load_processor
 from transformers import AutoModelForImageTextToText
-from vlm_reference import hf_vlm_greedy, hf_vlm_logits, image_file, run_cases, vlm_case
+from vlm_reference import (
+    FIRST_CHAT,
+    check_all_vlm_logprobs,
+    check_repeated_image,
+    check_vlm_greedy,
+    check_vlm_preemption,
+    hf_vlm_greedy,
+    image_file,
+    run_cases,
+    standard_chats,
+    vlm_case,
+)
 
 from meshserve.services.worker.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from meshserve.services.worker.models.registry import refuse_unsupported
@@ -33,17 +44,6 @@ from meshserve.shared.sampling_params import SamplingParams
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-IMAGE = {"type": "image"}
-
-
-def _text(text: str) -> dict[str, str]:
-    return {"type": "text", "text": text}
-
-
-# A system turn long enough that the image starts past the first 8-token block.
-FIRST = [{"role": "system", "content": "You look very closely at pictures, at their colours, "
-                                       "their shapes and their edges, before you answer."},
-         {"role": "user", "content": [IMAGE, _text("What is in it?")]}]
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +55,7 @@ def qwen(tmp_path_factory: pytest.TempPathFactory):
     # Grids of merged patches (height x width): 2x3, 3x2 and 4x5.
     wide, tall, big = image_file(80, 60, 1), image_file(40, 90, 2, "JPEG"), image_file(
         150, 100, 3)
-    chats = [
-        (FIRST, [wide]),
-        ([{"role": "user", "content": [_text("Compare "), IMAGE, _text(" with "), IMAGE,
-                                        _text(".")]}], [tall, big]),
-        ([{"role": "user", "content": [IMAGE, _text("Describe it.")]},
-          {"role": "assistant", "content": [_text("A pattern of dots.")]},
-          {"role": "user", "content": [_text("And this one?"), IMAGE]}], [big, wide]),
-        ([{"role": "user", "content": [_text("No picture today, only words.")]}], []),
-    ]
+    chats = standard_chats(wide, tall, big)
     cases = [vlm_case(processor, token, messages, files) for messages, files in chats]
     expected = [hf_vlm_greedy(hf, case, MAX_NEW) for case in cases]
     return folder, hf, processor, cases, expected
@@ -97,27 +89,12 @@ def test_greedy_tokens_equal_transformers(qwen, setup: dict, stagger: bool) -> N
     folder, _, _, cases, expected = qwen
     engine = make_engine(folder, **setup)
     assert isinstance(engine.runner.model, Qwen2_5_VLForConditionalGeneration)
-    assert all(len(want) == MAX_NEW for want in expected)
-    assert len({tuple(want) for want in expected}) == len(expected)
-    outputs = run_cases(engine, cases, GREEDY, stagger=stagger)
-    assert [tokens_of(outputs[f"r{i}"]) for i in range(len(cases))] == expected
-    assert engine.kv.num_free_blocks == 256
+    check_vlm_greedy(engine, cases, expected, stagger=stagger)
 
 
 def test_logprobs_equal_transformers_log_softmax(qwen) -> None:
     folder, hf, _, cases, _ = qwen
-    engine = make_engine(folder, max_num_batched_tokens=24)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    outputs = run_cases(engine, cases, params)
-    for i, case in enumerate(cases):
-        generated = tokens_of(outputs[f"r{i}"])
-        reference = torch.log_softmax(hf_vlm_logits(hf, case, generated), -1)
-        logprobs = [lp for out in outputs[f"r{i}"] for lp in (out.new_logprobs or [])]
-        assert len(logprobs) == MAX_NEW
-        for k, lp in enumerate(logprobs):
-            row = reference[len(case.token_ids) - 1 + k]
-            assert abs(lp.logprob - row[generated[k]].item()) < 1e-4
-            assert [t for t, _ in lp.top] == torch.topk(row, 5).indices.tolist()
+    check_all_vlm_logprobs(make_engine(folder, max_num_batched_tokens=24), hf, cases, MAX_NEW)
 
 
 def test_only_steps_with_image_rows_take_three_positions_a_token(qwen) -> None:
@@ -146,41 +123,15 @@ def test_only_steps_with_image_rows_take_three_positions_a_token(qwen) -> None:
 
 def test_a_repeated_image_hits_the_prefix_cache_and_a_changed_one_does_not(qwen) -> None:
     folder, hf, processor, cases, expected = qwen
-    engine = make_engine(folder, block_size=8)
-    first = run_cases(engine, [cases[0]], GREEDY, prefix="a")
-    assert tokens_of(first["a0"]) == expected[0]
-    encoder = engine.runner.images
-    assert encoder is not None and (encoder.misses, encoder.hits) == (1, 0)
-    # The same chat again: every full block is cached, the image's included.
-    again = run_cases(engine, [cases[0]], GREEDY, prefix="b")
-    assert tokens_of(again["b0"]) == expected[0]
-    whole = (len(cases[0].token_ids) - 1) // 8 * 8
-    assert again["b0"][-1].num_cached_tokens == whole
-    # The same text over another image of the same size: blocks up to the image only.
-    changed = vlm_case(processor, hf.config.image_token_id, FIRST, [image_file(80, 60, 7)])
-    assert changed.token_ids == cases[0].token_ids
-    out = run_cases(engine, [changed], GREEDY, prefix="c")
-    image = changed.images[0]
-    assert image.offset >= 8
-    assert out["c0"][-1].num_cached_tokens == image.offset // 8 * 8
-    assert tokens_of(out["c0"]) == hf_vlm_greedy(hf, changed, MAX_NEW) != expected[0]
+    changed = vlm_case(processor, hf.config.image_token_id, FIRST_CHAT, [image_file(80, 60, 7)])
+    check_repeated_image(make_engine(folder, block_size=8), hf, cases[0], changed, expected[0],
+                         block_size=8)
 
 
 def test_preempted_sequences_keep_their_positions(qwen) -> None:
     folder, _, _, cases, expected = qwen
     engine = make_engine(folder, num_kv_blocks=14, max_num_batched_tokens=24)
-    preempted: set[str] = set()
-    original = engine.scheduler._preempt
-
-    def spy(request, out):
-        preempted.add(request.request_id)
-        original(request, out)
-
-    engine.scheduler._preempt = spy  # type: ignore[method-assign]
-    outputs = run_cases(engine, cases[:3], GREEDY)
-    assert preempted, "a 14-block cache must force preemption"
-    assert [tokens_of(outputs[f"r{i}"]) for i in range(3)] == expected[:3]
-    assert engine.kv.num_free_blocks == 14
+    check_vlm_preemption(engine, cases[:3], expected[:3])
 
 
 def _transformers_4_layout(folder: Path, dest: Path) -> Path:
