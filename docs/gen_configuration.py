@@ -9,7 +9,7 @@ from pathlib import Path
 COMMANDS = [("up", "the whole stack on one machine"), ("run-batch", "offline batch inference"),
             ("gateway", "OpenAI HTTP API"), ("tokenizer", "tokenizer / detokenizer"),
             ("scheduler", "global scheduler"), ("worker", "model worker (engine)"),
-            ("kvstore", "KV-cache store")]
+            ("kvstore", "KV-cache store"), ("encoder", "image encoder (vision-language models)")]
 
 
 def main() -> None:
