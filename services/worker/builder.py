@@ -153,6 +153,7 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
                              loaded.max_model_len, batched_tokens, cuda_graphs=graphs is not None)
     hooks = _hooks(config, grammars, loaded.draft if speculate else None, draft_shape, tier,
                    lora, speculate)
+    _check_whole_images(loaded.model, batched_tokens)
     scheduler = StepScheduler(StepSchedulerConfig(
         max_num_batched_tokens=batched_tokens,
         max_num_seqs=max_num_seqs,
@@ -173,6 +174,17 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
         validator=RequestValidator(model_config.vocab_size, loaded.max_model_len,
                                    kv.sequence_capacity(batched_tokens, loaded.max_model_len)),
         hooks=hooks, ranks=ranks, graph_report=graphs, piecewise_report=pieces))
+
+
+def _check_whole_images(model: CausalLM, batched_tokens: int) -> None:
+    """A model whose image rows attend to each other computes an image in one step: the
+    step's token budget (what activation memory is sized for) must hold one."""
+    rows = getattr(getattr(model, "vision", None), "num_image_rows", 0)
+    if model.bidirectional_images and rows > batched_tokens:
+        raise ModelLoadError(
+            f"--max-num-batched-tokens {batched_tokens} is smaller than one image's {rows} "
+            f"rows, which {model.config.architecture} computes in one step; raise it to at "
+            f"least {rows}", param="max_num_batched_tokens")
 
 
 def _image_encoder(config: EngineConfig, loaded: _Loaded,

@@ -105,7 +105,6 @@ def _record_image_slices(engine: LLMEngine) -> list[ImageSlice]:
 
 
 @pytest.mark.parametrize("setup", [
-    {"max_num_batched_tokens": 3},  # below an image's 4 rows: each image goes whole, past it
     {"max_num_batched_tokens": 6},  # chunks end before images; an image waits for room
     {"max_num_batched_tokens": 40},
     {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096},
@@ -286,3 +285,12 @@ def test_the_config_round_trips_through_json(gemma3) -> None:
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     assert config.architecture == "Gemma3ForConditionalGeneration"
     assert config.layer_windows == (8, 8, None, 8) and config.vision is not None
+
+
+def test_a_step_budget_below_one_image_is_refused_at_start(gemma3) -> None:
+    """An image is computed in one step; a budget that cannot hold one would overshoot the
+    activation memory sized for it."""
+    folder, _, _, _, _ = gemma3
+    with pytest.raises(ModelLoadError, match="smaller than one image's 4 rows") as refused:
+        make_engine(folder, max_num_batched_tokens=3)
+    assert refused.value.param == "max_num_batched_tokens"
