@@ -91,6 +91,25 @@ def test_rows_equal_the_workers_own_vision_half(encoder: Encoder, shared: bool) 
     assert list(encoder.shm_dir.iterdir()) == []
 
 
+@pytest.mark.parametrize("family", ["llava_next", "qwen2_5_vl", "gemma3"])
+def test_every_family_s_service_rows_equal_the_workers(family: str,
+                                                       tmp_path: Path) -> None:
+    """The other vision-language families through the service process: the same rows as
+    the worker model's own vision half, for images of two sizes."""
+    folder = build_tiny_vlm(tmp_path / family, family, seed=6)
+    files = [image_file(80, 60, 1), image_file(40, 90, 2, "JPEG")]
+    local = make_engine(folder).runner.images
+    assert local is not None and local.local is not None
+    want = local.local.encode([(hashlib.sha256(f).digest(), f) for f in files])
+    with service_process("encoder", ["--model", str(folder), "--device", "cpu"],
+                         SERVICE_NAME) as address, grpc.insecure_channel(address) as channel:
+        answer = encoder_pb2_grpc.EncoderStub(channel).Encode(
+            _request(files, False, model=str(folder)))
+    assert len(answer.embeddings) == 2
+    for embedding in answer.embeddings:
+        assert torch.equal(rows_of(embedding), want[embedding.hash])
+
+
 @pytest.mark.parametrize(("case", "code", "message"), [
     ("hash", grpc.StatusCode.INVALID_ARGUMENT, "not the file's SHA-256"),
     ("bytes", grpc.StatusCode.INVALID_ARGUMENT, "does not decode as an image"),
