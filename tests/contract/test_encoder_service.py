@@ -185,10 +185,9 @@ def test_a_request_with_many_images_is_split_into_calls(encoder: Encoder) -> Non
     files = [image_file(20 + i, 30, 40 + i) for i in range(5)]
     remote = RemoteRows([encoder.address], NAME, shared_memory=False, images_per_call=2)
     images = [PromptImage(f, hashlib.sha256(f).digest(), 0, 16) for f in files]
-    assert remote.prefetch(images).result(timeout=60) is True
+    assert remote.fetch(images) is True
     assert remote.calls == 3 and remote.calls_failed == 0
     assert all(remote.take(image.digest) is not None for image in images)
-    remote.close()
 
 
 def test_unread_answer_files_expire(tmp_path: Path) -> None:

@@ -132,3 +132,34 @@ def test_image_counters_reach_metrics(llava) -> None:
     assert value("meshserve:worker_images_encoded_total", {**labels, "where": "encoder"}) == 0
     assert value("meshserve:worker_image_encode_seconds_total", labels) > 0
     assert value("meshserve:worker_image_cache_bytes", labels) == 3 * 16 * 64 * 4
+
+
+def test_images_are_decoded_before_admission_off_the_engine_thread(llava, monkeypatch) -> None:
+    import threading
+
+    from meshserve.services.worker.vision import encoder as encoder_module
+
+    folder, _, _, cases, expected = llava
+    engine = make_engine(folder)
+    images = engine.runner.images
+    assert images is not None
+    threads: list[str] = []
+    decode = encoder_module.decode_image
+
+    def recording(data: bytes, what: str):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return decode(data, what)
+
+    monkeypatch.setattr(encoder_module, "decode_image", recording)
+    prepared = images.prefetch(cases[1].images)
+    assert prepared is not None and prepared.result(timeout=60) is True
+    assert len(threads) == 2 and all(name.startswith("image-check") for name in threads)
+    assert images.prefetch(cases[1].images) is None  # both known now: nothing to do
+    outputs = run_cases(engine, [cases[1]], GREEDY)  # admitted with no decode of its own
+    assert tokens_of(outputs["r0"]) == expected[1]
+    assert len(threads) == 2  # admission checked them by hash, without decoding again
+    junk = b"no image in here"
+    bad = images.prefetch([PromptImage(junk, hashlib.sha256(junk).digest(), 0, 16)])
+    assert bad is not None
+    with pytest.raises(InvalidRequestError, match="does not decode as an image"):
+        bad.result(timeout=60)

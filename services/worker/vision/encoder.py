@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +32,9 @@ from meshserve.shared.image_encoding import (
     decode_image,
     load_image_processor,
 )
+
+# Hashes of decoded files remembered (with their row counts) for admission checks.
+_DECODED_KEPT = 4096
 
 
 class RowsSource(Protocol):
@@ -61,14 +65,20 @@ class ImageEncoder:
         self.from_services = 0
         self.encoded_here = 0
         self.encode_seconds = 0.0
+        # Files that decoded whole, by hash -> their rows: decoding (milliseconds an image)
+        # happens on these threads while the request waits, not on the engine thread.
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="image-check")
+        self._decoded: OrderedDict[bytes, int] = OrderedDict()
 
     def prefetch(self, images: Sequence[PromptImage]) -> Future[bool] | None:
-        """Ask the encoder services for `images`' rows ahead of admission (None: nothing
-        to ask: no services, or every image cached)."""
+        """Decode `images` and count their rows, and with encoder services have them made,
+        off the engine thread; the request joins the engine when the future is done (it
+        raises InvalidRequestError for a bad image). None: nothing to do."""
         todo = [image for image in images if image.digest not in self.cache]
-        if self.remote is None or not todo:
+        if not todo or (self.remote is None
+                        and all(image.digest in self._decoded for image in todo)):
             return None
-        return self.remote.prefetch(todo, must_succeed=self.local is None)
+        return self._pool.submit(self._prepare, todo)
 
     def check(self, images: Sequence[PromptImage]) -> None:
         for i, image in enumerate(images):
@@ -77,15 +87,35 @@ class ImageEncoder:
                 raise InvalidRequestError(f"image {i}: the hash is not the file's SHA-256",
                                           param="images")
             cached = self.cache.get(image.digest)
-            if cached is not None:
-                rows = cached.shape[0]
-            else:
-                decoded = decode_image(image.data, f"image {i}")
-                rows = self.model.rows_for(decoded.width, decoded.height)
+            rows = (cached.shape[0] if cached is not None
+                    else self._decoded.get(image.digest) or self._inspect(image, i))
             if rows != image.length:
                 raise InvalidRequestError(
                     f"image {i} becomes {rows} embedding rows but the prompt has "
                     f"{image.length} placeholder tokens for it", param="images")
+
+    def _prepare(self, images: list[PromptImage]) -> bool:
+        """(On a check thread.) Every image decoded and counted; then, with services, its
+        rows fetched: False when every service failed and the worker encodes them."""
+        for i, image in enumerate(images):
+            if image.digest not in self._decoded:
+                self._inspect(image, i)
+        if self.remote is None:
+            return True
+        return self.remote.fetch(images, must_succeed=self.local is None)
+
+    def _inspect(self, image: PromptImage, index: int) -> int:
+        """Decode the whole file (a bad one is refused here, never mid-step) and remember
+        its rows."""
+        if hashlib.sha256(image.data).digest() != image.digest:
+            raise InvalidRequestError(f"image {index}: the hash is not the file's SHA-256",
+                                      param="images")
+        decoded = decode_image(image.data, f"image {index}")
+        rows = self.model.rows_for(decoded.width, decoded.height)
+        self._decoded[image.digest] = rows
+        while len(self._decoded) > _DECODED_KEPT:
+            self._decoded.popitem(last=False)
+        return rows
 
     def embed(self, slices: Sequence[ImageSlice]) -> torch.Tensor:
         missing = {s.image.digest: s.image.data for s in slices

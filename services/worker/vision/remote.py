@@ -1,11 +1,12 @@
 """Image rows from encoder services (services/encoder/), fetched while requests wait.
 
-`RemoteRows.prefetch` sends a request's images to an encoder replica (round robin) on a
-thread of its own when the request reaches the engine thread, which admits the request once
-the rows are in (engine_thread.py's `_prepare`): the engine loop never waits for the call.
-On one host the rows come back through shared-memory files, else in the message. A replica
-that fails is skipped for the next call; when every one fails, `fallback` (the worker's own
-vision half) encodes instead, or, without it, the request fails with UNAVAILABLE.
+`RemoteRows.fetch` sends a request's images to an encoder replica (round robin), a few a
+call; the ImageEncoder (encoder.py) calls it on a thread of its own when the request reaches
+the engine thread, which admits the request once the rows are in (engine_thread.py's
+`_prepare`): the engine loop never waits for the call. On one host the rows come back through
+shared-memory files, else in the message. A replica that fails is skipped for the next call;
+when every one fails, the worker's own vision half encodes instead, or, without it, the
+request fails with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import ipaddress
 import itertools
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import torch
@@ -57,7 +57,7 @@ class RemoteRows:
 
     def __init__(self, addresses: Sequence[str], model: str, *,
                  shared_memory: bool | None = None, timeout_s: float = 60.0,
-                 threads: int = 4, images_per_call: int = 4) -> None:
+                 images_per_call: int = 4) -> None:
         """`shared_memory` None: for the replicas on this host (loopback addresses)."""
         assert addresses, "RemoteRows needs at least one encoder address"
         client = GrpcClient()
@@ -69,19 +69,17 @@ class RemoteRows:
         self._timeout_s = timeout_s
         self._images_per_call = images_per_call
         self._turn = itertools.count()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="encode-client")
         self._lock = threading.Lock()
         self._ready: dict[bytes, torch.Tensor] = {}
         self.calls = 0  # answered
         self.calls_failed = 0
 
-    def prefetch(self, images: Sequence[PromptImage], *,
-                 must_succeed: bool = False) -> Future[bool]:
-        """Fetch `images`' rows; the future is True once they are in, False when every
-        replica failed (the caller encodes them itself; with `must_succeed` it raises
-        UnavailableError instead), or raises the MeshError of an image the encoder
-        refused."""
-        return self._pool.submit(self._fetch, list(images), must_succeed)
+    def fetch(self, images: Sequence[PromptImage], *, must_succeed: bool = False) -> bool:
+        """Fetch `images`' rows (blocking: the caller's thread is not the engine's): True
+        once they are in, False when every replica failed (the caller encodes them itself;
+        with `must_succeed` UnavailableError instead); the MeshError of an image the
+        encoder refused."""
+        return self._fetch(list(images), must_succeed)
 
     def encode(self, files: Sequence[tuple[bytes, bytes]]) -> dict[bytes, torch.Tensor]:
         """A RowsSource: fetch now and wait (when rows fetched ahead were evicted)."""
@@ -128,7 +126,3 @@ class RemoteRows:
             raise UnavailableError(f"no encoder service answered "
                                    f"({len(self._targets)} tried)")
         return False
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
