@@ -50,26 +50,20 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
             f"{name} must be contiguous in its last dim, got strides {tuple(t.stride())}")
 
 
-def check_attention(kernel: object, query: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    """The inputs of a paged attention kernel (kernels/attention.py's layouts)."""
-    check_device(kernel, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                 meta.query_start_loc)
-    assert query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
-        f"query must be [T, Hq, D] and caches [N, bs, Hkv, D], got {tuple(query.shape)}, "
-        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+def check_cache_dtypes(query: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> None:
+    """A supported query dtype, and caches of the query's dtype or FP8."""
     assert query.dtype in SUPPORTED_DTYPES, f"query dtype {query.dtype} is not supported"
     assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (query.dtype, *FP8_KV_DTYPES), (
         f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must be the query's dtype "
         f"({query.dtype}) or FP8")
-    assert query.shape[2] == k_cache.shape[3] <= MAX_HEAD_DIM, (
-        f"query head_dim {query.shape[2]} must equal the cache's {k_cache.shape[3]} and be "
-        f"at most {MAX_HEAD_DIM}")
-    assert query.shape[1] % k_cache.shape[2] == 0, (
-        f"query heads {query.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
-    check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache,
-                              block_tables=meta.block_tables, seq_lens=meta.seq_lens,
-                              query_start_loc=meta.query_start_loc)
+
+
+def check_step_tables(meta: AttentionMetadata, **tensors: torch.Tensor) -> None:
+    """The step's block tables, lengths and query starts: int32, long enough for its
+    sequences, rows contiguous (and `tensors` too)."""
+    check_last_dim_contiguous(**tensors, block_tables=meta.block_tables,
+                              seq_lens=meta.seq_lens, query_start_loc=meta.query_start_loc)
     num_seqs = meta.num_seqs
     assert meta.block_tables.dim() == 2 and meta.block_tables.shape[0] >= num_seqs, (
         f"block_tables must be [B >= {num_seqs}, max_blocks], got "
@@ -80,6 +74,23 @@ def check_attention(kernel: object, query: torch.Tensor, k_cache: torch.Tensor,
     for name in ("block_tables", "seq_lens", "query_start_loc"):
         dtype = getattr(meta, name).dtype
         assert dtype == torch.int32, f"meta.{name} must be int32, got {dtype}"
+
+
+def check_attention(kernel: object, query: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """The inputs of a paged attention kernel (kernels/attention.py's layouts)."""
+    check_device(kernel, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                 meta.query_start_loc)
+    assert query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"query must be [T, Hq, D] and caches [N, bs, Hkv, D], got {tuple(query.shape)}, "
+        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    check_cache_dtypes(query, k_cache, v_cache)
+    assert query.shape[2] == k_cache.shape[3] <= MAX_HEAD_DIM, (
+        f"query head_dim {query.shape[2]} must equal the cache's {k_cache.shape[3]} and be "
+        f"at most {MAX_HEAD_DIM}")
+    assert query.shape[1] % k_cache.shape[2] == 0, (
+        f"query heads {query.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
+    check_step_tables(meta, query=query, k_cache=k_cache, v_cache=v_cache)
     if meta.lookahead is not None:
         check_device(kernel, query, meta.lookahead)
         assert (meta.lookahead.dtype == torch.int32 and meta.lookahead.is_contiguous()

@@ -48,9 +48,9 @@ from meshserve.kernels.triton_attention import (
     choose_num_splits,
 )
 from meshserve.kernels.triton_checks import (
-    SUPPORTED_DTYPES,
+    check_cache_dtypes,
     check_device,
-    check_last_dim_contiguous,
+    check_step_tables,
 )
 
 # The merge of split-KV partials handles R in chunks of this many values per program.
@@ -353,20 +353,5 @@ def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         "(one head of half a row)")
     assert 0 < kv_lora_rank < query.shape[2], (
         f"kv_lora_rank {kv_lora_rank} must leave rotary dims of the {query.shape[2]}")
-    assert query.dtype in SUPPORTED_DTYPES, f"query dtype {query.dtype} is not supported"
-    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (query.dtype, *FP8_KV_DTYPES), (
-        f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must be the query's dtype "
-        f"({query.dtype}) or FP8")
-    check_last_dim_contiguous(query=query, k_cache=k_cache, v_cache=v_cache,
-                              block_tables=meta.block_tables, seq_lens=meta.seq_lens,
-                              query_start_loc=meta.query_start_loc)
-    num_seqs = meta.num_seqs
-    assert meta.block_tables.dim() == 2 and meta.block_tables.shape[0] >= num_seqs, (
-        f"block_tables must be [B >= {num_seqs}, max_blocks], got "
-        f"{tuple(meta.block_tables.shape)}")
-    assert meta.seq_lens.shape[0] >= num_seqs and meta.query_start_loc.shape[0] >= num_seqs + 1, (
-        f"seq_lens {tuple(meta.seq_lens.shape)} / query_start_loc "
-        f"{tuple(meta.query_start_loc.shape)} are too short for {num_seqs} sequences")
-    for name in ("block_tables", "seq_lens", "query_start_loc"):
-        dtype = getattr(meta, name).dtype
-        assert dtype == torch.int32, f"meta.{name} must be int32, got {dtype}"
+    check_cache_dtypes(query, k_cache, v_cache)
+    check_step_tables(meta, query=query, k_cache=k_cache, v_cache=v_cache)
