@@ -320,6 +320,28 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _query_tile(query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q: tl.constexpr,
+                DECODE_ONLY: tl.constexpr):
+    """This program's sequence and query block: (seq, q_start, q_len, local_block,
+    context_len). Decode-only grids give program i sequence i; otherwise the last query
+    blocks, which see the most keys, start first. local_block * BLOCK_Q >= q_len: past
+    the end of the sequence's queries (the grid is an upper bound), nothing to do."""
+    if DECODE_ONLY:
+        seq = tl.program_id(0)
+    else:
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if DECODE_ONLY:
+        local_block = 0
+    else:
+        local_block = q_block - (q_start // BLOCK_Q + seq)
+    context_len = tl.load(seq_lens_ptr + seq) - q_len  # keys cached before this step's
+    return seq, q_start, q_len, local_block, context_len
+
+
 # The batch's sequence count, split count and block-table width are plain arguments, never
 # specialised on (Triton would compile apart values of 1 and multiples of 16), so a new batch
 # size or context length does not compile a new kernel while serving.
@@ -339,21 +361,11 @@ def _paged_attention_kernel(
     pdl_prologue(PDL)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if DECODE_ONLY:  # one query token per sequence: program i serves sequence i
-        seq = tl.program_id(0)
-    else:  # the last query blocks see the most keys: start them first
-        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
-        seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if DECODE_ONLY:
-        local_block = 0
-    else:
-        local_block = q_block - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, local_block, context_len = _query_tile(
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q, DECODE_ONLY)
     if local_block * BLOCK_Q >= q_len:
         return  # past the end of this sequence's queries (the grid is an upper bound)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len  # keys cached before this step's tokens
+    seq_len = context_len + q_len
 
     # Rows are (token, head) pairs: row m is token local_block * BLOCK_Q + m // GROUP of the
     # sequence and query head kv_head * GROUP + m % GROUP.

@@ -43,8 +43,8 @@ from meshserve.kernels.pdl import pdl_prologue
 from meshserve.kernels.triton_attention import (
     MAX_SPLITS,
     AttentionTiles,
-    _find_seq,
     _num_sms,
+    _query_tile,
     choose_num_splits,
 )
 from meshserve.kernels.triton_checks import (
@@ -197,21 +197,11 @@ def _mla_kernel(
     pdl_prologue(PDL)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
-    if DECODE_ONLY:  # one query token per sequence: program i serves sequence i
-        seq = tl.program_id(0)
-    else:  # the last query blocks see the most keys: start them first
-        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
-        seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if DECODE_ONLY:
-        local_block = 0
-    else:
-        local_block = q_block - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, local_block, context_len = _query_tile(
+        query_start_loc_ptr, seq_lens_ptr, num_seqs, BLOCK_Q, DECODE_ONLY)
     if local_block * BLOCK_Q >= q_len:
         return  # past the end of this sequence's queries (the grid is an upper bound)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len  # rows cached before this step's tokens
+    seq_len = context_len + q_len
 
     # Row m is token local_block * BLOCK_Q + m // HEADS of the sequence and query head
     # head_block * HEADS + m % HEADS.
