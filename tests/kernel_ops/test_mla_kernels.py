@@ -18,8 +18,9 @@ import triton
 from hopper_compile import compile_launches
 from latent_steps import LatentStep, make_latent_step
 from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
-    REL_ERR,
+    CASES,
     _interpreter_with_gpu_bf16_numerics,
+    assert_attention_close,
     in_interpreter,
     interpreted_passes,
     outside_interpreter,
@@ -38,22 +39,6 @@ def run_latent(step: LatentStep, **kwargs: object) -> tuple[torch.Tensor, torch.
     return out, step.reference()
 
 
-def assert_latent_close(out: torch.Tensor, want: torch.Tensor) -> None:
-    assert out.is_contiguous() and out.shape == want.shape
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-        return
-    rel = (out.float() - want).norm() / want.norm()
-    assert rel < REL_ERR[out.dtype], f"{out.dtype} relative error {rel:.2e}"
-    torch.testing.assert_close(out.float(), want, atol=5 * REL_ERR[out.dtype], rtol=0.0)
-
-
-CASES = {  # (context lengths, query lengths)
-    "decode-ragged": ([1, 17, 64, 5], [1, 1, 1, 1]),
-    "prefill-fresh": ([7, 33], [7, 33]),
-    "chunk-over-prefix": ([40, 20], [8, 20]),
-    "mixed": ([50, 1, 9, 30], [1, 1, 9, 12]),
-}
 SHAPES = [  # (heads, kv_lora_rank, rope dims, cache block size)
     (4, 24, 8, 16),  # the tiny test models': pe in the v half, c across both
     (16, 64, 16, 32),  # one token's 16 heads fill a 16-row block
@@ -69,7 +54,7 @@ def test_latent_kernel_fp32(case: str, heads: int, rank: int, rope: int, bs: int
     ctx_lens, q_lens = CASES[case]
     step = make_latent_step(ctx_lens, q_lens, heads, rank, rope, bs, seed=heads + rank)
     out, want = run_latent(step)
-    assert_latent_close(out, want)
+    assert_attention_close(out, want)
 
 
 @in_interpreter
@@ -82,7 +67,7 @@ def test_latent_kernel_bf16_with_the_served_tiles(case: str) -> None:
     assert tiles.block_m >= 32
     out, want = run_latent(step)
     assert out.dtype == torch.bfloat16
-    assert_latent_close(out, want)
+    assert_attention_close(out, want)
 
 
 @in_interpreter
@@ -95,7 +80,7 @@ def test_split_kv_matches_the_reference(case: str, splits: int) -> None:
     ctx_lens, q_lens = CASES[case]
     step = make_latent_step(ctx_lens, q_lens, 4, 24, 8, 16, seed=splits)
     out, want = run_latent(step, num_splits=splits)
-    assert_latent_close(out, want)
+    assert_attention_close(out, want)
 
 
 @in_interpreter
@@ -104,7 +89,7 @@ def test_split_kv_is_chosen_for_a_long_lone_decode() -> None:
     merged in chunks (R = 160 is more than one merge chunk)."""
     step = make_latent_step([700, 3], [1, 1], 4, 160, 32, 32, dtype=torch.bfloat16, seed=7)
     out, want = run_latent(step)
-    assert_latent_close(out, want)
+    assert_attention_close(out, want)
     assert triton_mla.MERGE_CHUNK < 160
 
 
@@ -116,7 +101,7 @@ def test_small_query_blocks_and_tiles_inside_cache_blocks() -> None:
     step = make_latent_step(ctx_lens, q_lens, 8, 32, 16, 64, seed=11)
     tiles = AttentionTiles(block_m=16, tile_n=16, num_warps=4, num_stages=2)
     out, want = run_latent(step, tiles=tiles)
-    assert_latent_close(out, want)
+    assert_attention_close(out, want)
 
 
 @in_interpreter
@@ -124,7 +109,7 @@ def test_many_short_query_chunks_all_get_programs() -> None:
     ctx_lens = [2, 5, 2, 9, 2, 3, 40, 2, 17, 2]
     step = make_latent_step(ctx_lens, [2] * 10, 4, 24, 8, 16, seed=10)
     out, want = run_latent(step)
-    assert_latent_close(out, want)
+    assert_attention_close(out, want)
 
 
 @in_interpreter
@@ -134,7 +119,7 @@ def test_an_fp8_cache_is_widened(cache_dtype: torch.dtype) -> None:
     step = make_latent_step(ctx_lens, q_lens, 4, 24, 8, 16, dtype=torch.bfloat16,
                             cache_dtype=cache_dtype, seed=3)
     out, want = run_latent(step)
-    assert_latent_close(out, want)
+    assert_attention_close(out, want)
 
 
 @in_interpreter
