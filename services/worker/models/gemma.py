@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from meshserve.kernels.activation import gelu_tanh_and_mul
-from meshserve.kernels.attention import AttentionMetadata, paged_attention
+from meshserve.kernels.attention import AttentionMetadata
 from meshserve.kernels.norm import gemma_rms_norm
 from meshserve.kernels.rotary import RotaryEmbedding
 from meshserve.services.worker.models.config import ModelConfig
@@ -72,13 +72,6 @@ class GemmaAttention(Attention):
         if config.qk_norm:
             self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """llama.py's attention with this layer's window and soft-capping: [T, Hq, D]."""
-        k_cache, v_cache = kv_cache
-        return paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v,
-                               window=self.window, softcap=self.softcap)
 
 
 class GemmaDecoderLayer(nn.Module):

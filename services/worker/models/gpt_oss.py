@@ -36,7 +36,6 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from meshserve.kernels.attention import AttentionMetadata, paged_attention
 from meshserve.kernels.linear import linear
 from meshserve.kernels.moe import fused_experts, route_topk_softmax
 from meshserve.kernels.rotary import RotaryEmbedding
@@ -46,7 +45,6 @@ from meshserve.services.worker.models.llama import (
     CausalLM,
     DecoderLayer,
     DecoderModel,
-    KVCache,
     RMSNorm,
 )
 from meshserve.services.worker.models.moe import Experts
@@ -85,13 +83,6 @@ class GptOssAttention(Attention):
         super().__init__(config)
         self.window = config.layer_windows[index]
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))  # [Hq]
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """llama.py's attention with the sinks and this layer's window: [T, Hq, D]."""
-        k_cache, v_cache = kv_cache
-        return paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v,
-                               window=self.window, sinks=self.sinks)
 
 
 class GptOssRouter(nn.Module):

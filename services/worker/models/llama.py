@@ -101,6 +101,9 @@ class Attention(nn.Module):
         # Mistral-style models slide every layer over one window (None: full attention);
         # models with per-layer windows set their own (gemma.py, gpt_oss.py).
         self.window = config.kv_window
+        # Gemma's logit soft-capping and gpt-oss's per-head sink logits [Hq] (None: none).
+        self.softcap: float | None = None
+        self.sinks: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
@@ -124,7 +127,7 @@ class Attention(nn.Module):
         [T, Hq, D]. The one piece of a layer that the piecewise CUDA graphs run eagerly."""
         k_cache, v_cache = kv_cache
         return paged_attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v,
-                               window=self.window)
+                               window=self.window, softcap=self.softcap, sinks=self.sinks)
 
     def project(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
                 slot_mapping: torch.Tensor, rotary: RotaryEmbedding,
