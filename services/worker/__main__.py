@@ -258,7 +258,7 @@ class WorkerProcess:
                                             telemetry.registry)
         self.servicer.on_params = self.vllm_metrics.observe_params
         register_spec_metrics(telemetry.registry, engine.hook(SpecDecoder), names[0])
-        register_image_metrics(telemetry.registry, engine.runner.images, names[0])
+        register_image_metrics(telemetry.registry, engine.images, names[0])
 
     async def _update_info(self, update: Callable[[WorkerInfo], WorkerInfo]) -> None:
         """Change the worker's info (its LoRA adapters) and tell the scheduler."""

@@ -1,4 +1,5 @@
-"""`meshserve run-batch` with images: the installed console script on a tiny LLaVA folder.
+"""`meshserve run-batch` with images: the installed console script on tiny LLaVA,
+Qwen2.5-VL and Gemma 3 folders.
 
 Chats with one image and with two (data URLs) answer transformers' greedy tokens on the
 same weights and images; a file that is no image, and an http URL on loopback (the SSRF
@@ -14,11 +15,12 @@ import subprocess
 from pathlib import Path
 
 import orjson
+import pytest
 import torch
 from openai.types.chat import ChatCompletion
 from test_cli import meshserve_script
-from tiny_vlm import build_tiny_vlm
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from tiny_vlm import build_tiny_vlm, load_processor
+from transformers import AutoModelForImageTextToText
 from vlm_reference import hf_vlm_greedy, image_file, vlm_case
 
 MAX_TOKENS = 6
@@ -42,8 +44,9 @@ def _image(url: str) -> dict[str, object]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def test_run_batch_chats_with_images(tmp_path: Path) -> None:
-    folder = build_tiny_vlm(tmp_path / "llava", "llava", seed=13)
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "gemma3"])
+def test_run_batch_chats_with_images(family: str, tmp_path: Path) -> None:
+    folder = build_tiny_vlm(tmp_path / family, family, seed=13)
     model = str(folder)
     text = {"type": "text", "text": "What is this?"}
     broken = "data:image/png;base64," + base64.b64encode(b"no image here").decode()
@@ -74,12 +77,13 @@ def test_run_batch_chats_with_images(tmp_path: Path) -> None:
         error = records[name]["body"]["error"]
         assert error["param"] == part, error
 
-    processor = AutoProcessor.from_pretrained(folder)
+    processor = load_processor(folder)
     hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    token = getattr(hf.config, "image_token_id", None) or hf.config.image_token_index
     image = {"type": "image"}
     for name, parts, files in (("one", [image, text], [WIDE]),
                                ("two", [image, text, image], [TALL, WIDE])):
-        case = vlm_case(processor, hf.config.image_token_index,
+        case = vlm_case(processor, token,
                         [{"role": "user", "content": parts}], files)
         want = processor.tokenizer.decode(hf_vlm_greedy(hf, case, MAX_TOKENS),
                                           skip_special_tokens=True)

@@ -1,6 +1,6 @@
 """Images through the whole mesh (`start_stack`, what `meshserve up` runs) with the real
-`openai` client, on a tiny LLaVA folder, once with the workers encoding images themselves
-and once with an encoder service (`--encoders 1`).
+`openai` client, on tiny LLaVA, Qwen2.5-VL and Gemma 3 folders, with the workers encoding
+images themselves and with an encoder service (`--encoders 1`).
 
 Greedy answers equal transformers' on the same weights and images (data URLs, and an http
 URL from a server on 127.0.0.2, the one non-public network the stack allows); a URL on
@@ -24,8 +24,8 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from tiny_vlm import build_tiny_vlm
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from tiny_vlm import build_tiny_vlm, load_processor
+from transformers import AutoModelForImageTextToText
 from vlm_reference import hf_vlm_greedy, image_file, vlm_case
 
 from meshserve.local.launcher import LauncherConfig, Stack, start_stack
@@ -75,18 +75,22 @@ def images_http() -> Iterator[dict[str, str]]:
         server.shutdown()
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=["worker-encodes", "encoder-service"])
+@pytest.fixture(scope="module", params=[("llava", 0), ("llava", 1), ("qwen2_5_vl", 1),
+                                        ("gemma3", 0)],
+                ids=["llava-worker-encodes", "llava-encoder-service",
+                     "qwen2_5_vl-encoder-service", "gemma3-worker-encodes"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
            images_http: dict[str, str]) -> Iterator[Served]:
-    folder = build_tiny_vlm(tmp_path_factory.mktemp("llava"), "llava", seed=9)
+    family, encoders = request.param
+    folder = build_tiny_vlm(tmp_path_factory.mktemp(family), family, seed=9)
     config = LauncherConfig(model=str(folder), port=0, device="cpu", dtype="float32",
-                            num_kv_blocks=64, encoders=request.param,
+                            num_kv_blocks=64, encoders=encoders,
                             allowed_media_networks=("127.0.0.2/32",),
                             run_dir=str(tmp_path_factory.mktemp("run")),
                             startup_timeout_s=300, stop_grace_s=10)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")}
     env["HF_HUB_OFFLINE"] = "1"
-    processor = AutoProcessor.from_pretrained(folder)
+    processor = load_processor(folder)
     hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     with start_stack(config, environ=env) as stack:
         client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0)
@@ -105,7 +109,9 @@ def _expected(served: Served, text_and_files: list[object]) -> str:
     parts = [{"type": "text", "text": item} if isinstance(item, str) else {"type": "image"}
              for item in text_and_files]
     files = [item[0] for item in text_and_files if not isinstance(item, str)]  # type: ignore[index]
-    case = vlm_case(served.processor, served.hf.config.image_token_index,
+    config = served.hf.config
+    token = getattr(config, "image_token_id", None) or config.image_token_index
+    case = vlm_case(served.processor, token,
                     [{"role": "user", "content": parts}], files)
     tokens = hf_vlm_greedy(served.hf, case, MAX_TOKENS)
     return served.processor.tokenizer.decode(tokens, skip_special_tokens=True)  # type: ignore[attr-defined]

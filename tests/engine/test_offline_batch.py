@@ -7,6 +7,7 @@ the tokenizer's full decode and Python string operations.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,8 +89,9 @@ class FakeEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str | None = None,
-                    lora_id: int | None = None) -> None:
+                    lora_id: int | None = None, images: Sequence[object] = ()) -> None:
         assert lora_id is None, "the fake engine serves no adapter"
+        assert not images, "the fake engine takes no images"
         if len(prompt_token_ids) >= MAX_MODEL_LEN:
             raise ContextLengthError(f"prompt has {len(prompt_token_ids)} tokens; the model "
                                      f"takes {MAX_MODEL_LEN}", param="prompt")

@@ -29,7 +29,7 @@ import torch
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.cuda_graphs import CaptureReport
 from meshserve.services.worker.engine.device_timeline import DeviceTimeline
-from meshserve.services.worker.engine.hooks import NewRequest, StepHook, Verified
+from meshserve.services.worker.engine.hooks import ImageEmbedder, NewRequest, StepHook, Verified
 from meshserve.services.worker.engine.images import PromptImage, check_images
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.kv_copy import KVCaches
@@ -137,6 +137,12 @@ class LLMEngine:
             if isinstance(hook, kind):
                 return hook
         return None
+
+    @property
+    def images(self) -> ImageEmbedder | None:
+        """A vision-language model's image encoder (None for a text model): its checks
+        before admission, its counters."""
+        return self.runner.images
 
     @property
     def block_size(self) -> int:

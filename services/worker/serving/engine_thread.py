@@ -384,7 +384,7 @@ class EngineThread:
             if params.structured is not None and command.grammar is None:
                 self._prepare(command, "grammar", grammars.submit(params.structured))
                 return
-            embedder = self.engine.runner.images
+            embedder = self.engine.images
             if command.images and command.images_fetched is None and embedder is not None:
                 fetching = embedder.prefetch(command.images)
                 if fetching is not None:  # encoder services encode while others run
