@@ -112,6 +112,12 @@ class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
         False, "let tool_choice 'auto' parse tool calls with --tool-call-parser")
     reasoning_parser: str | None = option(
         None, "split a reasoning model's thinking into reasoning_content (deepseek_r1, qwen3)")
+    enable_tokenizer_info_endpoint: bool = option(
+        False, "the gateway answers GET /tokenizer_info (as vLLM; off: 404)")
+    enable_server_load_tracking: bool = option(
+        False, "the gateway counts requests in flight for GET /load (as vLLM)")
+    enable_request_id_headers: bool = option(
+        False, "an X-Request-Id header on every gateway response (the caller's, else new)")
     run_dir: str | None = option(None, "folder for the services' logs (unset: a new "
                                        "temporary folder)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = option("INFO", "services' "
@@ -324,8 +330,10 @@ class Stack:
                             ("--reasoning-parser", c.reasoning_parser)):
             if value:
                 gateway += [flag, value]
-        if c.enable_auto_tool_choice:
-            gateway.append("--enable-auto-tool-choice")
+        for switch in ("enable_auto_tool_choice", "enable_tokenizer_info_endpoint",
+                       "enable_server_load_tracking", "enable_request_id_headers"):
+            if getattr(c, switch):
+                gateway.append("--" + switch.replace("_", "-"))
         gateway += c.media_flags()
         if c.num_gateways > 1:
             gateway.append("--reuse-port")

@@ -97,6 +97,18 @@ class CountTokensResponse(_message.Message):
     max_model_len: int
     def __init__(self, count: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
+class TokenizerInfoRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class TokenizerInfoResponse(_message.Message):
+    __slots__ = ("info_json",)
+    INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    info_json: str
+    def __init__(self, info_json: _Optional[str] = ...) -> None: ...
+
 class DetokenizeOptions(_message.Message):
     __slots__ = ("model", "request_id", "num_sequences", "prompt_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "stop", "include_stop_str_in_output", "min_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]

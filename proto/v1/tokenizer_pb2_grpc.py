@@ -48,6 +48,11 @@ class TokenizerStub:
                 request_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensRequest.SerializeToString,
                 response_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizerInfo = channel.unary_unary(
+                '/meshserve.v1.Tokenizer/GetTokenizerInfo',
+                request_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.TokenizerInfoRequest.SerializeToString,
+                response_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.TokenizerInfoResponse.FromString,
+                _registered_method=True)
         self.DetokenizeSession = channel.stream_stream(
                 '/meshserve.v1.Tokenizer/DetokenizeSession',
                 request_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.DetokenizeSessionRequest.SerializeToString,
@@ -72,6 +77,13 @@ class TokenizerServicer:
 
     def CountTokens(self, request, context):
         """Counts the prompt's tokens without returning them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTokenizerInfo(self, request, context):
+        """The tokenizer's configuration, as vLLM's GET /tokenizer_info answers it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,6 +114,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.CountTokens,
                     request_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensRequest.FromString,
                     response_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensResponse.SerializeToString,
+            ),
+            'GetTokenizerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizerInfo,
+                    request_deserializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.TokenizerInfoRequest.FromString,
+                    response_serializer=meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.TokenizerInfoResponse.SerializeToString,
             ),
             'DetokenizeSession': grpc.stream_stream_rpc_method_handler(
                     servicer.DetokenizeSession,
@@ -167,6 +184,33 @@ class Tokenizer:
             '/meshserve.v1.Tokenizer/CountTokens',
             meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensRequest.SerializeToString,
             meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.CountTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Tokenizer/GetTokenizerInfo',
+            meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.TokenizerInfoRequest.SerializeToString,
+            meshserve_dot_proto_dot_v1_dot_tokenizer__pb2.TokenizerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,8 @@ from meshserve.services.gateway.api import middleware
 from meshserve.services.gateway.api.embeddings import EmbeddingHandlers
 from meshserve.services.gateway.api.handlers import Handlers
 from meshserve.services.gateway.api.lora_admin import LoraAdmin
+from meshserve.services.gateway.api.sagemaker import Invocations
+from meshserve.services.gateway.api.server_load import ServerLoad
 from meshserve.services.gateway.api.service_handlers import ServiceHandlers
 from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.gateway.flow.admission import Admission
@@ -56,12 +58,20 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
         middleware.errors(config.retry_after_s),
         middleware.auth(config.api_key),
     ])
-    app.on_response_prepare.append(middleware.echo_request_id)
+    app.on_response_prepare.append(
+        middleware.request_id_header(config.enable_request_id_headers))
+    load = ServerLoad(config.enable_server_load_tracking)
+    invocations = Invocations(generation.chat_completions, generation.completions,
+                              embeddings.embeddings)
     routes = [
-        ("POST", COMPLETIONS_URL, generation.completions),
-        ("POST", CHAT_COMPLETIONS_URL, generation.chat_completions),
-        ("POST", EMBEDDINGS_URL, embeddings.embeddings),
-        ("POST", RESPONSES_URL, answers.create),
+        ("POST", COMPLETIONS_URL, load.tracked(generation.completions)),
+        ("POST", CHAT_COMPLETIONS_URL, load.tracked(generation.chat_completions)),
+        ("POST", EMBEDDINGS_URL, load.tracked(embeddings.embeddings)),
+        ("POST", RESPONSES_URL, load.tracked(answers.create)),
+        ("POST", "/invocations", load.tracked(invocations.handle)),
+        ("GET", "/ping", service.health),  # SageMaker's health check, both methods
+        ("POST", "/ping", service.health),
+        ("GET", "/load", load.handle),
         ("GET", RESPONSES_URL + "/{response_id}", answers.retrieve),
         ("DELETE", RESPONSES_URL + "/{response_id}", answers.delete),
         ("GET", RESPONSES_URL + "/{response_id}/input_items", answers.input_items),
@@ -76,6 +86,8 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
         ("GET", "/metrics", telemetry.handle_metrics),
         ("GET", "/metrics/all", merged_metrics(config, telemetry, clients).handle),
     ]
+    if config.enable_tokenizer_info_endpoint:  # unrouted (404) unless asked, as in vLLM
+        routes.append(("GET", "/tokenizer_info", service.tokenizer_info))
     # Behind a proxy that serves the API under --root-path, requests may arrive with the
     # prefix (the proxy kept it) or without it (the proxy stripped it): both are served.
     prefixes = ["", config.root_path] if config.root_path else [""]

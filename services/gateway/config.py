@@ -132,6 +132,15 @@ class GatewayConfig(ServiceConfig):
         False, "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM, off "
                "unless asked: they read adapter folders on the workers' file systems)",
         env="VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    enable_tokenizer_info_endpoint: bool = option(
+        False, "answer GET /tokenizer_info: the tokenizer's configuration, chat template "
+               "included (as vLLM, off unless asked: 404)")
+    enable_server_load_tracking: bool = option(
+        False, "count the generation and pooling requests in flight, reported by GET /load "
+               "as server_load (as vLLM; off: it stays 0)")
+    enable_request_id_headers: bool = option(
+        False, "an X-Request-Id header on every response: the caller's own, else a new "
+               "one (off: only a caller's X-Request-Id comes back)")
 
     def validate(self) -> None:
         super().validate()

@@ -74,6 +74,19 @@ class ServedModel:
             raise NotFoundError(f"model {model!r} is not served here (serving {self.name!r})",
                                 param="model")
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's init arguments without the vocabulary and
+        merges file paths, added tokens as their text, its class, and the server's chat
+        template when it has one (the model's own is among the init arguments)."""
+        config = dict(getattr(self.tokenizer.hf, "init_kwargs", None) or {})
+        config.pop("vocab_file", None)
+        config.pop("merges_file", None)
+        info: dict[str, Any] = _json_ready(config)
+        info["tokenizer_class"] = type(self.tokenizer.hf).__name__
+        if self.chat_template:
+            info["chat_template"] = self.chat_template
+        return info
+
     def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:
         """Render (chat) and encode a prompt, keeping the last `truncate_prompt_tokens`;
         a vision-language model's image markers expanded to each image's placeholders."""
@@ -129,3 +142,17 @@ class ServedModel:
                 f"the prompt's images: its {num_tokens} tokens hold image placeholders from "
                 f"position {ranges[0].offset}; keep at least {num_tokens - ranges[0].offset} "
                 "tokens or send fewer images", param="truncate_prompt_tokens")
+
+
+def _json_ready(value: Any) -> Any:
+    """`value` as JSON can hold it: an added token as its text (vLLM reads `.content`),
+    other objects as their str()."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(item) for item in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)

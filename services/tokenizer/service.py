@@ -15,6 +15,7 @@ replicas.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -129,6 +130,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         result = await self._tokenize(request.prompt, "count_tokens")
         return tokenizer_pb2.CountTokensResponse(count=len(result.token_ids),
                                                  max_model_len=self.model.max_model_len)
+
+    async def GetTokenizerInfo(self, request: tokenizer_pb2.TokenizerInfoRequest,
+                               context: grpc.aio.ServicerContext
+                               ) -> tokenizer_pb2.TokenizerInfoResponse:
+        self.metrics.requests.labels("tokenizer_info").inc()
+        self.model.check_name(request.model)
+        info = json.dumps(self.model.tokenizer_info())
+        return tokenizer_pb2.TokenizerInfoResponse(info_json=info)
 
     async def DetokenizeSession(
             self, request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeSessionRequest],

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Mapping
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # aiohttp's types of a middleware (the Protocol web.Applicati
 
 _log = logging.getLogger(__name__)
 # Paths that answer probes and scrapers: no span (they would drown the traces), no auth.
-_OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/metrics/all"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/version", "/metrics", "/metrics/all"})
 # Status proxies log for a request whose client went away before the answer.
 CLIENT_CLOSED = 499
 # OpenAI error type of HTTP errors aiohttp raises itself (no route, wrong method, ...).
@@ -74,12 +75,19 @@ class AccessLogger(web.AbstractAccessLogger):
         return self.logger.isEnabledFor(logging.INFO)
 
 
-async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+def request_id_header(always: bool) -> Callable[[web.Request, web.StreamResponse],
+                                                Awaitable[None]]:
     """on_response_prepare: a caller's X-Request-Id comes back on the response (streamed
-    ones too: the headers are set just before they are sent)."""
-    client_id = request.headers.get(REQUEST_ID_HEADER)
-    if client_id:
-        response.headers[REQUEST_ID_HEADER] = client_id[:256]
+    ones too: the headers are set just before they are sent); with `always`
+    (--enable-request-id-headers, vLLM's) a response to a caller who sent none carries a
+    new id (uuid4 hex), as vLLM's XRequestIdMiddleware does."""
+    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        client_id = request.headers.get(REQUEST_ID_HEADER)
+        if client_id:
+            response.headers[REQUEST_ID_HEADER] = client_id[:256]
+        elif always:
+            response.headers[REQUEST_ID_HEADER] = uuid.uuid4().hex
+    return on_prepare
 
 
 def observe(tracer: Tracer, metrics: GatewayMetrics) -> Middleware:

@@ -1,5 +1,5 @@
-"""The other endpoints: /v1/models, /tokenize, /detokenize (vLLM's shapes), /health,
-/version. /metrics is Telemetry.handle_metrics.
+"""The other endpoints: /v1/models, /tokenize, /detokenize, /tokenizer_info (vLLM's
+shapes), /health, /version. /metrics is Telemetry.handle_metrics.
 """
 
 from __future__ import annotations
@@ -113,6 +113,12 @@ class ServiceHandlers:
         text = await self._orch.detokenize(await self._orch.base_model(model), tokens,
                                            self._deadline())
         return json_response({"prompt": text})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """GET /tokenizer_info (with --enable-tokenizer-info-endpoint, as vLLM): the
+        tokenizer's configuration, its chat template included."""
+        info = await self._clients.tokenizer_info(self._config.request_timeout_s)
+        return web.Response(text=info, content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 when the scheduler and a tokenizer are SERVING and a worker is

@@ -25,6 +25,7 @@ from meshserve.proto.v1 import (
     common_pb2,
     scheduler_pb2,
     scheduler_pb2_grpc,
+    tokenizer_pb2,
     tokenizer_pb2_grpc,
     worker_pb2_grpc,
 )
@@ -145,6 +146,15 @@ class MeshClients:
                 last = exc
         assert last is not None
         raise last
+
+    async def tokenizer_info(self, timeout_s: float) -> str:
+        """The served tokenizer's configuration (vLLM's /tokenizer_info) as a JSON object's
+        text, from a replica (kept as text: it may hold integers past 64 bits, such as a
+        tokenizer's "no limit" model_max_length)."""
+        request = tokenizer_pb2.TokenizerInfoRequest()
+        response = await self.call_tokenizer(
+            lambda stub: stub.GetTokenizerInfo(request, timeout=timeout_s))
+        return response.info_json
 
     def worker(self, address: str) -> worker_pb2_grpc.WorkerStub:
         """The Worker stub of `address` (host:port), its channel opened once and cached."""

@@ -1,0 +1,111 @@
+"""vLLM's extra endpoints and flags through the whole mesh, with real HTTP: /tokenizer_info
+(--enable-tokenizer-info-endpoint), /load (--enable-server-load-tracking), X-Request-Id on
+every response (--enable-request-id-headers), and SageMaker's /ping and /invocations.
+
+One stack for the module (tiny random Llama on the CPU); every test is a few requests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from tiny_models import build_tiny_model
+from transformers import AutoTokenizer
+
+from meshserve.local.launcher import LauncherConfig, start_stack
+
+MODEL = "tiny-endpoints"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model"), "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    config = LauncherConfig(model=str(model_dir), served_model_name=MODEL, workers=1, port=0,
+                            num_kv_blocks=64, dtype="float32", device="cpu", kvstore=False,
+                            max_model_len=128, enable_tokenizer_info_endpoint=True,
+                            enable_server_load_tracking=True, enable_request_id_headers=True,
+                            run_dir=str(tmp_path_factory.mktemp("run")),
+                            startup_timeout_s=300, stop_grace_s=10)
+    with start_stack(config) as running:
+        yield running
+
+
+def call(stack, method: str, path: str, body: dict[str, Any] | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one request to the gateway."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(stack.gateway_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def test_tokenizer_info_is_the_tokenizers_configuration(stack, model_dir: Path) -> None:
+    status, _, raw = call(stack, "GET", "/tokenizer_info")
+    assert status == 200, raw
+    info = json.loads(raw)
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    assert info["tokenizer_class"] == type(hf).__name__
+    assert "vocab_file" not in info and "merges_file" not in info
+    assert info["eos_token"] == hf.eos_token
+    assert info["model_max_length"] == hf.model_max_length
+    added = info.get("added_tokens_decoder", {})
+    assert all(isinstance(text, str) for text in added.values())  # tokens as their text
+
+
+def test_load_counts_requests_in_flight(stack) -> None:
+    assert json.loads(call(stack, "GET", "/load")[2]) == {"server_load": 0}
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
+    with client.completions.create(model=MODEL, prompt="hello", max_tokens=8, stream=True,
+                                   extra_body={"ignore_eos": True}) as stream:
+        next(iter(stream))
+        assert json.loads(call(stack, "GET", "/load")[2]) == {"server_load": 1}
+        list(stream)
+    assert json.loads(call(stack, "GET", "/load")[2]) == {"server_load": 0}
+
+
+def test_every_response_carries_a_request_id(stack) -> None:
+    _, headers, _ = call(stack, "GET", "/health", headers={"X-Request-Id": "mine-1"})
+    assert headers["X-Request-Id"] == "mine-1"
+    for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("GET", "/nowhere")):
+        _, headers, _ = call(stack, method, path)
+        assert re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"]), (path, headers)
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_headers={"X-Request-Id": "chat-7"})
+    assert raw.headers["x-request-id"] == "chat-7"
+
+
+def test_ping_answers_get_and_post(stack) -> None:
+    assert call(stack, "GET", "/ping")[0] == 200
+    assert call(stack, "POST", "/ping")[0] == 200
+
+
+def test_invocations_dispatch_on_the_body(stack) -> None:
+    status, _, raw = call(stack, "POST", "/invocations", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert status == 200 and json.loads(raw)["object"] == "chat.completion", raw
+    status, _, raw = call(stack, "POST", "/invocations",
+                          {"model": MODEL, "prompt": "once upon", "max_tokens": 3})
+    assert status == 200 and json.loads(raw)["object"] == "text_completion", raw
+    status, _, raw = call(stack, "POST", "/invocations", {"model": MODEL, "input": "hi"})
+    assert status == 400, raw  # the embeddings endpoint's answer: no pooling worker
+    status, _, raw = call(stack, "POST", "/invocations", {"model": MODEL, "text": "hi"})
+    assert status == 400
+    assert "Cannot find suitable handler" in json.loads(raw)["error"]["message"]
