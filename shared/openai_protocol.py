@@ -383,14 +383,17 @@ def _tools(fields: _Fields) -> tuple[dict[str, Any], ...] | None:
     return tuple(tools) if tools else None
 
 
-def _with_tool_constraint(params: SamplingParams, constraint: StructuredOutputs | None
-                          ) -> SamplingParams:
-    """`params` constrained to the JSON a required or named tool choice calls for."""
+def _with_tool_constraint(params: SamplingParams, constraint: StructuredOutputs | None,
+                          body: Mapping[str, Any]) -> SamplingParams:
+    """`params` constrained to the JSON a required or named tool choice calls for. As in
+    vLLM, the tool schema wins over a `response_format`, while `structured_outputs` (or a
+    guided_* field) with a forced call is refused."""
     if constraint is None:
         return params
-    if params.structured is not None:
-        raise _bad("a required or named tool_choice constrains the output itself; it cannot "
-                   "be combined with response_format or structured_outputs", "tool_choice")
+    if params.structured is not None and (
+            body.get("response_format") is None or body.get("structured_outputs") is not None):
+        raise _bad("You can only either use constraints for structured outputs or tools, "
+                   "not both.", "tool_choice")
     return replace(params, structured=constraint)
 
 
@@ -431,7 +434,8 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
     tools = _tools(fields)
     choice = read_tool_choice(fields.raw("tool_choice"), tools)
     parallel = fields.bool_("parallel_tool_calls") is not False
-    params = _with_tool_constraint(params, choice.constraint(tools or (), parallel=parallel))
+    params = _with_tool_constraint(params, choice.constraint(tools or (), parallel=parallel),
+                                   fields.body)
     include_reasoning = fields.bool_("include_reasoning") is not False
     return ChatCompletionRequest(
         tuple(messages), params, _options(fields), tools, add_generation_prompt,

@@ -8,6 +8,9 @@ checked, and the JSON schema that forces a call when the request requires one.
 the tools each; a named function makes it write that function's arguments object.
 Both are enforced with structured outputs, so the calls always parse (as vLLM does), in
 compact JSON (arguments are for programs, and a model cannot spend its tokens on spaces).
+A function's `$defs` move to the top of the array schema, where its `#/$defs/...`
+references find them (as vLLM's `get_json_schema_from_tools`); two functions defining one
+name differently are refused, as vLLM refuses them.
 """
 
 from __future__ import annotations
@@ -70,15 +73,32 @@ def read_tool_choice(value: object, tools: Sequence[Mapping[str, Any]] | None) -
 def required_calls_schema(tools: Sequence[Mapping[str, Any]], parallel: bool
                           ) -> dict[str, Any]:
     """An array of calls, each {"name": one tool's name, "parameters": its arguments}."""
+    parameters = [_parameters(t["function"]) for t in tools]
+    defs = _hoisted_defs(parameters)
     calls = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                             "parameters": _parameters(t["function"])},
-              "required": ["name", "parameters"]} for t in tools]
+                             "parameters": p},
+              "required": ["name", "parameters"]} for t, p in zip(tools, parameters)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+def _hoisted_defs(parameters: list[dict[str, Any]]) -> dict[str, Any]:
+    """The functions' `$defs` taken out of `parameters` (changed in place) and merged."""
+    merged: dict[str, Any] = {}
+    for schema in parameters:
+        defs = schema.pop("$defs", None)
+        for name, definition in (defs.items() if isinstance(defs, Mapping) else ()):
+            if merged.get(name, definition) != definition:
+                raise InvalidRequestError(f"Tool definition '{name}' has multiple schemas, "
+                                          "which is not supported.", param="tools")
+            merged[name] = definition
+    return merged
 
 
 def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:

@@ -164,7 +164,7 @@ async def test_required_is_constrained_and_streams_arguments_as_written() -> Non
     assert structured.disable_any_whitespace
     same_message(answer, reassemble(streamed))
     for choice in answer["choices"]:
-        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
         assert [(c["function"]["name"], c["function"]["arguments"])
                 for c in choice["message"]["tool_calls"]] == [
             ("add", '{"a": 10, "b": 20}'), ("get_weather", '{"city": "Zürich"}')]
@@ -193,6 +193,55 @@ async def test_a_named_function_is_called_and_ends_with_stop() -> None:
     assert choice["finish_reason"] == "stop"  # as OpenAI and vLLM for a forced function
     [call] = choice["message"]["tool_calls"]
     assert call["function"] == {"name": "add", "arguments": '{"a": 4, "b": 5}'}
+    assert choice["message"]["content"] == ""  # as vLLM (not null)
+
+
+async def test_a_forced_call_cut_by_max_tokens_is_no_call() -> None:
+    named = {"type": "function", "function": {"name": "add"}}
+    for choice, script in ((named, '{"a": 4, "b": 5}'),
+                           ("required", '[{"name": "add", "parameters": {"a": 4}}]')):
+        async with start_mesh() as mesh:
+            mesh.worker.script = lambda i, script=script: script
+            request = body(tool_choice=choice, max_tokens=8)
+            answer = await whole(mesh, request)
+            streamed = reassemble(await chunks(mesh, request))
+        [first] = answer["choices"]
+        assert first["finish_reason"] == "length" and streamed[0]["finish"] == "length"
+        assert "tool_calls" not in first["message"]
+        assert first["message"]["content"] == script[:8]
+
+
+async def test_required_wins_over_response_format_as_in_vllm() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "string"}}}
+    formats = ({"type": "json_object"},
+               {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    async with start_mesh() as mesh, aiohttp.ClientSession() as http:
+        mesh.worker.script = lambda i: '[{"name": "add", "parameters": {"a": 1}}]'
+        for response_format in formats:
+            answer = await whole(mesh, body(tool_choice="required",
+                                            response_format=response_format))
+            assert answer["choices"][0]["finish_reason"] == "tool_calls"
+        specs = [json.loads(r.params.structured.spec) for r in mesh.worker.requests]
+        assert specs == [required_calls_schema(TOOLS, True)] * 2
+        async with http.post(f"{mesh.base_url}/v1/chat/completions", json=body(
+                tool_choice="required", structured_outputs={"json": schema})) as resp:
+            assert resp.status == 400  # vLLM: structured outputs or tools, not both
+
+
+async def test_defs_of_the_functions_move_to_the_top_of_the_required_schema() -> None:
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "$defs": {"Point": point},
+        "properties": {"at": {"$ref": "#/$defs/Point"}}}}} for name in ("a", "b")]
+    schema = required_calls_schema(tools, True)
+    assert schema["$defs"] == {"Point": point} and "$defs" in tools[0]["function"]["parameters"]
+    assert all("$defs" not in c["properties"]["parameters"] for c in schema["items"]["anyOf"])
+    tools[1]["function"]["parameters"]["$defs"] = {"Point": {"type": "string"}}
+    async with start_mesh() as mesh, aiohttp.ClientSession() as http, http.post(
+            f"{mesh.base_url}/v1/chat/completions",
+            json={**body(tool_choice="required"), "tools": tools}) as resp:
+        assert resp.status == 400
+        assert "multiple schemas" in (await resp.json())["error"]["message"]
 
 
 async def test_mistral_markers_survive_detokenization() -> None:

@@ -212,7 +212,7 @@ def test_a_required_tool_choice_always_gives_valid_calls(client: openai.OpenAI,
     answer = client.chat.completions.create(**kwargs)
     streamed = streamed_message(client, **kwargs)
     for choice in answer.choices:
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.finish_reason == "tool_calls" and choice.message.content == ""  # vLLM
         calls = choice.message.tool_calls or []
         assert calls and (parallel or len(calls) == 1)
         for call in calls:

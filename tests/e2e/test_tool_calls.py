@@ -76,7 +76,7 @@ def test_required_calls_parse_and_stream_the_same(client: openai.OpenAI,
     streamed = streamed_calls(client, **kwargs)
     for choice in answer.choices:
         calls = choice.message.tool_calls or []
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.finish_reason == "tool_calls" and choice.message.content == ""  # vLLM
         assert calls and (parallel or len(calls) == 1)
         assert_valid(calls)
         assert streamed[choice.index] == [(c.function.name, c.function.arguments)
@@ -93,8 +93,57 @@ def test_a_named_call_parses_with_the_parsers_on(client: openai.OpenAI) -> None:
     for choice in answer.choices:
         [call] = choice.message.tool_calls or []
         assert choice.finish_reason == "stop" and call.function.name == "toggle"
+        assert choice.message.content == ""  # as vLLM, not null
         assert_valid([call])
         assert streamed[choice.index] == [("toggle", call.function.arguments)]
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0,
+                                                "maximum": 9}},
+         "required": ["x"], "additionalProperties": False}
+MOVE = {"type": "function", "function": {"name": "move", "parameters": {
+    "type": "object", "$defs": {"Point": POINT},
+    "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "move"}}])
+def test_a_function_with_defs_is_called(client: openai.OpenAI, choice: Any) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "go"}], tools=[MOVE],
+        tool_choice=choice, temperature=0, max_tokens=200)
+    calls = answer.choices[0].message.tool_calls or []
+    assert calls and answer.choices[0].finish_reason in ("stop", "tool_calls")
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments),
+                            MOVE["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens_ends_with_length(client: openai.OpenAI,
+                                                          stream: bool) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL, "messages": [{"role": "user", "content": "switch"}], "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "toggle"}},
+        "temperature": 0, "max_tokens": 2}
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "length" and not choice.message.tool_calls
+        return
+    finishes = [c.finish_reason for chunk in client.chat.completions.create(
+        stream=True, **kwargs) for c in chunk.choices if c.finish_reason]
+    assert finishes == ["length"]
+
+
+def test_required_wins_over_response_format(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "look"}], tools=TOOLS,
+        tool_choice="required", response_format={"type": "json_object"},
+        parallel_tool_calls=False, temperature=0, max_tokens=400)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert_valid(choice.message.tool_calls or [])
 
 
 def test_auto_is_served_when_the_flags_are_on(client: openai.OpenAI) -> None:

@@ -234,7 +234,7 @@ class ChatRenderer(Renderer):
             choice = bodies.chat_choice(i, "".join(c.texts), c.finish_reason, c.stop_reason,
                                      self._logprobs(c.logprobs))
             if self._outputs is not None:
-                fields, called = self._outputs[i].message("".join(c.texts))
+                fields, called = self._outputs[i].message("".join(c.texts), c.finish_reason)
                 choice["message"].update(fields)
                 choice["finish_reason"] = self._finish_reason(c.finish_reason, called)
             choices.append(self._with_prompt_logprobs(choice, i))

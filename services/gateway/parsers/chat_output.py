@@ -88,8 +88,11 @@ class ChoiceOutput:
                            else None)
         self.called = False  # a tool call was sent (streaming)
 
-    def message(self, text: str) -> tuple[dict[str, Any], bool]:
-        """The message's fields for the whole text, and whether it holds tool calls."""
+    def message(self, text: str, finish_reason: str | None = None
+                ) -> tuple[dict[str, Any], bool]:
+        """The message's fields for the whole text, and whether it holds tool calls. A
+        forced call answers `content: ""` beside its calls; one cut by max_tokens
+        (`finish_reason` "length") is no call, its text the content (as vLLM and OpenAI)."""
         fields: dict[str, Any] = {"content": text or None}
         content = text
         if self._reasoning is not None:
@@ -101,8 +104,12 @@ class ChoiceOutput:
                 fields["reasoning_content"] = fields["reasoning"] = reasoning
         if self._tools is None:
             return fields, False
+        forced = self.settings.tool_choice.mode in ("required", "named")
+        if forced and finish_reason == "length":
+            fields["content"] = content
+            return fields, False
         leftover, calls = self._tools.extract(content)
-        fields["content"] = leftover
+        fields["content"] = "" if forced and calls else leftover
         if not self.settings.parallel_tool_calls:
             calls = calls[:1]
         if calls:
