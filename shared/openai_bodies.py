@@ -75,8 +75,11 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob
         offsets.append(text_offset)
         text_offset += len(text)
         token_logprobs.append(None if entry is None else _clamp(entry.logprob))
-        top_logprobs.append(None if entry is None else
-                            {renderer.token_text(t): _clamp(lp) for t, lp in entry.top})
+        # As vLLM: the token itself first, then its top alternatives (so `logprobs=0`
+        # still shows the sampled token, and an echoed prompt token shows itself).
+        top_logprobs.append(None if entry is None else {
+            renderer.token_text(t): _clamp(lp)
+            for t, lp in [(entry.token_id, entry.logprob), *entry.top]})
     return {"tokens": tokens, "token_logprobs": token_logprobs,
             "top_logprobs": top_logprobs, "text_offset": offsets}
 
@@ -125,11 +128,12 @@ def chat_choice(index: int, content: str, finish_reason: str | None,
             "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
-def chat_delta_choice(index: int, content: str | None, *, role: bool = False,
+def chat_delta_choice(index: int, content: str | None, *, role: bool | str = False,
                       finish_reason: str | None = None, stop_reason: int | str | None = None,
                       logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One choice of a chat.completion.chunk; the first chunk of a choice sets `role`."""
-    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    """One choice of a chat.completion.chunk; the first chunk of a choice sets `role`
+    (True: "assistant")."""
+    delta: dict[str, Any] = {"role": "assistant" if role is True else role} if role else {}
     if content is not None:
         delta["content"] = content
     return {"index": index, "delta": delta, "logprobs": logprobs,

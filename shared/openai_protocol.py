@@ -30,6 +30,10 @@ _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "freque
 _SAMPLING_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                    "spaces_between_special_tokens")
 
+# Strings pydantic's lax mode (vLLM's request models) reads as booleans.
+_LAX_BOOLS = {**dict.fromkeys(("true", "t", "yes", "y", "on", "1"), True),
+              **dict.fromkeys(("false", "f", "no", "n", "off", "0"), False)}
+
 
 # -- fields meshserve does not implement -----------------------------------------------------
 
@@ -105,7 +109,8 @@ class _Fields:
 
     def int_(self, key: str) -> int | None:
         value = self.body.get(key)
-        if isinstance(value, float) and value.is_integer():
+        # orjson reads integers outside 64 bits as floats: those stay refused (not rounded).
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
             return int(value)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise self._wrong(key, "an integer", value)
@@ -122,6 +127,16 @@ class _Fields:
         if value is not None and not isinstance(value, bool):
             raise self._wrong(key, "a boolean", value)
         return value
+
+    def lax_bool(self, key: str) -> bool | None:
+        """A boolean as vLLM's pydantic models read one: also "true"/"false", "yes"/"no",
+        "on"/"off", "1"/"0" (any case) and the numbers 1 and 0."""
+        value = self.body.get(key)
+        if isinstance(value, str) and value.lower() in _LAX_BOOLS:
+            return _LAX_BOOLS[value.lower()]
+        if not isinstance(value, bool) and isinstance(value, (int, float)) and value in (0, 1):
+            return bool(value)
+        return self.bool_(key)
 
     def str_(self, key: str) -> str | None:
         value = self.body.get(key)
@@ -274,9 +289,9 @@ def _prompt_logprobs(fields: _Fields, stream: bool) -> bool:
     wanted = fields.int_("prompt_logprobs")
     if wanted is None:
         return False
-    if wanted < 0:
-        raise _bad(f"'prompt_logprobs' must be >= 0 (the top alternatives of each prompt "
-                   f"token), got {wanted}", "prompt_logprobs")
+    if wanted < -1:
+        raise _bad(f"'prompt_logprobs' must be a positive value or -1 (the whole "
+                   f"vocabulary), got {wanted}", "prompt_logprobs")
     if stream:
         raise _bad("'prompt_logprobs' is returned with whole responses only, not when "
                    "streaming", "prompt_logprobs")
@@ -312,6 +327,8 @@ class CompletionRequest:
 def _prompts(value: object) -> tuple[Prompt, ...]:
     if isinstance(value, str):
         return (value,)
+    if value == [] or (isinstance(value, list) and [] in value):  # vLLM's text
+        raise _bad("The decoder prompt cannot be empty", "prompt")
     if isinstance(value, list) and value:
         if all(isinstance(p, str) for p in value):
             return tuple(value)
@@ -370,6 +387,26 @@ class ChatCompletionRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     parallel_tool_calls: bool = True
     include_reasoning: bool = True
+    echo: bool = False
+    """vLLM's field: the answer starts with the final message's content when that message
+    has the answer's role (with `continue_final_message`)."""
+
+    @property
+    def response_role(self) -> str:
+        """The answer's role, as vLLM gives it: the assistant's after a generation prompt,
+        else the final message's."""
+        return "assistant" if self.add_generation_prompt else str(self.messages[-1]["role"])
+
+    @property
+    def echo_text(self) -> str:
+        """What `echo` puts before the answer ("" without echo)."""
+        last = self.messages[-1]
+        if not self.echo or last.get("role") != self.response_role:
+            return ""
+        content = last.get("content") or ""
+        if isinstance(content, list):
+            return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return str(content)
 
 
 def _tools(fields: _Fields) -> tuple[dict[str, Any], ...] | None:
@@ -407,7 +444,7 @@ def _chat_sampling(fields: _Fields) -> SamplingParams:
         max_tokens = fields.int_("max_tokens")
     kwargs["max_tokens"] = max_tokens  # None: as many as the context leaves
     top = fields.int_("top_logprobs")
-    if fields.bool_("logprobs"):
+    if fields.lax_bool("logprobs"):
         kwargs["logprobs"] = top or 0
         aliases["logprobs"] = "top_logprobs"
     elif top is not None:
@@ -440,4 +477,5 @@ def parse_chat_request(body: object) -> ChatCompletionRequest:
     return ChatCompletionRequest(
         tuple(messages), params, _options(fields), tools, add_generation_prompt,
         continue_final, fields.obj("chat_template_kwargs"), bool(add_special),
-        fields.str_("chat_template"), choice, parallel, include_reasoning)
+        fields.str_("chat_template"), choice, parallel, include_reasoning,
+        bool(fields.bool_("echo")))

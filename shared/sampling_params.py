@@ -9,9 +9,12 @@ from meshserve.shared.structured_outputs import StructuredOutputs
 
 # Most sequences one request may fan out to; each holds its own KV blocks.
 MAX_N = 128
-# Most top alternatives a request may ask for per position (OpenAI allows 20;
-# vLLM's default cap is 20 as well).
+# Default of the worker's --max-logprobs: most top alternatives a request may ask for per
+# position (OpenAI allows 20; vLLM's default cap is 20 as well). The worker checks it, as it
+# knows the vocabulary that `logprobs=-1` (every token) stands for.
 MAX_LOGPROBS = 20
+# `logprobs` / `prompt_logprobs` of -1 (the whole vocabulary) as the wire's uint32 carries it.
+WHOLE_VOCAB_WIRE = 2**32 - 1
 
 
 def _check(ok: bool, message: str, param: str) -> None:
@@ -26,7 +29,7 @@ class SamplingParams:
     `top_k` <= 0 and `top_p` == 1 and `min_p` == 0 switch those filters off;
     `temperature` == 0 means greedy. `logprobs` is the number of top
     alternatives returned per output token (0: only the chosen token's
-    logprob; None: no logprobs). `stop` strings are matched by the
+    logprob; -1: every token of the vocabulary; None: no logprobs). `stop` strings are matched by the
     detokenizer, not by the engine. `structured` constrains every output token to a
     schema, regex, choice or grammar (compiled and applied by the worker); the tokens of
     `bad_words` are never generated (vLLM's meaning: a word's last token is banned where
@@ -82,12 +85,13 @@ class SamplingParams:
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                "min_tokens")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary (vLLM's)
             value = getattr(self, name)
-            _check(value is None or 0 <= value <= MAX_LOGPROBS,
-                   f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
-        _check(self.seed is None or -(2**63) <= self.seed < 2**64,
-               f"seed must fit in 64 bits, got {self.seed}", "seed")
+            _check(value is None or -1 <= value < WHOLE_VOCAB_WIRE,
+                   f"`{name}` must be a positive value or -1, got {value}", name)
+        # vLLM's bounds: a signed 64-bit integer.
+        _check(self.seed is None or -(2**63) <= self.seed < 2**63,
+               f"seed must be between {-(2**63)} and {2**63 - 1}, got {self.seed}", "seed")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
         _check(all(isinstance(s, str) and s for s in self.stop),

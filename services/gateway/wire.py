@@ -18,7 +18,7 @@ from meshserve.services.gateway.flow.job import PlacedImage, PreparedPrompt
 from meshserve.services.gateway.media.loader import LoadedImage
 from meshserve.shared.errors import InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
-from meshserve.shared.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import WHOLE_VOCAB_WIRE, SamplingParams
 from meshserve.shared.structured_outputs import StructuredOutputs
 
 _UINT32_MAX = 2**32 - 1
@@ -63,8 +63,8 @@ def sampling_params(params: SamplingParams, max_tokens: int | None) -> common_pb
         allowed_token_ids=check_token_ids(params.allowed_token_ids, "allowed_token_ids"),
         stop_token_ids=check_token_ids(params.stop_token_ids, "stop_token_ids"),
         include_stop_str_in_output=params.include_stop_str_in_output,
-        ignore_eos=params.ignore_eos, logprobs=params.logprobs,
-        prompt_logprobs=params.prompt_logprobs,
+        ignore_eos=params.ignore_eos, logprobs=_logprobs_wire(params.logprobs),
+        prompt_logprobs=_logprobs_wire(params.prompt_logprobs),
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         extra_json=orjson.dumps(params.extra).decode() if params.extra else "")
@@ -158,6 +158,11 @@ def route_images(prepared: PreparedPrompt) -> list[scheduler_pb2.RouteImage]:
     """A prompt's images as the scheduler hashes them into the prompt's blocks."""
     return [scheduler_pb2.RouteImage(hash=placed.image.sha256, range=common_pb2.PlaceholderRange(
         offset=placed.offset, length=placed.length)) for placed in prepared.images]
+
+
+def _logprobs_wire(count: int | None) -> int | None:
+    """A logprobs count as the wire's uint32 carries it (-1, every token: WHOLE_VOCAB_WIRE)."""
+    return WHOLE_VOCAB_WIRE if count == -1 else count
 
 
 def token_logprobs(entry: common_pb2.TokenLogprobs) -> TokenLogprobs:

@@ -267,9 +267,9 @@ def _normalize_message(message: object, index: int, content_parts: bool) -> dict
     if not isinstance(message, dict):
         raise _bad(f"{where} must be an object", "messages")
     role = message.get("role")
-    if role not in _ROLES:
-        raise _bad(f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}",
-                   f"{where}.role")
+    if not isinstance(role, str) or not role:  # any role reaches the template, as in vLLM
+        raise _bad(f"{where}.role must be a non-empty string (such as {', '.join(_ROLES)}); got "
+                   f"{role!r}", f"{where}.role")
     out = dict(message)
     content = message.get("content")
     if content is None:

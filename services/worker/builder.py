@@ -172,7 +172,8 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
         max_model_len=loaded.max_model_len, max_num_seqs=max_num_seqs, kv=kv, quant=quant,
         scheduler=scheduler, runner=runner,
         validator=RequestValidator(model_config.vocab_size, loaded.max_model_len,
-                                   kv.sequence_capacity(batched_tokens, loaded.max_model_len)),
+                                   kv.sequence_capacity(batched_tokens, loaded.max_model_len),
+                                   config.max_logprobs),
         hooks=hooks, ranks=ranks, graph_report=graphs, piecewise_report=pieces))
 
 

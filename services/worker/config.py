@@ -22,6 +22,7 @@ from meshserve.services.worker.runner_config import RunnerOptions
 from meshserve.shared.config import Config, ServiceConfig, option
 from meshserve.shared.errors import ConfigError, InvalidRequestError
 from meshserve.shared.lora_config import parse_lora_modules
+from meshserve.shared.sampling_params import MAX_LOGPROBS
 from meshserve.shared.speculative_config import SpeculativeConfig, parse_speculative_config
 
 GiB = 1 << 30
@@ -119,6 +120,10 @@ class EngineConfig(Config):
               "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (prompt lookup) or "
               "'{\"model\": \"<draft folder>\", \"num_speculative_tokens\": 3}' (a draft "
               "model of the same vocabulary); see docs/speculative.md")
+    max_logprobs: int = option(
+        MAX_LOGPROBS, "most logprobs a request may ask for per token (logprobs, "
+                      "top_logprobs, prompt_logprobs); -1: the whole vocabulary, which is "
+                      "also what a request's -1 asks for (as vLLM)")
     generation_config: str = option(
         "auto", "sampling defaults for fields a request leaves out: auto (the model's "
                 "generation_config.json, as vLLM), vllm (none), or a folder holding one")
@@ -158,6 +163,8 @@ class EngineConfig(Config):
         require(self.mm_encoder_placement != "encoder" or bool(self.encoder_address_list),
                 "--mm-encoder-placement encoder needs --encoder-addresses",
                 "mm_encoder_placement")
+        require(self.max_logprobs >= -1, "--max-logprobs must be -1 (the vocabulary) or "
+                f"a count, got {self.max_logprobs}", "max_logprobs")
         require(0.0 < self.gpu_memory_utilization <= 1.0,
                 "--gpu-memory-utilization must be in (0, 1]", "gpu_memory_utilization")
         for name in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "num_threads"):

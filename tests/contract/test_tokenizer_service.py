@@ -212,7 +212,7 @@ async def test_bad_requests_fail_alone_with_invalid_argument(harness: Harness,
                                                              hf: PreTrainedTokenizerBase) -> None:
     cases = {
         "messages": pb.TokenizeRequest(chat=pb.ChatMessages()),
-        "messages[0].role": pb.TokenizeRequest(chat=_chat([{"role": "wizard",
+        "messages[0].role": pb.TokenizeRequest(chat=_chat([{"role": "",
                                                             "content": "hi"}])),
         "input": pb.TokenizeRequest(),
         "tools": pb.TokenizeRequest(chat=_chat(MESSAGES), tools_json="{not json"),

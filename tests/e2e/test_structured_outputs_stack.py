@@ -349,9 +349,8 @@ def test_return_token_ids_gives_prompt_and_output_ids(client: openai.OpenAI) -> 
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
             temperature=0, stream=True, extra_body={"return_token_ids": True,
                                                     "ignore_eos": True}):
+        if (chunk.model_extra or {}).get("prompt_token_ids"):  # on the role chunk (vLLM)
+            prompt_ids.append(chunk.model_extra["prompt_token_ids"])  # type: ignore[index]
         for c in chunk.choices:
-            extra = c.model_dump()
-            streamed += extra.get("token_ids") or []
-            if extra.get("prompt_token_ids"):
-                prompt_ids.append(extra["prompt_token_ids"])
+            streamed += c.model_dump().get("token_ids") or []
     assert len(streamed) == 5 and len(prompt_ids) == 1 and prompt_ids[0]

@@ -98,7 +98,7 @@ def test_echo_with_logprobs_asks_for_prompt_logprobs_without_returning_the_field
     assert not request.options.return_prompt_logprobs
     asked = parse_completion_request({"prompt": "hi", "prompt_logprobs": 0})
     assert asked.params.prompt_logprobs == 0 and asked.options.return_prompt_logprobs
-    for bad, stream in ((-1, False), (1, True)):
+    for bad, stream in ((-2, False), (1, True), (-1, True)):  # -1: the whole vocabulary
         with pytest.raises(InvalidRequestError) as refused:
             parse_completion_request({"prompt": "hi", "prompt_logprobs": bad, "stream": stream})
         assert refused.value.param == "prompt_logprobs"

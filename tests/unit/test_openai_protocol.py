@@ -109,7 +109,7 @@ def test_wrong_types_name_the_parameter(key: str, value: object, message: str) -
     ({"temperature": -1}, "temperature"),
     ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -2}, "logprobs"),  # -1 is the whole vocabulary; the worker bounds counts
     ({"top_p": 0}, "top_p"),
     ({"logit_bias": {"3": 101}}, "logit_bias"),
     ({"stop": ["ok", ""]}, "stop"),
@@ -172,7 +172,7 @@ def test_chat_defaults() -> None:
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_completion_tokens": "9"}, "max_completion_tokens"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 25}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -2}, "top_logprobs"),
     ({"logprobs": 3}, "logprobs"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"tools": [{"type": "function"}]}, "tools"),
@@ -206,7 +206,8 @@ def test_completion_logprobs_and_offsets() -> None:
     texts = [renderer.token_text(t) for t in (5, 12, 7)]
     assert out["tokens"] == texts
     assert out["token_logprobs"] == [None, -0.5, -9999.0]
-    assert out["top_logprobs"] == [None, {"t12": -0.5, "t3": -1.5}, {}]
+    # As vLLM: each position's top_logprobs hold the token itself, then its alternatives.
+    assert out["top_logprobs"] == [None, {"t12": -0.5, "t3": -1.5}, {texts[2]: -9999.0}]
     assert out["text_offset"] == [4, 4 + len(texts[0]), 4 + len(texts[0]) + len(texts[1])]
 
 

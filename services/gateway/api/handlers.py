@@ -264,11 +264,14 @@ class Handlers:
     async def _write_stream(self, response: web.StreamResponse, generation: Generation,
                             renderer: Renderer) -> None:
         options = generation.job.options
-        start = renderer.start()
+        # As vLLM: continuous usage stats only where usage is asked for at all, on every
+        # chunk from the first (role) chunk on.
+        continuous = options.include_usage and options.continuous_usage_stats
+        start = renderer.start(_before_output(generation.usage()) if continuous else None)
         if start:
             await response.write(start)
         async for update in generation.updates():
-            usage = generation.usage() if options.continuous_usage_stats else None
+            usage = generation.usage() if continuous else None
             data = renderer.chunks(update, usage)
             if data:
                 await response.write(data)
@@ -276,6 +279,11 @@ class Handlers:
         if options.include_usage:
             await response.write(renderer.usage_chunk(usage))
         _annotate_result(generation, renderer, usage)
+
+
+def _before_output(usage: dict[str, Any]) -> dict[str, Any]:
+    """The usage of chunks sent before any output (the role chunk): no completion tokens."""
+    return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
 
 
 def _annotate_request(job: GenerationJob) -> None:

@@ -49,8 +49,13 @@ class Renderer:
 
     # -- streaming --------------------------------------------------------------------------
 
-    def start(self) -> bytes:
-        """SSE bytes sent before the first update (none by default)."""
+    # Whether a choice carries its prompt's `prompt_token_ids` (completions) or the response
+    # does (chat: on its role chunks and whole objects), as vLLM places them.
+    _prompt_ids_on_choice = True
+
+    def start(self, usage: dict[str, Any] | None = None) -> bytes:
+        """SSE bytes sent before the first update (none by default); `usage`: the
+        continuous usage stats they carry."""
         return b""
 
     def chunks(self, update: GenerationUpdate, usage: dict[str, Any] | None = None) -> bytes:
@@ -59,11 +64,15 @@ class Renderer:
         for delta in update.choices:
             choice = self._stream_choice(delta)
             if choice is not None:
-                first = delta.index not in self._ids_sent
+                first = delta.index not in self._ids_sent and self._prompt_ids_on_choice
                 self._ids_sent.add(delta.index)
                 events.append(bodies.sse(self._chunk([self._with_token_ids(
                     choice, delta.index, delta.token_ids, first)], usage)))
         return b"".join(events)
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        """The prompt token ids of choice `index`."""
+        return list(self.prompts[index // self.job.params.n].token_ids)
 
     @property
     def _tokens_are_news(self) -> bool:
@@ -76,8 +85,7 @@ class Renderer:
         """A choice with vLLM's `token_ids` (and, first, `prompt_token_ids`) when asked."""
         if self.job.options.return_token_ids:
             if with_prompt:
-                choice["prompt_token_ids"] = list(
-                    self.prompts[index // self.job.params.n].token_ids)
+                choice["prompt_token_ids"] = self._prompt_ids(index)
             choice["token_ids"] = list(token_ids)
         return choice
 
@@ -124,13 +132,21 @@ class Renderer:
     def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         raise NotImplementedError
 
+    def _prompt_logprobs(self, index: int) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` of choice `index`'s prompt; None when not asked."""
+        if not self.job.options.return_prompt_logprobs:
+            return None
+        entries = self._choices[index].prompt_logprobs or [None]
+        return bodies.prompt_logprobs_field(entries, self.lookup)
+
     def _with_prompt_logprobs(self, choice: dict[str, Any], index: int) -> dict[str, Any]:
-        """A whole response's choice, with vLLM's `prompt_logprobs` and token ids when they
-        were asked."""
-        self._with_token_ids(choice, index, self._choices[index].output_ids, True)
-        if self.job.options.return_prompt_logprobs:
-            entries = self._choices[index].prompt_logprobs or [None]
-            choice["prompt_logprobs"] = bodies.prompt_logprobs_field(entries, self.lookup)
+        """A whole response's choice with vLLM's fields: `token_ids` and (on a completion's
+        choice) `prompt_token_ids` and `prompt_logprobs`, null when not asked."""
+        asked = self.job.options.return_token_ids
+        choice["token_ids"] = list(self._choices[index].output_ids) if asked else None
+        if self._prompt_ids_on_choice:
+            choice["prompt_logprobs"] = self._prompt_logprobs(index)
+            choice["prompt_token_ids"] = self._prompt_ids(index) if asked else None
         return choice
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None
@@ -186,10 +202,21 @@ class ChatRenderer(Renderer):
             return None
         return bodies.chat_logprobs([e for e in entries if e is not None], self.lookup)
 
-    def start(self) -> bytes:
-        """Each choice's first chunk: the assistant role with empty content (as OpenAI)."""
-        return b"".join(bodies.sse(self._chunk([bodies.chat_delta_choice(i, "", role=True)], None))
-                        for i in range(self.job.num_choices))
+    _prompt_ids_on_choice = False
+
+    def start(self, usage: dict[str, Any] | None = None) -> bytes:
+        """Each choice's first chunk: the role with empty content (as OpenAI), with vLLM's
+        `prompt_token_ids` when asked; then, with `echo`, the final message's content."""
+        events = []
+        for i in range(self.job.num_choices):
+            chunk = self._chunk([bodies.chat_delta_choice(i, "", role=self.job.role)], usage)
+            if self.job.options.return_token_ids:
+                chunk["prompt_token_ids"] = self._prompt_ids(i)
+            events.append(bodies.sse(chunk))
+        if self.job.echo_text:
+            events += [bodies.sse(self._chunk([bodies.chat_delta_choice(i, self.job.echo_text)],
+                                              usage)) for i in range(self.job.num_choices)]
+        return b"".join(events)
 
     def _stream_choice(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         if self._outputs is not None:
@@ -237,8 +264,17 @@ class ChatRenderer(Renderer):
                 fields, called = self._outputs[i].message("".join(c.texts), c.finish_reason)
                 choice["message"].update(fields)
                 choice["finish_reason"] = self._finish_reason(c.finish_reason, called)
+            choice["message"]["role"] = self.job.role
+            if self.job.echo_text:
+                choice["message"]["content"] = self.job.echo_text + (
+                    choice["message"]["content"] or "")
             choices.append(self._with_prompt_logprobs(choice, i))
-        return bodies.chat_response(self.response_id, self.created, self.job.model, choices, usage)
+        response = bodies.chat_response(self.response_id, self.created, self.job.model, choices,
+                                        usage)
+        response["prompt_logprobs"] = self._prompt_logprobs(0)
+        response["prompt_token_ids"] = (self._prompt_ids(0) if self.job.options.return_token_ids
+                                        else None)
+        return response
 
 
 def _has_news(text: str, token_ids: list[int], delta: ChoiceDelta, logprobs: bool) -> bool:

@@ -80,6 +80,8 @@ class GenerationJob:
     # the model it adapts (what tokenizers and the scheduler know) and the adapter's id.
     base_model: str | None = None
     lora_id: int | None = None
+    role: str = "assistant"  # a chat answer's role (vLLM: the final message's, continuing it)
+    echo_text: str = ""  # what a chat answer starts with (vLLM's chat `echo`)
 
     @property
     def target_model(self) -> str:
@@ -108,7 +110,8 @@ class GenerationJob:
                    deadline=deadline, arrival=arrival, chat=True,
                    max_tokens=parsed.params.max_tokens, default_max_tokens=default_max_tokens,
                    add_special_tokens=parsed.add_special_tokens,
-                   chat_output=chat_output if chat_output and chat_output.active else None)
+                   chat_output=chat_output if chat_output and chat_output.active else None,
+                   role=parsed.response_role, echo_text=parsed.echo_text)
 
     @property
     def num_choices(self) -> int:

@@ -214,7 +214,7 @@ class Orchestrator:
                                        truncate_prompt_tokens=truncate, suffix=job.suffix,
                                        images=images)
         if not response.token_ids:
-            raise InvalidRequestError("the prompt is empty (it has no tokens)",
+            raise InvalidRequestError("The decoder prompt cannot be empty",  # vLLM's text
                                       param=job.prompt_param)
         text = prompt if isinstance(prompt, str) else response.prompt_text
         if truncate is not None and job.echo:  # echo what was kept, not what was sent

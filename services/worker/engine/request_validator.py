@@ -5,30 +5,49 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from meshserve.shared.errors import ContextLengthError, InvalidRequestError
-from meshserve.shared.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class RequestValidator:
     """Rejects what could never run, so that a bad request fails alone and at once."""
 
-    def __init__(self, vocab_size: int, max_model_len: int, capacity: int) -> None:
+    def __init__(self, vocab_size: int, max_model_len: int, capacity: int,
+                 max_logprobs: int = MAX_LOGPROBS) -> None:
         """`capacity`: most tokens one sequence can reach in the KV cache
         (`KVCacheManager.sequence_capacity`: every block's worth, or more where blocks
-        behind a sliding window are freed)."""
+        behind a sliding window are freed); `max_logprobs`: most logprobs a request may
+        ask for per position (-1: the whole vocabulary)."""
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.capacity = capacity
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's bound: -1 asks for the whole vocabulary, and no count may pass
+        --max-logprobs (-1 there: the vocabulary)."""
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            wanted = getattr(params, name)
+            wanted = self.vocab_size if wanted == -1 else wanted
+            if wanted is not None and wanted > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"Requested {kind} logprobs of {wanted}, which is greater than max "
+                    f"allowed: {self.max_logprobs}", param=name)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Validate; return the resolved max_tokens of each sequence."""
         num_prompt = len(prompt_token_ids)
+        # The texts of vLLM's errors, which clients match.
         if num_prompt == 0:
-            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+            raise InvalidRequestError("The decoder prompt cannot be empty", param="prompt")
+        if max(prompt_token_ids) >= self.vocab_size or min(prompt_token_ids) < 0:
             raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                param="prompt")
+                f"Token id {max(prompt_token_ids)} is out of vocabulary", param="prompt")
+        outside = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(
+                f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. "
+                f"Vocabulary size: {self.vocab_size}", param="logit_bias")
+        self._check_logprobs(params)
         if params.max_token_id() >= self.vocab_size:
             raise InvalidRequestError(
                 f"token id {params.max_token_id()} in stop_token_ids, logit_bias or allowed_token_ids is outside "

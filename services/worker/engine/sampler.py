@@ -142,8 +142,10 @@ def logprob_table(logits: Tensor, token_ids: Tensor, num_top: int) -> Tensor:
     """[N, 3 + 2 * num_top] float64: token id, logprob, rank, num_top ids, num_top logprobs.
 
     One tensor, so that it comes back to the host in one copy; float64 holds the ids, ranks
-    and float32 logprobs exactly.
+    and float32 logprobs exactly. `num_top` -1: every token of the vocabulary.
     """
+    if num_top == -1:
+        num_top = logits.shape[1]
     if not 0 <= num_top <= logits.shape[1]:
         raise InternalError(f"num_top must be in [0, {logits.shape[1]}], got {num_top}")
     logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
@@ -208,6 +210,7 @@ class Sampler:
         if not wanted:
             return PendingSample(tokens, None, [], [])
         counts = [rows[i].params.logprobs or 0 for i in wanted]
+        counts = [self.vocab_size if c == -1 else c for c in counts]  # -1: every token
         table = self._wanted_logprob_table(logits, tokens, wanted, max(counts))  # [L, W]
         return PendingSample(tokens, table, wanted, counts)
 

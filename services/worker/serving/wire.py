@@ -17,7 +17,7 @@ from meshserve.services.worker.engine.images import PromptImage
 from meshserve.services.worker.serving.request_stream import RequestTimes
 from meshserve.shared.errors import InternalError, InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
-from meshserve.shared.sampling_params import SamplingParams
+from meshserve.shared.sampling_params import WHOLE_VOCAB_WIRE, SamplingParams
 from meshserve.shared.structured_outputs import StructuredKind, StructuredOutputs
 
 FINISH_PB = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -41,8 +41,8 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         max_tokens=p.max_tokens if has("max_tokens") else None,
         stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
         include_stop_str_in_output=p.include_stop_str_in_output, ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if has("logprobs") else None,
-        prompt_logprobs=p.prompt_logprobs if has("prompt_logprobs") else None,
+        logprobs=_logprobs_count(p.logprobs) if has("logprobs") else None,
+        prompt_logprobs=_logprobs_count(p.prompt_logprobs) if has("prompt_logprobs") else None,
         skip_special_tokens=p.skip_special_tokens if has("skip_special_tokens") else True,
         spaces_between_special_tokens=(p.spaces_between_special_tokens
                                        if has("spaces_between_special_tokens") else True),
@@ -87,6 +87,11 @@ def resumed_sequences(resumed: Iterable[worker_pb2.ResumedSequence]) -> dict[int
                                       param="resumed")
         sequences[seq.index] = list(seq.token_ids)
     return sequences
+
+
+def _logprobs_count(wire: int) -> int:
+    """A wire logprobs count as SamplingParams holds it (-1: the whole vocabulary)."""
+    return -1 if wire == WHOLE_VOCAB_WIRE else wire
 
 
 def logprobs_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:

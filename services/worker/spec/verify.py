@@ -51,7 +51,7 @@ class PendingVerify:
                 entries = logprob_entries(self._logprobs[i].get().tolist()[: a + 1])
                 count = request.params.logprobs or 0
                 for entry in entries:
-                    entry.top = entry.top[:count]
+                    entry.top = entry.top if count == -1 else entry.top[:count]  # -1: all
                 logprobs = list(entries)
             out.append(Verified(request, emitted, logprobs, len(drafts)))
             row += len(drafts) + 1
@@ -89,7 +89,7 @@ class Verifier:
             end = start + len(draft) + 1
             if request.params.logprobs is not None:
                 table = logprob_table(logits[start:end], out.token_ids[start:end],
-                                      max(request.params.logprobs, 0))
+                                      request.params.logprobs)
                 tables.append((i, HostCopy(table)))
             start = end
         return PendingVerify(requests, drafts, out.token_ids, out.accepted, tables)
