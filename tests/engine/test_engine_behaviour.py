@@ -128,12 +128,20 @@ def test_bad_requests_fail_alone(folder: Path, ids, params, error, param) -> Non
     ({"min_tokens": 8, "max_tokens": 4}, "min_tokens"),
     ({"top_p": 0.0}, "top_p"),
     ({"temperature": -1.0}, "temperature"),
-    ({"logprobs": 50}, "logprobs"),
+    ({"logprobs": -2}, "logprobs"),  # (-1: the vocabulary; the count's cap is the worker's)
 ])
 def test_contradictory_or_out_of_range_parameters_name_the_parameter(kwargs, error) -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs)
     assert info.value.param == error
+
+
+def test_logprobs_past_the_workers_max_logprobs_are_refused(folder: Path) -> None:
+    engine = make_engine(folder)  # --max-logprobs 20, vLLM's default
+    with pytest.raises(InvalidRequestError, match="greater than max allowed: 20") as info:
+        engine.add_request("many", [4, 5], SamplingParams(max_tokens=2, logprobs=50))
+    assert info.value.param == "logprobs"
+    engine.add_request("twenty", [4, 5], SamplingParams(max_tokens=2, logprobs=20))
 
 
 def test_duplicate_request_id_is_rejected(folder: Path) -> None:
