@@ -17,6 +17,7 @@ import logging
 from aiohttp import web
 
 from meshserve.services.gateway.api import middleware
+from meshserve.services.gateway.api.batch_chat import BatchChat
 from meshserve.services.gateway.api.embeddings import EmbeddingHandlers
 from meshserve.services.gateway.api.handlers import Handlers
 from meshserve.services.gateway.api.lora_admin import LoraAdmin
@@ -61,11 +62,13 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     app.on_response_prepare.append(
         middleware.request_id_header(config.enable_request_id_headers))
     load = ServerLoad(config.enable_server_load_tracking)
+    batch_chat = BatchChat(generation)
     invocations = Invocations(generation.chat_completions, generation.completions,
                               embeddings.embeddings)
     routes = [
         ("POST", COMPLETIONS_URL, load.tracked(generation.completions)),
         ("POST", CHAT_COMPLETIONS_URL, load.tracked(generation.chat_completions)),
+        ("POST", CHAT_COMPLETIONS_URL + "/batch", load.tracked(batch_chat.handle)),
         ("POST", EMBEDDINGS_URL, load.tracked(embeddings.embeddings)),
         ("POST", RESPONSES_URL, load.tracked(answers.create)),
         ("POST", "/invocations", load.tracked(invocations.handle)),

@@ -1,6 +1,7 @@
 """vLLM's extra endpoints and flags through the whole mesh, with real HTTP: /tokenizer_info
 (--enable-tokenizer-info-endpoint), /load (--enable-server-load-tracking), X-Request-Id on
-every response (--enable-request-id-headers), and SageMaker's /ping and /invocations.
+every response (--enable-request-id-headers), SageMaker's /ping and /invocations, and the
+batch chat endpoint /v1/chat/completions/batch.
 
 One stack for the module (tiny random Llama on the CPU); every test is a few requests.
 """
@@ -109,3 +110,38 @@ def test_invocations_dispatch_on_the_body(stack) -> None:
     status, _, raw = call(stack, "POST", "/invocations", {"model": MODEL, "text": "hi"})
     assert status == 400
     assert "Cannot find suitable handler" in json.loads(raw)["error"]["message"]
+
+
+def test_batch_chat_answers_each_conversation_as_chat_does(stack) -> None:
+    conversations = [[{"role": "user", "content": "hi"}],
+                     [{"role": "system", "content": "be brief"},
+                      {"role": "user", "content": "once upon a time"}]]
+    alone = []
+    for messages in conversations:
+        status, _, raw = call(stack, "POST", "/v1/chat/completions", {
+            "model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True})
+        assert status == 200, raw
+        alone.append(json.loads(raw))
+    status, _, raw = call(stack, "POST", "/v1/chat/completions/batch", {
+        "model": MODEL, "messages": conversations, "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True, "stream": True})  # vLLM ignores stream here: one JSON body
+    assert status == 200, raw
+    batch = json.loads(raw)
+    assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    for choice, single in zip(batch["choices"], alone, strict=True):
+        assert choice["message"]["content"] == single["choices"][0]["message"]["content"]
+        assert choice["finish_reason"] == "length"
+    for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert batch["usage"][field] == sum(a["usage"][field] for a in alone)
+    assert alone[0]["usage"]["prompt_tokens"] != alone[1]["usage"]["prompt_tokens"]
+    status, _, raw = call(stack, "POST", "/v1/chat/completions/batch", {
+        "model": MODEL, "messages": conversations, "n": 2})
+    assert status == 400 and "do not support `n > 1`" in json.loads(raw)["error"]["message"]
+    status, _, raw = call(stack, "POST", "/v1/chat/completions/batch", {
+        "model": MODEL, "messages": [conversations[0], []]})
+    assert status == 400, raw
+    status, _, raw = call(stack, "POST", "/v1/chat/completions/batch", {
+        "model": MODEL, "messages": conversations, "max_tokens": 0})
+    assert status == 400, raw  # a conversation's own error is the batch's
