@@ -22,6 +22,7 @@ from meshserve.services.gateway.api.embeddings import EmbeddingHandlers
 from meshserve.services.gateway.api.handlers import Handlers
 from meshserve.services.gateway.api.lora_admin import LoraAdmin
 from meshserve.services.gateway.api.sagemaker import Invocations
+from meshserve.services.gateway.api.scoring import ScoringHandlers
 from meshserve.services.gateway.api.server_load import ServerLoad
 from meshserve.services.gateway.api.service_handlers import ServiceHandlers
 from meshserve.services.gateway.config import GatewayConfig
@@ -54,6 +55,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     lora_admin = LoraAdmin(config, clients)
     embeddings = EmbeddingHandlers(config, orchestrator, clients, admission, drain,
                                    telemetry.tracer)
+    scoring = ScoringHandlers(config, orchestrator, clients, admission, drain, embeddings)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
         middleware.observe(telemetry.tracer, metrics),
         middleware.errors(config.retry_after_s),
@@ -89,6 +91,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
         ("GET", "/metrics", telemetry.handle_metrics),
         ("GET", "/metrics/all", merged_metrics(config, telemetry, clients).handle),
     ]
+    routes += [("POST", path, load.tracked(handler)) for path, handler in scoring.routes()]
     if config.enable_tokenizer_info_endpoint:  # unrouted (404) unless asked, as in vLLM
         routes.append(("GET", "/tokenizer_info", service.tokenizer_info))
     # Behind a proxy that serves the API under --root-path, requests may arrive with the

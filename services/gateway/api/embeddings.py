@@ -76,24 +76,33 @@ class EmbeddingHandlers:
         return json_response(body)
 
     async def _embed(self, parsed: EmbeddingRequest, model: str, deadline: float) -> dict:
+        _, response = await self.pool(parsed, model, deadline)
+        return embedding_response(model, response.embeddings, response.dimensions,
+                                  response.num_prompt_tokens, parsed.encoding_format)
+
+    async def pool(self, parsed: EmbeddingRequest, model: str, deadline: float, *,
+                   operation: str = "embedding generation",
+                   ) -> tuple[list[list[int]], worker_pb2.EmbedResponse]:
+        """Tokenize `parsed.inputs` and embed them on a pooling worker: each input's token
+        ids and the worker's answer. `operation` names the request in a too-long error
+        (vLLM's words: "score", "embedding generation")."""
         request_id = f"embd-{uuid.uuid4().hex}"
         with self._tracer.start_as_current_span("embed", attributes={
                 "gen_ai.operation.name": "embeddings", "gen_ai.request.model": model,
                 "gen_ai.request.id": request_id,
                 "meshserve.embed.num_inputs": len(parsed.inputs)}) as span:
-            inputs = await self._token_ids(parsed, model, deadline)
+            inputs = await self._token_ids(parsed, model, deadline, operation)
             response = await self._run(request_id, model, inputs, parsed, deadline)
             span.set_attributes({"gen_ai.usage.input_tokens": response.num_prompt_tokens,
                                  "meshserve.embed.dimensions": response.dimensions,
                                  "meshserve.embed.queued_ns": response.queued_ns,
                                  "meshserve.embed.forward_ns": response.forward_ns})
-        return embedding_response(model, response.embeddings, response.dimensions,
-                                  response.num_prompt_tokens, parsed.encoding_format)
+        return inputs, response
 
     # -- tokens -----------------------------------------------------------------------------
 
-    async def _token_ids(self, parsed: EmbeddingRequest, model: str,
-                         deadline: float) -> list[list[int]]:
+    async def _token_ids(self, parsed: EmbeddingRequest, model: str, deadline: float,
+                         operation: str) -> list[list[int]]:
         with self._tracer.start_as_current_span("tokenize", attributes={
                 "gen_ai.request.model": model,
                 "meshserve.num_prompts": len(parsed.inputs)}) as span:
@@ -106,10 +115,12 @@ class EmbeddingHandlers:
                     task.cancel()
                 raise
             span.set_attribute("gen_ai.usage.input_tokens", sum(len(ids) for ids, _ in results))
+        # The tokenizer's limit and the workers' (--max-model-len), whichever is smaller.
         known = [limit for _, limit in results if limit]
-        limit = min(known) if known else await self._clients.max_model_len(model)
+        announced = await self._clients.max_model_len(model)
+        limit = min(known + [announced] if announced else known, default=None)
         for ids, _ in results:
-            _check_length(ids, limit)
+            _check_length(ids, limit, operation)
         return [ids for ids, _ in results]
 
     async def _one(self, parsed: EmbeddingRequest, model: str, item: EmbeddingInput,
@@ -181,10 +192,10 @@ class EmbeddingHandlers:
         return time.time_ns() + int(self._orch.remaining_s(deadline) * 1e9)
 
 
-def _check_length(ids: list[int], limit: int | None) -> None:
+def _check_length(ids: list[int], limit: int | None, operation: str) -> None:
     """ContextLengthError (400, vLLM's message) for an input longer than the context."""
     if limit is not None and len(ids) > limit:
         raise ContextLengthError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(ids)} tokens in the input for embedding generation. Please reduce the "
-            "length of the input.", param="input")
+            f"{len(ids)} tokens in the input for {operation}. Please reduce the length of "
+            "the input.", param="input")
