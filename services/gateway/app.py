@@ -16,6 +16,8 @@ import logging
 
 from aiohttp import web
 
+from meshserve.services.gateway.anthropic.convert import COUNT_TOKENS_URL, MESSAGES_URL
+from meshserve.services.gateway.anthropic.endpoint import MessagesEndpoint
 from meshserve.services.gateway.api import middleware
 from meshserve.services.gateway.api.batch_chat import BatchChat
 from meshserve.services.gateway.api.embeddings import EmbeddingHandlers
@@ -51,6 +53,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     generation = Handlers(config, orchestrator, admission, drain)
     store = ResponseStore(config.redis_url, config.responses_ttl_s)
     answers = ResponsesEndpoint(generation, orchestrator, store, drain)
+    messages = MessagesEndpoint(config, generation, orchestrator, drain)
     service = ServiceHandlers(config, orchestrator, clients, drain)
     lora_admin = LoraAdmin(config, clients)
     embeddings = EmbeddingHandlers(config, orchestrator, clients, admission, drain,
@@ -73,6 +76,8 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
         ("POST", CHAT_COMPLETIONS_URL + "/batch", load.tracked(batch_chat.handle)),
         ("POST", EMBEDDINGS_URL, load.tracked(embeddings.embeddings)),
         ("POST", RESPONSES_URL, load.tracked(answers.create)),
+        ("POST", MESSAGES_URL, load.tracked(messages.create)),
+        ("POST", COUNT_TOKENS_URL, load.tracked(messages.count_tokens)),
         ("POST", "/invocations", load.tracked(invocations.handle)),
         ("GET", "/ping", service.health),  # SageMaker's health check, both methods
         ("POST", "/ping", service.health),
