@@ -110,7 +110,7 @@ class TokenizerInfoResponse(_message.Message):
     def __init__(self, info_json: _Optional[str] = ...) -> None: ...
 
 class DetokenizeOptions(_message.Message):
-    __slots__ = ("model", "request_id", "num_sequences", "prompt_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "stop", "include_stop_str_in_output", "min_tokens")
+    __slots__ = ("model", "request_id", "num_sequences", "prompt_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "stop", "include_stop_str_in_output", "min_tokens", "check_vocabulary")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class DetokenizeOptions(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     model: str
     request_id: str
     num_sequences: int
@@ -129,21 +130,36 @@ class DetokenizeOptions(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str_in_output: bool
     min_tokens: int
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_sequences: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    check_vocabulary: bool
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., num_sequences: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., check_vocabulary: _Optional[bool] = ...) -> None: ...
 
 class DetokenizeOpen(_message.Message):
-    __slots__ = ("handle", "options", "prompt_tails", "samples_per_prompt", "traceparent")
+    __slots__ = ("handle", "options", "prompt_tails", "samples_per_prompt", "traceparent", "resumed")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TAILS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     handle: int
     options: DetokenizeOptions
     prompt_tails: _containers.RepeatedCompositeFieldContainer[TokenIds]
     samples_per_prompt: int
     traceparent: str
-    def __init__(self, handle: _Optional[int] = ..., options: _Optional[_Union[DetokenizeOptions, _Mapping]] = ..., prompt_tails: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., samples_per_prompt: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    resumed: _containers.RepeatedCompositeFieldContainer[DetokenizeResume]
+    def __init__(self, handle: _Optional[int] = ..., options: _Optional[_Union[DetokenizeOptions, _Mapping]] = ..., prompt_tails: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., samples_per_prompt: _Optional[int] = ..., traceparent: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[DetokenizeResume, _Mapping]]] = ...) -> None: ...
+
+class DetokenizeResume(_message.Message):
+    __slots__ = ("index", "token_ids", "text", "finished")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished: bool
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)

@@ -9,7 +9,8 @@ A request is opened once (`opens`), then each message carries, for every sequenc
 news, its new tokens (columnar arrays). The answer is columnar too, entry for entry. A
 request is forgotten once all its sequences have ended, or when the gateway closes it.
 A bad entry or open fails its own request (an error entry names the handle); the others
-go on. Each request gets a `detokenize` span under the trace context it was opened with.
+go on. A request the gateway moved here from a session that broke opens with where each
+sequence stood (`resumed`), and its text goes on from there (RequestText.resume). Each request gets a `detokenize` span under the trace context it was opened with.
 """
 
 from __future__ import annotations
@@ -129,9 +130,13 @@ class SessionTexts:
             self._model.check_name(options.model)
             params = sampling_params(options)
             tails = [list(t.token_ids) for t in request.prompt_tails]
-            text = RequestText(self._model.tokenizer, params, options.num_sequences,
-                               prompt_tails=tails, samples_per_prompt=max(
-                                   request.samples_per_prompt, 1))
+            tokenizer = self._model.tokenizer
+            text = RequestText(tokenizer, params, options.num_sequences, prompt_tails=tails,
+                               samples_per_prompt=max(request.samples_per_prompt, 1),
+                               vocab_size=(tokenizer.vocab_size if options.check_vocabulary
+                                           else None))
+            for resumed in request.resumed:
+                text.resume(resumed.index, resumed.token_ids, resumed.text, resumed.finished)
         except MeshError as exc:
             errors.append(tokenizer_pb2.HandleError(handle=handle, error=error_pb(exc)))
             span.set_attribute("meshserve.error_kind", exc.kind)

@@ -167,3 +167,49 @@ async def test_each_request_gets_a_span_in_its_trace(harness: Harness,
     assert mine.parent is not None and format(mine.parent.span_id, "016x") == parent
     assert (mine.attributes or {})["gen_ai.usage.output_tokens"] == len(ids)
     assert format(by_request["r2"].context.trace_id, "032x") != trace_id
+
+
+async def test_a_resumed_request_goes_on_where_the_old_stream_stopped(
+        harness: Harness, hf: PreTrainedTokenizerBase) -> None:
+    # The first stream answers TEXTS[1] a token a step up to the cut (inside a character,
+    # for some cuts), then breaks; the second opens the request with where it stood.
+    ids = hf.encode(TEXTS[1])
+    full = hf.decode(ids)
+    for cut in (1, len(ids) // 3, len(ids) // 2, len(ids) - 1):
+        before = await lockstep(harness, [
+            Step(opens=[open_request(1, 2)] if i == 0 else [], entries=[(1, 0, [t], False)])
+            for i, t in enumerate(ids[:cut])])
+        sent = "".join(a.texts[0] for a in before)
+        resumed = open_request(1, 2)
+        resumed.resumed.extend([
+            pb.DetokenizeResume(index=0, token_ids=ids[:cut], text=sent),
+            pb.DetokenizeResume(index=1, finished=True)])
+        after = await lockstep(harness, [
+            Step(opens=[resumed], entries=[(1, 0, ids[cut:], True)]),
+            Step(entries=[(1, 0, [], True)])])
+        assert sent + after[0].texts[0] == full, cut
+        assert (after[0].finished[0], after[0].num_output_tokens[0]) == (True, len(ids))
+        assert not after[0].errors
+        assert after[1].texts[0] == "" and after[1].num_output_tokens[0] == 0  # forgotten
+
+
+async def test_bad_resumes_and_unknown_ids_fail_their_request_alone(
+        harness: Harness, hf: PreTrainedTokenizerBase) -> None:
+    ids = hf.encode(TEXTS[0])
+    twice = open_request(1)
+    twice.resumed.extend([pb.DetokenizeResume(index=0, token_ids=ids[:2], text="x"),
+                          pb.DetokenizeResume(index=0, token_ids=ids[:2], text="x")])
+    outside = open_request(2)
+    outside.resumed.append(pb.DetokenizeResume(index=3))
+    checked = open_request(3, check_vocabulary=True)
+    (answer,) = await lockstep(harness, [Step(
+        opens=[twice, outside, checked, open_request(4)],
+        entries=[(3, 0, [ids[0], len(hf) + 2], True), (4, 0, [len(hf) + 2, *ids], True)])])
+    failed = {e.handle: (e.error.kind, e.error.param, e.error.message) for e in answer.errors}
+    assert failed == {
+        1: ("invalid_request", "resumed.index",
+            "sequence 0 is resumed twice, or after its first tokens"),
+        2: ("invalid_request", "sequences.index",
+            "sequence index 3 is out of range: the options declared 1 sequences"),
+        3: ("invalid_request", "tokens", f"Token id {len(hf) + 2} is out of vocabulary")}
+    assert list(answer.texts) == ["", hf.decode(ids)]  # unchecked: the unknown id is nothing
