@@ -19,6 +19,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     DeepseekV2Config,
     DeepseekV3Config,
     Gemma2Config,
@@ -193,6 +194,27 @@ def build_tiny_model(dir: Path, arch: str = "llama", *, seed: int = 0,
     model.generation_config = GenerationConfig(eos_token_id=[eos_id, im_end_id],
                                                pad_token_id=eos_id)
     model.save_pretrained(dir, max_shard_size=_shard_size(model, shards))
+    tokenizer.save_pretrained(dir)
+    return dir
+
+
+def build_tiny_classifier(dir: Path, arch: str = "qwen2", *, labels: list[str],
+                          seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random `*ForSequenceClassification` folder (the decoder of `arch`, a
+    `score` head of one row per label, id2label from `labels`). Returns `dir`."""
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = CONFIG_CLASSES[arch](**{
+        **TINY_DIMS, "vocab_size": 64 * math.ceil(len(tokenizer) / 64),
+        "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": eos_id,
+        "num_labels": len(labels), "id2label": dict(enumerate(labels)),
+        "label2id": {label: i for i, label in enumerate(labels)}, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    model.save_pretrained(dir)
     tokenizer.save_pretrained(dir)
     return dir
 

@@ -30,6 +30,7 @@ async def _refused(client: AsyncOpenAI, path: str, body: dict[str, Any]) -> dict
 async def test_a_generation_model_does_not_serve_scoring_or_pooling(root) -> None:
     mesh, client = root
     cases = [("/score", {"text_1": "a", "text_2": "b"}, "Score API"),
+             ("/classify", {"input": "a"}, "Classification API"),
              ("/v1/score", {"text_1": "a", "text_2": ["b", "c"]}, "Score API"),
              ("/rerank", {"query": "a", "documents": ["b"]}, "Rerank (Score) API"),
              ("/v1/rerank", {"query": "a", "documents": ["b"]}, "Rerank (Score) API"),
@@ -56,7 +57,6 @@ async def test_malformed_bodies_are_refused_naming_the_parameter(root) -> None:
               "truncate_prompt_tokens"),
              ("/pooling", {"input": []}, "input"),
              ("/pooling", {"input": "a", "dimensions": 4}, "dimensions"),
-             ("/pooling", {"input": "a", "task": "token_embed"}, "task"),
              ("/pooling", {"input": "a", "encoding_format": "bytes"}, "encoding_format"),
              ("/pooling", {"input": "a", "mm_processor_kwargs": {"x": 1}},
               "mm_processor_kwargs")]

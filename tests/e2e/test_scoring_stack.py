@@ -159,6 +159,8 @@ def test_bad_requests_are_refused_in_vllms_words(root) -> None:
         root, "/pooling", input=QUERY, dimensions=8)["message"]
     assert "Unsupported task: 'classify'" in _refused(root, "/pooling", input=QUERY,
                                                        task="classify")["message"]
+    assert _refused(root, "/classify", input=QUERY)["message"] == (
+        "The model does not support Classification API")  # an embedding model
     with pytest.raises(openai.NotFoundError):
         root.post("/score", cast_to=object,
                   body={"model": "no-such-model", "text_1": QUERY, "text_2": QUERY})

@@ -4,6 +4,7 @@ scores, vLLM's token count and the answers' shapes (pure, torch-free logic)."""
 from __future__ import annotations
 
 import base64
+import math
 import struct
 
 import pytest
@@ -61,10 +62,35 @@ def test_rerank_sorts_best_first_keeps_ties_in_order_and_cuts_to_top_n() -> None
 def test_pooling_reads_input_as_embeddings_do_and_answers_vectors() -> None:
     parsed = protocol.parse_pooling_request({"input": [[1, 2], [3]], "use_activation": False,
                                              "encoding_format": "base64", "task": "embed"})
-    assert parsed.inputs == ((1, 2), (3,)) and parsed.normalize is False
-    vectors = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
-    floats = protocol.pooling_response("m", vectors, 2, 3, "float")
-    assert [d["data"] for d in floats["data"]] == [[1.0, 2.0], [3.0, 4.0]]
+    assert parsed.inputs.inputs == ((1, 2), (3,)) and parsed.use_activation is False
+    assert parsed.inputs.encoding_format == "base64"
+    assert protocol.check_task(parsed.task, ("embed",)) == "embed"
+    assert protocol.check_task(None, ("classify",)) == "classify"
+    with pytest.raises(InvalidRequestError, match="Unsupported task: 'embed'"):
+        protocol.check_task("embed", ("classify",))
+    vectors = struct.pack("<4f", 1.0, 2.0, 3.0, 4.5)
+    rows = protocol.float_rows(vectors, 2)
+    floats = protocol.pooling_response("m", rows, 3, "float")
+    assert [d["data"] for d in floats["data"]] == [[1.0, 2.0], [3.0, 4.5]]
     assert floats["usage"]["prompt_tokens"] == 3 and floats["id"].startswith("pool-")
-    packed = protocol.pooling_response("m", vectors, 2, 3, "base64")
+    packed = protocol.pooling_response("m", rows, 3, "base64")
     assert base64.b64decode(packed["data"][1]["data"]) == vectors[8:]
+
+
+def test_classification_activates_and_labels_the_best_class() -> None:
+    body = protocol.classify_response("m", ("neg", "pos", "mid"), [[0.0, 2.0, 1.0]], 5, True)
+    (item,) = body["data"]
+    exps = [1.0, math.exp(2.0), math.exp(1.0)]
+    assert item["probs"] == pytest.approx([e / sum(exps) for e in exps], abs=1e-12)
+    assert (item["label"], item["num_classes"]) == ("pos", 3)
+    raw = protocol.classify_response("m", ("neg", "pos", "mid"), [[0.0, 2.0, 1.0]], 5, False)
+    assert raw["data"][0]["probs"] == [0.0, 2.0, 1.0]
+    assert protocol.activate([0.0]) == [0.5]
+    assert protocol.cross_encoder_scores([[2.0], [-1.0]], None) == pytest.approx(
+        [1 / (1 + math.exp(-2.0)), 1 / (1 + math.exp(1.0))])
+    assert protocol.cross_encoder_scores([[2.0]], False) == [2.0]
+
+
+def test_cross_encoder_inputs_put_each_pairs_token_ids_end_to_end() -> None:
+    assert protocol.pair_inputs([[1, 2], [3], [4, 5]], num_left=1) == [(1, 2, 3), (1, 2, 4, 5)]
+    assert protocol.pair_inputs([[1], [2], [3], [4]], num_left=2) == [(1, 3), (2, 4)]

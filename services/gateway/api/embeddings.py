@@ -29,7 +29,12 @@ from meshserve.services.gateway.flow.admission import Admission
 from meshserve.services.gateway.flow.drain import Drain
 from meshserve.services.gateway.flow.orchestrator import Orchestrator
 from meshserve.services.gateway.links.clients import MeshClients
-from meshserve.shared.errors import ContextLengthError, DeadlineExceededError, UnavailableError
+from meshserve.shared.errors import (
+    ContextLengthError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    UnavailableError,
+)
 from meshserve.shared.grpc_client import mesh_errors
 from meshserve.shared.openai_embeddings import (
     EmbeddingInput,
@@ -64,6 +69,7 @@ class EmbeddingHandlers:
         parsed = parse_embedding_request(await read_json(request))
         deadline = asyncio.get_running_loop().time() + self._config.request_timeout_s
         model = await self._orch.resolve_model(parsed.model)
+        await self._refuse_classifier(model)
         self._drain.refuse_if_draining()
         with self._admission.slot(), self._drain.track():
             try:
@@ -74,6 +80,14 @@ class EmbeddingHandlers:
                     f"the request did not finish within {self._config.request_timeout_s}s "
                     "(request_timeout_s)") from exc
         return json_response(body)
+
+    async def _refuse_classifier(self, model: str) -> None:
+        """A sequence classifier's workers pool class logits, not embeddings: a 400 in
+        vLLM's words."""
+        workers = await self._clients.list_workers()
+        if any(w.class_labels for w in workers if w.serves(model)):
+            raise InvalidRequestError("The model does not support Embeddings API",
+                                      param="model")
 
     async def _embed(self, parsed: EmbeddingRequest, model: str, deadline: float) -> dict:
         _, response = await self.pool(parsed, model, deadline)
@@ -91,7 +105,7 @@ class EmbeddingHandlers:
                 "gen_ai.operation.name": "embeddings", "gen_ai.request.model": model,
                 "gen_ai.request.id": request_id,
                 "meshserve.embed.num_inputs": len(parsed.inputs)}) as span:
-            inputs = await self._token_ids(parsed, model, deadline, operation)
+            inputs = await self.token_ids(parsed, model, deadline, operation)
             response = await self._run(request_id, model, inputs, parsed, deadline)
             span.set_attributes({"gen_ai.usage.input_tokens": response.num_prompt_tokens,
                                  "meshserve.embed.dimensions": response.dimensions,
@@ -101,8 +115,10 @@ class EmbeddingHandlers:
 
     # -- tokens -----------------------------------------------------------------------------
 
-    async def _token_ids(self, parsed: EmbeddingRequest, model: str, deadline: float,
-                         operation: str) -> list[list[int]]:
+    async def token_ids(self, parsed: EmbeddingRequest, model: str, deadline: float,
+                        operation: str = "embedding generation") -> list[list[int]]:
+        """Each input's token ids (strings tokenized on replicas, concurrently); a
+        ContextLengthError for one longer than the model's context."""
         with self._tracer.start_as_current_span("tokenize", attributes={
                 "gen_ai.request.model": model,
                 "meshserve.num_prompts": len(parsed.inputs)}) as span:

@@ -10,6 +10,13 @@
 - `/pooling`: `input` as /v1/embeddings takes it, `task` ("embed", the pooling task of the
   models meshserve pools), `use_activation` (L2 normalisation). Answer: `{"id", "object":
   "list", "created", "model", "data": [{"index", "object": "pooling", "data"}], "usage"}`.
+- `/classify` (sequence-classification models): `input` as /v1/embeddings takes it,
+  `use_activation` (default true: softmax over the classes, sigmoid for one class). Answer:
+  `{"id", "object": "list", "created", "model", "data": [{"index", "label", "probs",
+  "num_classes"}], "usage"}`, the label the config's id2label gives the best class.
+
+A one-label classifier (a cross-encoder) scores a pair by its logit through a sigmoid
+(`use_activation: false`: the logit itself); an embedding model by cosine similarity.
 
 Wrong types and values are 400s naming the parameter, in vLLM's words where it has them;
 schema fields meshserve does not implement are refused by name. Torch-free (gateway side).
@@ -24,7 +31,7 @@ import time
 import uuid
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from meshserve.shared.openai_embeddings import EmbeddingRequest, parse_embedding_request
@@ -33,7 +40,7 @@ from meshserve.shared.openai_protocol import _bad, _Fields, _refuse_unsupported
 SCORE_URLS = ("/score", "/v1/score")
 RERANK_URLS = ("/rerank", "/v1/rerank", "/v2/rerank")
 POOLING_URL = "/pooling"
-POOLING_TASKS = ("embed",)  # what a meshserve pooling worker computes
+CLASSIFY_URL = "/classify"
 _COSINE_EPS = 1e-8  # torch.nn.CosineSimilarity's default, as vLLM scores with it
 # The names vLLM's score request types give the two sides, in the order it tries them.
 _SIDE_NAMES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"),
@@ -63,6 +70,8 @@ class PairRequest:
     priority: int = 0
     top_n: int = 0
     """Rerank only: how many results to keep (0: all)."""
+    use_activation: bool | None = None
+    """A cross-encoder's sigmoid over its logit (None: on)."""
 
     def embedding_request(self) -> EmbeddingRequest:
         """Both sides as one embedding request: `left`'s texts, then `right`'s."""
@@ -89,14 +98,18 @@ def _texts(value: object, name: str, what: str) -> tuple[str, ...]:
 def _common(fields: _Fields) -> dict[str, Any]:
     """The fields every pooling request shares, checked as /v1/embeddings checks them."""
     _refuse_unsupported(fields.body, _UNSUPPORTED)
-    for name in ("use_activation", "activation", "softmax"):
-        fields.lax_bool(name)  # accepted: a cosine score and a unit vector need none
     truncate = fields.int_("truncate_prompt_tokens")
     if truncate is not None and truncate < 1 and truncate != -1:
         raise _bad("'truncate_prompt_tokens' must be a positive number of tokens, or -1 for "
                    f"the model's context length; got {truncate}", "truncate_prompt_tokens")
     return {"model": fields.str_("model"), "truncate_prompt_tokens": truncate,
             "priority": fields.int_("priority") or 0}
+
+
+def _use_activation(fields: _Fields) -> bool | None:
+    """vLLM's `use_activation`, or its deprecated spellings `activation` and `softmax`."""
+    values = [fields.lax_bool(name) for name in ("use_activation", "activation", "softmax")]
+    return next((v for v in values if v is not None), None)
 
 
 def parse_score_request(body: object) -> PairRequest:
@@ -110,7 +123,8 @@ def parse_score_request(body: object) -> PairRequest:
     right = _texts(fields.raw(names[1]), names[1], "text_pair")
     if len(left) > 1 and len(left) != len(right):
         raise _bad("Input lengths must be either 1:1, 1:N or N:N", names[0])
-    return PairRequest(left=left, right=right, **_common(fields))
+    return PairRequest(left=left, right=right, use_activation=_use_activation(fields),
+                       **_common(fields))
 
 
 def parse_rerank_request(body: object) -> PairRequest:
@@ -124,22 +138,55 @@ def parse_rerank_request(body: object) -> PairRequest:
         raise _bad("'query' must be a string", "query")
     return PairRequest(left=_texts(query, "query", "text"),
                        right=_texts(fields.raw("documents"), "documents", "text_pair"),
-                       top_n=fields.int_("top_n") or 0, **_common(fields))
+                       top_n=fields.int_("top_n") or 0, use_activation=_use_activation(fields),
+                       **_common(fields))
 
 
-def parse_pooling_request(body: object) -> EmbeddingRequest:
-    """Validate a /pooling body as an embedding request (its `input` as /v1/embeddings
-    reads it; `use_activation` is the embedding's L2 normalisation)."""
+@dataclass(frozen=True)
+class PoolingRequest:
+    """A validated /pooling body: its inputs as an embedding request's, the task asked for
+    (None: the model's own) and vLLM's `use_activation` (None: the task's default)."""
+
+    inputs: EmbeddingRequest
+    task: str | None = None
+    use_activation: bool | None = None
+
+
+def parse_pooling_request(body: object) -> PoolingRequest:
+    """Validate a /pooling body (its `input` as /v1/embeddings reads it)."""
     fields = _Fields(body)
     common = _common(fields)
     if fields.raw("dimensions") is not None:
         raise _bad("dimensions is currently not supported", "dimensions")
-    task = fields.str_("task")
-    if task is not None and task not in POOLING_TASKS:
-        raise _bad(f"Unsupported task: {task!r} Supported tasks: {POOLING_TASKS}", "task")
     inner = {key: fields.raw(key) for key in ("input", "encoding_format", "add_special_tokens")}
-    parsed = parse_embedding_request({**inner, **common})
-    return replace(parsed, normalize=fields.lax_bool("use_activation"))
+    return PoolingRequest(parse_embedding_request({**inner, **common}), fields.str_("task"),
+                          _use_activation(fields))
+
+
+def check_task(task: str | None, supported: tuple[str, ...]) -> str:
+    """The pooling task to run: `task`, or the model's one (InvalidRequestError, vLLM's
+    words, for a task the model does not run)."""
+    if task is not None and task not in supported:
+        raise _bad(f"Unsupported task: {task!r} Supported tasks: {supported}", "task")
+    return task or supported[0]
+
+
+@dataclass(frozen=True)
+class ClassifyRequest:
+    """A validated /classify body: its inputs as an embedding request's, and whether the
+    class logits go through the activation (softmax, or sigmoid for one class)."""
+
+    inputs: EmbeddingRequest
+    use_activation: bool = True
+
+
+def parse_classify_request(body: object) -> ClassifyRequest:
+    """Validate a /classify body (InvalidRequestError naming the parameter)."""
+    fields = _Fields(body)
+    common = _common(fields)
+    inner = {key: fields.raw(key) for key in ("input", "add_special_tokens")}
+    return ClassifyRequest(parse_embedding_request({**inner, **common}),
+                           use_activation=_use_activation(fields) is not False)
 
 
 # -- scores ----------------------------------------------------------------------------------
@@ -169,6 +216,36 @@ def pair_scores(rows: list[list[float]], num_left: int) -> list[float]:
     if len(left) == 1:
         left = left * len(right)
     return [cosine_similarity(a, b) for a, b in zip(left, right, strict=True)]
+
+
+def activate(logits: list[float]) -> list[float]:
+    """vLLM's classification activation: sigmoid for one class, else softmax."""
+    if len(logits) < 2:
+        return [_sigmoid(x) for x in logits]
+    top = max(logits)
+    exps = [math.exp(x - top) for x in logits]
+    total = math.fsum(exps)
+    return [e / total for e in exps]
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+def cross_encoder_scores(rows: list[list[float]], use_activation: bool | None) -> list[float]:
+    """A one-label classifier's score of each pair: its logit, through a sigmoid unless
+    `use_activation` is False."""
+    assert all(len(row) == 1 for row in rows), "a cross-encoder has one label"
+    return [row[0] if use_activation is False else _sigmoid(row[0]) for row in rows]
+
+
+def pair_inputs(ids: list[list[int]], num_left: int) -> list[tuple[int, ...]]:
+    """A cross-encoder's inputs: each pair's two token id lists, end to end (`ids` holds
+    the left side's, then the right side's; one left text goes with every right one)."""
+    left, right = ids[:num_left], ids[num_left:]
+    if len(left) == 1:
+        left = left * len(right)
+    return [tuple(a + b) for a, b in zip(left, right, strict=True)]
 
 
 def pair_tokens(lengths: list[int], num_left: int, separator: int) -> int:
@@ -208,16 +285,32 @@ def rerank_response(model: str, request: PairRequest, scores: list[float],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
-def pooling_response(model: str, vectors: bytes, dimensions: int, prompt_tokens: int,
+def classify_response(model: str, labels: Sequence[str], rows: list[list[float]],
+                      prompt_tokens: int, use_activation: bool) -> dict[str, Any]:
+    """The /classify answer: each input's class probabilities (logits when
+    `use_activation` is off) and the label of the best class."""
+    data: list[dict[str, Any]] = []
+    for index, row in enumerate(rows):
+        probs = activate(row) if use_activation else row
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": index, "label": labels[best], "probs": probs,
+                     "num_classes": len(probs)})
+    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list",
+            "created": int(time.time()), "model": model, "data": data,
+            "usage": _usage(prompt_tokens)}
+
+
+def pooling_response(model: str, rows: list[list[float]], prompt_tokens: int,
                      encoding_format: str) -> dict[str, Any]:
     """The /pooling answer: each input's pooled vector, floats or base64 float32 bytes."""
     data: list[dict[str, Any]] = []
-    row_bytes = 4 * dimensions
-    for index, row in enumerate(float_rows(vectors, dimensions)):
+    for index, row in enumerate(rows):
         value: list[float] | str = row
         if encoding_format == "base64":
-            start = index * row_bytes
-            value = base64.b64encode(vectors[start : start + row_bytes]).decode("ascii")
+            packed = array("f", row)
+            if sys.byteorder != "little":
+                packed.byteswap()
+            value = base64.b64encode(packed.tobytes()).decode("ascii")
         data.append({"index": index, "object": "pooling", "data": value})
     return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": model, "data": data, "usage": _usage(prompt_tokens)}

@@ -54,6 +54,7 @@ class WorkerEntry:
     address: str = ""
     loras: tuple[LoraEntry, ...] = ()  # the LoRA adapters it serves
     generates: bool = True  # a generation worker (not a pooling one)
+    class_labels: tuple[str, ...] = ()  # a pooling sequence classifier's (empty: embeddings)
 
     def serves(self, model: str) -> bool:
         """Whether requests for `model` (a model name or a LoRA adapter's) can run here."""
