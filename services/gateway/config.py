@@ -86,6 +86,10 @@ class GatewayConfig(ServiceConfig):
     max_failovers: int = option(
         2, "times one request moves to another worker, continuing from the tokens it already "
            "has, when its worker is lost mid-generation (0: such a request ends with an error)")
+    detokenize_failover_wait_s: float = option(
+        30.0, "seconds a stream whose tokenizer replica was lost waits for a replica to take "
+              "its detokenization over (another one, or the same once restarted) before it "
+              "ends with an error (0: it ends at once)")
     model_cache_ttl_s: float = option(5.0, "seconds the worker list (models, context) is cached")
     health_timeout_s: float = option(2.0, "deadline of the checks behind GET /health")
     access_log: bool = option(True, "log one line per API request (client, method, path, "
@@ -165,6 +169,9 @@ class GatewayConfig(ServiceConfig):
             self.require(value >= 1, f"must be >= 1, got {value}", name)
         self.require(self.max_failovers >= 0, f"must be >= 0, got {self.max_failovers}",
                      "max_failovers")
+        self.require(self.detokenize_failover_wait_s >= 0,
+                     f"must be >= 0, got {self.detokenize_failover_wait_s}",
+                     "detokenize_failover_wait_s")
         for name in ("completions_default_max_tokens", "chat_default_max_tokens"):
             value = getattr(self, name)
             self.require(value >= 0, f"must be >= 0 (0: up to the context), got {value}", name)

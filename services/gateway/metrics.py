@@ -45,6 +45,11 @@ class GatewayMetrics:
             "Requests whose worker was lost mid-generation, by outcome (resumed: continued on "
             "another worker; exhausted: past max_failovers; unplaced: no other worker took "
             "it)", ["outcome"], registry=registry)
+        self.detokenize_failovers = Counter(
+            "meshserve:gateway_detokenize_failovers",
+            "Requests whose detokenize stream broke (its tokenizer replica lost), by outcome "
+            "(moved: went on with another stream; unplaced: no replica took it over in time)",
+            ["outcome"], registry=registry)
         self.images = Counter(
             "meshserve:gateway_images", "Images of chat requests loaded, by source (data: a "
             "data URL; http: fetched)", ["source"], registry=registry)

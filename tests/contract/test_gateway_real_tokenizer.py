@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import aiohttp
+import orjson
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 from test_gateway_fakes import MAX_MODEL_LEN, MODEL, FakeWorker, Mesh, script, start_mesh
@@ -113,6 +114,49 @@ async def test_echo_tokenize_and_detokenize(mesh: Mesh, api: AsyncOpenAI,
                 "return_token_strs")
         async with http.post("/detokenize", json={"tokens": tokens}) as resp:
             assert (await resp.json())["prompt"] == hf.decode(tokens)
+
+
+async def test_detokenize_refuses_ids_outside_the_vocabulary(
+        mesh: Mesh, hf: PreTrainedTokenizerFast) -> None:
+    outside = len(hf) + 7
+    async with aiohttp.ClientSession(mesh.base_url) as http:
+        async with http.post("/detokenize", json={"tokens": [5, outside]}) as resp:
+            status, error = resp.status, (await resp.json())["error"]
+        async with http.post("/detokenize", json={"tokens": [len(hf) - 1]}) as resp:
+            assert resp.status == 200  # the last id of the vocabulary is in it
+            assert (await resp.json())["prompt"] == hf.decode([len(hf) - 1])
+    assert status == 400, error
+    assert error["message"] == f"Token id {outside} is out of vocabulary"
+    assert (error["type"], error["param"]) == ("invalid_request_error", "tokens")
+
+
+async def test_a_stream_whose_tokenizer_stays_away_ends_with_an_error(
+        hf: PreTrainedTokenizerFast) -> None:
+    # The only replica dies mid-stream and is not back within the wait: the stream ends
+    # with an error event naming the loss (tests/e2e/test_detokenize_failover.py has
+    # replicas that come back, and streams that go on).
+    served = ServedModel(Tokenizer(hf, name=MODEL), (MODEL,), MAX_MODEL_LEN)
+    worker = FakeWorker(encode=lambda text: encode(hf, text),
+                        eos=hf.convert_tokens_to_ids("<|endoftext|>"))
+    worker.hold_after_first = True  # a long generation: the stream is open at the loss
+    async with start_mesh(tokenizer=TokenizerServicer(served), worker=worker,
+                          detokenize_failover_wait_s=0.3) as mesh:
+        body = {"model": MODEL, "prompt": "The fox", "max_tokens": 100, "stream": True}
+        async with aiohttp.ClientSession(mesh.base_url) as http, \
+                http.post("/v1/completions", json=body) as resp:
+            first = orjson.loads((await resp.content.readuntil(b"\n\n"))[len(b"data: "):])
+            await mesh.servers["tokenizer"].drain(grace_s=0)
+            events = [e for e in (await resp.read()).split(b"\n\n") if e]
+        error = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
+        assert first["choices"][0]["text"] == script(0)[:len(first["choices"][0]["text"])]
+        assert error["code"] == "unavailable"
+        assert "the tokenizer detokenizing this response was lost" in error["message"]
+        assert "no replica took it over" in error["message"]
+        assert events[-1] == b"data: [DONE]"
+        registry = mesh.gateway.telemetry.registry
+        assert registry.get_sample_value("meshserve:gateway_detokenize_failovers_total",
+                                         {"outcome": "unplaced"}) == 1
+        assert worker.cancelled.is_set()  # the worker was told to stop
 
 
 async def test_a_prompt_of_megabytes_is_a_context_length_error_at_once(

@@ -17,18 +17,26 @@ If the worker is lost (its session breaks), the request moves to another worker
 continue there after every output token this worker had sent for them. The detokenizer
 state is kept (the detokenize handle outlives worker handles), so the text goes on
 from where it was: nothing already sent is sent again, and stop strings span the seam.
+
+If the detokenize stream breaks (its tokenizer replica is gone), the request waits for
+another stream (`DetokenizeFailover`, the orchestrator's: another replica, or the same one
+restarted, within a bounded wait) and opens there with where each sequence stood: the
+tokens already answered and the text they made (`resumed`), from which the tokenizer
+rebuilds the text state; then every entry still unanswered is sent again, in order. The
+worker keeps generating meanwhile; its entries wait for the new stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.trace import Span
 
-from meshserve.proto.v1 import common_pb2, scheduler_pb2, worker_pb2
+from meshserve.proto.v1 import common_pb2, scheduler_pb2, tokenizer_pb2, worker_pb2
 from meshserve.services.gateway import wire
 from meshserve.services.gateway.flow.job import (
     ChoiceDelta,
@@ -56,6 +64,10 @@ class _Sequence:
     seen: bool = False  # its first entry (the one with prompt logprobs) was rendered
     # Every output token the workers sent for it, in order: what it resumes from elsewhere.
     received: list[int] = field(default_factory=list)
+    # Of those, how many the detokenizer answered, and the texts it answered for them: what
+    # a new detokenize stream resumes from.
+    num_answered: int = 0
+    texts: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -66,6 +78,7 @@ class _Entry:
     token_ids: list[int]
     finish_reason: int
     detail: worker_pb2.EntryDetail | None
+    lookups: list[int]  # token ids whose bytes the answer brings (logprob tokens)
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,9 @@ class Placement:
 Failover = Callable[["Generation", UnavailableError], Awaitable[None]]
 """Moves a request whose worker was lost to another worker (the orchestrator's), or
 raises the error it ends with."""
+DetokenizeFailover = Callable[["Generation", MeshError], Awaitable[DetokenizeStream]]
+"""A detokenize stream for a request whose stream broke (the orchestrator's), or raises
+the error it ends with."""
 
 
 class Generation:
@@ -87,11 +103,15 @@ class Generation:
 
     def __init__(self, job: GenerationJob, prompts: Sequence[PreparedPrompt], *,
                  detok: DetokenizeStream, metrics: GatewayMetrics, span: Span,
-                 failover: Failover) -> None:
+                 failover: Failover, detok_failover: DetokenizeFailover) -> None:
         self.job = job
         self.prompts = list(prompts)
         self.placement: Placement | None = None
-        self._detok = detok
+        self._detok: DetokenizeStream | None = detok  # None while its stream is lost
+        self._lookup = detok.lookup  # shared by every stream (one tokenizer)
+        self._detok_failover = detok_failover
+        self._detok_open: Callable[[int], tokenizer_pb2.DetokenizeOpen] | None = None
+        self._detok_lost: MeshError | None = None
         self._metrics = metrics
         self._span = span
         self._failover = failover
@@ -112,9 +132,10 @@ class Generation:
         self._event = asyncio.Event()
         self._error: MeshError | None = None
         self._lost: MeshError | None = None
-        # Entries at the detokenizer, answer pending; a worker's error or loss waits for
-        # them, so that what was generated before it still reaches the client first.
-        self._in_detok = 0
+        # Entries sent to the detokenizer (or waiting for a new stream), answer pending, in
+        # order; a worker's error or loss waits for them, so that what was generated before
+        # it still reaches the client first.
+        self._pending: deque[_Entry] = deque()
         self._deferred: Callable[[], None] | None = None
         self._first: list[GenerationUpdate] | None = None
         self._closed = False
@@ -122,6 +143,7 @@ class Generation:
         self._timings: common_pb2.Timings | None = None
         self.attempts = 0  # placements, failovers included
         self.failovers = 0  # placements that continued a request after its worker was lost
+        self.detok_failovers = 0  # detokenize streams taken over after one broke
         self.excluded: list[str] = []  # workers lost by earlier attempts
 
     # -- placement --------------------------------------------------------------------------
@@ -131,15 +153,18 @@ class Generation:
         assert self.placement is not None, "the generation was never placed"
         return self.placement.route
 
-    def place(self, placement: Placement, detok_open: Callable[[int], Any],
+    def place(self, placement: Placement,
+              detok_open: Callable[[int], tokenizer_pb2.DetokenizeOpen],
               add: worker_pb2.SessionAdd) -> None:
         """Run under `placement`: first, or after the previous worker was lost (`add` then
         resumes the unfinished sequences; the detokenizer state goes on)."""
         if self.placement is None:
             self._detok_handle = placement.handle
+            self._detok_open = detok_open
+            assert self._detok is not None, "a stream is lost only once the request opened"
             self._detok.open(self, detok_open(placement.handle))
         else:
-            assert not self._in_detok, "a failover waits for the lost worker's entries"
+            assert not self._pending, "a failover waits for the lost worker's entries"
         self.placement = placement
         self.attempts += 1
         placement.session.submit(self, add)
@@ -163,7 +188,7 @@ class Generation:
     @property
     def lookup(self) -> TokenLookup:
         """Token texts for logprobs (a TokenRenderer)."""
-        return self._detok.lookup
+        return self._lookup
 
     @property
     def finish_reasons(self) -> list[str | None]:
@@ -198,6 +223,10 @@ class Generation:
                 return batch
             if self._error is not None:
                 raise self._error
+            if self._detok_lost is not None:
+                detok_lost, self._detok_lost = self._detok_lost, None
+                await self._move_detokenization(detok_lost)
+                continue
             if self._lost is not None:
                 lost, self._lost = self._lost, None
                 await self._handle_lost(lost)
@@ -234,11 +263,17 @@ class Generation:
                 prompt = self.prompts[index // self.job.params.n]
                 lookups = [*prompt.token_ids, *wire.lookup_ids(detail.prompt_logprobs),
                            *lookups]
-        self._in_detok += 1
-        self._detok.add(self, _Entry(index, token_ids, finish_reason, detail),
-                        self._detok_handle, index, token_ids, finish_reason != _UNFINISHED,
-                        finish_reason == _STOP, lookups)
+        entry = _Entry(index, token_ids, finish_reason, detail, lookups)
+        self._pending.append(entry)
+        if self._detok is None:
+            return None  # sent once another stream takes the request over
+        self._send(self._detok, entry)
         return self._detok
+
+    def _send(self, stream: DetokenizeStream, entry: _Entry) -> None:
+        stream.add(self, entry, self._detok_handle, entry.index, entry.token_ids,
+                   entry.finish_reason != _UNFINISHED, entry.finish_reason == _STOP,
+                   entry.lookups)
 
     def on_worker_error(self, error: MeshError) -> None:
         self._after_detok(lambda: self._fail(error))
@@ -256,7 +291,7 @@ class Generation:
 
     def _after_detok(self, action: Callable[[], None]) -> None:
         """Run `action` once the entries already at the detokenizer have been answered."""
-        if self._in_detok:
+        if self._pending:
             self._deferred = action
         else:
             action()
@@ -265,20 +300,21 @@ class Generation:
 
     def on_text(self, ref: object, text: SequenceText) -> None:
         assert isinstance(ref, _Entry), "a generation's entries carry _Entry refs"
-        self._in_detok -= 1
+        assert self._pending and self._pending[0] is ref, "answers come in entry order"
+        self._pending.popleft()
         if self._closed:
             return  # a cancelled request
         seq = self._seqs[ref.index]
         if seq.finish_reason is not None:
             return
+        seq.num_answered += len(ref.token_ids)
+        seq.texts.append(text.text)
         self._deltas.append(self._delta(seq, ref, text))
         if text.stopped:
             self._stopped.append(ref.index)
 
     def publish(self) -> None:
-        if not self._in_detok and self._deferred is not None:
-            deferred, self._deferred = self._deferred, None
-            deferred()
+        self._run_deferred()
         if not self._deltas:
             return
         update, self._deltas = GenerationUpdate(self._deltas), []
@@ -289,13 +325,62 @@ class Generation:
         assert placement is not None
         if self.done:
             placement.session.forget(placement.handle)
-            self._detok.release(self._detok_handle)
+            if self._detok is not None:
+                self._detok.release(self._detok_handle)
         if stopped:  # the worker would go on: stop what a stop string ended
             placement.session.abort(placement.handle, [] if self.done else stopped)
         self._wake()
 
+    def _run_deferred(self) -> None:
+        if not self._pending and self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            deferred()
+
     def on_detokenize_error(self, error: MeshError) -> None:
         self._fail(error)
+
+    def on_detokenize_lost(self, error: MeshError) -> None:
+        if self._closed or self._detok is None:
+            return
+        self._detok = None
+        self._detok_lost = error
+        self._wake()
+
+    async def _move_detokenization(self, lost: MeshError) -> None:
+        """Open the request on another stream where its text stood, and send again every
+        entry the lost stream had not answered (see the module doc)."""
+        stream = await self._detok_failover(self, lost)
+        if self._closed:
+            return
+        assert stream.lookup is self._lookup, "detokenize streams share one TokenLookup"
+        assert self._detok_open is not None, "only an opened request loses its stream"
+        self._detok = stream
+        self.detok_failovers += 1
+        # A sequence that ended (a stop string) while entries were on their way gets no
+        # more tokens: its entries would be ignored anyway.
+        self._pending = deque(e for e in self._pending
+                              if self._seqs[e.index].finish_reason is None)
+        request = self._detok_open(self._detok_handle)
+        request.resumed.extend(self._resumed())
+        stream.open(self, request)
+        if self._detok is not stream:
+            return  # lost again at once: the next turn of _next moves it again
+        for entry in self._pending:
+            self._send(stream, entry)
+        await stream.flush()
+        self._run_deferred()
+
+    def _resumed(self) -> list[tokenizer_pb2.DetokenizeResume]:
+        """Where each sequence stood: what the answered tokens made, or that it ended."""
+        resumed: list[tokenizer_pb2.DetokenizeResume] = []
+        for i, seq in enumerate(self._seqs):
+            if seq.finish_reason is not None:
+                resumed.append(tokenizer_pb2.DetokenizeResume(index=i, finished=True))
+            elif seq.num_answered:
+                resumed.append(tokenizer_pb2.DetokenizeResume(
+                    index=i, token_ids=seq.received[:seq.num_answered],
+                    text="".join(seq.texts)))
+        return resumed
 
     def _fail(self, error: MeshError) -> None:
         if self._error is None and not self._closed:
@@ -376,7 +461,8 @@ class Generation:
             if not self.done:
                 placement.session.abort(placement.handle)
             placement.session.forget(placement.handle)
-            self._detok.close(self._detok_handle)
+            if self._detok is not None:
+                self._detok.close(self._detok_handle)
         self._record_span()
 
     def _record_span(self) -> None:

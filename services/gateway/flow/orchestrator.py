@@ -17,6 +17,9 @@ all); after, a failover (`max_failovers` per request): the new worker gets the p
 for each unfinished sequence, every output token received so far, and continues from
 there, so the client's stream goes on as if nothing happened. Each failover is logged,
 counted (meshserve:gateway_failovers_total by outcome) and an event on the request's span.
+A lost tokenizer replica (the request's detokenize stream broke) is no failure either: the
+request waits, at most `detokenize_failover_wait_s`, for a replica to take its text over
+(`MeshClients.recover_detokenize_stream`) and goes on there (the Generation's doc says how).
 On leaving the block: normally every sequence has finished; otherwise (error, deadline,
 client gone) the worker is told to abort and the tokenizer to forget the request, at once.
 The scheduler is told each attempt ended (a release on the route stream).
@@ -50,7 +53,7 @@ from meshserve.services.gateway.flow.job import (
     resolve_max_tokens,
 )
 from meshserve.services.gateway.links.clients import LoraEntry, MeshClients
-from meshserve.services.gateway.links.detokenize import open_request
+from meshserve.services.gateway.links.detokenize import DetokenizeStream, open_request
 from meshserve.services.gateway.media.loader import LoadedImage, MediaLoader
 from meshserve.services.gateway.metrics import GatewayMetrics
 from meshserve.shared.errors import (
@@ -248,7 +251,9 @@ class Orchestrator:
         request = self._generate_request(job, prompts, max_tokens)
         generation = Generation(job, prompts, detok=self._clients.detokenize_stream(),
                                 metrics=self._metrics, span=span,
-                                failover=lambda g, lost: self._place(g, request, lost, span))
+                                failover=lambda g, lost: self._place(g, request, lost, span),
+                                detok_failover=lambda g, lost: self._move_detokenization(
+                                    g, lost, span))
         try:
             await self._place(generation, request, None, span)
             with trace.use_span(span, end_on_exit=False):
@@ -344,6 +349,28 @@ class Orchestrator:
             "meshserve.from_worker_id": worker, "meshserve.to_worker_id": route.worker_id,
             "meshserve.tokens_carried": carried, "exception.message": lost.message})
         return route
+
+    async def _move_detokenization(self, generation: Generation, lost: MeshError,
+                                   span: Span) -> DetokenizeStream:
+        """A detokenize stream to carry on a request whose stream broke, found within the
+        configured wait and the request's deadline, or the error the request ends with."""
+        job = generation.job
+        wait_s = min(self._config.detokenize_failover_wait_s, self.remaining_s(job.deadline))
+        try:
+            async with asyncio.timeout(wait_s):
+                stream = await self._clients.recover_detokenize_stream(wait_s)
+        except (TimeoutError, MeshError) as exc:
+            self._metrics.detokenize_failovers.labels("unplaced").inc()
+            reason = exc.message if isinstance(exc, MeshError) else f"none within {wait_s:g}s"
+            raise UnavailableError(
+                f"the tokenizer detokenizing this response was lost ({lost.message}) and no "
+                f"replica took it over: {reason}") from exc
+        self._metrics.detokenize_failovers.labels("moved").inc()
+        _log.warning("request %s moved its detokenization to tokenizer %s (%s)",
+                     job.request_id, stream.address, lost.message)
+        span.add_event("detokenizer failover", {"meshserve.tokenizer_address": stream.address,
+                                                "exception.message": lost.message})
+        return stream
 
     async def _route(self, job: GenerationJob, prompts: list[PreparedPrompt],
                      params: common_pb2.SamplingParams, excluded: list[str]

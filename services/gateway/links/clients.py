@@ -6,6 +6,9 @@ and cached by address. Every channel carries the mesh's deadlines, retries for
 idempotent methods and trace-context propagation (`GrpcClient`). The data plane is one
 Session stream per worker and one DetokenizeSession stream per tokenizer replica,
 shared by every request of this gateway and opened again on first use after one broke.
+Requests whose DetokenizeSession broke wait, together, for a replica that answers its
+health check (`recover_detokenize_stream`): another replica, or the same address once the
+replica is back, probed with a growing pause on a fresh channel each time.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from meshserve.proto.v1 import (
     tokenizer_pb2_grpc,
     worker_pb2_grpc,
 )
-from meshserve.services.gateway.links.detokenize import DetokenizeStream
+from meshserve.services.gateway.links.detokenize import DetokenizeStream, TokenLookup
 from meshserve.services.gateway.links.route_link import RouteStream
 from meshserve.services.gateway.links.worker_link import WorkerLink
 from meshserve.shared.errors import MeshError, UnavailableError
@@ -38,6 +41,10 @@ from meshserve.shared.grpc_client import GrpcClient, mesh_errors
 TOKENIZER_SERVICE = "meshserve.v1.Tokenizer"
 # A replica whose stream broke is passed over for this long while another one is fine.
 _REPLICA_COOLDOWN_S = 5.0
+# Detokenizer failover: a health check's deadline, and the pause between rounds of them
+# (doubling from the first value up to the second).
+_PROBE_TIMEOUT_S = 1.0
+_PROBE_PAUSE_S = (0.05, 1.0)
 SCHEDULER_SERVICE = "meshserve.v1.Scheduler"
 _T = TypeVar("_T")
 
@@ -126,6 +133,8 @@ class MeshClients:
         self._detok_streams: list[DetokenizeStream | None] = [None] * len(self._tokenizers)
         self._detok_failed_at = [float("-inf")] * len(self._tokenizers)
         self._next_detok = 0
+        self._token_lookup = TokenLookup()  # every replica serves the same tokenizer
+        self._detok_recovery: asyncio.Future[DetokenizeStream] | None = None
 
     # -- stubs ------------------------------------------------------------------------------
 
@@ -210,9 +219,61 @@ class MeshClients:
                 return stream
             if now - self._detok_failed_at[i] >= _REPLICA_COOLDOWN_S:
                 break
-        stream = DetokenizeStream(self._tokenizers[i], self.tokenizer_addresses[i])
+        return self._open_detokenize_stream(i)
+
+    def _open_detokenize_stream(self, i: int) -> DetokenizeStream:
+        stream = DetokenizeStream(self._tokenizers[i], self.tokenizer_addresses[i],
+                                  self._token_lookup)
         self._detok_streams[i] = stream
         return stream
+
+    async def recover_detokenize_stream(self, wait_s: float) -> DetokenizeStream:
+        """A stream for requests whose DetokenizeSession broke: an open one, or a new one to
+        the first replica found SERVING, probing every replica each round for up to `wait_s`
+        (callers arriving during a search share it). UnavailableError if none came back."""
+        if self._detok_recovery is None or self._detok_recovery.done():
+            self._detok_recovery = asyncio.ensure_future(self._find_detokenizer(wait_s))
+        # shield: one caller going away must not cancel the others' shared search.
+        return await asyncio.shield(self._detok_recovery)
+
+    async def _find_detokenizer(self, wait_s: float) -> DetokenizeStream:
+        deadline = time.monotonic() + wait_s
+        pause, max_pause = _PROBE_PAUSE_S
+        while True:
+            stream = await self._serving_detokenizer()
+            if stream is not None:
+                return stream
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise UnavailableError(
+                    f"no tokenizer replica answered for {wait_s:g}s to take over the "
+                    f"detokenization (tried {', '.join(self.tokenizer_addresses)})")
+            await asyncio.sleep(min(pause, left))  # backoff: a replica's start sends no signal
+            pause = min(pause * 2, max_pause)
+
+    async def _serving_detokenizer(self) -> DetokenizeStream | None:
+        """One round of the search: the next replica with an open stream or SERVING."""
+        count = len(self._tokenizers)
+        for _ in range(count):
+            i = self._next_detok % count
+            self._next_detok += 1
+            stream = self._detok_streams[i]
+            if stream is not None and stream.usable:
+                return stream
+            if await _serving(self._tokenizer_channels[i], TOKENIZER_SERVICE, _PROBE_TIMEOUT_S):
+                return self._open_detokenize_stream(i)
+            self._renew_tokenizer_channel(i)
+        return None
+
+    def _renew_tokenizer_channel(self, i: int) -> None:
+        """A fresh channel for replica `i`: it connects at once on next use, where the old
+        one may still wait out a reconnect backoff after the replica restarted."""
+        old = self._tokenizer_channels[i]
+        channel = self._tokenizer_channels[i] = self._client.channel(self.tokenizer_addresses[i])
+        self._tokenizers[i] = tokenizer_pb2_grpc.TokenizerStub(channel)
+        task = asyncio.ensure_future(old.close(grace=None))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     # -- registry ---------------------------------------------------------------------------
 
@@ -301,6 +362,8 @@ class MeshClients:
 
     async def close(self) -> None:
         """Close every channel (in-flight calls are cancelled)."""
+        if self._detok_recovery is not None:
+            self._detok_recovery.cancel()
         streams: list[WorkerLink | DetokenizeStream | RouteStream] = [
             *self._worker_links.values(), *(s for s in self._detok_streams if s),
             *([self._routes] if self._routes is not None else [])]

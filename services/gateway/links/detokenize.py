@@ -12,7 +12,10 @@ and the replica answers each message with exactly one message, in order, so the 
 pairs answers with the batches it sent (a FIFO). A request is opened in the message that
 carries its first tokens; it is forgotten by the tokenizer when all its sequences have
 ended, or when the gateway closes it. Token bytes for logprobs are asked for once per
-token id and kept (`TokenLookup`). If the stream breaks, every request bound to it fails.
+token id and kept (`TokenLookup`, one for all replicas: they serve one tokenizer). If the
+stream breaks, every request bound to it is told (`on_detokenize_lost`) and forgotten here:
+a generation opens again on another stream, carrying where its text stood (the Generation's
+detokenizer failover); what was waiting for an answer here is its to send again.
 """
 
 from __future__ import annotations
@@ -65,16 +68,17 @@ class TokenLookup:
 
 def open_request(handle: int, params: SamplingParams, *, model: str, request_id: str,
                  prompts: Sequence[Sequence[int]], samples_per_prompt: int,
-                 traceparent: str = "", skip_special_tokens: bool | None = None
-                 ) -> tokenizer_pb2.DetokenizeOpen:
-    """How the tokenizer must turn one request's tokens into text."""
+                 traceparent: str = "", skip_special_tokens: bool | None = None,
+                 check_vocabulary: bool = False) -> tokenizer_pb2.DetokenizeOpen:
+    """How the tokenizer must turn one request's tokens into text (`check_vocabulary`:
+    refuse ids outside the vocabulary, for /detokenize)."""
     options = tokenizer_pb2.DetokenizeOptions(
         model=model, request_id=request_id, num_sequences=len(prompts) * samples_per_prompt,
         skip_special_tokens=(params.skip_special_tokens if skip_special_tokens is None
                              else skip_special_tokens),
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output,
-        min_tokens=params.min_tokens)
+        min_tokens=params.min_tokens, check_vocabulary=check_vocabulary)
     return tokenizer_pb2.DetokenizeOpen(
         handle=handle, options=options, samples_per_prompt=samples_per_prompt,
         prompt_tails=[tokenizer_pb2.TokenIds(token_ids=list(p[-PROMPT_CONTEXT_TOKENS:]))
@@ -102,7 +106,11 @@ class TextSink(Protocol):
         """Every entry of one answer has been given (called once per answer per sink)."""
 
     def on_detokenize_error(self, error: MeshError) -> None:
-        """The request failed at the tokenizer, or the stream broke."""
+        """The request failed at the tokenizer."""
+
+    def on_detokenize_lost(self, error: MeshError) -> None:
+        """The stream broke: the request is no longer open on it, and no entry it sent
+        that was not answered yet will be."""
 
 
 @dataclass
@@ -134,9 +142,10 @@ class _Batch:
 class DetokenizeStream:
     """One DetokenizeSession stream to one tokenizer replica (see the module doc)."""
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, address: str) -> None:
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, address: str,
+                 lookup: TokenLookup | None = None) -> None:
         self.address = address
-        self.lookup = TokenLookup()
+        self.lookup = lookup if lookup is not None else TokenLookup()
         self._link = BidiLink(stub.DetokenizeSession, name=f"tokenizer {address}",
                               on_message=self._on_answer, on_break=self._break)
         self._batch = _Batch()
@@ -158,7 +167,7 @@ class DetokenizeStream:
     def open(self, sink: TextSink, request: tokenizer_pb2.DetokenizeOpen) -> None:
         """Bind a request to this stream; it opens with the next message."""
         if self.failure is not None:
-            sink.on_detokenize_error(self.failure)
+            sink.on_detokenize_lost(self.failure)
             return
         self._sinks[request.handle] = sink
         self._batch.opens.append(request)
@@ -198,7 +207,8 @@ class DetokenizeStream:
         if self._batch.empty():
             return
         if self.failure is not None:
-            self._fail_batch(self._batch, self.failure)
+            # Every sink of these entries was told the stream is lost (at the break, or
+            # when it opened here after it): each sends its entries again elsewhere.
             self._batch = _Batch()
             return
         batch, self._batch = self._batch, _Batch()
@@ -233,18 +243,14 @@ class DetokenizeStream:
         for sink in touched.values():
             sink.publish()
 
-    def _fail_batch(self, batch: _Batch, error: MeshError) -> None:
-        for sink in {id(s): s for s, _ in batch.owners}.values():
-            sink.on_detokenize_error(error)
-
     def _break(self, error: MeshError) -> None:
-        """The stream is gone: every request bound to it fails."""
+        """The stream is gone: every request bound to it is told, and forgotten here."""
         _log.warning("detokenize stream to %s broke: %s", self.address, error)
         sinks = list(self._sinks.values())
         self._sinks.clear()
         self._sent.clear()
         for sink in {id(s): s for s in sinks}.values():
-            sink.on_detokenize_error(error)
+            sink.on_detokenize_lost(error)
 
     async def aclose(self) -> None:
         """End the stream (gateway shutdown)."""
@@ -257,7 +263,8 @@ class DetokenizeStream:
         handle = next(_one_shot_handles)
         self.open(sink, open_request(handle, SamplingParams(max_tokens=None), model=model,
                                      request_id=request_id, prompts=[()],
-                                     samples_per_prompt=1, skip_special_tokens=False))
+                                     samples_per_prompt=1, skip_special_tokens=False,
+                                     check_vocabulary=True))
         self.add(sink, None, handle, 0, list(token_ids), True, False)
         await self.flush()
         try:
@@ -284,3 +291,6 @@ class _OneShot:
     def on_detokenize_error(self, error: MeshError) -> None:
         if not self.result.done():
             self.result.set_exception(error)
+
+    def on_detokenize_lost(self, error: MeshError) -> None:
+        self.on_detokenize_error(error)  # one call: the caller may simply try again
