@@ -150,8 +150,11 @@ def paged_attention(
     if window is not None and meta.max_seq_len <= window:
         window = None  # every key is inside every query's window
     if query.is_cuda:
-        # (PyTorch's fused attention has none of the options)
-        plain = window is None and softcap is None and sinks is None and meta.lookahead is None
+        # PyTorch's fused attention has none of the options, and its FlashAttention and
+        # cuDNN kernels take half precision only (float32 with grouped-query attention has
+        # no fused kernel at all).
+        plain = (window is None and softcap is None and sinks is None
+                 and meta.lookahead is None and query.dtype in _FUSED_DTYPES)
         if plain and key is not None and value is not None and _fresh_prefill(meta):
             return fresh_prefill_attention(query, key, value, meta, scale)
         from meshserve.kernels import triton_attention  # imported on the GPU path only
@@ -164,6 +167,9 @@ def paged_attention(
     return paged_attention_reference(query, k_cache, v_cache, meta, scale, key=key, value=value,
                                      window=window, softcap=softcap, sinks=sinks)
 
+
+# The dtypes of the fresh-prefill path (PyTorch's fused kernels).
+_FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 # At most this many sequences go through the per-sequence fresh-prefill path in one step.
 _MAX_FRESH_PREFILL_SEQS = 4

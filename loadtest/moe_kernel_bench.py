@@ -68,11 +68,13 @@ def time_layer(tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
 
 
 def sweep(w13: torch.Tensor, w2: torch.Tensor, top_k: int, iters: int,
-          grouped: bool) -> dict[str, Any]:
+          which: str) -> dict[str, Any]:
     """Time each matrix-vector block shape (one product at a time, the other at its
-    default) at 1 and 4 tokens; keep the shape with the lowest sum in GEMV_CONFIGS."""
+    default) at 1 and 4 tokens; keep the shape with the lowest sum in GEMV_CONFIGS. With
+    `which` "all" or "grouped", the grouped GEMMs' shapes too ("grouped": those alone)."""
     found: dict[str, Any] = {}
-    for gate_up in (True, False):
+    grouped = which in ("all", "grouped")
+    for gate_up in (True, False) if which != "grouped" else ():
         timings = []
         for config in itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8), (1, 3)):
             block_n, block_k, warps, _ = config
@@ -120,10 +122,10 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--fp8", action="store_true", help="FP8 expert weights")
-    parser.add_argument("--sweep", choices=("gemv", "all"),
+    parser.add_argument("--sweep", choices=("gemv", "grouped", "all"),
                         help="first time the matrix-vector products' block shapes at 1 and 4 "
-                             "tokens (and with `all` the grouped GEMMs' at 256, 512 and "
-                             "1024), and keep the fastest of each")
+                             "tokens (gemv), the grouped GEMMs' at 256, 512 and 1024 "
+                             "(grouped) or both (all), and keep the fastest of each")
     args = parser.parse_args()
     dtype = torch.bfloat16
     w13 = torch.randn(args.experts, 2 * args.inter, args.hidden, device="cuda", dtype=dtype)
@@ -138,7 +140,7 @@ def main() -> None:
             w2_scale=torch.full(w2.shape[:2], 1e-3, device="cuda"))
     bandwidth = copy_bandwidth()
     expert_bytes = 3 * args.hidden * args.inter * w13.element_size()  # 1 a value in FP8
-    swept = sweep(w13, w2, args.top_k, args.iters, args.sweep == "all") if args.sweep else {}
+    swept = sweep(w13, w2, args.top_k, args.iters, args.sweep) if args.sweep else {}
     rows = []
     for tokens in args.sizes:
         micros, distinct = time_layer(tokens, w13, w2, args.top_k, args.iters)
