@@ -69,7 +69,7 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
     load = ServerLoad(config.enable_server_load_tracking)
     batch_chat = BatchChat(generation)
     invocations = Invocations(generation.chat_completions, generation.completions,
-                              embeddings.embeddings)
+                              scoring.pooled_input, scoring.rerank, scoring.score)
     routes = [
         ("POST", COMPLETIONS_URL, load.tracked(generation.completions)),
         ("POST", CHAT_COMPLETIONS_URL, load.tracked(generation.chat_completions)),

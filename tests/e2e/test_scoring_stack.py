@@ -164,3 +164,13 @@ def test_bad_requests_are_refused_in_vllms_words(root) -> None:
     with pytest.raises(openai.NotFoundError):
         root.post("/score", cast_to=object,
                   body={"model": "no-such-model", "text_1": QUERY, "text_2": QUERY})
+
+
+def test_invocations_answer_score_rerank_and_embedding_bodies(root) -> None:
+    score = _post(root, "/invocations", text_1=QUERY, text_2=DOCS[:2])
+    assert score["id"].startswith("score-") and len(score["data"]) == 2
+    assert score["data"] == _post(root, "/score", text_1=QUERY, text_2=DOCS[:2])["data"]
+    rerank = _post(root, "/invocations", query=QUERY, documents=DOCS, top_n=1)
+    assert rerank["id"].startswith("rerank-") and len(rerank["results"]) == 1
+    embedded = _post(root, "/invocations", input=QUERY)
+    assert embedded["data"][0]["object"] == "embedding"

@@ -121,6 +121,16 @@ class ScoringHandlers:
 
         return json_response(await self._serve(answer))
 
+    async def pooled_input(self, request: web.Request) -> web.StreamResponse:
+        """A body of `input` as /invocations answers it: /classify on a sequence
+        classifier, /v1/embeddings otherwise (vLLM tries the tasks the model serves)."""
+        model = (await read_json(request)).get("model")
+        resolved = await self._orch.resolve_model(model if isinstance(model, str) else None)
+        workers = await self._clients.list_workers()
+        if any(w.class_labels for w in workers if w.serves(resolved)):
+            return await self.classify(request)
+        return await self._embeddings.embeddings(request)
+
     # -- the model --------------------------------------------------------------------------
 
     async def _pooling_model(self, requested: str | None, api: str) -> _Served:
