@@ -15,7 +15,11 @@ expert id, as torch.topk picks them.
 
 `align` runs as one program: it counts the pairs of each expert, cuts each expert's pairs into
 tiles of BLOCK_M rows, and places every pair at its expert's offset plus the number of earlier
-pairs of that expert (so the order within an expert is token order, as a stable sort's).
+pairs of that expert (so the order within an expert is token order, as a stable sort's). That
+program's work grows with pairs x experts, so past ALIGN_SORT_MIN_PAIRS pairs PyTorch's stable
+sort (a radix sort over all SMs) and a scatter-add count the pairs and place them, and the
+program only cuts the tiles (on an H200 the one-program path took 430 us a layer at 981
+decode tokens of the Qwen3-30B-A3B shape, a quarter of the step).
 A pair whose expert id is negative (another rank's expert under expert parallelism) is
 skipped: it goes to a last bucket, the "null expert" E, whose tiles the products skip and
 whose output rows they write as zeros.
@@ -35,6 +39,7 @@ from meshserve.kernels.pdl import pdl_prologue
 MAX_EXPERTS = 1024  # one program holds a row of router logits
 ALIGN_BLOCK_P = 64  # pairs placed per iteration of the align kernel
 ALIGN_BLOCK_T = 64  # tiles scheduled per iteration
+ALIGN_SORT_MIN_PAIRS = 256  # from this many pairs, PyTorch's sort places them (see above)
 
 
 def _check_device(t: torch.Tensor, kernel: object) -> None:
@@ -118,10 +123,18 @@ def align(expert_ids: torch.Tensor, num_experts: int, block_m: int,
     sorted_pairs = torch.empty(pairs, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts + 2, dtype=torch.int32, device=device)
     schedule = torch.empty(3, tiles, dtype=torch.int32, device=device)  # expert, start, end
+    counts = offsets  # unread: the kernel counts
+    presorted = pairs >= ALIGN_SORT_MIN_PAIRS
+    if presorted:
+        buckets = torch.where(ids < 0, num_experts, ids)
+        sorted_pairs = torch.sort(buckets, stable=True).indices.to(torch.int32)
+        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=device).scatter_add_(
+            0, buckets.long(), torch.ones_like(buckets))
     _align_kernel[(1,)](
-        ids, sorted_pairs, offsets, schedule, pairs, num_experts, tiles, BLOCK_M=block_m,
-        BLOCK_E=triton.next_power_of_2(num_experts + 2), BLOCK_P=ALIGN_BLOCK_P,
-        BLOCK_T=ALIGN_BLOCK_T, num_warps=4, **pdl.launch_options(device))
+        ids, sorted_pairs, offsets, schedule, counts, pairs, num_experts, tiles,
+        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts + 2),
+        BLOCK_P=ALIGN_BLOCK_P, BLOCK_T=ALIGN_BLOCK_T, PRESORTED=presorted, num_warps=4,
+        **pdl.launch_options(device))
     return sorted_pairs, offsets[:num_experts + 1], schedule[0], schedule[1], schedule[2]
 
 
@@ -133,17 +146,21 @@ def _bucket(ids, valid, E):
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, offsets_ptr, schedule_ptr, P, E, M,
+def _align_kernel(ids_ptr, sorted_ptr, offsets_ptr, schedule_ptr, counts_ptr, P, E, M,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_T: tl.constexpr, PRESORTED: tl.constexpr, PDL: tl.constexpr):
+    """PRESORTED: the pairs are placed already and counts_ptr holds each bucket's count."""
     pdl_prologue(PDL)
     es = tl.arange(0, BLOCK_E)  # buckets: experts 0..E-1, the null expert E
     # Pass 1: pairs per bucket.
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):
-        ps = p0 + tl.arange(0, BLOCK_P)
-        ids = _bucket(tl.load(ids_ptr + ps, mask=ps < P, other=0), ps < P, E)  # [BP]
-        counts += tl.sum((ids[:, None] == es[None, :]).to(tl.int32), axis=0)  # [BE]
+    if PRESORTED:
+        counts = tl.load(counts_ptr + es, mask=es <= E, other=0)
+    else:
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for p0 in range(0, P, BLOCK_P):
+            ps = p0 + tl.arange(0, BLOCK_P)
+            ids = _bucket(tl.load(ids_ptr + ps, mask=ps < P, other=0), ps < P, E)  # [BP]
+            counts += tl.sum((ids[:, None] == es[None, :]).to(tl.int32), axis=0)  # [BE]
     offsets = tl.cumsum(counts, axis=0) - counts  # exclusive: bucket e's first position
     tl.store(offsets_ptr + es, offsets, mask=es <= E + 1)  # offsets[E + 1] == P
     tiles = (counts + BLOCK_M - 1) // BLOCK_M  # [BE]
@@ -167,7 +184,7 @@ def _align_kernel(ids_ptr, sorted_ptr, offsets_ptr, schedule_ptr, P, E, M,
         tl.store(schedule_ptr + 2 * M + ms, tl.where(valid, end, 0), mask=in_grid)
     # Pass 2: each pair at its expert's offset plus its rank among the expert's earlier pairs.
     seen = offsets
-    for p0 in range(0, P, BLOCK_P):
+    for p0 in range(0, P if not PRESORTED else 0, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
         ids = _bucket(tl.load(ids_ptr + ps, mask=ps < P, other=0), ps < P, E)
         onehot = (ids[:, None] == es[None, :]).to(tl.int32)  # [BP, BE]

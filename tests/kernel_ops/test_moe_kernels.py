@@ -84,9 +84,18 @@ ALIGN_CASES = [
 ]
 
 
+@pytest.fixture(params=["one_program", "presorted"])
+def align_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways `align` places the pairs: in its one program, or by PyTorch's sort."""
+    monkeypatch.setattr(triton_moe_route, "ALIGN_SORT_MIN_PAIRS",
+                        10**9 if request.param == "one_program" else 0)
+    return request.param
+
+
 @in_interpreter
 @pytest.mark.parametrize("case", range(len(ALIGN_CASES)))
-def test_align_sorts_like_group_by_expert_and_tiles_every_pair_once(case: int) -> None:
+def test_align_sorts_like_group_by_expert_and_tiles_every_pair_once(case: int,
+                                                                    align_path: str) -> None:
     rows, experts, block_m = ALIGN_CASES[case]
     ids = torch.tensor(rows, dtype=torch.int32)
     groups = group_by_expert(ids, experts)
@@ -105,7 +114,7 @@ def test_align_sorts_like_group_by_expert_and_tiles_every_pair_once(case: int) -
 
 
 @in_interpreter
-def test_align_puts_skipped_pairs_in_the_null_experts_tiles() -> None:
+def test_align_puts_skipped_pairs_in_the_null_experts_tiles(align_path: str) -> None:
     ids = torch.tensor([[2, -1], [-1, 0], [2, 2], [-1, -1]], dtype=torch.int32)  # E=3
     sorted_pairs, offsets, tile_expert, start, end = triton_moe_route.align(ids, 3, 16)
     # pairs t*k + j: e0: 3; e2: 0, 4, 5; skipped: 1, 2, 6, 7
@@ -118,7 +127,7 @@ def test_align_puts_skipped_pairs_in_the_null_experts_tiles() -> None:
 
 @in_interpreter
 @pytest.mark.parametrize("tokens", [3, 40])  # the matrix-vector path, then the grouped one
-def test_pairs_with_negative_expert_ids_are_skipped(tokens: int) -> None:
+def test_pairs_with_negative_expert_ids_are_skipped(tokens: int, align_path: str) -> None:
     """As expert parallelism routes other ranks' pairs: id -1 adds nothing, whatever its
     weight, and the other pairs of its token still count."""
     g = torch.Generator().manual_seed(tokens + 7)
