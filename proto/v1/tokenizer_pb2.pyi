@@ -150,16 +150,18 @@ class DetokenizeOpen(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., options: _Optional[_Union[DetokenizeOptions, _Mapping]] = ..., prompt_tails: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., samples_per_prompt: _Optional[int] = ..., traceparent: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[DetokenizeResume, _Mapping]]] = ...) -> None: ...
 
 class DetokenizeResume(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "finished")
+    __slots__ = ("index", "token_ids", "text", "finished", "entry_sizes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_SIZES_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
+    entry_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., entry_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)

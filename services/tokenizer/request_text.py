@@ -2,8 +2,8 @@
 
 `RequestText` is what the DetokenizeSession stream keeps per request. A request carried
 over from a session that broke is rebuilt with `resume`: the tokens the old session
-answered are replayed one at a time (as single-token steps brought them), which restores
-the held-back bytes, the stop checker's pending text and the token counts; the replayed
+answered are replayed in the entries that brought them, which restores the held-back
+bytes, the stop checker's pending text and the token counts as they were; the replayed
 text is then squared with the text the old session sent, so the next answers go on from
 exactly where the client's text ends.
 """
@@ -96,11 +96,12 @@ class RequestText:
             stop_string=seq.stop_string or "", finished=seq.finished,
             num_output_tokens=seq.num_tokens)
 
-    def resume(self, index: int, token_ids: Sequence[int], sent_text: str,
-               finished: bool = False) -> None:
+    def resume(self, index: int, token_ids: Sequence[int], sent_text: str, *,
+               finished: bool = False, entry_sizes: Sequence[int] = ()) -> None:
         """Carry sequence `index` over from a session that broke, before any update: it had
-        answered `token_ids` with `sent_text` in all (see the module doc); a `finished`
-        sequence gets no more tokens and is only marked ended."""
+        answered `token_ids`, in entries of `entry_sizes` tokens (none: one token each),
+        with `sent_text` in all (see the module doc); a `finished` sequence gets no more
+        tokens and is only marked ended."""
         seq = self._sequence(index)
         if seq.finished or seq.num_tokens:
             raise InvalidRequestError(f"sequence {index} is resumed twice, or after its "
@@ -108,9 +109,16 @@ class RequestText:
         if finished:
             self._end(seq, None)
             return
+        sizes = list(entry_sizes) or [1] * len(token_ids)
+        if sum(sizes) != len(token_ids) or 0 in sizes:
+            raise InvalidRequestError(f"the entry sizes of sequence {index} must be positive "
+                                      f"and add up to its {len(token_ids)} tokens",
+                                      param="resumed.entry_sizes")
         parts: list[str] = []
-        for token_id in token_ids:  # one token a step, as the old session most likely saw
-            delta = self._feed(seq, (token_id,), False, False)
+        start = 0
+        for size in sizes:
+            delta = self._feed(seq, token_ids[start:start + size], False, False)
+            start += size
             parts.append(delta.text)
             if delta.stopped:
                 self._end(seq, delta.stop_reason)

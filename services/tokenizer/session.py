@@ -136,7 +136,8 @@ class SessionTexts:
                                vocab_size=(tokenizer.vocab_size if options.check_vocabulary
                                            else None))
             for resumed in request.resumed:
-                text.resume(resumed.index, resumed.token_ids, resumed.text, resumed.finished)
+                text.resume(resumed.index, resumed.token_ids, resumed.text,
+                            finished=resumed.finished, entry_sizes=resumed.entry_sizes)
         except MeshError as exc:
             errors.append(tokenizer_pb2.HandleError(handle=handle, error=error_pb(exc)))
             span.set_attribute("meshserve.error_kind", exc.kind)

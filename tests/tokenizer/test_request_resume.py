@@ -9,6 +9,7 @@ or inside a stop string.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -87,6 +88,36 @@ def test_stop_strings_match_across_the_cut(tok: Tokenizer, ids: list[int], stop:
             True, stop, ended.num_output_tokens), cut
 
 
+@pytest.mark.parametrize("stop", [[], ["\ufffd\ufffd\ufffd\ufffd\ufffd\ufffd!"]])
+def test_a_chunked_run_resumes_answer_for_answer(tok: Tokenizer, stop: list[str]) -> None:
+    # Ids mostly of stray bytes: the detokenizer holds them, then gives up past
+    # its limit and emits U+FFFD, at points that depend on how the ids were grouped into
+    # entries. Replayed in the old session's entries, every later answer is the uncut one.
+    rng = random.Random(3)
+    partial = [t for t in range(tok.vocab_size) if tok.decode([t]) == "\ufffd"]
+    ids = [rng.choice(partial) if rng.random() < 0.8 else rng.randrange(tok.vocab_size)
+           for _ in range(300)]
+    sizes = [rng.randint(1, 12) for _ in range(60)]
+    chunks, start = [], 0
+    for size in sizes:
+        if start < len(ids):
+            chunks.append(ids[start:start + size])
+            start += size
+    params = SamplingParams(max_tokens=None, stop=stop)  # a stop string: fed a token at a time
+    def run(text: RequestText, part: list[list[int]], last: bool) -> list[SequenceUpdate]:
+        return [text.update(0, c, last and i == len(part) - 1) for i, c in enumerate(part)]
+    whole = run(RequestText(tok, params, 1, prompt_tails=[]), chunks, True)
+    assert "\ufffd" in joined(whole)
+    for cut in range(1, len(chunks)):
+        sent = joined(run(RequestText(tok, params, 1, prompt_tails=[]), chunks[:cut], False))
+        resumed = RequestText(tok, params, 1, prompt_tails=[])
+        resumed.resume(0, [t for c in chunks[:cut] for t in c], sent,
+                       entry_sizes=[len(c) for c in chunks[:cut]])
+        after = run(resumed, chunks[cut:], True)
+        assert [u.text for u in after] == [u.text for u in whole[cut:]], cut
+        assert after[-1].num_output_tokens == len(ids)
+
+
 def test_text_owed_by_the_old_session_comes_first(tok: Tokenizer, ids: list[int]) -> None:
     # The old session sent less than the replay yields (its steps held more back): the
     # rest of the replayed text opens the next answer.
@@ -129,6 +160,10 @@ def test_a_sequence_is_resumed_only_before_its_tokens(tok: Tokenizer, ids: list[
         text.resume(0, ids[:3], tok.decode(ids[:3]))
     with pytest.raises(InvalidRequestError, match="sequence index 4 is out of range"):
         text.resume(4, [], "")
+    fresh = RequestText(tok, SamplingParams(max_tokens=None), 1, prompt_tails=[])
+    with pytest.raises(InvalidRequestError, match="add up to its 3 tokens") as caught:
+        fresh.resume(0, ids[:3], tok.decode(ids[:3]), entry_sizes=[1, 1])
+    assert caught.value.param == "resumed.entry_sizes"
 
 
 def test_ids_outside_the_vocabulary_are_refused_when_asked(tok: Tokenizer) -> None:

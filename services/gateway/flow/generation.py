@@ -64,9 +64,10 @@ class _Sequence:
     seen: bool = False  # its first entry (the one with prompt logprobs) was rendered
     # Every output token the workers sent for it, in order: what it resumes from elsewhere.
     received: list[int] = field(default_factory=list)
-    # Of those, how many the detokenizer answered, and the texts it answered for them: what
-    # a new detokenize stream resumes from.
+    # Of those, how many the detokenizer answered (in entries of these sizes), and the texts
+    # it answered for them: what a new detokenize stream resumes from.
     num_answered: int = 0
+    entry_sizes: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
 
 
@@ -307,7 +308,9 @@ class Generation:
         seq = self._seqs[ref.index]
         if seq.finish_reason is not None:
             return
-        seq.num_answered += len(ref.token_ids)
+        if ref.token_ids:
+            seq.num_answered += len(ref.token_ids)
+            seq.entry_sizes.append(len(ref.token_ids))
         seq.texts.append(text.text)
         self._deltas.append(self._delta(seq, ref, text))
         if text.stopped:
@@ -365,7 +368,12 @@ class Generation:
         stream.open(self, request)
         if self._detok is not stream:
             return  # lost again at once: the next turn of _next moves it again
+        indices: set[int] = set()
         for entry in self._pending:
+            if entry.index in indices:  # a step has one entry per sequence: a new step
+                stream.cut()  # its own message, so its text is one update, as at first
+                indices.clear()
+            indices.add(entry.index)
             self._send(stream, entry)
         await stream.flush()
         self._run_deferred()
@@ -379,7 +387,7 @@ class Generation:
             elif seq.num_answered:
                 resumed.append(tokenizer_pb2.DetokenizeResume(
                     index=i, token_ids=seq.received[:seq.num_answered],
-                    text="".join(seq.texts)))
+                    text="".join(seq.texts), entry_sizes=seq.entry_sizes))
         return resumed
 
     def _fail(self, error: MeshError) -> None:

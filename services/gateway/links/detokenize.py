@@ -149,6 +149,7 @@ class DetokenizeStream:
         self._link = BidiLink(stub.DetokenizeSession, name=f"tokenizer {address}",
                               on_message=self._on_answer, on_break=self._break)
         self._batch = _Batch()
+        self._cut: list[_Batch] = []  # messages closed by `cut`, sent by the next flush
         self._sent: deque[_Batch] = deque()
         self._sinks: dict[int, TextSink] = {}  # handle -> its sink, while open
         self._asked: set[int] = set()  # token ids asked for, answer pending
@@ -202,20 +203,28 @@ class DetokenizeStream:
         if self._flush_task is None or self._flush_task.done():
             self._flush_task = asyncio.ensure_future(self.flush())
 
-    async def flush(self) -> None:
-        """Send what was added since the previous flush as one message (if anything)."""
-        if self._batch.empty():
-            return
-        if self.failure is not None:
-            # Every sink of these entries was told the stream is lost (at the break, or
-            # when it opened here after it): each sends its entries again elsewhere.
+    def cut(self) -> None:
+        """Close the message being built: what is added next goes into another one (sent
+        again after a failover, entries keep the messages of their worker steps)."""
+        if not self._batch.empty():
+            self._cut.append(self._batch)
             self._batch = _Batch()
+
+    async def flush(self) -> None:
+        """Send what was added since the previous flush as one message (if anything), after
+        the messages `cut` closed."""
+        self.cut()
+        batches, self._cut = self._cut, []
+        if not batches or self.failure is not None:
+            # On a broken stream, every sink of these entries was told it is lost (at the
+            # break, or when it opened here after it): each sends its entries elsewhere.
             return
-        batch, self._batch = self._batch, _Batch()
         async with self._write_lock:  # messages go out in the order their batches closed
             self._link.open()
-            self._sent.append(batch)
-            await self._link.write(batch.message())  # a failure breaks the link
+            for batch in batches:
+                self._sent.append(batch)
+                if not await self._link.write(batch.message()):  # the link broke
+                    return
 
     async def _on_answer(self, response: tokenizer_pb2.DetokenizeSessionResponse) -> None:
         if not self._sent:
