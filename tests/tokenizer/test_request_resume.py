@@ -118,6 +118,24 @@ def test_a_chunked_run_resumes_answer_for_answer(tok: Tokenizer, stop: list[str]
         assert after[-1].num_output_tokens == len(ids)
 
 
+def test_bytes_given_up_on_at_the_cut_stay_given_up(tok: Tokenizer) -> None:
+    # One entry of 20 stray bytes, the last three the start of an emoji: held past the
+    # limit, the old session gave up on all of them at once (U+FFFD); the emoji's last
+    # byte after the cut must not bring the emoji back, as it did not in the uncut run.
+    by_bytes = {tok.token_bytes(t): t for t in range(tok.vocab_size)}
+    emoji = [by_bytes[bytes([b])] for b in "😀".encode()]
+    first, rest = [by_bytes[b"\x80"]] * 17 + emoji[:3], emoji[3:]
+    params = SamplingParams(max_tokens=None)
+    old = RequestText(tok, params, 1, prompt_tails=[])
+    sent = old.update(0, first, False).text
+    assert sent == "\ufffd" * 18
+    expected = old.update(0, rest, True)
+    resumed = RequestText(tok, params, 1, prompt_tails=[])
+    resumed.resume(0, first, sent, entry_sizes=[len(first)])
+    after = resumed.update(0, rest, True)
+    assert (after.text, after.num_output_tokens) == (expected.text, 21)
+
+
 def test_text_owed_by_the_old_session_comes_first(tok: Tokenizer, ids: list[int]) -> None:
     # The old session sent less than the replay yields (its steps held more back): the
     # rest of the replayed text opens the next answer.
