@@ -281,10 +281,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     Serves the Session stream: each added request runs on its own and every one of its
     messages goes out as one SessionResponse. `hold_after_first`: after the first
-    message, wait until aborted (a long generation). `break_after_first`: end the whole
-    Session stream with UNAVAILABLE after the first message with tokens (the worker
-    died). `fail_after_first`: fail the
-    request with this error after the first message. `raise_first`: fail with this
+    message, wait until aborted (a long generation). `pause_after_first`: after the first
+    message, wait until this event is set (a test acts mid-stream). `break_after_first`:
+    end the whole Session stream with UNAVAILABLE after the first message with tokens (the
+    worker died). `fail_after_first`: fail the request with this error after the first
+    message. `raise_first`: fail with this
     exception before any message (a MeshError keeps its kind, anything else is
     internal), for prompts that hold `raise_marker`'s byte (every prompt when None).
     A resumed add (SessionAdd.resumed) runs only the sequences listed, each from the
@@ -306,6 +307,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.cancelled = asyncio.Event()
         self.started = asyncio.Event()
         self.hold_after_first = False
+        self.pause_after_first: asyncio.Event | None = None
         self.fail_after_first: MeshError | None = None
         self.break_after_first = False
         self.raise_first: BaseException | None = None
@@ -364,6 +366,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     raise self.fail_after_first
                 if self.hold_after_first:
                     await asyncio.Event().wait()
+                if self.pause_after_first is not None:
+                    await self.pause_after_first.wait()
             out.put_nowait(worker_pb2.SessionResponse(done=[worker_pb2.RequestDone(
                 handle=handle, timings=common_pb2.Timings(queued_ns=1000))]))
         except asyncio.CancelledError:
