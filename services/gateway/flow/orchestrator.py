@@ -355,10 +355,13 @@ class Orchestrator:
         """A detokenize stream to carry on a request whose stream broke, found within the
         configured wait and the request's deadline, or the error the request ends with."""
         job = generation.job
-        wait_s = min(self._config.detokenize_failover_wait_s, self.remaining_s(job.deadline))
+        # The search is shared by every request that lost its stream, so it runs for the
+        # configured wait; this request waits no longer than its deadline allows.
+        configured = self._config.detokenize_failover_wait_s
+        wait_s = min(configured, self.remaining_s(job.deadline))
         try:
             async with asyncio.timeout(wait_s):
-                stream = await self._clients.recover_detokenize_stream(wait_s)
+                stream = await self._clients.recover_detokenize_stream(configured)
         except (TimeoutError, MeshError) as exc:
             self._metrics.detokenize_failovers.labels("unplaced").inc()
             reason = exc.message if isinstance(exc, MeshError) else f"none within {wait_s:g}s"
