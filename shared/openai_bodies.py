@@ -103,10 +103,20 @@ def _chat_token(token_id: int, logprob: float, renderer: TokenRenderer) -> dict[
             "bytes": list(renderer.token_bytes(token_id))}
 
 
+def _sampled_first(entry: TokenLogprobs) -> list[tuple[int, float]]:
+    """The k entries of a chat token's `top_logprobs` as vLLM lists them: the sampled token
+    first, then the top alternatives in rank order without it, k in all (so a sampled token
+    outside the top k pushes out the k-th)."""
+    if not entry.top:
+        return []
+    rest = [(t, lp) for t, lp in entry.top if t != entry.token_id]
+    return [(entry.token_id, entry.logprob), *rest][:len(entry.top)]
+
+
 def chat_logprobs(entries: Sequence[TokenLogprobs], renderer: TokenRenderer) -> dict[str, Any]:
     """Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}."""
     content = [{**_chat_token(e.token_id, e.logprob, renderer),
-                "top_logprobs": [_chat_token(t, lp, renderer) for t, lp in e.top]}
+                "top_logprobs": [_chat_token(t, lp, renderer) for t, lp in _sampled_first(e)]}
                for e in entries]
     return {"content": content, "refusal": None}
 

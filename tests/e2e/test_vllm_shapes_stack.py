@@ -124,6 +124,13 @@ def test_logprobs(client: openai.OpenAI, tokenizer, vocab_size: int) -> None:
     whole = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1,
                                            logprobs=True, top_logprobs=-1)
     assert len(whole.choices[0].logprobs.content[0].top_logprobs) == vocab_size  # type: ignore
+    sampled = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8,
+                                             temperature=1.5, seed=3, logprobs=True,
+                                             top_logprobs=2).choices[0].logprobs
+    for entry in sampled.content:  # type: ignore[union-attr]
+        assert len(entry.top_logprobs) == 2  # as vLLM: the sampled token first
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (
+            entry.token, entry.logprob)
     prompt = raw(client, "/completions", prompt=ids, max_tokens=1, prompt_logprobs=-1)
     assert all(len(e) >= vocab_size for e in prompt["choices"][0]["prompt_logprobs"][1:])
     coerced = raw(client, "/chat/completions", messages=USER, max_tokens=1, logprobs="true")

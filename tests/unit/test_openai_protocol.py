@@ -244,6 +244,19 @@ def test_chat_body_and_logprobs_match_the_openai_client() -> None:
         ("\ufffd", [0xC3]), ("t12", list(b"t12"))]
 
 
+def test_chat_top_logprobs_list_the_sampled_token_first_as_vllm() -> None:
+    renderer = FakeRenderer()
+    ranked = [(4, -0.5), (9, -1.0), (5, -2.0)]  # the sampled token 5 is third
+    outside = [(4, -0.5), (9, -1.0)]  # a sampled token 5 outside the top 2
+    content = bodies.chat_logprobs([TokenLogprobs(5, -2.0, 3, ranked),
+                                    TokenLogprobs(5, -3.0, 5, outside),
+                                    TokenLogprobs(5, -3.0, 5, [])], renderer)["content"]
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["t5", "t4", "t9"]
+    assert [(t["token"], t["logprob"]) for t in content[1]["top_logprobs"]] == [
+        ("t5", -3.0), ("t4", -0.5)]  # k entries in all: the k-th alternative drops out
+    assert content[2]["top_logprobs"] == []
+
+
 def test_stream_chunks_match_the_openai_client() -> None:
     cid, created = bodies.chat_completion_id(), bodies.created_timestamp()
     chunks = [
