@@ -20,7 +20,12 @@ from aiohttp import web
 
 from meshserve.services.gateway.anthropic import convert, objects
 from meshserve.services.gateway.anthropic.events import MessageEvents, error_event
-from meshserve.services.gateway.api.handlers import Handlers, json_response, read_json
+from meshserve.services.gateway.api.handlers import (
+    SSE_HEADERS,
+    Handlers,
+    json_response,
+    read_json,
+)
 from meshserve.services.gateway.api.middleware import error_response
 from meshserve.services.gateway.api.render import renderer_for
 from meshserve.services.gateway.config import GatewayConfig
@@ -30,8 +35,6 @@ from meshserve.services.gateway.flow.orchestrator import Orchestrator
 from meshserve.shared.errors import MeshError, UnavailableError
 
 _log = logging.getLogger(__name__)
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no"}
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -105,7 +108,7 @@ class MessagesEndpoint:
             async with asyncio.timeout_at(job.deadline):
                 async with self._orch.generate(job) as generation:
                     renderer = renderer_for(job, generation.prompts, generation.lookup)
-                    stream = web.StreamResponse(headers=_SSE_HEADERS)
+                    stream = web.StreamResponse(headers=SSE_HEADERS)
                     await stream.prepare(request)
                     prompt_tokens = generation.usage()["prompt_tokens"]
                     await stream.write(events.start(

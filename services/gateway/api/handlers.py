@@ -47,7 +47,7 @@ _log = logging.getLogger(__name__)
 # No OpenAI request nests anywhere near this deep; deeper bodies would only reach recursive
 # code (validation, repr, serialization) and its recursion limit.
 MAX_JSON_DEPTH = 64
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
 
@@ -215,7 +215,7 @@ class Handlers:
             async with asyncio.timeout_at(job.deadline):
                 async with self._orch.generate(job) as generation:
                     renderer = renderer_for(job, generation.prompts, generation.lookup)
-                    response = web.StreamResponse(headers=_SSE_HEADERS)
+                    response = web.StreamResponse(headers=SSE_HEADERS)
                     await response.prepare(request)
                     await self._write_stream(response, generation, renderer)
         except asyncio.CancelledError as exc:

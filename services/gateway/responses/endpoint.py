@@ -17,7 +17,12 @@ from typing import Any
 
 from aiohttp import web
 
-from meshserve.services.gateway.api.handlers import Handlers, json_response, read_json
+from meshserve.services.gateway.api.handlers import (
+    SSE_HEADERS,
+    Handlers,
+    json_response,
+    read_json,
+)
 from meshserve.services.gateway.api.render import Renderer, renderer_for
 from meshserve.services.gateway.flow.drain import Drain
 from meshserve.services.gateway.flow.job import GenerationJob, GenerationUpdate
@@ -30,8 +35,6 @@ from meshserve.shared.openai_bodies import chat_logprobs, created_timestamp
 
 _log = logging.getLogger(__name__)
 _MAX_PAGE = 100  # most input items one page lists, as OpenAI
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no"}
 
 
 class ResponsesEndpoint:
@@ -135,7 +138,7 @@ class ResponsesEndpoint:
             async with asyncio.timeout_at(job.deadline):
                 async with self._orch.generate(job) as generation:
                     renderer = renderer_for(job, generation.prompts, generation.lookup)
-                    stream = web.StreamResponse(headers=_SSE_HEADERS)
+                    stream = web.StreamResponse(headers=SSE_HEADERS)
                     await stream.prepare(request)
                     pending = objects.pending_response(rid, body, job.model, created,
                                                          job.params)
