@@ -48,7 +48,7 @@ _log = logging.getLogger(__name__)
 # code (validation, repr, serialization) and its recursion limit.
 MAX_JSON_DEPTH = 64
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no"}
+               "X-Accel-Buffering": "no"}
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
