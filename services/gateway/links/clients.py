@@ -45,6 +45,8 @@ _REPLICA_COOLDOWN_S = 5.0
 # (doubling from the first value up to the second).
 _PROBE_TIMEOUT_S = 1.0
 _PROBE_PAUSE_S = (0.05, 1.0)
+# How long calls on a replaced tokenizer channel may still run before they are cancelled.
+_OLD_CHANNEL_GRACE_S = 5.0
 SCHEDULER_SERVICE = "meshserve.v1.Scheduler"
 _T = TypeVar("_T")
 
@@ -146,12 +148,16 @@ class MeshClients:
 
     async def call_tokenizer(self, call: Callable[[tokenizer_pb2_grpc.TokenizerStub],
                                                   Awaitable[_T]]) -> _T:
-        """Run an idempotent unary call on one replica, trying the others while unavailable."""
+        """Run an idempotent unary call on one replica, trying each other one (in turn from
+        the next) while unavailable."""
+        count = len(self._tokenizers)
+        first = self._next_tokenizer
+        self._next_tokenizer += 1
         last: MeshError | None = None
-        for _ in range(len(self._tokenizers)):
+        for k in range(count):
             try:
                 with mesh_errors():
-                    return await call(self.tokenizer())
+                    return await call(self._tokenizers[(first + k) % count])
             except UnavailableError as exc:
                 last = exc
         assert last is not None
@@ -211,15 +217,22 @@ class MeshClients:
         for _ in range(count):
             i = self._next_detok % count
             self._next_detok += 1
-            stream = self._detok_streams[i]
-            if stream is not None and not stream.usable:
-                self._detok_failed_at[i] = now
-                stream = self._detok_streams[i] = None
+            stream = self._usable_detokenize_stream(i)
             if stream is not None:
                 return stream
             if now - self._detok_failed_at[i] >= _REPLICA_COOLDOWN_S:
                 break
         return self._open_detokenize_stream(i)
+
+    def _usable_detokenize_stream(self, i: int) -> DetokenizeStream | None:
+        """Replica `i`'s stream unless it broke; a broken one is dropped, with the replica's
+        channel (the replica may come back on its address: see _renew_tokenizer_channel)."""
+        stream = self._detok_streams[i]
+        if stream is not None and not stream.usable:
+            self._detok_failed_at[i] = time.monotonic()
+            stream = self._detok_streams[i] = None
+            self._renew_tokenizer_channel(i)
+        return stream
 
     def _open_detokenize_stream(self, i: int) -> DetokenizeStream:
         stream = DetokenizeStream(self._tokenizers[i], self.tokenizer_addresses[i],
@@ -257,8 +270,8 @@ class MeshClients:
         for _ in range(count):
             i = self._next_detok % count
             self._next_detok += 1
-            stream = self._detok_streams[i]
-            if stream is not None and stream.usable:
+            stream = self._usable_detokenize_stream(i)
+            if stream is not None:
                 return stream
             if await _serving(self._tokenizer_channels[i], TOKENIZER_SERVICE, _PROBE_TIMEOUT_S):
                 return self._open_detokenize_stream(i)
@@ -267,11 +280,12 @@ class MeshClients:
 
     def _renew_tokenizer_channel(self, i: int) -> None:
         """A fresh channel for replica `i`: it connects at once on next use, where the old
-        one may still wait out a reconnect backoff after the replica restarted."""
+        one may still wait out a reconnect backoff after the replica restarted. Calls still
+        running on the old one get a grace period to finish."""
         old = self._tokenizer_channels[i]
         channel = self._tokenizer_channels[i] = self._client.channel(self.tokenizer_addresses[i])
         self._tokenizers[i] = tokenizer_pb2_grpc.TokenizerStub(channel)
-        task = asyncio.ensure_future(old.close(grace=None))
+        task = asyncio.ensure_future(old.close(grace=_OLD_CHANNEL_GRACE_S))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
