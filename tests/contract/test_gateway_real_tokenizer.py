@@ -6,6 +6,7 @@ come from the Hugging Face tokenizer directly (encode, apply_chat_template, deco
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -156,7 +157,7 @@ async def test_a_stream_whose_tokenizer_stays_away_ends_with_an_error(
         registry = mesh.gateway.telemetry.registry
         assert registry.get_sample_value("meshserve:gateway_detokenize_failovers_total",
                                          {"outcome": "unplaced"}) == 1
-        assert worker.cancelled.is_set()  # the worker was told to stop
+        await asyncio.wait_for(worker.cancelled.wait(), 10)  # the worker is told to stop
 
 
 async def test_a_prompt_of_megabytes_is_a_context_length_error_at_once(
