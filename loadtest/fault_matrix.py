@@ -15,7 +15,9 @@ succeeded again, and how long until the killed part was back (restarted by the l
 SERVING on its address, or registered again for a worker, or answering PING for Redis). For
 a worker, the streams it ran fail over to the other one: `resume_s` holds, for each of them,
 the time from the kill to its first token after the move (measured by the client; see
-`_resume_times`). The stack is checked to be still up at the end of each drill.
+`_resume_times`). For the tokenizer, the streams' detokenization waits for the restarted
+replica and goes on there, so they complete too. The stack is checked to be still up at the
+end of each drill.
 `tests/e2e/test_fault_matrix.py` runs the same drill on a tiny model in CI and asserts
 the outcomes; this script records them on a real model (loadtest/reports/).
 """
