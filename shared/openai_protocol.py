@@ -26,9 +26,9 @@ COMPLETIONS_URL = "/v1/completions"
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
 _SAMPLING_INTS = ("n", "top_k", "seed", "min_tokens", "prompt_logprobs")
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty")
+                    "repetition_penalty", "length_penalty")
 _SAMPLING_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                   "spaces_between_special_tokens")
+                   "spaces_between_special_tokens", "use_beam_search")
 
 # Strings pydantic's lax mode (vLLM's request models) reads as booleans.
 _LAX_BOOLS = {**dict.fromkeys(("true", "t", "yes", "y", "on", "1"), True),
@@ -45,9 +45,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
     "vllm_xargs": (({},), "vllm_xargs is not supported"),
     "kv_transfer_params": ((), "KV transfer parameters are not supported"),
     "mm_processor_kwargs": ((), "multimodal inputs are not supported"),
-    "use_beam_search": ((False,), "beam search is not implemented"),
-    "length_penalty": ((1, 1.0), ("length_penalty applies to beam search, which is not "
-                                 "implemented")),
     "request_id": ((), "a request id in the body is not supported"),
 }
 _UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[tuple[object, ...], str]] = {
@@ -215,11 +212,23 @@ def _sampling_kwargs(fields: _Fields) -> dict[str, Any]:
         if not all(_is_token_id(t) for t in allowed):
             raise _bad("'allowed_token_ids' must be an array of token ids", "allowed_token_ids")
         kwargs["allowed_token_ids"] = tuple(allowed)
+    kwargs["early_stopping"] = _early_stopping(fields)
     best_of = fields.int_("best_of")
     if best_of is not None and best_of != (kwargs["n"] or 1):
         raise _bad(f"best_of ({best_of}) must equal n ({kwargs['n'] or 1}); "
                    "best_of > n is not supported", "best_of")
     return {key: value for key, value in kwargs.items() if value is not None}
+
+
+def _early_stopping(fields: _Fields) -> bool | str | None:
+    """Beam search's early_stopping: a boolean or "never" (transformers' values)."""
+    if fields.raw("early_stopping") == "never":
+        return "never"
+    try:
+        return fields.bool_("early_stopping")
+    except InvalidRequestError:
+        raise _bad("'early_stopping' must be true, false or \"never\", got "
+                   f"{fields.raw('early_stopping')!r}", "early_stopping") from None
 
 
 def _make_params(kwargs: dict[str, Any], aliases: Mapping[str, str]) -> SamplingParams:

@@ -59,6 +59,11 @@ class SamplingParams:
     structured: StructuredOutputs | None = None
     bad_words: tuple[str, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()  # empty: every token
+    # Beam search (n beams; engine/beam_search.py): a finished beam scores
+    # cumulative_logprob / length ** length_penalty; early_stopping is True, False or "never".
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,6 +105,9 @@ class SamplingParams:
                "allowed_token_ids must be non-negative integers", "allowed_token_ids")
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
                "bad_words must be a list of non-empty strings", "bad_words")
+        _check(self.early_stopping in (True, False, "never"),
+               f"early_stopping must be true, false or 'never', got {self.early_stopping!r}",
+               "early_stopping")
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
                 _check(isinstance(token, int) and token >= 0,
@@ -113,8 +121,9 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Whether sampling needs every earlier output token on the host."""
-        return self.needs_penalties or bool(self.bad_words)
+        """Whether sampling needs every earlier output token on the host (beam search: the
+        search picks each step's tokens before the next step)."""
+        return self.needs_penalties or bool(self.bad_words) or self.use_beam_search
 
     @property
     def needs_penalties(self) -> bool:

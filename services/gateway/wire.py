@@ -48,6 +48,12 @@ def _in_int32(value: int, param: str) -> int:
     return value
 
 
+# SamplingParams.early_stopping (transformers' values) on the wire.
+_EARLY_STOPPING: dict[bool | str, int] = {
+    False: common_pb2.BEAM_EARLY_STOPPING_HEURISTIC, True: common_pb2.BEAM_EARLY_STOPPING_FIRST,
+    "never": common_pb2.BEAM_EARLY_STOPPING_NEVER}
+
+
 def sampling_params(params: SamplingParams, max_tokens: int | None) -> common_pb2.SamplingParams:
     """The wire form of `params`, with `max_tokens` resolved by the gateway (None: unset)."""
     seed = params.seed
@@ -67,7 +73,9 @@ def sampling_params(params: SamplingParams, max_tokens: int | None) -> common_pb
         prompt_logprobs=_logprobs_wire(params.prompt_logprobs),
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
-        extra_json=orjson.dumps(params.extra).decode() if params.extra else "")
+        extra_json=orjson.dumps(params.extra).decode() if params.extra else "",
+        use_beam_search=params.use_beam_search, length_penalty=params.length_penalty,
+        early_stopping=_EARLY_STOPPING[params.early_stopping])
     if params.structured is not None:
         message.structured.CopyFrom(structured_outputs(params.structured))
     if params.logit_bias:

@@ -178,7 +178,7 @@ def test_a_request_may_bring_its_own_chat_template(client, tokenizer) -> None:
 
 def test_a_field_meshserve_does_not_implement_is_refused_by_name(client) -> None:
     for field, value in (("vllm_xargs", {"a": 1}), ("logits_processors", ["x"]),
-                         ("use_beam_search", True)):
+                         ("kv_transfer_params", {"do_remote_prefill": True})):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=MODEL, prompt="Say", max_tokens=2,
                                       extra_body={field: value})

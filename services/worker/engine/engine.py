@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from meshserve.services.worker.config import EngineConfig
+from meshserve.services.worker.engine.beam_requests import BeamRequests, beam_sequence_params
 from meshserve.services.worker.engine.cuda_graphs import CaptureReport
 from meshserve.services.worker.engine.device_timeline import DeviceTimeline
 from meshserve.services.worker.engine.hooks import ImageEmbedder, NewRequest, StepHook, Verified
@@ -129,6 +130,9 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None  # queued, results not read yet
         # Device time per step for the step trace (`time_device`); None: not timed.
         self.timeline: DeviceTimeline | None = None
+        self._beams = BeamRequests(
+            self.kv, self.scheduler, self._groups, admit=self._admit,
+            finish=lambda seq: self._finish(seq, SequenceStatus.FINISHED_STOPPED))
 
     # ----- what outside code may ask ----------------------------------------------
     def hook(self, kind: type[HookT]) -> HookT | None:
@@ -236,6 +240,9 @@ class LLMEngine:
         if images and embedder is not None:
             embedder.check(images)
         mrope = self.runner.prompt_positions(len(prompt_token_ids), images)
+        beam = params.use_beam_search
+        if beam:
+            self._check_beam_search(params, resumed)
         if lora_id is not None and not self.config.enable_lora:
             raise NotFoundError(f"LoRA adapter {lora_id} is not loaded on this worker "
                                 "(LoRA is off)", param="model")
@@ -246,10 +253,14 @@ class LLMEngine:
         share = self.config.enable_prefix_caching and params.n > 1 and (
             len(prompt_token_ids) > self.config.block_size)
         indices = range(params.n) if resumed is None else sorted(resumed)
+        run_params = params
+        if beam:  # one sequence to start with: the search forks it
+            share, indices = False, range(1)
+            run_params = beam_sequence_params(params, self.model_config.eos_token_ids)
         for index in indices:
             seq = SequenceState(
                 request_id if params.n == 1 else f"{request_id}#{index}",
-                list(prompt_token_ids), params, group_id=request_id, index=index,
+                list(prompt_token_ids), run_params, group_id=request_id, index=index,
                 priority=priority, arrival_time=arrival,
                 eos_token_ids=self.model_config.eos_token_ids, max_tokens=max_tokens,
                 extra_keys=extra_keys, leader=sequences[0] if share and sequences else None,
@@ -260,11 +271,22 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = make_generator(params.seed, self.device, index)
             sequences.append(seq)
-        self._admit(sequences, NewRequest(request_id, params, lora_id, images, grammar,
-                                          bad_words_ids))
+        new_request = NewRequest(request_id, run_params, lora_id, images, grammar, bad_words_ids)
+        self._admit(sequences, new_request)
+        if beam:
+            self._beams.open(params, sequences[0], max_tokens, new_request)
         self._groups[request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)
+
+    def _check_beam_search(self, params: SamplingParams,
+                           resumed: Mapping[int, Sequence[int]] | None) -> None:
+        if resumed is not None:
+            raise InvalidRequestError("a beam search cannot be resumed on another worker",
+                                      param="use_beam_search")
+        if self.config.speculative_config is not None:
+            raise InvalidRequestError("beam search is not supported with speculative decoding",
+                                      param="use_beam_search")
 
     def _admit(self, sequences: list[SequenceState], request: NewRequest) -> None:
         """Every hook admits the sequences, or the request is refused and what the hooks
@@ -284,6 +306,9 @@ class LLMEngine:
         """Stop a request (or only its sequences `indices`) wherever it is. Blocks are freed
         now; the sequences report finish reason "abort" at the next step. Unknown ids are
         ignored."""
+        if request_id in self._beams:  # (its beams go on or stop together)
+            indices = None
+            self._beams.forget(request_id)
         for seq in self._groups.get(request_id, []):
             if not seq.is_finished and (indices is None or seq.index in indices):
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -373,6 +398,10 @@ class LLMEngine:
         for seq, token, logprobs in result.sampled:
             if seq.is_finished:  # aborted, or stopped by the step before, while queued
                 continue
+            if seq.params.use_beam_search:  # the search picks the token
+                seq.first_token_time = seq.first_token_time or now
+                self._beams.report(seq, logprobs)
+                continue
             # The oldest pending place is this step's (a later step's may follow it).
             place = len(seq.output_token_ids) - seq.num_pending
             seq.output_token_ids[place] = token
@@ -394,6 +423,7 @@ class LLMEngine:
             output = self._apply_verified(verified)
             if output is not None:
                 outputs.append(output)
+        outputs.extend(self._beams.advance())
         return outputs
 
     def _apply_verified(self, verified: Verified) -> SequenceOutput | None:

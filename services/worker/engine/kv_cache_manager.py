@@ -203,6 +203,26 @@ class KVCacheManager:
         if request.request_id in self._blocks:
             self._cache_new_full_blocks(request, request.num_computed_tokens, 0)
 
+    def fork(self, parent: SequenceState, child: SequenceState) -> None:
+        """Give `child`, a beam holding `parent`'s tokens and one more, `parent`'s full
+        computed blocks by reference (no KV is copied); the child computes the tokens of
+        the parent's partial last block again, in a block of its own."""
+        pid, cid = parent.request_id, child.request_id
+        held = self._blocks.get(pid, [])
+        shared = min(parent.num_computed_tokens // self.block_size, len(held))
+        child.num_computed_tokens = shared * self.block_size
+        if not shared:
+            return  # (a preempted parent holds none: the child computes all it has)
+        released = min(self._num_released.get(pid, 0), shared)
+        self.pool.touch(held[released:shared])
+        self._blocks[cid] = held[:shared]
+        self._ids[cid] = self._ids[pid][:shared]
+        if released:
+            self._num_released[cid] = released
+        # The shared blocks are the parent's to index: the child indexes only its own.
+        self._num_cached[cid] = shared
+        child.block_hashes = parent.block_hashes[:shared]
+
     def trim(self, request: SequenceState, num_tokens: int) -> None:
         """Release the request's blocks beyond its first `num_tokens` tokens (rejected
         drafts' slots); those blocks hold no indexed (full, known) tokens."""

@@ -183,6 +183,8 @@ class SequenceOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # A beam search's hypothesis: its score, cumulative_logprob / length ** length_penalty.
+    beam_score: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -102,6 +102,17 @@ class StepScheduler:
         keys = [self._rank(r) for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, self._rank(request)), request)
 
+    def fork(self, parent: SequenceState, child: SequenceState) -> None:
+        """Queue `child`, a beam forked from `parent` (its blocks shared by
+        KVCacheManager.fork), at the parent's rank: running beside a running parent, else
+        waiting."""
+        self._order[child.request_id] = self._order[parent.request_id]
+        if parent.status == SequenceStatus.RUNNING:
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            self._enqueue(child)
+
     def finish(self, request: SequenceState, status: SequenceStatus) -> None:
         """Remove a request wherever it is and free its blocks."""
         if request.status == SequenceStatus.RUNNING:

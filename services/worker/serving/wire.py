@@ -48,7 +48,15 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
                                        if has("spaces_between_special_tokens") else True),
         structured=(_structured(p.structured) if has("structured") else None),
         bad_words=tuple(p.bad_words), allowed_token_ids=tuple(p.allowed_token_ids),
+        use_beam_search=p.use_beam_search,
+        length_penalty=p.length_penalty if has("length_penalty") else 1.0,
+        early_stopping=_EARLY_STOPPING.get(p.early_stopping, False),
         extra=_extra(p.extra_json))
+
+
+# The wire's BeamEarlyStopping as SamplingParams.early_stopping (UNSPECIFIED: False).
+_EARLY_STOPPING: dict[int, bool | str] = {
+    common_pb2.BEAM_EARLY_STOPPING_FIRST: True, common_pb2.BEAM_EARLY_STOPPING_NEVER: "never"}
 
 
 def _structured(p: common_pb2.StructuredOutputs) -> StructuredOutputs:
