@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshserve.proto.v1 import common_pb2 as meshserve_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"meshserve/proto/v1/scheduler.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\"g\n\x15RegisterWorkerRequest\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerInfo\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\"E\n\x16RegisterWorkerResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\":\n\x10HeartbeatRequest\x12&\n\x04load\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\"\'\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\";\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\x81\x03\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x14\n\x07lora_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\t \x01(\x04\x12\x1e\n\x16\x65xpected_output_tokens\x18\n \x01(\r\x12\x15\n\rnum_sequences\x18\x0b \x01(\r\x12\x1a\n\x12\x65xclude_worker_ids\x18\x0c \x03(\t\x12$\n\x06runner\x18\r \x01(\x0e\x32\x14.meshserve.v1.Runner\x12(\n\x06images\x18\x0e \x03(\x0b\x32\x18.meshserve.v1.RouteImageB\n\n\x08_lora_id\"I\n\nRouteImage\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12-\n\x05range\x18\x02 \x01(\x0b\x32\x1e.meshserve.v1.PlaceholderRange\"\x9e\x02\n\rRouteResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x1a\n\x12num_matched_blocks\x18\x04 \x01(\r\x12\x1a\n\x12num_kvstore_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tqueued_ns\x18\x07 \x01(\x04\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\r\n\x05score\x18\t \x01(\x01\x12\x19\n\x11num_prompt_blocks\x18\n \x01(\r\x12\x13\n\x0bnum_running\x18\x0b \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0c \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\r \x01(\r\"7\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"~\n\x0cWorkerStatus\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerInfo\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\x12\x1e\n\x16last_heartbeat_unix_ns\x18\x03 \x01(\x04\"T\n\x13ListWorkersResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.meshserve.v1.WorkerStatus\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\"\x81\x01\n\x13RouteSessionRequest\x12)\n\x06routes\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.RouteTicket\x12.\n\x08releases\x18\x02 \x03(\x0b\x32\x1c.meshserve.v1.ReleaseRequest\x12\x0f\n\x07\x63\x61ncels\x18\x03 \x03(\x04\"_\n\x0bRouteTicket\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.meshserve.v1.RouteRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"D\n\x14RouteSessionResponse\x12,\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1a.meshserve.v1.RouteOutcome\"|\n\x0cRouteOutcome\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12,\n\x05route\x18\x02 \x01(\x0b\x32\x1b.meshserve.v1.RouteResponseH\x00\x12$\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.ErrorH\x00\x42\x08\n\x06result2\xc8\x03\n\tScheduler\x12[\n\x0eRegisterWorker\x12#.meshserve.v1.RegisterWorkerRequest\x1a$.meshserve.v1.RegisterWorkerResponse\x12L\n\tHeartbeat\x12\x1e.meshserve.v1.HeartbeatRequest\x1a\x1f.meshserve.v1.HeartbeatResponse\x12\x61\n\x10\x44\x65registerWorker\x12%.meshserve.v1.DeregisterWorkerRequest\x1a&.meshserve.v1.DeregisterWorkerResponse\x12R\n\x0bListWorkers\x12 .meshserve.v1.ListWorkersRequest\x1a!.meshserve.v1.ListWorkersResponse\x12Y\n\x0cRouteSession\x12!.meshserve.v1.RouteSessionRequest\x1a\".meshserve.v1.RouteSessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"meshserve/proto/v1/scheduler.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\"g\n\x15RegisterWorkerRequest\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerInfo\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\"E\n\x16RegisterWorkerResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\":\n\x10HeartbeatRequest\x12&\n\x04load\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\"\'\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\";\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\x9c\x03\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x14\n\x07lora_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\t \x01(\x04\x12\x1e\n\x16\x65xpected_output_tokens\x18\n \x01(\r\x12\x15\n\rnum_sequences\x18\x0b \x01(\r\x12\x1a\n\x12\x65xclude_worker_ids\x18\x0c \x03(\t\x12$\n\x06runner\x18\r \x01(\x0e\x32\x14.meshserve.v1.Runner\x12(\n\x06images\x18\x0e \x03(\x0b\x32\x18.meshserve.v1.RouteImage\x12\x19\n\x11max_queue_delay_s\x18\x0f \x01(\x01\x42\n\n\x08_lora_id\"I\n\nRouteImage\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12-\n\x05range\x18\x02 \x01(\x0b\x32\x1e.meshserve.v1.PlaceholderRange\"\xcb\x02\n\rRouteResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x1a\n\x12num_matched_blocks\x18\x04 \x01(\r\x12\x1a\n\x12num_kvstore_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tqueued_ns\x18\x07 \x01(\x04\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\r\n\x05score\x18\t \x01(\x01\x12\x19\n\x11num_prompt_blocks\x18\n \x01(\r\x12\x13\n\x0bnum_running\x18\x0b \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0c \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\r \x01(\r\x12+\n\x06\x64\x65\x63ode\x18\x0e \x01(\x0b\x32\x1b.meshserve.v1.HandoffTarget\"B\n\rHandoffTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"7\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"~\n\x0cWorkerStatus\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerInfo\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\x12\x1e\n\x16last_heartbeat_unix_ns\x18\x03 \x01(\x04\"T\n\x13ListWorkersResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.meshserve.v1.WorkerStatus\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\"\x81\x01\n\x13RouteSessionRequest\x12)\n\x06routes\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.RouteTicket\x12.\n\x08releases\x18\x02 \x03(\x0b\x32\x1c.meshserve.v1.ReleaseRequest\x12\x0f\n\x07\x63\x61ncels\x18\x03 \x03(\x04\"_\n\x0bRouteTicket\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.meshserve.v1.RouteRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"D\n\x14RouteSessionResponse\x12,\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1a.meshserve.v1.RouteOutcome\"|\n\x0cRouteOutcome\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12,\n\x05route\x18\x02 \x01(\x0b\x32\x1b.meshserve.v1.RouteResponseH\x00\x12$\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.ErrorH\x00\x42\x08\n\x06result2\xc8\x03\n\tScheduler\x12[\n\x0eRegisterWorker\x12#.meshserve.v1.RegisterWorkerRequest\x1a$.meshserve.v1.RegisterWorkerResponse\x12L\n\tHeartbeat\x12\x1e.meshserve.v1.HeartbeatRequest\x1a\x1f.meshserve.v1.HeartbeatResponse\x12\x61\n\x10\x44\x65registerWorker\x12%.meshserve.v1.DeregisterWorkerRequest\x1a&.meshserve.v1.DeregisterWorkerResponse\x12R\n\x0bListWorkers\x12 .meshserve.v1.ListWorkersRequest\x1a!.meshserve.v1.ListWorkersResponse\x12Y\n\x0cRouteSession\x12!.meshserve.v1.RouteSessionRequest\x1a\".meshserve.v1.RouteSessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,27 +45,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=423
   _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=466
   _globals['_ROUTEREQUEST']._serialized_start=469
-  _globals['_ROUTEREQUEST']._serialized_end=854
-  _globals['_ROUTEIMAGE']._serialized_start=856
-  _globals['_ROUTEIMAGE']._serialized_end=929
-  _globals['_ROUTERESPONSE']._serialized_start=932
-  _globals['_ROUTERESPONSE']._serialized_end=1218
-  _globals['_RELEASEREQUEST']._serialized_start=1220
-  _globals['_RELEASEREQUEST']._serialized_end=1275
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1277
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1312
-  _globals['_WORKERSTATUS']._serialized_start=1314
-  _globals['_WORKERSTATUS']._serialized_end=1440
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1442
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1526
-  _globals['_ROUTESESSIONREQUEST']._serialized_start=1529
-  _globals['_ROUTESESSIONREQUEST']._serialized_end=1658
-  _globals['_ROUTETICKET']._serialized_start=1660
-  _globals['_ROUTETICKET']._serialized_end=1755
-  _globals['_ROUTESESSIONRESPONSE']._serialized_start=1757
-  _globals['_ROUTESESSIONRESPONSE']._serialized_end=1825
-  _globals['_ROUTEOUTCOME']._serialized_start=1827
-  _globals['_ROUTEOUTCOME']._serialized_end=1951
-  _globals['_SCHEDULER']._serialized_start=1954
-  _globals['_SCHEDULER']._serialized_end=2410
+  _globals['_ROUTEREQUEST']._serialized_end=881
+  _globals['_ROUTEIMAGE']._serialized_start=883
+  _globals['_ROUTEIMAGE']._serialized_end=956
+  _globals['_ROUTERESPONSE']._serialized_start=959
+  _globals['_ROUTERESPONSE']._serialized_end=1290
+  _globals['_HANDOFFTARGET']._serialized_start=1292
+  _globals['_HANDOFFTARGET']._serialized_end=1358
+  _globals['_RELEASEREQUEST']._serialized_start=1360
+  _globals['_RELEASEREQUEST']._serialized_end=1415
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1417
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1452
+  _globals['_WORKERSTATUS']._serialized_start=1454
+  _globals['_WORKERSTATUS']._serialized_end=1580
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1582
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1666
+  _globals['_ROUTESESSIONREQUEST']._serialized_start=1669
+  _globals['_ROUTESESSIONREQUEST']._serialized_end=1798
+  _globals['_ROUTETICKET']._serialized_start=1800
+  _globals['_ROUTETICKET']._serialized_end=1895
+  _globals['_ROUTESESSIONRESPONSE']._serialized_start=1897
+  _globals['_ROUTESESSIONRESPONSE']._serialized_end=1965
+  _globals['_ROUTEOUTCOME']._serialized_start=1967
+  _globals['_ROUTEOUTCOME']._serialized_end=2091
+  _globals['_SCHEDULER']._serialized_start=2094
+  _globals['_SCHEDULER']._serialized_end=2550
 # @@protoc_insertion_point(module_scope)

@@ -50,7 +50,7 @@ class DeregisterWorkerResponse(_message.Message):
     def __init__(self, removed: _Optional[bool] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "block_hashes", "num_prompt_tokens", "lora_id", "cache_salt", "priority", "deadline_unix_ns", "expected_output_tokens", "num_sequences", "exclude_worker_ids", "runner", "images")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "block_hashes", "num_prompt_tokens", "lora_id", "cache_salt", "priority", "deadline_unix_ns", "expected_output_tokens", "num_sequences", "exclude_worker_ids", "runner", "images", "max_queue_delay_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class RouteRequest(_message.Message):
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     RUNNER_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DELAY_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -79,7 +80,8 @@ class RouteRequest(_message.Message):
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
     runner: _common_pb2.Runner
     images: _containers.RepeatedCompositeFieldContainer[RouteImage]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., runner: _Optional[_Union[_common_pb2.Runner, str]] = ..., images: _Optional[_Iterable[_Union[RouteImage, _Mapping]]] = ...) -> None: ...
+    max_queue_delay_s: float
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., runner: _Optional[_Union[_common_pb2.Runner, str]] = ..., images: _Optional[_Iterable[_Union[RouteImage, _Mapping]]] = ..., max_queue_delay_s: _Optional[float] = ...) -> None: ...
 
 class RouteImage(_message.Message):
     __slots__ = ("hash", "range")
@@ -90,7 +92,7 @@ class RouteImage(_message.Message):
     def __init__(self, hash: _Optional[bytes] = ..., range: _Optional[_Union[_common_pb2.PlaceholderRange, _Mapping]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "address", "epoch", "num_matched_blocks", "num_kvstore_blocks", "block_size", "queued_ns", "policy", "score", "num_prompt_blocks", "num_running", "num_waiting", "num_used_blocks")
+    __slots__ = ("worker_id", "address", "epoch", "num_matched_blocks", "num_kvstore_blocks", "block_size", "queued_ns", "policy", "score", "num_prompt_blocks", "num_running", "num_waiting", "num_used_blocks", "decode")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class RouteResponse(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     epoch: int
@@ -117,7 +120,18 @@ class RouteResponse(_message.Message):
     num_running: int
     num_waiting: int
     num_used_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., num_matched_blocks: _Optional[int] = ..., num_kvstore_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_ns: _Optional[int] = ..., policy: _Optional[str] = ..., score: _Optional[float] = ..., num_prompt_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ...) -> None: ...
+    decode: HandoffTarget
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., num_matched_blocks: _Optional[int] = ..., num_kvstore_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_ns: _Optional[int] = ..., policy: _Optional[str] = ..., score: _Optional[float] = ..., num_prompt_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., decode: _Optional[_Union[HandoffTarget, _Mapping]] = ...) -> None: ...
+
+class HandoffTarget(_message.Message):
+    __slots__ = ("worker_id", "address", "epoch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "worker_id")

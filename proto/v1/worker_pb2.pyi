@@ -62,12 +62,24 @@ class EmbedResponse(_message.Message):
     def __init__(self, dimensions: _Optional[int] = ..., embeddings: _Optional[bytes] = ..., num_prompt_tokens: _Optional[int] = ..., queued_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("token_ids", "images")
+    __slots__ = ("token_ids", "images", "embeds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedCompositeFieldContainer[ImageInput]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+    embeds: PromptEmbeds
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., embeds: _Optional[_Union[PromptEmbeds, _Mapping]] = ...) -> None: ...
+
+class PromptEmbeds(_message.Message):
+    __slots__ = ("data", "dtype", "hash")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    hash: bytes
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., hash: _Optional[bytes] = ...) -> None: ...
 
 class ImageInput(_message.Message):
     __slots__ = ("data", "hash", "range")
@@ -80,7 +92,7 @@ class ImageInput(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., hash: _Optional[bytes] = ..., range: _Optional[_Union[_common_pb2.PlaceholderRange, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "params", "priority", "cache_salt", "lora_id", "deadline_unix_ns", "kvstore_blocks")
+    __slots__ = ("request_id", "prompts", "params", "priority", "cache_salt", "lora_id", "deadline_unix_ns", "kvstore_blocks", "prefill_only", "handed_off")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +101,8 @@ class GenerateRequest(_message.Message):
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     KVSTORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     params: _common_pb2.SamplingParams
@@ -97,7 +111,9 @@ class GenerateRequest(_message.Message):
     lora_id: int
     deadline_unix_ns: int
     kvstore_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., kvstore_blocks: _Optional[int] = ...) -> None: ...
+    prefill_only: bool
+    handed_off: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., kvstore_blocks: _Optional[int] = ..., prefill_only: _Optional[bool] = ..., handed_off: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "indices")
@@ -220,9 +236,11 @@ class RequestError(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
 
 class RequestDone(_message.Message):
-    __slots__ = ("handle", "timings")
+    __slots__ = ("handle", "timings", "handed_off")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
     handle: int
     timings: _common_pb2.Timings
-    def __init__(self, handle: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+    handed_off: bool
+    def __init__(self, handle: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., handed_off: _Optional[bool] = ...) -> None: ...

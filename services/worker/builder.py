@@ -26,7 +26,7 @@ from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.cuda_graphs import CaptureReport
 from meshserve.services.worker.engine.device import resolve_device
 from meshserve.services.worker.engine.engine import EngineParts, LLMEngine
-from meshserve.services.worker.engine.hooks import StepHook
+from meshserve.services.worker.engine.hooks import ImageEmbedder, StepHook
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.kv_copy import KVCaches
 from meshserve.services.worker.engine.kv_sizing import (
@@ -35,6 +35,7 @@ from meshserve.services.worker.engine.kv_sizing import (
     piecewise_tokens,
 )
 from meshserve.services.worker.engine.model_runner import ModelRunner
+from meshserve.services.worker.engine.prompt_embeds import PromptEmbedsRows
 from meshserve.services.worker.engine.request_validator import RequestValidator
 from meshserve.services.worker.engine.sampler import Sampler
 from meshserve.services.worker.engine.step_scheduler import StepScheduler, StepSchedulerConfig
@@ -140,7 +141,7 @@ def build_engine(config: EngineConfig, *, parallel: ParallelConfig | None = None
                          sampler=sampler, adapters=lora,
                          verifier=build_verifier(sampler, device, config.seed)
                          if speculate else None,
-                         images=_image_encoder(config, loaded, device))
+                         images=_image_rows(config, loaded, device))
     graphs, pieces = _capture_graphs(config, runner, max_num_seqs, loaded.max_model_len,
                                      batched_tokens)
     spec = config.speculative  # verify steps take k+1 logit rows per sequence
@@ -186,6 +187,16 @@ def _check_whole_images(model: CausalLM, batched_tokens: int) -> None:
             f"--max-num-batched-tokens {batched_tokens} is smaller than one image's {rows} "
             f"rows, which {model.config.architecture} computes in one step; raise it to at "
             f"least {rows}", param="max_num_batched_tokens")
+
+
+def _image_rows(config: EngineConfig, loaded: _Loaded,
+                device: torch.device) -> ImageEmbedder | None:
+    """Where the runner takes rows that replace token embeddings: the vision encoder, and
+    with --enable-prompt-embeds the prompts' own rows (None: neither)."""
+    images = _image_encoder(config, loaded, device)
+    if not config.enable_prompt_embeds:
+        return images
+    return PromptEmbedsRows(loaded.model_config.hidden_size, loaded.dtype, device, images)
 
 
 def _image_encoder(config: EngineConfig, loaded: _Loaded,

@@ -75,6 +75,9 @@ class EngineConfig(Config):
         "auto", "take image rows from encoder services through shared-memory files (auto: "
                 "for loopback addresses; off where the two do not share /dev/shm, such as "
                 "containers)")
+    enable_prompt_embeds: bool = option(
+        False, "take prompts given as embeddings (prompt_embeds on /v1/completions), whose "
+               "rows replace the token embeddings (as vLLM; off: such prompts are refused)")
     scheduling_policy: Literal["fcfs", "priority"] = option("fcfs", "local queue order")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     async_scheduling: Literal["auto", "on", "off"] = option(
@@ -182,6 +185,9 @@ class EngineConfig(Config):
                 "--enable-expert-parallel places experts on the tensor-parallel ranks of one "
                 "worker: it needs --tensor-parallel-size above 1 (replicas from --workers or "
                 "--data-parallel-size do not share experts)", "enable_expert_parallel")
+        require(not (self.enable_prompt_embeds and self.tensor_parallel_size > 1),
+                "--enable-prompt-embeds runs on one device: the other tensor-parallel ranks "
+                "are not sent the prompts' rows", "enable_prompt_embeds")
         self._validate_lora()
         self._validate_speculation()
 

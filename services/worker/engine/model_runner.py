@@ -460,9 +460,10 @@ class ModelRunner:
                          ) -> MropePositions | None:
         """An M-RoPE model's positions of a prompt with `images` (None: other models, and
         prompts without images, whose positions are their indices)."""
-        if not self.mrope or not images:
+        files = [image for image in images if not image.is_embeds]  # embeddings: text's
+        if not self.mrope or not files:
             return None
-        return prompt_positions(num_tokens, image_grids(cast(ImageGrids, self.model), images))
+        return prompt_positions(num_tokens, image_grids(cast(ImageGrids, self.model), files))
 
     def _positions(self, out: SchedulerOutput, positions: list[int]) -> torch.Tensor:
         """The step's positions [T] on the device; an M-RoPE model's from its sequences'

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from meshserve.services.worker.engine.prompt_embeds import PromptEmbedsRows
 from meshserve.services.worker.vision.encoder import ImageEncoder
 
 
@@ -51,5 +52,7 @@ class ImageCollector(Collector):
 def register_image_metrics(registry: CollectorRegistry, encoder: object,
                            model_name: str) -> None:
     """Expose the engine's image counters (nothing for a text model)."""
+    if isinstance(encoder, PromptEmbedsRows):  # prompt embeddings on: its images' encoder
+        encoder = encoder.images
     if isinstance(encoder, ImageEncoder):
         registry.register(ImageCollector(encoder, model_name))

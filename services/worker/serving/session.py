@@ -31,8 +31,8 @@ from meshserve.services.worker.serving.request_stream import RequestStream, Sequ
 from meshserve.services.worker.serving.wire import (
     FINISH_PB,
     logprobs_pb,
-    prompt_images,
     prompt_logprobs_pb,
+    request_images,
     resumed_sequences,
     timings_pb,
 )
@@ -130,8 +130,7 @@ class WorkerSession:
                 resumed=resumed_sequences(add.resumed) if add.resumed else None,
                 store_lookup=not request.HasField("kvstore_blocks")
                 or request.kvstore_blocks > 0,
-                images=[prompt_images(p) for p in request.prompts]
-                if any(p.images for p in request.prompts) else ())
+                images=request_images(request.prompts))
         except MeshError as exc:
             self._fail_handle(handle, exc)
             return

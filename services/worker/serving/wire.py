@@ -81,9 +81,22 @@ def _extra(extra_json: str) -> dict[str, object]:
 
 
 def prompt_images(prompt: worker_pb2.Prompt) -> list[PromptImage]:
-    """A prompt's images (their order and ranges are checked by the engine)."""
-    return [PromptImage(image.data, image.hash, image.range.offset, image.range.length)
-            for image in prompt.images]
+    """A prompt's images (their order and ranges are checked by the engine); a prompt
+    given as embeddings is one run over all its tokens (engine/prompt_embeds.py)."""
+    images = [PromptImage(image.data, image.hash, image.range.offset, image.range.length)
+              for image in prompt.images]
+    if prompt.HasField("embeds"):
+        embeds = prompt.embeds
+        images.insert(0, PromptImage(embeds.data, embeds.hash, 0, len(prompt.token_ids),
+                                     dtype=embeds.dtype or "?"))
+    return images
+
+
+def request_images(prompts: Sequence[worker_pb2.Prompt]) -> list[list[PromptImage]]:
+    """Each prompt's images (engine_thread's `images`): [] when no prompt has any."""
+    if not any(p.images or p.HasField("embeds") for p in prompts):
+        return []
+    return [prompt_images(p) for p in prompts]
 
 
 def resumed_sequences(resumed: Iterable[worker_pb2.ResumedSequence]) -> dict[int, list[int]]:
