@@ -153,6 +153,8 @@ class WorkerInfo:
     """What the worker runs its model for: "generate" or "pooling" (embeddings)."""
     embedding_size: int = 0
     """Pooling workers: the length of the vectors they pool (0 otherwise)."""
+    class_labels: tuple[str, ...] = ()
+    """Pooling workers of a sequence classifier: its labels by class (they pool logits)."""
     metrics_url: str = ""
     """The worker's Prometheus /metrics URL ("": none)."""
 

@@ -44,7 +44,7 @@ def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
         tensor_parallel_size=msg.tensor_parallel_size or 1, kv_namespace=msg.kv_namespace,
         sampling_defaults_json=msg.sampling_defaults_json, epoch=msg.epoch,
         runner=runner_name(msg.runner), embedding_size=msg.embedding_size,
-        metrics_url=msg.metrics_url)
+        class_labels=tuple(msg.class_labels), metrics_url=msg.metrics_url)
 
 
 def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
@@ -68,7 +68,8 @@ def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
             loras=lora_adapters_pb(info),
             kv_namespace=info.kv_namespace,
             sampling_defaults_json=info.sampling_defaults_json, runner=_RUNNER_ENUMS[info.runner],
-            embedding_size=info.embedding_size, metrics_url=info.metrics_url),
+            embedding_size=info.embedding_size, class_labels=info.class_labels,
+            metrics_url=info.metrics_url),
         load=common_pb2.WorkerLoad(
             worker_id=info.worker_id, epoch=record.epoch, num_running=load.num_running,
             num_waiting=load.num_waiting,

@@ -313,7 +313,8 @@ class MeshClients:
                                w.info.address,
                                tuple(LoraEntry(a.name, a.id, a.base_model_name)
                                      for a in w.info.loras),
-                               w.info.runner != common_pb2.RUNNER_POOLING)
+                               w.info.runner != common_pb2.RUNNER_POOLING,
+                               tuple(w.info.class_labels))
                    for w in response.workers]
         self._worker_cache = (time.monotonic(), workers)
         return workers

@@ -30,13 +30,19 @@ from meshserve.services.worker.loader import (
     resolve_dtype,
     resolve_model,
 )
+from meshserve.services.worker.models.classifier import (
+    SequenceClassifier,
+    class_labels,
+    decoder_config,
+    sequence_classifier,
+)
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.embedding import DecoderEmbedder
 from meshserve.services.worker.models.llama import KVCache
 from meshserve.services.worker.models.pooling_config import PoolerConfig, resolve_pooler_config
 from meshserve.services.worker.pooling.pooler import pool
 from meshserve.shared.errors import ContextLengthError, InvalidRequestError
-from meshserve.shared.model_config import read_model_files
+from meshserve.shared.model_config import ModelFiles, read_model_files
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +54,24 @@ class Embedder:
         self.device = resolve_device(config.device)
         torch.manual_seed(config.seed)
         self.source: ModelSource = resolve_model(config.model, config.load_format)
-        self.model_config: ModelConfig = load_model_config(self.source)
+        files = read_model_files(self.source)
+        self.class_labels = class_labels(files.config)
+        """A sequence classifier's labels (its vectors are class logits); () otherwise."""
+        self.model_config: ModelConfig = ModelConfig.from_hf(
+            decoder_config(files.config), generation_config=files.generation,
+            source=files.where) if self.class_labels else load_model_config(self.source)
         self.max_model_len = min(self.model_config.max_model_len,
                                  config.max_model_len or self.model_config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
-        self.pooler: PoolerConfig = resolve_pooler_config(
-            read_model_files(self.source).config, self.model_config.hidden_size,
-            self.source.path if self.source.format == "hf" else None, pooler_override)
+        self.pooler: PoolerConfig = self._pooler(files, pooler_override)
         started = time.monotonic()
         # FP8 weights as for generation; the scratch KV cache stays in the model's dtype.
+        model_class = sequence_classifier(len(self.class_labels)) if self.class_labels \
+            else DecoderEmbedder
         self.model = load_model(self.source, self.model_config, self.dtype, self.device,
-                                config.load_format, model_class=DecoderEmbedder,
+                                config.load_format, model_class=model_class,
                                 quant=load_quant_config(self.source, config.quantization))
+        self.head = self.model if isinstance(self.model, SequenceClassifier) else None
         log.info("loaded %s as an embedder (%s, pooling %s%s from %s) in %.1fs",
                  self.source.name, self.dtype, self.pooler.pooling_type,
                  ", normalised" if self.pooler.normalize else "", self.pooler.source,
@@ -80,9 +92,21 @@ class Embedder:
              torch.empty(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.model_config.num_hidden_layers)]
 
+    def _pooler(self, files: ModelFiles, override: str | None) -> PoolerConfig:
+        """A classifier's: its last token's logits, as they are; an embedder's: from
+        --pooler-config and the model folder (models/pooling_config.py)."""
+        if self.class_labels:
+            return PoolerConfig(pooling_type="LAST", normalize=False,
+                                hidden_size=len(self.class_labels),
+                                source="sequence classification head")
+        return resolve_pooler_config(files.config, self.model_config.hidden_size,
+                                     self.source.path if self.source.format == "hf" else None,
+                                     override)
+
     @property
     def hidden_size(self) -> int:
-        return self.model_config.hidden_size
+        """The length of the pooled vectors: the hidden size, or a classifier's labels."""
+        return len(self.class_labels) or self.model_config.hidden_size
 
     def check_input(self, token_ids: Sequence[int], index: int) -> None:
         """InvalidRequestError for an input the model cannot embed (param `input`)."""
@@ -102,8 +126,9 @@ class Embedder:
 
     @torch.inference_mode()
     def embed(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """[B, H] float32 pooled (not truncated, not normalised) vectors of `inputs`, in one
-        forward; the inputs must fit one batch (`max_batch_tokens`, `max_batch_inputs`)."""
+        """[B, H] float32 pooled (not truncated, not normalised) vectors of `inputs` (a
+        classifier's [B, labels] logits), in one forward; the inputs must fit one batch
+        (`max_batch_tokens`, `max_batch_inputs`)."""
         lens = [len(ids) for ids in inputs]
         assert 0 < len(inputs) <= self.max_batch_inputs, (
             f"{len(inputs)} inputs, at most {self.max_batch_inputs} per batch")
@@ -114,7 +139,8 @@ class Embedder:
         meta = self._metadata(lens)
         hidden = self.model(ids.to(self.device), positions.to(self.device), self.kv_caches,
                             meta)  # [T, H]
-        return pool(hidden, lens, self.pooler.pooling_type)
+        pooled = pool(hidden, lens, self.pooler.pooling_type)  # [B, H]
+        return pooled if self.head is None else self.head.classify(pooled)  # [B, labels]
 
     def _metadata(self, lens: list[int]) -> AttentionMetadata:
         """Attention metadata of fresh prompts, each in blocks of its own from block 0 on."""

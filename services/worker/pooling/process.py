@@ -75,7 +75,7 @@ class PoolingWorkerProcess:
         self.info = WorkerInfo(  # address and epoch are set once the port is bound
             worker_id="pending", address="pending", model_names=tuple(names),
             max_model_len=embedder.max_model_len, runner=RUNNER_POOLING,
-            embedding_size=embedder.hidden_size,
+            embedding_size=embedder.hidden_size, class_labels=embedder.class_labels,
             kv_namespace=f"{names[0]}@pooling")
         self.servicer = PoolingServicer(self.batcher, self.info, registry=telemetry.registry,
                                         draining=lambda: self.life.draining)

@@ -59,7 +59,8 @@ def worker_info_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:
         kv_namespace=info.namespace, sampling_defaults_json=info.sampling_defaults_json,
         runner=(common_pb2.RUNNER_POOLING if info.runner == RUNNER_POOLING
                 else common_pb2.RUNNER_GENERATE),
-        embedding_size=info.embedding_size, metrics_url=info.metrics_url)
+        embedding_size=info.embedding_size, class_labels=list(info.class_labels),
+        metrics_url=info.metrics_url)
 
 
 @asynccontextmanager
