@@ -331,6 +331,9 @@ class CompletionRequest:
     add_special_tokens: bool = True
     suffix: str | None = None
     """Fill-in-the-middle: the text after the completion (the tokenizer builds the prompt)."""
+    prompt_embeds: tuple[str, ...] = ()
+    """Base64 `torch.save` files of prompts given as embeddings (shared/prompt_embeds.py),
+    run before the text prompts (vLLM's order)."""
 
 
 def _prompts(value: object) -> tuple[Prompt, ...]:
@@ -353,12 +356,16 @@ def parse_completion_request(body: object) -> CompletionRequest:
     """Validate a /v1/completions body."""
     fields = _Fields(body)
     _refuse_unsupported(fields.body, UNSUPPORTED_COMPLETION_FIELDS)
-    if "prompt" not in fields.body:
+    embeds = _prompt_embeds(fields)
+    if embeds is None and "prompt" not in fields.body:
         raise _bad("'prompt' is required", "prompt")
-    prompts = _prompts(fields.raw("prompt"))
+    prompt = fields.raw("prompt")
+    prompts = () if embeds is not None and prompt in (None, "") else _prompts(prompt)
+    if not prompts and not embeds:
+        raise _bad("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     suffix = fields.str_("suffix")
-    if suffix is not None and not all(isinstance(p, str) for p in prompts):
-        raise _bad("'suffix' needs text prompts (not token ids)", "suffix")
+    if suffix is not None and (embeds or not all(isinstance(p, str) for p in prompts)):
+        raise _bad("'suffix' needs text prompts (not token ids or embeddings)", "suffix")
     kwargs = _sampling_kwargs(fields)
     max_tokens = fields.int_("max_tokens")
     if max_tokens is not None:
@@ -367,10 +374,28 @@ def parse_completion_request(body: object) -> CompletionRequest:
     echo = bool(fields.bool_("echo"))
     if echo and kwargs["logprobs"] is not None and "prompt_logprobs" not in kwargs:
         kwargs["prompt_logprobs"] = kwargs["logprobs"]  # echoed tokens carry logprobs too
+    if embeds is not None and echo:
+        raise _bad("Echo is unsupported with prompt embeds.", "echo")
+    if embeds is not None and "prompt_logprobs" in kwargs:
+        raise _bad("prompt_logprobs is not compatible with prompt embeds.", "prompt_logprobs")
     params = _make_params(kwargs, {})
     add_special = fields.bool_("add_special_tokens")
     return CompletionRequest(prompts, params, _options(fields), echo,
-                             True if add_special is None else add_special, suffix)
+                             True if add_special is None else add_special, suffix,
+                             embeds or ())
+
+
+def _prompt_embeds(fields: _Fields) -> tuple[str, ...] | None:
+    """The body's prompt_embeds: one base64 string or a list of them (None: not given)."""
+    value = fields.raw("prompt_embeds")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise _bad("'prompt_embeds' must be a base64 string of a torch.save'd tensor, or an "
+               "array of them", "prompt_embeds")
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------

@@ -331,7 +331,8 @@ class Stack:
             if value:
                 gateway += [flag, value]
         for switch in ("enable_auto_tool_choice", "enable_tokenizer_info_endpoint",
-                       "enable_server_load_tracking", "enable_request_id_headers"):
+                       "enable_server_load_tracking", "enable_request_id_headers",
+                       "enable_prompt_embeds"):
             if getattr(c, switch):
                 gateway.append("--" + switch.replace("_", "-"))
         gateway += c.media_flags()

@@ -145,6 +145,9 @@ class GatewayConfig(ServiceConfig):
     enable_request_id_headers: bool = option(
         False, "an X-Request-Id header on every response: the caller's own, else a new "
                "one (off: only a caller's X-Request-Id comes back)")
+    enable_prompt_embeds: bool = option(
+        False, "take prompt_embeds on /v1/completions (base64 torch.save'd tensors [rows, "
+               "hidden size]; the workers need the flag too); off: refused with vLLM's 400")
 
     def validate(self) -> None:
         super().validate()

@@ -154,18 +154,32 @@ def prompt_images(images: Sequence[LoadedImage], response: tokenizer_pb2.Tokeniz
 
 
 def prompt(prepared: PreparedPrompt) -> worker_pb2.Prompt:
-    """A worker's Prompt: token ids, and each image's file, SHA-256 and placeholder run."""
-    return worker_pb2.Prompt(token_ids=prepared.token_ids, images=[
+    """A worker's Prompt: token ids, and each image's file, SHA-256 and placeholder run, or
+    the rows of a prompt given as embeddings."""
+    message = worker_pb2.Prompt(token_ids=prepared.token_ids, images=[
         worker_pb2.ImageInput(data=placed.image.data, hash=placed.image.sha256,
                               range=common_pb2.PlaceholderRange(offset=placed.offset,
                                                                 length=placed.length))
         for placed in prepared.images])
+    embeds = prepared.embeds
+    if embeds is not None:
+        message.embeds.CopyFrom(worker_pb2.PromptEmbeds(data=embeds.data, dtype=embeds.dtype,
+                                                        hash=embeds.digest))
+    return message
 
 
 def route_images(prepared: PreparedPrompt) -> list[scheduler_pb2.RouteImage]:
-    """A prompt's images as the scheduler hashes them into the prompt's blocks."""
-    return [scheduler_pb2.RouteImage(hash=placed.image.sha256, range=common_pb2.PlaceholderRange(
-        offset=placed.offset, length=placed.length)) for placed in prepared.images]
+    """A prompt's images as the scheduler hashes them into the prompt's blocks (embeddings
+    as one run over the whole prompt, as the worker hashes them)."""
+    images = [scheduler_pb2.RouteImage(hash=placed.image.sha256,
+                                       range=common_pb2.PlaceholderRange(
+                                           offset=placed.offset, length=placed.length))
+              for placed in prepared.images]
+    if prepared.embeds is not None:
+        images.insert(0, scheduler_pb2.RouteImage(
+            hash=prepared.embeds.digest,
+            range=common_pb2.PlaceholderRange(offset=0, length=len(prepared.token_ids))))
+    return images
 
 
 def _logprobs_wire(count: int | None) -> int | None:

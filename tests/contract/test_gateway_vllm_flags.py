@@ -38,3 +38,14 @@ def test_up_passes_vllms_flags_to_the_gateway(tmp_path: Path) -> None:
     stack._plan()
     gateway = next(s for s in stack.services if s.role == "gateway")
     assert all(flag in gateway.argv for flag in FLAGS)
+
+
+def test_up_passes_enable_prompt_embeds_to_the_gateway_and_workers(tmp_path: Path) -> None:
+    config = LauncherConfig.from_args(["--model", "m", "--device", "cpu",
+                                       "--enable-prompt-embeds"], environ={})
+    stack = Stack(config, tmp_path)
+    stack.redis_url = "redis://127.0.0.1:1/0"
+    stack._plan()
+    for role in ("gateway", "worker"):
+        service = next(s for s in stack.services if s.role == role)
+        assert "--enable-prompt-embeds" in service.argv, role

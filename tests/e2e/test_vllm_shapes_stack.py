@@ -193,3 +193,8 @@ def test_error_texts(client: openai.OpenAI, vocab_size: int) -> None:
     unknown = bad_request(lambda: client.completions.create(
         model=MODEL, prompt=[1, vocab_size + 7], max_tokens=1))
     assert unknown["message"].startswith(f"Token id {vocab_size + 7} is out of vocabulary")
+    # Without --enable-prompt-embeds (tests/e2e/test_prompt_embeds_stack.py turns it on).
+    embeds = bad_request(lambda: client.completions.create(
+        model=MODEL, prompt="", max_tokens=1, extra_body={"prompt_embeds": "AAAA"}))
+    assert embeds["message"] == "You must set `--enable-prompt-embeds` to input `prompt_embeds`."
+    assert embeds["param"] == "prompt_embeds"

@@ -276,3 +276,29 @@ def test_stream_chunks_match_the_openai_client() -> None:
     last = bodies.completion_chunk("cmpl-1", created, "m", [bodies.completion_choice(0, "lo", "length")])
     assert Completion.model_validate(last).choices[0].text == "lo"
     assert bodies.sse({"a": 1}) == b'data: {"a":1}\n\n' and bodies.SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_prompt_embeds_in_a_completion_body() -> None:
+    alone = oai.parse_completion_request({"prompt_embeds": "AAAA"})
+    assert alone.prompt_embeds == ("AAAA",) and alone.prompts == ()
+    empty_prompt = oai.parse_completion_request({"prompt": "", "prompt_embeds": ["A", "B"]})
+    assert empty_prompt.prompt_embeds == ("A", "B") and empty_prompt.prompts == ()
+    mixed = oai.parse_completion_request({"prompt": "hi", "prompt_embeds": "A"})
+    assert mixed.prompts == ("hi",) and mixed.prompt_embeds == ("A",)
+    text_only = oai.parse_completion_request({"prompt": "hi", "prompt_embeds": []})
+    assert text_only.prompts == ("hi",) and text_only.prompt_embeds == ()
+    for body, param, message in [
+            ({"prompt": "", "prompt_embeds": []}, "prompt",
+             "Either prompt or prompt_embeds must be provided and non-empty."),
+            ({"prompt_embeds": "A", "echo": True}, "echo",
+             "Echo is unsupported with prompt embeds."),
+            ({"prompt_embeds": "A", "prompt_logprobs": 0}, "prompt_logprobs",
+             "prompt_logprobs is not compatible with prompt embeds."),
+            ({"prompt_embeds": "A", "suffix": "x"}, "suffix",
+             "'suffix' needs text prompts (not token ids or embeddings)"),
+            ({"prompt_embeds": [1, 2]}, "prompt_embeds",
+             ("'prompt_embeds' must be a base64 string of a torch.save'd tensor, or an "
+              "array of them"))]:
+        with pytest.raises(InvalidRequestError) as refused:
+            oai.parse_completion_request(body)
+        assert (refused.value.param, refused.value.message) == (param, message)

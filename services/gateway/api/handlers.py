@@ -39,6 +39,7 @@ from meshserve.shared.errors import (
     UnavailableError,
 )
 from meshserve.shared.generation_config import apply_defaults
+from meshserve.shared.prompt_embeds import DISABLED_MESSAGE, PromptEmbeds, load_prompt_embeds
 from meshserve.shared.status import http_error
 
 # Tool parsers whose markers are special tokens ([TOOL_CALLS]): vLLM keeps them in the text.
@@ -104,12 +105,19 @@ class Handlers:
         """POST /v1/completions."""
         body, defaults = await self._with_defaults(await read_json(request))
         parsed = oai.parse_completion_request(body)
+        embeds = self._prompt_embeds(parsed.prompt_embeds)
         arrival, deadline = self._clock()
         model = await self._orch.resolve_model(parsed.options.model)
         job = GenerationJob.for_completion(
             parsed, body, model=model, arrival=arrival, deadline=deadline,
-            default_max_tokens=self._default_max_tokens(False, defaults))
+            default_max_tokens=self._default_max_tokens(False, defaults), embeds=embeds)
         return await self._run(request, job)
+
+    def _prompt_embeds(self, encoded: tuple[str, ...]) -> tuple[PromptEmbeds, ...]:
+        """The body's prompt_embeds read (vLLM's 400 without --enable-prompt-embeds)."""
+        if encoded and not self._config.enable_prompt_embeds:
+            raise InvalidRequestError(DISABLED_MESSAGE, param="prompt_embeds")
+        return tuple(load_prompt_embeds(e, i) for i, e in enumerate(encoded))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""

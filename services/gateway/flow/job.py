@@ -22,6 +22,7 @@ from meshserve.shared.openai_protocol import (
     CompletionRequest,
     RequestOptions,
 )
+from meshserve.shared.prompt_embeds import PromptEmbeds
 from meshserve.shared.sampling_params import SamplingParams
 
 
@@ -50,8 +51,8 @@ class ChatPrompt:
                    parsed.chat_template, images)
 
 
-PromptInput = str | tuple[int, ...] | ChatPrompt
-"""Plain text, token ids (sent straight through), or a chat conversation."""
+PromptInput = str | tuple[int, ...] | ChatPrompt | PromptEmbeds
+"""Plain text, token ids (sent straight through), a chat conversation, or embeddings."""
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,12 @@ class GenerationJob:
     @classmethod
     def for_completion(cls, parsed: CompletionRequest, body: dict[str, Any], *, model: str,
                        default_max_tokens: int | None, arrival: float,
-                       deadline: float) -> GenerationJob:
-        """A /v1/completions job (`body` tells whether max_tokens was given)."""
+                       deadline: float, embeds: tuple[PromptEmbeds, ...] = ()
+                       ) -> GenerationJob:
+        """A /v1/completions job (`body` tells whether max_tokens was given); `embeds`:
+        the body's prompt_embeds, read, which come before its text prompts (as vLLM)."""
         explicit = parsed.params.max_tokens if body.get("max_tokens") is not None else None
-        return cls(model=model, prompts=parsed.prompts, params=parsed.params,
+        return cls(model=model, prompts=(*embeds, *parsed.prompts), params=parsed.params,
                    options=parsed.options, deadline=deadline, arrival=arrival,
                    max_tokens=explicit, default_max_tokens=default_max_tokens,
                    echo=parsed.echo, add_special_tokens=parsed.add_special_tokens,
@@ -141,12 +144,18 @@ class PlacedImage:
 @dataclass(frozen=True)
 class PreparedPrompt:
     """A tokenized prompt: its ids, its text (for echo), its model's context length and its
-    images."""
+    images; or a prompt given as embeddings (one placeholder id a row, no text)."""
 
     token_ids: list[int]
     text: str | None = None
     max_model_len: int | None = None
     images: tuple[PlacedImage, ...] = ()
+    embeds: PromptEmbeds | None = None
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The tokens the detokenizer reads output text after (none after embeddings)."""
+        return [] if self.embeds is not None else self.token_ids
 
 
 @dataclass(slots=True)

@@ -63,6 +63,7 @@ from meshserve.shared.errors import (
     NotFoundError,
     UnavailableError,
 )
+from meshserve.shared.prompt_embeds import PromptEmbeds
 from meshserve.shared.telemetry import inject_headers
 
 _log = logging.getLogger(__name__)
@@ -204,6 +205,12 @@ class Orchestrator:
     async def _prepare_one(self, job: GenerationJob, prompt: PromptInput,
                            images: list[LoadedImage]) -> PreparedPrompt:
         truncate = job.options.truncate_prompt_tokens
+        if isinstance(prompt, PromptEmbeds):  # rows in place of tokens: one placeholder each
+            keep = await self._keep_tokens(job.target_model, truncate)
+            embeds = prompt if keep is None else prompt.last_rows(keep)
+            return PreparedPrompt([0] * embeds.rows, None,
+                                  await self._clients.max_model_len(job.target_model),
+                                  embeds=embeds)
         if isinstance(prompt, tuple):  # token ids go straight through
             ids = wire.check_token_ids(prompt, "prompt")
             keep = await self._keep_tokens(job.target_model, truncate)
@@ -303,7 +310,7 @@ class Orchestrator:
                                     tracestate=carrier.get("tracestate", ""),
                                     resumed=resumed)
         placement = Placement(route, self._clients.worker_link(route.address), add.handle)
-        prompts = [p.token_ids for p in generation.prompts]
+        prompts = [p.context_ids for p in generation.prompts]
         generation.place(placement, lambda handle: open_request(
             handle, job.params, model=job.target_model, request_id=job.request_id, prompts=prompts,
             samples_per_prompt=job.params.n, traceparent=carrier.get("traceparent", "")), add)
