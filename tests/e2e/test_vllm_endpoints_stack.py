@@ -1,7 +1,7 @@
 """vLLM's extra endpoints and flags through the whole mesh, with real HTTP: /tokenizer_info
 (--enable-tokenizer-info-endpoint), /load (--enable-server-load-tracking), X-Request-Id on
-every response (--enable-request-id-headers), SageMaker's /ping and /invocations, and the
-batch chat endpoint /v1/chat/completions/batch.
+every response (--enable-request-id-headers), SageMaker's /ping and /invocations, the
+batch chat endpoint /v1/chat/completions/batch, and beam search (use_beam_search).
 
 One stack for the module (tiny random Llama on the CPU); every test is a few requests.
 """
@@ -21,6 +21,9 @@ from tiny_models import build_tiny_model
 from transformers import AutoTokenizer
 
 from meshserve.local.launcher import LauncherConfig, start_stack
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
+from meshserve.shared.sampling_params import SamplingParams
 
 MODEL = "tiny-endpoints"
 
@@ -145,3 +148,54 @@ def test_batch_chat_answers_each_conversation_as_chat_does(stack) -> None:
     status, _, raw = call(stack, "POST", "/v1/chat/completions/batch", {
         "model": MODEL, "messages": conversations, "max_tokens": 0})
     assert status == 400, raw  # a conversation's own error is the batch's
+
+
+def engine_beams(model_dir: Path, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """The beams an engine of its own (the worker's code, in this process) answers."""
+    engine = build_engine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
+                                       num_kv_blocks=64))
+    engine.add_request("beams", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return [o.new_token_ids for o in sorted(outputs, key=lambda o: o.index)]
+
+
+def test_beam_search_answers_the_engines_beams(stack, model_dir: Path) -> None:
+    """use_beam_search with n=3 through the mesh: three choices, the engine's beams best
+    first, whole or streamed, completions and chat; usage counts every choice's tokens."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tokenizer("once upon a time", add_special_tokens=False)["input_ids"]
+    beams = engine_beams(model_dir, prompt, SamplingParams(n=3, max_tokens=6,
+                                                           use_beam_search=True))
+    texts = [tokenizer.decode(b, skip_special_tokens=True) for b in beams]
+    assert len(set(map(tuple, beams))) == 3, "three different beams"
+    extra = {"use_beam_search": True, "length_penalty": 1.0, "early_stopping": False}
+    answer = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=6,
+                                       logprobs=1, extra_body=extra)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert [c.text for c in answer.choices] == texts
+    assert all(c.logprobs is not None and len(c.logprobs.tokens or []) == len(b)
+               for c, b in zip(answer.choices, beams, strict=True))
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == sum(len(b) for b in beams)
+    assert answer.usage.prompt_tokens == len(prompt)
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=6,
+                                           stream=True, extra_body=extra):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    messages = [{"role": "user", "content": "hi"}]
+    chat_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=False)
+    chat_prompt = tokenizer(chat_text, add_special_tokens=False)["input_ids"]
+    chat_beams = engine_beams(model_dir, chat_prompt,
+                              SamplingParams(n=3, max_tokens=5, use_beam_search=True))
+    chat = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                          n=3, max_tokens=5, extra_body=extra)
+    assert [c.message.content for c in chat.choices] == [
+        tokenizer.decode(b, skip_special_tokens=True) for b in chat_beams]
+    assert chat.usage is not None
+    assert chat.usage.completion_tokens == sum(len(b) for b in chat_beams)
