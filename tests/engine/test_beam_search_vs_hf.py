@@ -6,6 +6,7 @@ max_tokens. For widths 2 and 4, length penalties 0, 1 and 2 and every early_stop
 outputs are transformers' n returned sequences, in its order, and their scores its
 `sequences_scores`; beam requests run batched beside plain greedy requests, which still
 match their own reference. The beams share their blocks, and every block is free after.
+Offline, a run-batch line with use_beam_search answers the same beams.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import json
 import random
 from pathlib import Path
 
+import orjson
 import pytest
 import torch
 from tiny_models import build_tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from meshserve.offline.llm import OfflineLLM
+from meshserve.offline.run_batch import run_batch
+from meshserve.services.tokenizer.loader import load_tokenizer
 from meshserve.services.worker.builder import build_engine
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
@@ -233,3 +238,24 @@ def test_refusals(setup) -> None:
                            resumed={0: [5]})
     with pytest.raises(InvalidRequestError, match="early_stopping"):
         SamplingParams(use_beam_search=True, early_stopping="sometimes")
+
+
+def test_run_batch_answers_beam_search(setup, tmp_path: Path) -> None:
+    """Offline: a run-batch line with use_beam_search answers transformers' beams as text."""
+    folder, hf, _ = setup
+    llm = OfflineLLM(make_engine(folder), load_tokenizer(folder))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer("once upon a time", add_special_tokens=False)["input_ids"]
+    body = {"model": "tiny", "prompt": prompt, "n": 4, "max_tokens": MAX_NEW,
+            "use_beam_search": True}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}
+    (tmp_path / "in.jsonl").write_bytes(orjson.dumps(line) + b"\n")
+    summary = run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", llm, "tiny",
+                        show_progress=False)
+    assert summary.succeeded == 1
+    answer = orjson.loads((tmp_path / "out.jsonl").read_bytes())["response"]["body"]
+    want, _ = hf_beams(hf, prompt, 4, 1.0, False, True)
+    want = [t[:-1] if t[-1] in EOS else t for t in want]  # (the stop token is left out)
+    assert [c["text"] for c in answer["choices"]] == [
+        tokenizer.decode(t, skip_special_tokens=True) for t in want]
+    assert answer["usage"]["completion_tokens"] == sum(len(t) for t in want)
