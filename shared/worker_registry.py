@@ -37,6 +37,10 @@ _MAX_EPOCH = 2**63 - 1  # Redis INCR works on signed 64-bit integers
 RUNNER_GENERATE = "generate"
 RUNNER_POOLING = "pooling"
 RUNNERS = (RUNNER_GENERATE, RUNNER_POOLING)
+ROLE_MIXED = "mixed"
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+ROLES = (ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE)
 
 _LUA_OLDER = """
 local function older(a, b)
@@ -157,6 +161,8 @@ class WorkerInfo:
     """Pooling workers of a sequence classifier: its labels by class (they pool logits)."""
     metrics_url: str = ""
     """The worker's Prometheus /metrics URL ("": none)."""
+    role: str = ROLE_MIXED
+    """Its part in disaggregated serving: "mixed", "prefill" or "decode" (--role)."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -170,6 +176,9 @@ class WorkerInfo:
         if self.runner not in RUNNERS:
             raise InvalidRequestError(f"worker {self.worker_id}: runner must be one of "
                                       f"{list(RUNNERS)}, got {self.runner!r}", param="runner")
+        if self.role not in ROLES:
+            raise InvalidRequestError(f"worker {self.worker_id}: role must be one of "
+                                      f"{list(ROLES)}, got {self.role!r}", param="role")
         if not 0 <= self.epoch <= _MAX_EPOCH:
             raise InvalidRequestError(f"worker {self.worker_id}: epoch must be in "
                                       f"[0, 2**63), got {self.epoch}", param="epoch")
@@ -222,6 +231,10 @@ class WorkerRecord:
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.info.role
 
 
 def _info_of(info: WorkerInfo | Mapping[str, Any]) -> WorkerInfo:

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None, prog: str = "meshserve up") -> int:
         return 130
     with stack:
         model = ", ".join(stack.model_names())
-        print(f"meshserve is up: {stack.base_url} (model {model}, {config.workers} "
+        print(f"meshserve is up: {stack.base_url} (model {model}, {config.num_workers} "
               f"worker(s), {config.num_gateways} gateway(s)); logs in {stack.run_dir}; "
               f"launcher metrics {stack.launcher_metrics_url}; Ctrl-C stops", flush=True)
         for name, url in stack.metrics_urls.items():

@@ -81,7 +81,14 @@ _GATEWAY_LISTENING = "meshserve:gateway_http_listening 1.0"  # a sample of its /
 class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
     """The whole mesh on this machine; engine and runner options go to every worker."""
 
-    workers: int = option(1, "model workers to start")
+    workers: int = option(1, "model workers to start (mixed: prefill and decode both)")
+    prefill_workers: int = option(0, "prefill workers to start (disaggregated serving: they "
+                                     "compute prompts and hand their KV to decode workers)")
+    decode_workers: int = option(0, "decode workers to start (they continue the requests "
+                                    "prefill workers hand off, and run short prompts whole)")
+    disagg_min_prompt_tokens: int | None = option(
+        None, "prompts shorter than this skip the prefill workers (unset: the scheduler's "
+              "default)")
     tokenizers: int = option(1, "tokenizer replicas to start")
     encoders: int = option(0, "image encoder services to start for a vision-language model "
                               "(0: the workers encode images themselves)")
@@ -144,11 +151,29 @@ class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
             return self.gateways
         return min(max((os.cpu_count() or 1) // _CORES_PER_GATEWAY, 1), _MAX_AUTO_GATEWAYS)
 
+    @property
+    def num_workers(self) -> int:
+        """Workers of every role."""
+        return self.workers + self.prefill_workers + self.decode_workers
+
+    @property
+    def worker_roles(self) -> list[tuple[str, str]]:
+        """(worker id, role) of each worker to start: mixed ones, then prefill, decode."""
+        return ([(f"worker-{i}", "mixed") for i in range(self.workers)]
+                + [(f"prefill-{i}", "prefill") for i in range(self.prefill_workers)]
+                + [(f"decode-{i}", "decode") for i in range(self.decode_workers)])
+
     def validate(self) -> None:
         super().validate()
-        for name in ("workers", "tokenizers"):
+        self.require(self.tokenizers >= 1, f"must be at least 1, got {self.tokenizers}",
+                     "tokenizers")
+        for name in ("workers", "prefill_workers", "decode_workers"):
             value = getattr(self, name)
-            self.require(value >= 1, f"must be at least 1, got {value}", name)
+            self.require(value >= 0, f"must be >= 0, got {value}", name)
+        self.require(self.num_workers >= 1, "needs at least one worker (--workers, "
+                     "--prefill-workers or --decode-workers)", "workers")
+        self.require(self.kvstore or not (self.prefill_workers or self.decode_workers),
+                     "prefill and decode workers hand KV over through the kvstore", "kvstore")
         self.require(self.encoders >= 0, f"must be >= 0, got {self.encoders}", "encoders")
         self.require(self.gateways >= 0, f"must be >= 0 (0: by cores), got {self.gateways}",
                      "gateways")
@@ -175,13 +200,13 @@ def _worker_devices(config: LauncherConfig) -> list[list[str]]:
             raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} GPUs; {count} found",
                               param="tensor_parallel_size")
         groups = count // tp  # whole groups of tp GPUs, used round-robin
-        per_gpu = -(-config.workers // groups)
+        per_gpu = -(-config.num_workers // groups)
         share = [] if per_gpu == 1 else ["--gpu-memory-utilization",
                                          f"{config.gpu_memory_utilization / per_gpu:.3f}"]
         return [["--device", f"cuda:{(i % groups) * tp}", *share]
-                for i in range(config.workers)]
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.workers * tp))
-    return [["--num-threads", str(threads)] for _ in range(config.workers)]
+                for i in range(config.num_workers)]
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // (config.num_workers * tp))
+    return [["--num-threads", str(threads)] for _ in range(config.num_workers)]
 
 
 class Stack:
@@ -207,8 +232,8 @@ class Stack:
         self.scheduler_address = self._free()
         self.kvstore_address = self._free() if config.kvstore else None
         self.encoder_addresses = [self._free() for _ in range(config.encoders)]
-        self.worker_addresses = [self._free() for _ in range(config.workers)]
-        self.worker_ids = [f"worker-{i}" for i in range(config.workers)]
+        self.worker_addresses = [self._free() for _ in range(config.num_workers)]
+        self.worker_ids = [worker_id for worker_id, _ in config.worker_roles]
         self.gateway_names = (["gateway"] if config.num_gateways == 1 else
                               [f"gateway-{i}" for i in range(config.num_gateways)])
         self._supervisor: Supervisor | None = None
@@ -289,7 +314,9 @@ class Stack:
         self._add("scheduler", "scheduler", [*self._common(self.scheduler_address),
                                              "--redis-url", self.redis_url,
                                              "--block-size", str(c.block_size),
-                                             "--routing", c.routing],
+                                             "--routing", c.routing, *(
+                      [] if c.disagg_min_prompt_tokens is None else
+                      ["--disagg-min-prompt-tokens", str(c.disagg_min_prompt_tokens)])],
                   grpc_serving(self.scheduler_address))
         if self.kvstore_address is not None:
             capacity = ([] if c.kvstore_capacity_bytes is None
@@ -307,10 +334,11 @@ class Stack:
             served += ["--kvstore-address", self.kvstore_address]
         if self.encoder_addresses:
             served += ["--encoder-addresses", ",".join(self.encoder_addresses)]
-        for worker_id, address, placement in zip(self.worker_ids, self.worker_addresses,
-                                                 _worker_devices(c), strict=True):
+        for (worker_id, role), address, placement in zip(
+                c.worker_roles, self.worker_addresses, _worker_devices(c), strict=True):
             self._add(worker_id, "worker", [
-                *self._common(address), "--worker-id", worker_id, "--redis-url", self.redis_url,
+                *self._common(address), "--worker-id", worker_id, "--role", role,
+                "--redis-url", self.redis_url,
                 "--scheduler-address", self.scheduler_address, *served,
                 *c.engine_flags(), *c.runner_flags(), *placement], grpc_serving(address))
         gateway = [*self._common(), "--host", c.host, "--port", str(self.gateway_port),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from meshserve.services.scheduler.disagg import DEFAULT_MIN_PROMPT_TOKENS
 from meshserve.services.scheduler.policy import DEFAULT_KVSTORE_BLOCK_WEIGHT, DEFAULT_PREFILL_WEIGHT
 from meshserve.shared.config import ServiceConfig, option
 
@@ -40,6 +41,9 @@ class SchedulerConfig(ServiceConfig):
                                             "max_running before it counts as full")
     block_size: int = option(16, "tokens per KV block of the mesh (for requests that bring "
                                  "block hashes instead of token ids)")
+    disagg_min_prompt_tokens: int = option(
+        DEFAULT_MIN_PROMPT_TOKENS, "with prefill workers registered, prompts shorter than this "
+        "skip them and run whole on a decode worker (unmeasured default)")
 
     def validate(self) -> None:
         super().validate()
@@ -60,6 +64,9 @@ class SchedulerConfig(ServiceConfig):
                      f"must be >= 0, got {self.max_waiting_per_worker}", "max_waiting_per_worker")
         self.require(self.block_size > 0, f"must be positive, got {self.block_size}",
                      "block_size")
+        self.require(self.disagg_min_prompt_tokens >= 0,
+                     f"must be >= 0, got {self.disagg_min_prompt_tokens}",
+                     "disagg_min_prompt_tokens")
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -23,6 +23,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from meshserve.services.scheduler.disagg import (
+    DEFAULT_MIN_PROMPT_TOKENS,
+    pick_decode,
+    split_pools,
+)
 from meshserve.services.scheduler.inflight import Assignment, InFlight
 from meshserve.services.scheduler.policy import Candidate, RoutingPolicy
 from meshserve.services.scheduler.queue import GlobalQueue
@@ -98,6 +103,15 @@ class RouteQuery:
 
 
 @dataclass(frozen=True)
+class HandoffTarget:
+    """The decode worker a prefilled request continues on (disaggregated serving)."""
+
+    worker_id: str
+    address: str
+    epoch: int
+
+
+@dataclass(frozen=True)
 class RouteDecision:
     """Where a request goes, and what the policy saw of the chosen worker."""
 
@@ -121,6 +135,8 @@ class RouteDecision:
     """The worker's running sequences when chosen (this replica's provisions included)."""
     num_waiting: int = 0
     num_used_blocks: int = 0
+    decode: HandoffTarget | None = None
+    """Set when `worker_id` only prefills: the decode worker that continues the request."""
 
     @property
     def num_matched_tokens(self) -> int:
@@ -139,9 +155,12 @@ class Router:
     def __init__(self, redis: aioredis.Redis, registry: WorkerRegistry, policy: RoutingPolicy,
                  queue: GlobalQueue, *, block_size: int,
                  clock_ns: Callable[[], int] = time.time_ns,
-                 on_route: Callable[[RouteDecision], None] | None = None) -> None:
-        """`block_size`: the mesh's block size, for queries that bring block hashes."""
+                 on_route: Callable[[RouteDecision], None] | None = None,
+                 disagg_min_prompt_tokens: int = DEFAULT_MIN_PROMPT_TOKENS) -> None:
+        """`block_size`: the mesh's block size, for queries that bring block hashes;
+        `disagg_min_prompt_tokens`: shorter prompts skip the prefill workers (disagg.py)."""
         self.redis = redis
+        self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.registry = registry
         self.policy = policy
         self.queue = queue
@@ -258,12 +277,32 @@ class Router:
                 f"no live worker serves model {query.model!r}"
                 + (f" besides {sorted(query.exclude_worker_ids)}" if serving else ""),
                 param="model")
-        candidates = {r.worker_id: self._candidate(r, query, matches) for r in usable}
+        pools = split_pools(usable, query.prompt_len, self.disagg_min_prompt_tokens)
+        candidates = {r.worker_id: self._candidate(r, query, matches) for r in pools.first}
         choice = self.policy.choose(list(candidates.values()))
         if choice is None:
             return None
-        record = next(r for r in usable if r.worker_id == choice.worker_id)
-        return self._assign(record, choice, query)
+        record = next(r for r in pools.first if r.worker_id == choice.worker_id)
+        decision = self._assign(record, choice, query)
+        if not pools.disaggregated:
+            return decision
+        return self._with_decode(decision, pools.decode, query, matches)
+
+    def _with_decode(self, decision: RouteDecision, pool: list[WorkerRecord],
+                     query: RouteQuery, matches: Mapping[Group, dict[str, int]]
+                     ) -> RouteDecision:
+        """`decision` (a prefill worker's) with the decode worker that continues it; as it
+        is (the prefill worker runs the whole request) when no decode worker has room."""
+        candidates = [self._candidate(r, query, matches) for r in pool]
+        needed = math.ceil((query.prompt_len + query.expected_output_tokens)
+                           * query.num_sequences / max(1, decision.block_size))
+        choice = pick_decode([c for c in candidates if self.policy.is_open(c)], needed)
+        if choice is None:
+            return decision
+        record = next(r for r in pool if r.worker_id == choice.worker_id)
+        self._assign(record, choice, query)
+        return dataclasses.replace(decision, decode=HandoffTarget(
+            record.worker_id, record.info.address, record.epoch))
 
     def _index(self, namespace: str) -> KVIndex:
         index = self._indexes.get(namespace)

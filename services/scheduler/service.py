@@ -112,6 +112,7 @@ def build_router(config: SchedulerConfig, redis_client: aioredis.Redis,
                if metrics_registry is not None else None)
     router = Router(redis_client, WorkerRegistry(redis_client, config.heartbeat_ttl_s),
                     build_policy(config), queue, block_size=config.block_size,
+                    disagg_min_prompt_tokens=config.disagg_min_prompt_tokens,
                     on_route=metrics.observe if metrics is not None else None)
     if metrics is not None:
         metrics.redis_up.set_function(lambda: 0.0 if router.degraded else 1.0)

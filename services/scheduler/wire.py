@@ -8,6 +8,9 @@ from meshserve.proto.v1 import common_pb2, scheduler_pb2
 from meshserve.services.scheduler.router import RouteDecision, RouteQuery
 from meshserve.shared.block_hash import ImageSpan
 from meshserve.shared.worker_registry import (
+    ROLE_DECODE,
+    ROLE_MIXED,
+    ROLE_PREFILL,
     RUNNER_GENERATE,
     RUNNER_POOLING,
     WorkerInfo,
@@ -21,6 +24,13 @@ _RUNNER_NAMES = {common_pb2.RUNNER_UNSPECIFIED: RUNNER_GENERATE,
                  common_pb2.RUNNER_POOLING: RUNNER_POOLING}
 _RUNNER_ENUMS = {RUNNER_GENERATE: common_pb2.RUNNER_GENERATE,
                  RUNNER_POOLING: common_pb2.RUNNER_POOLING}
+
+
+_ROLE_NAMES = {common_pb2.WORKER_ROLE_PREFILL: ROLE_PREFILL,
+               common_pb2.WORKER_ROLE_DECODE: ROLE_DECODE}
+_ROLE_ENUMS = {ROLE_MIXED: common_pb2.WORKER_ROLE_MIXED,
+               ROLE_PREFILL: common_pb2.WORKER_ROLE_PREFILL,
+               ROLE_DECODE: common_pb2.WORKER_ROLE_DECODE}
 
 
 def runner_name(value: common_pb2.Runner) -> str:
@@ -44,7 +54,8 @@ def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
         tensor_parallel_size=msg.tensor_parallel_size or 1, kv_namespace=msg.kv_namespace,
         sampling_defaults_json=msg.sampling_defaults_json, epoch=msg.epoch,
         runner=runner_name(msg.runner), embedding_size=msg.embedding_size,
-        class_labels=tuple(msg.class_labels), metrics_url=msg.metrics_url)
+        class_labels=tuple(msg.class_labels), metrics_url=msg.metrics_url,
+        role=_ROLE_NAMES.get(msg.role, ROLE_MIXED))
 
 
 def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
@@ -69,7 +80,7 @@ def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
             kv_namespace=info.kv_namespace,
             sampling_defaults_json=info.sampling_defaults_json, runner=_RUNNER_ENUMS[info.runner],
             embedding_size=info.embedding_size, class_labels=info.class_labels,
-            metrics_url=info.metrics_url),
+            metrics_url=info.metrics_url, role=_ROLE_ENUMS[info.role]),
         load=common_pb2.WorkerLoad(
             worker_id=info.worker_id, epoch=record.epoch, num_running=load.num_running,
             num_waiting=load.num_waiting,
@@ -103,7 +114,10 @@ def decision_to_proto(decision: RouteDecision) -> scheduler_pb2.RouteResponse:
         num_kvstore_blocks=decision.num_kvstore_blocks, block_size=decision.block_size,
         queued_ns=decision.queued_ns, policy=decision.policy, score=decision.score,
         num_prompt_blocks=decision.num_prompt_blocks, num_running=decision.num_running,
-        num_waiting=decision.num_waiting, num_used_blocks=decision.num_used_blocks)
+        num_waiting=decision.num_waiting, num_used_blocks=decision.num_used_blocks,
+        decode=None if decision.decode is None else scheduler_pb2.HandoffTarget(
+            worker_id=decision.decode.worker_id, address=decision.decode.address,
+            epoch=decision.decode.epoch))
 
 
 def decision_attributes(decision: RouteDecision) -> dict[str, str | int | float]:

@@ -43,6 +43,7 @@ from meshserve.services.worker.serving.spec_metrics import register_spec_metrics
 from meshserve.services.worker.serving.step_trace import write_step_trace
 from meshserve.services.worker.serving.vllm_metrics import metrics_url_of, vllm_metrics_of
 from meshserve.services.worker.spec.decoder import SpecDecoder
+from meshserve.services.worker.tier.handoff import StoreHandoff, register_handoff_metrics
 from meshserve.services.worker.tier.kv_tier import KVTier
 from meshserve.services.worker.tier.store_client import KVStoreClient
 from meshserve.services.worker.tier.transfer import KVTransfer
@@ -241,7 +242,7 @@ class WorkerProcess:
             num_total_blocks=engine.num_kv_blocks,
             kv_namespace=kv_namespace(names[0], engine),
             sampling_defaults_json=_sampling_defaults(config, engine),
-            tensor_parallel_size=engine.parallel.world_size)
+            tensor_parallel_size=engine.parallel.world_size, role=config.role)
         lora = engine.hook(LoraHook)
         self.info = with_loras(self.info, lora.manager if lora is not None else None)
         self.servicer = WorkerServicer(self.thread, self.info, tracer=telemetry.tracer,
@@ -289,6 +290,8 @@ class WorkerProcess:
             self.transfer = await in_daemon_thread(lambda: kvstore.start(namespace),
                                                    "kv-connect")
             _tier_metrics(self.telemetry, self.transfer, self.engine)
+            self.servicer.handoff = StoreHandoff(self.transfer.flush, self.engine.block_size)
+            register_handoff_metrics(self.telemetry.registry, self.servicer.handoff)
         self.thread.start()
         await warm_up(self.thread)
         # Everything built so far lives as long as the process: the engine, the gRPC

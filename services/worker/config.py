@@ -343,6 +343,9 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
                                                     "saved; further saves are dropped")
     kvstore_shm: bool = option(True, "use the kvstore's shared memory when it runs on this "
                                      "host (else gRPC bytes)")
+    role: Literal["mixed", "prefill", "decode"] = option(
+        "mixed", "disaggregated serving: prefill (compute prompts and first tokens, hand their "
+        "KV to a decode worker), decode (continue them), or mixed (both)")
 
     def validate(self) -> None:
         super().validate()
@@ -355,6 +358,9 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
                      "kv_offload_backlog_bytes")
         self.require(not (self.pooling and self.tensor_parallel_size > 1),
                      "a pooling worker runs on one device", "tensor_parallel_size")
+        self.require(self.role == "mixed" or bool(self.kvstore_address and self.kv_offload),
+                     "a prefill or decode worker hands KV over through the kvstore: it needs "
+                     "--kvstore-address (and --kv-offload)", "role")
         self.require(not (self.kvstore_address and self.kv_offload)
                      or self.enable_prefix_caching,
                      "the KV tier finds blocks by hash: it needs prefix caching",

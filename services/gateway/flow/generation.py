@@ -91,9 +91,9 @@ class Placement:
     handle: int
 
 
-Failover = Callable[["Generation", UnavailableError], Awaitable[None]]
+Failover = Callable[["Generation", UnavailableError | None], Awaitable[None]]
 """Moves a request whose worker was lost to another worker (the orchestrator's), or
-raises the error it ends with."""
+raises the error it ends with; with None, a prefilled request to its decode worker."""
 DetokenizeFailover = Callable[["Generation", MeshError], Awaitable[DetokenizeStream]]
 """A detokenize stream for a request whose stream broke (the orchestrator's), or raises
 the error it ends with."""
@@ -133,6 +133,7 @@ class Generation:
         self._event = asyncio.Event()
         self._error: MeshError | None = None
         self._lost: MeshError | None = None
+        self._handed_off = False  # the prefill worker handed the request off: move it
         # Entries sent to the detokenizer (or waiting for a new stream), answer pending, in
         # order; a worker's error or loss waits for them, so that what was generated before
         # it still reaches the client first.
@@ -232,6 +233,10 @@ class Generation:
                 lost, self._lost = self._lost, None
                 await self._handle_lost(lost)
                 continue
+            if self._handed_off:
+                self._handed_off = False
+                await self._failover(self, None)
+                continue
             if self.done:
                 return None
             self._event.clear()
@@ -279,8 +284,15 @@ class Generation:
     def on_worker_error(self, error: MeshError) -> None:
         self._after_detok(lambda: self._fail(error))
 
-    def on_worker_done(self, timings: common_pb2.Timings) -> None:
+    def on_worker_done(self, timings: common_pb2.Timings, handed_off: bool = False) -> None:
         self._timings = timings
+        if handed_off:  # disaggregated serving: the decode worker continues
+            self._after_detok(self._set_handed_off)
+
+    def _set_handed_off(self) -> None:
+        if not self._closed and not self.done:
+            self._handed_off = True
+            self._wake()
 
     def worker_lost(self, error: MeshError) -> None:
         self._after_detok(lambda: self._set_lost(error))

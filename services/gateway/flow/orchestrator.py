@@ -23,6 +23,11 @@ request waits, at most `detokenize_failover_wait_s`, for a replica to take its t
 On leaving the block: normally every sequence has finished; otherwise (error, deadline,
 client gone) the worker is told to abort and the tokenizer to forget the request, at once.
 The scheduler is told each attempt ended (a release on the route stream).
+
+Disaggregated serving: a route that names a decode worker (RouteResponse.decode) places
+the request on its prefill worker as `prefill_only`; that worker sends the first tokens
+and hands the prompt's KV off, and the request then moves to the decode worker the way a
+failover does (the first tokens resumed there), without counting as one.
 """
 
 from __future__ import annotations
@@ -292,11 +297,12 @@ class Orchestrator:
         after a loss, the unfinished sequences continue from their output tokens."""
         job = generation.job
         resumed: list[worker_pb2.ResumedSequence] = []
+        handed_off = generation.placement is not None and lost is None
         if generation.placement is None:
             route = await self._route(job, generation.prompts, request.params, [])
         else:
-            assert lost is not None, "a request is placed again only when its worker was lost"
-            route = await self._move(generation, request, lost, span)
+            route = (self._handed_over(generation, span) if lost is None
+                     else await self._move(generation, request, lost, span))
             if generation.num_received:  # else it simply starts again
                 resumed = [worker_pb2.ResumedSequence(index=i, token_ids=ids)
                            for i, ids in generation.unfinished()]
@@ -305,6 +311,10 @@ class Orchestrator:
         request.deadline_unix_ns = self._deadline_unix_ns(job)
         # What the router saw in the kvstore: with none, the worker skips asking it.
         request.kvstore_blocks = route.num_kvstore_blocks
+        request.prefill_only = route.HasField("decode")
+        request.handed_off = handed_off
+        if handed_off:  # the prompt's blocks are in the kvstore now: the worker asks for them
+            request.ClearField("kvstore_blocks")
         add = worker_pb2.SessionAdd(handle=next(self._handles), request=request,
                                     traceparent=carrier.get("traceparent", ""),
                                     tracestate=carrier.get("tracestate", ""),
@@ -314,6 +324,20 @@ class Orchestrator:
         generation.place(placement, lambda handle: open_request(
             handle, job.params, model=job.target_model, request_id=job.request_id, prompts=prompts,
             samples_per_prompt=job.params.n, traceparent=carrier.get("traceparent", "")), add)
+
+    def _handed_over(self, generation: Generation, span: Span) -> scheduler_pb2.RouteResponse:
+        """The decode worker's route of a request that its prefill worker handed off."""
+        prefill = generation.route
+        assert prefill.HasField("decode"), "only a route with a decode worker hands off"
+        self._clients.route_stream().release(generation.job.request_id, prefill.worker_id)
+        target = prefill.decode
+        span.add_event("kv handoff", {"meshserve.from_worker_id": prefill.worker_id,
+                                      "meshserve.to_worker_id": target.worker_id,
+                                      "meshserve.tokens_carried": generation.num_received})
+        return scheduler_pb2.RouteResponse(
+            worker_id=target.worker_id, address=target.address, epoch=target.epoch,
+            block_size=prefill.block_size, policy=prefill.policy,
+            num_prompt_blocks=prefill.num_prompt_blocks)
 
     async def _move(self, generation: Generation, request: worker_pb2.GenerateRequest,
                     lost: UnavailableError, span: Span) -> scheduler_pb2.RouteResponse:
@@ -423,8 +447,11 @@ class Orchestrator:
     # -- best-effort cleanup ----------------------------------------------------------------
 
     def _release(self, job: GenerationJob, route: scheduler_pb2.RouteResponse) -> None:
-        """Tell the scheduler an attempt ended (best effort, batched on the route stream)."""
+        """Tell the scheduler an attempt ended (best effort, batched on the route stream);
+        a decode worker chosen for a handoff that never came is released too."""
         self._clients.route_stream().release(job.request_id, route.worker_id)
+        if route.HasField("decode"):
+            self._clients.route_stream().release(job.request_id, route.decode.worker_id)
 
 
 async def _gather_all(coros: Sequence[Awaitable[_T]]) -> list[_T]:

@@ -38,8 +38,9 @@ class SessionRunner(Protocol):
     def on_worker_error(self, error: MeshError) -> None:
         """The worker failed the request."""
 
-    def on_worker_done(self, timings: common_pb2.Timings) -> None:
-        """The worker finished every sequence of the request."""
+    def on_worker_done(self, timings: common_pb2.Timings, handed_off: bool) -> None:
+        """The worker finished every sequence of the request, or (`handed_off`, a prefill
+        worker's part) the sequences still running go on at the decode worker."""
 
     def worker_lost(self, error: MeshError) -> None:
         """The session broke before the request finished."""
@@ -129,7 +130,7 @@ class WorkerLink:
         for done in response.done:
             runner = runners.pop(done.handle, None)
             if runner is not None:
-                runner.on_worker_done(done.timings)
+                runner.on_worker_done(done.timings, done.handed_off)
         for stream in touched.values():
             await stream.flush()
 

@@ -26,13 +26,21 @@ from meshserve.services.worker.serving.engine_thread import EngineThread
 from meshserve.services.worker.serving.request_stream import RequestTimes
 from meshserve.services.worker.serving.session import SessionEntry, WorkerSession
 from meshserve.services.worker.serving.wire import sampling_params_from_proto
+from meshserve.services.worker.tier.handoff import KvHandoff
 from meshserve.shared.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     NotFoundError,
 )
 from meshserve.shared.sampling_params import SamplingParams
-from meshserve.shared.worker_registry import RUNNER_POOLING, WorkerInfo, WorkerLoad
+from meshserve.shared.worker_registry import (
+    ROLE_DECODE,
+    ROLE_MIXED,
+    ROLE_PREFILL,
+    RUNNER_POOLING,
+    WorkerInfo,
+    WorkerLoad,
+)
 
 
 def worker_load_pb(load: WorkerLoad, worker_id: str, epoch: int,
@@ -60,7 +68,12 @@ def worker_info_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:
         runner=(common_pb2.RUNNER_POOLING if info.runner == RUNNER_POOLING
                 else common_pb2.RUNNER_GENERATE),
         embedding_size=info.embedding_size, class_labels=list(info.class_labels),
-        metrics_url=info.metrics_url)
+        metrics_url=info.metrics_url, role=_ROLE_ENUMS[info.role])
+
+
+_ROLE_ENUMS = {ROLE_MIXED: common_pb2.WORKER_ROLE_MIXED,
+               ROLE_PREFILL: common_pb2.WORKER_ROLE_PREFILL,
+               ROLE_DECODE: common_pb2.WORKER_ROLE_DECODE}
 
 
 @asynccontextmanager
@@ -107,6 +120,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Each accepted request's sampling parameters (the vLLM request-parameter metrics).
         self.on_params: Callable[[SamplingParams], None] = lambda params: None
         self.lora: LoraControl | None = None  # runtime LoRA loading (set by the worker)
+        # Moves prefilled prompts' KV (disaggregated serving; set by a worker with a kvstore).
+        self.handoff: KvHandoff | None = None
 
     def wake_sessions(self) -> None:
         """Let every session re-check its state (the worker started draining)."""
@@ -117,7 +132,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                       context: grpc.aio.ServicerContext) -> None:
         session = WorkerSession(self._engine, worker_id=self.info.worker_id,
                                 validate=self._validate, on_finished=self._session_finished,
-                                draining=self._draining)
+                                draining=self._draining, handoff=self.handoff)
         self._sessions.add(session)
         reader = asyncio.ensure_future(session.read(request_iterator))
         try:

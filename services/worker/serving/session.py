@@ -17,6 +17,7 @@ ends, whatever still runs is aborted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,7 @@ from meshserve.services.worker.serving.wire import (
     resumed_sequences,
     timings_pb,
 )
+from meshserve.services.worker.tier.handoff import KvHandoff
 from meshserve.shared.errors import (
     DeadlineExceededError,
     MeshError,
@@ -57,6 +59,10 @@ class SessionEntry:
     stream: RequestStream
     traceparent: str
     tracestate: str
+    prefill_only: bool = False
+    """Disaggregated serving: this worker computes the prompt and first tokens only."""
+    continues: bool = False
+    """A prefill-only request with sequences that go on at the decode worker."""
 
 
 class WorkerSession:
@@ -65,10 +71,14 @@ class WorkerSession:
     def __init__(self, engine: EngineThread, *, worker_id: str,
                  validate: Callable[[worker_pb2.GenerateRequest], SamplingParams],
                  on_finished: Callable[[SessionEntry, str | None], None],
-                 draining: Callable[[], bool] = lambda: False) -> None:
+                 draining: Callable[[], bool] = lambda: False,
+                 handoff: KvHandoff | None = None) -> None:
         """`validate` turns a request into its SamplingParams (or raises); `on_finished`
-        is called once per request that ends (its entry and the error kind, if any)."""
+        is called once per request that ends (its entry and the error kind, if any);
+        `handoff` moves prefilled prompts' KV (disaggregated serving; None: not served)."""
         self._engine = engine
+        self._handoff = handoff
+        self._handed: list[worker_pb2.RequestDone] = []  # handoffs sent, not yet reported
         self._worker_id = worker_id
         self._validate = validate
         self._on_finished = on_finished
@@ -118,6 +128,10 @@ class WorkerSession:
                 raise UnavailableError(f"worker {self._worker_id} is draining; retry on "
                                        "another worker")
             params = self._validate(add.request)
+            prefill_only = self._prefill_only(add.request, params)
+            if prefill_only:  # the first token here, the rest at the decode worker
+                params = dataclasses.replace(params, max_tokens=1,
+                                             min_tokens=min(params.min_tokens, 1))
             if add.request.deadline_unix_ns and add.request.deadline_unix_ns <= time.time_ns():
                 raise DeadlineExceededError("the request's deadline passed before it "
                                             "reached the worker", param="deadline_unix_ns")
@@ -134,12 +148,23 @@ class WorkerSession:
         except MeshError as exc:
             self._fail_handle(handle, exc)
             return
-        entry = SessionEntry(handle, add.request, params, stream, add.traceparent, add.tracestate)
+        entry = SessionEntry(handle, add.request, params, stream, add.traceparent, add.tracestate,
+                             prefill_only=prefill_only)
         self._entries[handle] = entry
         self._by_stream[id(stream)] = handle
         if add.request.deadline_unix_ns:
             heapq.heappush(self._deadlines, (add.request.deadline_unix_ns, handle))
             self._arm_deadline_timer()
+
+    def _prefill_only(self, request: worker_pb2.GenerateRequest,
+                      params: SamplingParams) -> bool:
+        """Whether `request` is a prefill worker's part that leaves tokens to decode."""
+        if not request.prefill_only:
+            return False
+        if self._handoff is None:
+            raise UnavailableError(f"worker {self._worker_id} cannot hand KV off (it runs "
+                                   "without a kvstore)", param="prefill_only")
+        return params.max_tokens is None or params.max_tokens > 1
 
     def abort(self, handle: int, indices: list[int]) -> None:
         """Abort some (or all) sequences of a request; unknown handles are ignored."""
@@ -200,7 +225,7 @@ class WorkerSession:
             message = self._collect()
             if message is not None:
                 yield message
-            idle = not self._entries and not self._errors and not self._dirty
+            idle = not (self._entries or self._errors or self._dirty or self._handed)
             if idle and (self._input_closed or self._draining()):
                 return
 
@@ -213,7 +238,7 @@ class WorkerSession:
         token_ids: list[int] = []
         reasons: list[common_pb2.FinishReason] = []
         details: list[worker_pb2.EntryDetail] = []
-        done: list[worker_pb2.RequestDone] = []
+        done, self._handed = self._handed, []
         for handle, entry in dirty.items():
             stream = entry.stream
             if stream.error is not None:
@@ -227,9 +252,11 @@ class WorkerSession:
                 indices.append(delta.index)
                 num_tokens.append(len(delta.token_ids))
                 token_ids.extend(delta.token_ids)
-                reasons.append(FINISH_PB[delta.finish_reason] if delta.finish_reason
-                               else _UNSET)
-            if stream.drained:
+                reasons.append(self._reason(entry, delta))
+            if stream.drained and entry.continues:
+                self._by_stream.pop(id(stream), None)
+                asyncio.ensure_future(self._hand_off(entry))
+            elif stream.drained:
                 done.append(worker_pb2.RequestDone(
                     handle=handle, timings=timings_pb(stream.times, time.monotonic())))
                 self._forget(entry, None)
@@ -243,6 +270,32 @@ class WorkerSession:
             finish_reasons=reasons, details=details, errors=errors, done=done,
             num_steps=steps, step_forward_ns=timing.forward_ns if timing else 0,
             sent_unix_ns=time.time_ns())
+
+    def _reason(self, entry: SessionEntry, delta: SequenceDelta) -> common_pb2.FinishReason:
+        """A delta's finish reason on the wire; a prefill-only sequence stopped by its
+        one-token budget is not finished: it goes on at the decode worker."""
+        if delta.first and entry.request.handed_off and self._handoff is not None:
+            self._handoff.receive(delta.num_cached_tokens // self._handoff.block_size)
+        if not delta.finish_reason:
+            return _UNSET
+        if entry.prefill_only and delta.finish_reason == "length":
+            entry.continues = True
+            return _UNSET
+        return FINISH_PB[delta.finish_reason]
+
+    async def _hand_off(self, entry: SessionEntry) -> None:
+        """Send a prefilled request's prompt KV, then report it handed off (the gateway
+        moves it to its decode worker on that)."""
+        assert self._handoff is not None, "only a worker with a handoff runs prefill_only"
+        size = self._handoff.block_size
+        await self._handoff.send(sum(len(p.token_ids) // size for p in entry.request.prompts))
+        if entry.handle not in self._entries:
+            return  # the session closed meanwhile
+        self._handed.append(worker_pb2.RequestDone(
+            handle=entry.handle, timings=timings_pb(entry.stream.times, time.monotonic()),
+            handed_off=True))
+        self._forget(entry, None)
+        self._ready.set()
 
     @staticmethod
     def _add_entry(delta: SequenceDelta, entry: int,

@@ -1,0 +1,94 @@
+"""The KV handoff of disaggregated serving: a prefilled prompt's KV, prefill to decode worker.
+
+A prefill worker computes a request's prompt and first tokens (GenerateRequest.prefill_only)
+and then `send`s the prompt's KV; the gateway moves the request to the decode worker the
+router chose, which continues it after those tokens and `receive`s the KV before computing.
+
+`KvHandoff` is the transfer interface; `StoreHandoff` is its first transport, the KV tier:
+the prefill worker's engine writes every full prompt block to the kvstore right after the
+step that computes it (tier/kv_tier.py), so sending is waiting until those writes are done;
+the decode worker loads them by block hash as prefix-cache hits from the store at admission
+(its partial last block and the first tokens are recomputed: a few tokens). A handoff that
+is not in the store in time costs the decode worker a recomputation, nothing else.
+Transports that copy device to device (NCCL, CUDA IPC) or stream over TCP fit behind the
+same two calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Gauge
+
+# Longest a prefill worker waits for its prompt blocks to reach the store; past it the
+# request moves on anyway and the decode worker computes what is missing.
+DEFAULT_SEND_TIMEOUT_S = 10.0
+
+
+@dataclass
+class HandoffStats:
+    """Counters since start, for meshserve:kv_handoff_blocks_total."""
+
+    sent_blocks: int = 0
+    received_blocks: int = 0
+    late_sends: int = 0
+    """Sends that did not finish within their timeout."""
+
+
+class KvHandoff(Protocol):
+    """Moves prompt KV from a prefill worker to a decode worker."""
+
+    stats: HandoffStats
+    block_size: int
+    """Tokens per KV block: a prompt's full blocks are what is handed off."""
+
+    async def send(self, num_blocks: int) -> bool:
+        """Prefill side: make a request's `num_blocks` full prompt blocks, computed by the
+        steps already run, reachable to the decode worker; False when that did not finish
+        in time (the decode worker then recomputes what it lacks)."""
+        ...
+
+    def receive(self, num_blocks: int) -> None:
+        """Decode side: `num_blocks` prompt blocks of a handed-off request were found in the
+        cache when it was admitted (loaded from the handoff)."""
+        ...
+
+
+class StoreHandoff:
+    """The KV tier as the handoff transport: `flush` waits for the transfer thread's
+    queued writes to the kvstore (KVTransfer.flush)."""
+
+    def __init__(self, flush: Callable[[float], bool], block_size: int, *,
+                 timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
+        self._flush = flush
+        self.block_size = block_size
+        self.timeout_s = timeout_s
+        self.stats = HandoffStats()
+
+    async def send(self, num_blocks: int) -> bool:
+        done = await asyncio.to_thread(self._flush, self.timeout_s)
+        if done:
+            self.stats.sent_blocks += num_blocks
+        else:
+            self.stats.late_sends += 1
+        return done
+
+    def receive(self, num_blocks: int) -> None:
+        self.stats.received_blocks += num_blocks
+
+
+def register_handoff_metrics(registry: CollectorRegistry, handoff: KvHandoff) -> None:
+    """meshserve:kv_handoff_blocks_total{direction="sent"|"received"}, read at scrape time."""
+    blocks = Gauge("meshserve:kv_handoff_blocks_total",
+                   "Prompt KV blocks handed off by this prefill worker (sent) or found at "
+                   "admission of handed-off requests on this decode worker (received)",
+                   ["direction"], registry=registry)
+    blocks.labels("sent").set_function(lambda: handoff.stats.sent_blocks)
+    blocks.labels("received").set_function(lambda: handoff.stats.received_blocks)
+    Gauge("meshserve:kv_handoff_late_sends_total",
+          "Handoffs whose KV was not in the store within the send timeout (the decode worker "
+          "recomputes what it lacks)", registry=registry
+          ).set_function(lambda: handoff.stats.late_sends)

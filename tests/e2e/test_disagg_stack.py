@@ -1,0 +1,165 @@
+"""Disaggregated prefill/decode serving end to end (CPU, tiny model, the real `openai` client).
+
+A `meshserve up`-like stack of one prefill and one decode worker with the kvstore: a long
+prompt is computed on the prefill worker, which samples the first token and hands the
+prompt's KV blocks off through the kvstore; the decode worker loads them as prefix hits and
+continues the stream. Fifty concurrent greedy requests give the same text, tokens and
+logprobs as one mixed worker (a reference stack, run first and stopped), and the workers'
+meshserve:kv_handoff_blocks_total counters show the blocks sent and received. A prompt
+shorter than --disagg-min-prompt-tokens runs whole on the decode worker.
+
+Logprobs agree to float32 rounding (1e-4), not bit for bit: concurrent prompts are batched
+differently on the two stacks, and the decode worker recomputes the prompt's partial last
+block and the first token in a step shaped unlike the mixed worker's prefill, so their KV
+differ in the last bits (as after any prefix-cache hit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from tiny_models import build_tiny_model
+
+from meshserve.local.launcher import LauncherConfig, Stack, start_stack
+
+MODEL = "tiny-disagg"
+BLOCK = 16
+MIN_PROMPT_TOKENS = 32
+REQUESTS = 50
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("disagg-model"), "llama", seed=32,
+                            max_position_embeddings=1024)
+
+
+def prompts() -> list[list[int]]:
+    """Long prompts (2 to 6 full blocks and a partial one), distinct from their first block."""
+    rng = random.Random(32)
+    return [[rng.randrange(5, 250) for _ in range(rng.randrange(2 * BLOCK, 6 * BLOCK) + 3)]
+            for _ in range(REQUESTS)]
+
+
+SHORT_PROMPT = [17, 23, 42, 99, 7, 8, 120, 33, 61, 5]  # under MIN_PROMPT_TOKENS
+
+
+# Room for all fifty requests at once on the decode worker: one that finds no room is run
+# whole by its prefill worker (the router's choice), which this test does not want.
+def launch(model_dir: Path, run_dir: Path, **overrides: Any) -> Iterator[Stack]:
+    config = LauncherConfig(**{
+        "model": str(model_dir), "served_model_name": MODEL, "port": 0,
+        "num_kv_blocks": 1024, "block_size": BLOCK, "dtype": "float32", "device": "cpu",
+        "run_dir": str(run_dir), "startup_timeout_s": 300, "stop_grace_s": 5, **overrides})
+    with start_stack(config) as running:
+        yield running
+
+
+async def complete_all(stack: Stack, batch: list[list[int]]) -> list[dict[str, Any]]:
+    """Greedy completions of every prompt at once: text, token logprobs, top logprobs."""
+    client = openai.AsyncOpenAI(base_url=f"{stack.gateway_url}/v1", api_key="none",
+                                max_retries=0, timeout=240)
+
+    async def one(prompt: list[int]) -> dict[str, Any]:
+        response = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
+            extra_body={"ignore_eos": True})
+        choice = response.choices[0]
+        assert choice.finish_reason == "length"
+        assert response.usage is not None and response.usage.completion_tokens == MAX_TOKENS
+        assert choice.logprobs is not None
+        return {"text": choice.text, "tokens": choice.logprobs.tokens,
+                "token_logprobs": choice.logprobs.token_logprobs,
+                "top_logprobs": choice.logprobs.top_logprobs}
+
+    try:
+        return list(await asyncio.gather(*(one(p) for p in batch)))
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> list[dict[str, Any]]:
+    """What one mixed worker answers (its stack stopped before the disaggregated one starts)."""
+    for stack in launch(model_dir, tmp_path_factory.mktemp("mixed"), workers=1, kvstore=False):
+        return asyncio.run(complete_all(stack, [*prompts(), SHORT_PROMPT]))
+    raise AssertionError("the reference stack did not start")
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: Path, reference: list[dict[str, Any]],
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from launch(model_dir, tmp_path_factory.mktemp("disagg"), workers=0,
+                      prefill_workers=1, decode_workers=1,
+                      disagg_min_prompt_tokens=MIN_PROMPT_TOKENS)
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    """Same text and tokens; logprobs equal to float32 rounding."""
+    assert got["text"] == want["text"] and got["tokens"] == want["tokens"], what
+    assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-4), what
+    for top, wanted in zip(got["top_logprobs"], want["top_logprobs"], strict=True):
+        assert list(top) == list(wanted), what
+        assert list(top.values()) == pytest.approx(list(wanted.values()), abs=1e-4), what
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """A sample's value on a Prometheus endpoint (0 when absent)."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    found = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def worker_metric(stack: Stack, worker: str, name: str, labels: str = "") -> float:
+    (service,) = [s for s in stack.services if s.name == worker]
+    return metric(service.metrics_url, name, labels)
+
+
+def handoff_blocks(stack: Stack, worker: str, direction: str) -> float:
+    return worker_metric(stack, worker, "meshserve:kv_handoff_blocks_total",
+                         f'{{direction="{direction}"}}')
+
+
+def test_fifty_prefilled_requests_decode_as_on_one_mixed_worker(
+        stack: Stack, reference: list[dict[str, Any]]) -> None:
+    batch = prompts()
+    answers = asyncio.run(complete_all(stack, batch))
+    for i, (got, want) in enumerate(zip(answers, reference, strict=False)):
+        assert_same(got, want, f"request {i}")
+    # Every prompt's full blocks went through the handoff (one request each, all distinct).
+    full_blocks = sum(len(p) // BLOCK for p in batch)
+    assert handoff_blocks(stack, "prefill-0", "sent") == full_blocks
+    received = handoff_blocks(stack, "decode-0", "received")
+    assert 0 < received <= full_blocks
+    assert worker_metric(stack, "decode-0", "meshserve:worker_kvstore_loaded_blocks_total") \
+        >= received
+    # The prefill worker sampled one token per request; the decode worker the rest.
+    generated = "meshserve:worker_generated_tokens_total"
+    assert worker_metric(stack, "prefill-0", generated) == REQUESTS
+    assert worker_metric(stack, "decode-0", generated) == REQUESTS * (MAX_TOKENS - 1)
+    # A handoff is no failover.
+    gateway = next(s for s in stack.services if s.role == "gateway")
+    assert metric(gateway.metrics_url, "meshserve:gateway_failovers_total",
+                  '{outcome="resumed"}') == 0
+
+
+def test_a_short_prompt_runs_whole_on_the_decode_worker(
+        stack: Stack, reference: list[dict[str, Any]]) -> None:
+    generated = "meshserve:worker_generated_tokens_total"
+    before = {w: worker_metric(stack, w, generated) for w in ("prefill-0", "decode-0")}
+    sent = handoff_blocks(stack, "prefill-0", "sent")
+    (answer,) = asyncio.run(complete_all(stack, [SHORT_PROMPT]))
+    assert_same(answer, reference[-1], "the short prompt")
+    assert worker_metric(stack, "prefill-0", generated) == before["prefill-0"]
+    assert worker_metric(stack, "decode-0", generated) == before["decode-0"] + MAX_TOKENS
+    assert handoff_blocks(stack, "prefill-0", "sent") == sent
