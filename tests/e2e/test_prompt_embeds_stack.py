@@ -90,6 +90,10 @@ def test_own_embedding_rows_answer_as_their_tokens(client: openai.OpenAI,
         assert abs(a - b) < 1e-4
     assert by_rows.usage.prompt_tokens == len(IDS)
     assert by_rows.usage.completion_tokens == 6
+    ids_asked = client.post("/completions", cast_to=object, body={  # type: ignore[call-overload]
+        "model": MODEL, "prompt": "", "prompt_embeds": encoded(table[IDS]), "max_tokens": 2,
+        "return_token_ids": True, "ignore_eos": True})["choices"][0]
+    assert ids_asked["prompt_token_ids"] is None and len(ids_asked["token_ids"]) == 2
     bf16 = complete(client, prompt_embeds=encoded(table[IDS].to(torch.bfloat16)[None]))
     assert bf16.usage.prompt_tokens == len(IDS)  # [1, S, H]: a batch of one, as vLLM takes it
 

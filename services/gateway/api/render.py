@@ -70,9 +70,10 @@ class Renderer:
                     choice, delta.index, delta.token_ids, first)], usage)))
         return b"".join(events)
 
-    def _prompt_ids(self, index: int) -> list[int]:
-        """The prompt token ids of choice `index`."""
-        return list(self.prompts[index // self.job.params.n].token_ids)
+    def _prompt_ids(self, index: int) -> list[int] | None:
+        """The prompt token ids of choice `index` (None for embeddings, as vLLM: no ids)."""
+        prompt = self.prompts[index // self.job.params.n]
+        return None if prompt.embeds is not None else list(prompt.token_ids)
 
     @property
     def _tokens_are_news(self) -> bool:
