@@ -105,3 +105,10 @@ def test_a_chunk_starting_inside_an_image_takes_the_rest_of_it() -> None:
     assert sched._image_cut(a, 5, 4, 8) == 6
     assert sched._image_cut(a, 0, 4, 4) == 2
     assert sched._image_cut(a, 11, 4, 4) == 4
+
+
+def test_prompt_embeddings_chunk_as_text() -> None:
+    sched = make(budget=8)
+    embeds = PromptImage(b"", bytes(32), 0, 20, dtype="float32")  # a prompt_embeds prompt
+    sched.add(req("a", 20, (embeds,), arrival=0))
+    assert steps(sched, 3) == [[("a", 8)], [("a", 8)], [("a", 4)]]

@@ -160,7 +160,9 @@ class StepScheduler:
         if not self.config.whole_images or not request.images:
             return num_new
         end = start + num_new
-        image = next((i for i in request.images if i.offset < end < i.end), None)
+        # (Prompt embeddings' rows stay causal: their run is chunked as text is.)
+        image = next((i for i in request.images
+                      if not i.is_embeds and i.offset < end < i.end), None)
         if image is None:
             return num_new
         if image.offset > start:
