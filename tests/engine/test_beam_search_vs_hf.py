@@ -104,6 +104,8 @@ ENGINE_SETUPS = {
     "async-chunked": {"async_scheduling": "on", "max_num_batched_tokens": 24},
     # Too few blocks for every beam at once: beams are preempted and computed again.
     "tiny-cache": {"num_kv_blocks": 14, "max_num_batched_tokens": 64},
+    # One sequence a step by the cap: a request's beams still run together past it.
+    "batch-of-one": {"max_num_seqs": 1},
 }
 
 
@@ -158,7 +160,7 @@ def test_beams_match_transformers(setup, width: int, eos: bool) -> None:
             check_against_hf(engine, hf, prompts, width, length_penalty, early_stopping, eos)
 
 
-@pytest.mark.parametrize("engine_setup", ["async-chunked", "tiny-cache"])
+@pytest.mark.parametrize("engine_setup", ["async-chunked", "tiny-cache", "batch-of-one"])
 def test_beams_match_transformers_under_scheduling(setup, engine_setup: str) -> None:
     folder, hf, prompts = setup
     engine = make_engine(folder, **ENGINE_SETUPS[engine_setup])

@@ -104,8 +104,8 @@ class StepScheduler:
 
     def fork(self, parent: SequenceState, child: SequenceState) -> None:
         """Queue `child`, a beam forked from `parent` (its blocks shared by
-        KVCacheManager.fork), at the parent's rank: running beside a running parent, else
-        waiting."""
+        KVCacheManager.fork), at the parent's rank: running beside a running parent (past
+        max_num_seqs if need be: the siblings wait for it), else waiting."""
         self._order[child.request_id] = self._order[parent.request_id]
         if parent.status == SequenceStatus.RUNNING:
             child.status = SequenceStatus.RUNNING
@@ -220,8 +220,10 @@ class StepScheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         for request in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0:
                 break
+            if len(self.running) >= self.config.max_num_seqs and not request.params.use_beam_search:
+                break  # (a beam goes past the cap: its siblings hold their slots waiting for it)
             if request.num_pending:
                 continue  # preempted while its last token was on the device: wait for it
             if request.leader is not None and not self._leader_done(request.leader):
