@@ -49,7 +49,7 @@ def _in_int32(value: int, param: str) -> int:
 
 
 # SamplingParams.early_stopping (transformers' values) on the wire.
-_EARLY_STOPPING: dict[bool | str, int] = {
+_EARLY_STOPPING: dict[bool | str, common_pb2.BeamEarlyStopping] = {
     False: common_pb2.BEAM_EARLY_STOPPING_HEURISTIC, True: common_pb2.BEAM_EARLY_STOPPING_FIRST,
     "never": common_pb2.BEAM_EARLY_STOPPING_NEVER}
 

@@ -399,6 +399,7 @@ class LLMEngine:
             if seq.is_finished:  # aborted, or stopped by the step before, while queued
                 continue
             if seq.params.use_beam_search:  # the search picks the token
+                assert logprobs is not None, "a beam's step has its top logprobs"
                 seq.first_token_time = seq.first_token_time or now
                 self._beams.report(seq, logprobs)
                 continue
