@@ -38,9 +38,19 @@ class NotFoundError(MeshError):
 
 
 class OverloadedError(MeshError):
-    """No capacity now; the same request may succeed later."""
+    """No capacity now; the same request may succeed later.
+
+    `retry_after_s`: when it may (the HTTP answer's Retry-After; None: no estimate);
+    `reason`: which bound refused it ("ceiling", "queue_full", "queue_delay"; "": not said).
+    """
 
     kind = "overloaded"
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 retry_after_s: int | None = None, reason: str = "") -> None:
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
+        self.reason = reason
 
 
 class UnavailableError(MeshError):

@@ -48,7 +48,8 @@ def create_app(config: GatewayConfig, telemetry: Telemetry, clients: MeshClients
                orchestrator: Orchestrator, metrics: GatewayMetrics,
                drain: Drain | None = None) -> web.Application:
     """The aiohttp application: middlewares (observe, errors, auth) and every route."""
-    admission = Admission(config.max_concurrent_requests, metrics.in_flight)
+    admission = Admission(config.max_concurrent_requests, metrics.in_flight,
+                          metrics.admission_refusals)
     drain = drain or Drain()
     generation = Handlers(config, orchestrator, admission, drain)
     store = ResponseStore(config.redis_url, config.responses_ttl_s)

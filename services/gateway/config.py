@@ -7,6 +7,13 @@ Choices, written down:
   are settings (`completions_default_max_tokens`, `chat_default_max_tokens`; 0 means
   "up to the context"). A default never makes a request fail: it is capped at what the
   context leaves, while an explicit `max_tokens` past the context is a 400.
+- Admission (docs/operations.md, "Overload"): a request that finds every worker full
+  waits in the scheduler's global queue only while the scheduler's estimate of its wait
+  to start stays within `max_queue_delay_s` (a minute) and its deadline; past that it is
+  refused at once with 429 and a Retry-After from the estimate. `max_concurrent_requests`
+  stays as a ceiling on the gateway's memory. A request is only refused before its
+  answer starts: once admitted (routed), it keeps its place, and a request moving to
+  another worker after a failure is never refused by the estimate.
 - `served_model_names` empty: the gateway serves the model names the registered
   workers announce (the scheduler's ListWorkers, cached for `model_cache_ttl_s`).
 - `/health` is 200 when the scheduler and at least one tokenizer replica are SERVING
@@ -70,8 +77,14 @@ class GatewayConfig(ServiceConfig):
     allow_credentials: bool = option(False, "CORS: let browsers send credentials (cookies, "
                                             "HTTP auth) with cross-origin requests")
     max_concurrent_requests: int = option(
-        1024, "generation requests in flight before answering 429")
-    retry_after_s: int = option(1, "Retry-After seconds sent with 429 answers")
+        1024, "generation requests in flight in this gateway before answering 429: a hard "
+              "ceiling on its memory (what may start soon is bounded by --max-queue-delay-s)")
+    max_queue_delay_s: float = option(
+        60.0, "answer 429 at once (Retry-After from the estimate) when every worker is full "
+              "and a request's estimated wait to start passes this many seconds, or its "
+              "deadline; 0: no refusal by estimate (requests queue up to the fixed bounds)")
+    retry_after_s: int = option(1, "Retry-After seconds sent with 429 answers that carry no "
+                                   "estimate of their own (and with 503 answers)")
     max_body_bytes: int = option(8 * 1024 * 1024, "largest request body accepted (else 413)")
     request_timeout_s: float = option(600.0, "deadline of one request, end to end (else 504)")
     completions_default_max_tokens: int = option(
@@ -170,6 +183,8 @@ class GatewayConfig(ServiceConfig):
                      "route_output_estimate", "max_generate_attempts"):
             value = getattr(self, name)
             self.require(value >= 1, f"must be >= 1, got {value}", name)
+        self.require(self.max_queue_delay_s >= 0, f"must be >= 0 (0: off), got "
+                     f"{self.max_queue_delay_s}", "max_queue_delay_s")
         self.require(self.max_failovers >= 0, f"must be >= 0, got {self.max_failovers}",
                      "max_failovers")
         self.require(self.detokenize_failover_wait_s >= 0,

@@ -40,6 +40,12 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "meshserve:gateway_requests_in_flight", "Generation requests being served",
             registry=registry)
+        self.admission_refusals = Counter(
+            "meshserve:gateway_admission_refusals",
+            "Requests refused with 429 before they started, by reason (ceiling: "
+            "max_concurrent_requests in this gateway; queue_delay: the scheduler's estimate of "
+            "the wait to start passed max_queue_delay_s or the deadline; queue_full: the "
+            "global queue's capacity)", ["reason"], registry=registry)
         self.failovers = Counter(
             "meshserve:gateway_failovers",
             "Requests whose worker was lost mid-generation, by outcome (resumed: continued on "

@@ -76,18 +76,19 @@ class InFlight:
         """Count a routed request against its worker."""
         self._by_worker.setdefault(assignment.worker_id, {})[assignment.request_id] = assignment
 
-    def release(self, request_id: str, worker_id: str, now_unix_ns: int) -> bool:
-        """A request ended at `now_unix_ns`; False when it was not tracked (any more)."""
+    def release(self, request_id: str, worker_id: str, now_unix_ns: int) -> Assignment | None:
+        """A request ended at `now_unix_ns`: its assignment; None when it was not tracked
+        (any more)."""
         assignments = self._by_worker.get(worker_id)
         if assignments is None:
-            return False
+            return None
         assignment = assignments.pop(request_id, None)
         if assignment is None:
-            return False
+            return None
         if not assignments:
             del self._by_worker[worker_id]
         self._departed.setdefault(worker_id, []).append((now_unix_ns, assignment))
-        return True
+        return assignment
 
     def extra_load(self, worker_id: str, epoch: int, last_heartbeat_unix_ns: int,
                    reported_sequences: int) -> ExtraLoad:

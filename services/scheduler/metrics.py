@@ -45,6 +45,11 @@ class SchedulerMetrics:
         self.queue_depth = Gauge("meshserve:scheduler_queue_depth",
                                  "Requests waiting in the global queue", registry=registry)
         self.queue_depth.set_function(lambda: len(queue))
+        self.wait_estimate = Gauge(
+            "meshserve:scheduler_wait_estimate_seconds",
+            "Estimated wait to start of a request that would find every worker full now: "
+            "(queued + 1) x mean route-to-release time / requests in service (0: no estimate; "
+            "past a request's max_queue_delay_s it is refused with 429)", registry=registry)
         self.redis_up = Gauge("meshserve:scheduler_redis_up",
                               "0 while Redis is unreachable (placement by load only)",
                               registry=registry)

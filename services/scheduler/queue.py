@@ -5,7 +5,9 @@ place itself; it tries again whenever `notify()` says that load changed (a heart
 a release, a new worker). When the head is placed, the next entry becomes head and
 tries at once, so one change in load can drain several entries. A request whose
 deadline passes leaves with DeadlineExceededError; a request that finds the queue full
-is refused with OverloadedError. Nothing polls: every waiter sleeps on its own event.
+is refused with OverloadedError, and so is one that `admit` refuses as it would join the
+queue (its estimated wait passes its bound: wait_estimate.py). Nothing polls: every
+waiter sleeps on its own event.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ class GlobalQueue:
             self._heap[0].wake.set()
 
     async def run(self, attempt: Callable[[], Awaitable[T | None]], *, priority: int = 0,
-                  deadline: float | None = None) -> T:
+                  deadline: float | None = None,
+                  admit: Callable[[int], None] | None = None) -> T:
         """Call `attempt` until it returns a placement, waiting in turn in between.
 
         `attempt` returns None when there is no room now; its exceptions end the wait
-        and propagate. `deadline` is in the event loop's clock (loop.time()).
+        and propagate. `deadline` is in the event loop's clock (loop.time()). `admit`,
+        called with the number of requests waiting (those ahead, at most) just before the
+        request would join them, raises to refuse it instead.
         """
         loop = asyncio.get_running_loop()
         if deadline is not None and loop.time() >= deadline:
@@ -71,7 +76,10 @@ class GlobalQueue:
                 return result
         if len(self._heap) >= self.capacity:
             raise OverloadedError(f"every worker is full and the global queue holds "
-                                  f"{len(self._heap)} of {self.capacity} requests; retry later")
+                                  f"{len(self._heap)} of {self.capacity} requests; retry later",
+                                  reason="queue_full")
+        if admit is not None:
+            admit(len(self._heap))
         heapq.heappush(self._heap, entry)
         if self._generation != generation:
             entry.wake.set()

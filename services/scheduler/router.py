@@ -6,7 +6,9 @@ reads.py), adds the provisional load of requests this
 replica routed since each worker's last heartbeat, and asks the policy. When every
 worker is full the request waits in the global queue, which retries on every change of
 load: heartbeats, releases and registrations, whichever scheduler replica received them
-(they are published on a Redis channel that every replica listens to).
+(they are published on a Redis channel that every replica listens to). A request whose
+estimated wait to start passes its bound is refused instead of queueing (wait_estimate.py:
+from the requests queued, those in service and their mean time from route to release).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from meshserve.services.scheduler.reads import (
     PlacementReads,
     PromptHashes,
 )
+from meshserve.services.scheduler.wait_estimate import WaitEstimator
 from meshserve.shared.block_hash import BlockHash, ImageSpan
 from meshserve.shared.errors import InvalidRequestError, NotFoundError, UnavailableError
 from meshserve.shared.kv_index import KVSTORE_HOLDER_PREFIX, KVIndex
@@ -76,6 +79,9 @@ class RouteQuery:
     """The kind of worker the request needs (generation or pooling)."""
     images: tuple[ImageSpan, ...] = ()
     """The prompt's images: keys of the blocks holding their placeholders."""
+    max_queue_delay_s: float = 0.0
+    """Refuse at once when every worker is full and the estimated wait to start passes
+    this (or the time left to `deadline`); 0: no refusal by estimate."""
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -168,6 +174,7 @@ class Router:
         self._clock_ns = clock_ns
         self._on_route = on_route
         self.inflight = InFlight()
+        self.waits = WaitEstimator()
         self._indexes: dict[str, KVIndex] = {}
         self._reads = PlacementReads(redis, registry, self._index)
         self._listener: asyncio.Task[None] | None = None
@@ -239,10 +246,17 @@ class Router:
 
     def release(self, request_id: str, worker_id: str) -> bool:
         """A routed request ended: drop its provisional load now."""
-        released = self.inflight.release(request_id, worker_id, self._clock_ns())
-        if released:
-            self.queue.notify()
-        return released
+        now = self._clock_ns()
+        released = self.inflight.release(request_id, worker_id, now)
+        if released is None:
+            return False
+        self.waits.observe((now - released.routed_unix_ns) / 1e9)
+        self.queue.notify()
+        return True
+
+    def wait_estimate(self) -> float | None:
+        """Seconds a request that found every worker full now would wait to start."""
+        return self.waits.estimate(len(self.queue), len(self.inflight))
 
     async def route(self, query: RouteQuery) -> RouteDecision:
         """Pick a worker, waiting in the global queue while every worker is full.
@@ -260,11 +274,24 @@ class Router:
             return await self._try_place(query, hashes)
 
         decision = await self.queue.run(attempt, priority=query.priority,
-                                        deadline=query.deadline)
+                                        deadline=query.deadline,
+                                        admit=lambda ahead: self._admit(query, ahead))
         decision = dataclasses.replace(decision, queued_ns=max(0, last_try[0] - started))
         if self._on_route is not None:
             self._on_route(decision)
         return decision
+
+    def _admit(self, query: RouteQuery, ahead: int) -> None:
+        """Refuse a request about to queue behind `ahead` others when its estimated wait
+        passes its max_queue_delay_s or the time left to its deadline."""
+        if query.max_queue_delay_s <= 0:
+            return
+        bound = query.max_queue_delay_s
+        if query.deadline is not None:
+            bound = min(bound, query.deadline - asyncio.get_running_loop().time())
+        error = self.waits.refusal(ahead, len(self.inflight), bound)
+        if error is not None:
+            raise error
 
     async def _try_place(self, query: RouteQuery, hashes: PromptHashes) -> RouteDecision | None:
         records, matches = await self._reads.read(query.model, hashes)

@@ -116,6 +116,7 @@ def build_router(config: SchedulerConfig, redis_client: aioredis.Redis,
                     on_route=metrics.observe if metrics is not None else None)
     if metrics is not None:
         metrics.redis_up.set_function(lambda: 0.0 if router.degraded else 1.0)
+        metrics.wait_estimate.set_function(lambda: router.wait_estimate() or 0.0)
     return router
 
 

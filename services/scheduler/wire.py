@@ -104,7 +104,8 @@ def query_from_proto(msg: scheduler_pb2.RouteRequest, wait_s: float) -> RouteQue
         num_sequences=max(1, msg.num_sequences),
         exclude_worker_ids=frozenset(msg.exclude_worker_ids), runner=runner_name(msg.runner),
         images=tuple(ImageSpan(image.range.offset, image.range.length, image.hash)
-                     for image in msg.images))
+                     for image in msg.images),
+        max_queue_delay_s=max(0.0, msg.max_queue_delay_s))
 
 
 def decision_to_proto(decision: RouteDecision) -> scheduler_pb2.RouteResponse:

@@ -26,7 +26,7 @@ from meshserve.services.gateway.api.handlers import (
     json_response,
     read_json,
 )
-from meshserve.services.gateway.api.middleware import error_response
+from meshserve.services.gateway.api.middleware import error_response, retry_after_of
 from meshserve.services.gateway.api.render import renderer_for
 from meshserve.services.gateway.config import GatewayConfig
 from meshserve.services.gateway.flow.drain import Drain
@@ -59,10 +59,12 @@ class MessagesEndpoint:
 
     async def _answered(self, handler: _Handler, request: web.Request) -> web.StreamResponse:
         """`handler`'s answer, its errors in Anthropic's shape."""
+        retry_after_s = self._config.retry_after_s
         try:
             return await handler(request)
         except MeshError as exc:
             status, body = objects.error_body(exc)
+            retry_after_s = retry_after_of(exc, retry_after_s)
         except web.HTTPRequestEntityTooLarge as exc:
             status = exc.status
             body = objects.error_object("request_too_large",
@@ -74,7 +76,7 @@ class MessagesEndpoint:
             status = 500
             body = objects.error_object("api_error",
                                         f"internal error: {type(exc).__name__}: {exc}")
-        return error_response(status, body, self._config.retry_after_s)
+        return error_response(status, body, retry_after_s)
 
     async def _create(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)

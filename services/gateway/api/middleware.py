@@ -3,7 +3,8 @@
 Order, outermost first: `observe` opens the request's SERVER span (parent: the W3C
 traceparent of the incoming headers, if any) and counts the answer by endpoint and
 status; `errors` turns every failure into the OpenAI error body with the status from
-shared/status.py (429 answers carry Retry-After); `auth` checks the Bearer key.
+shared/status.py (429 answers carry Retry-After: the refusal's estimate when it has one);
+`auth` checks the Bearer key.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 from meshserve.services.gateway.metrics import GatewayMetrics
-from meshserve.shared.errors import AuthenticationError, MeshError
+from meshserve.shared.errors import AuthenticationError, MeshError, OverloadedError
 from meshserve.shared.openai_bodies import dumps
 from meshserve.shared.status import http_error, openai_error_body
 from meshserve.shared.telemetry import extract_context
@@ -41,6 +42,13 @@ def endpoint_of(request: web.Request) -> str:
     """The route's path pattern (bounded label values), "unmatched" for unknown paths."""
     resource = getattr(request.match_info.route, "resource", None)
     return resource.canonical if resource is not None else "unmatched"
+
+
+def retry_after_of(error: MeshError, default_s: int) -> int:
+    """Retry-After seconds of an error's answer: the refusal's own estimate (an overloaded
+    request refused by its estimated wait), else the configured `default_s`."""
+    own = error.retry_after_s if isinstance(error, OverloadedError) else None
+    return own if own else default_s
 
 
 def error_response(status: int, body: Mapping[str, object],
@@ -140,7 +148,7 @@ def errors(retry_after_s: int) -> Middleware:
             if status >= 500:
                 _log.warning("%s %s failed: %s", request.method, request.path, exc,
                              extra={"error_kind": exc.kind})
-            return error_response(status, body, retry_after_s)
+            return error_response(status, body, retry_after_of(exc, retry_after_s))
         except web.HTTPException as exc:  # raised by aiohttp: no route, 405, body too large
             if exc.status < 400:
                 raise

@@ -420,7 +420,11 @@ class Orchestrator:
             num_prompt_tokens=len(first.token_ids), cache_salt=job.options.cache_salt or "",
             priority=job.options.priority, deadline_unix_ns=self._deadline_unix_ns(job),
             expected_output_tokens=expected, num_sequences=job.num_choices,
-            exclude_worker_ids=excluded, images=wire.route_images(first)), "priority")
+            exclude_worker_ids=excluded, images=wire.route_images(first),
+            # Refused by the estimate only as it first arrives: a request moving to another
+            # worker after a failure was admitted already.
+            max_queue_delay_s=0.0 if excluded else self._config.max_queue_delay_s),
+            "priority")
         with self._tracer.start_as_current_span("route", attributes={
                 "gen_ai.request.model": job.model,
                 "meshserve.num_excluded": len(excluded)}) as span:
