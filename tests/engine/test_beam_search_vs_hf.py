@@ -238,6 +238,11 @@ def test_refusals(setup) -> None:
     with pytest.raises(InvalidRequestError, match="resumed"):
         engine.add_request("r", prompts[0], beam_params(2, 1.0, False, False),
                            resumed={0: [5]})
+    speculating = make_engine(folder, speculative_config=(
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'))
+    with pytest.raises(InvalidRequestError, match="speculative decoding"):
+        speculating.add_request("r", prompts[0], beam_params(2, 1.0, False, False))
+    assert not speculating.has_unfinished_requests()
     with pytest.raises(InvalidRequestError, match="early_stopping"):
         SamplingParams(use_beam_search=True, early_stopping="sometimes")
 
