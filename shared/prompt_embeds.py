@@ -37,6 +37,10 @@ DTYPE_SIZES = {name: size for name, size, _ in _STORAGES.values()}
 _PARAM = "prompt_embeds"
 DISABLED_MESSAGE = "You must set `--enable-prompt-embeds` to input `prompt_embeds`."
 """vLLM's refusal of prompt_embeds when the server runs without the flag."""
+MAX_REQUEST_BYTES = 32 * 1024 * 1024
+"""Most bytes of rows one request carries to a worker: its add travels in one Session
+message (64 MiB at most), possibly beside others. The HTTP body limit (8 MiB by default)
+keeps requests far below it unless raised."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,16 @@ class PromptEmbeds:
             return self
         row_bytes = len(self.data) // self.rows
         return PromptEmbeds(self.data[-keep * row_bytes:], self.dtype, keep, self.hidden)
+
+
+def load_request_embeds(encoded: tuple[str, ...]) -> tuple[PromptEmbeds, ...]:
+    """Every prompt_embeds of a request read, within MAX_REQUEST_BYTES in all."""
+    loaded = tuple(load_prompt_embeds(e, i) for i, e in enumerate(encoded))
+    size = sum(len(e.data) for e in loaded)
+    if size > MAX_REQUEST_BYTES:
+        raise InvalidRequestError(f"prompt_embeds hold {size} bytes of rows; a request may "
+                                  f"carry at most {MAX_REQUEST_BYTES}", param=_PARAM)
+    return loaded
 
 
 def embeds_digest(dtype: str, data: bytes) -> bytes:

@@ -12,8 +12,9 @@ import zipfile
 import pytest
 import torch
 
+from meshserve.shared import prompt_embeds
 from meshserve.shared.errors import InvalidRequestError
-from meshserve.shared.prompt_embeds import embeds_digest, load_prompt_embeds
+from meshserve.shared.prompt_embeds import embeds_digest, load_prompt_embeds, load_request_embeds
 
 
 def _b64(value: object) -> str:
@@ -74,3 +75,11 @@ def test_refused(encoded: str, message: str) -> None:
         load_prompt_embeds(encoded)
     assert message in refused.value.message
     assert refused.value.param == "prompt_embeds"
+
+
+def test_a_request_carries_a_bounded_size_of_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    files = (_b64(torch.zeros(4, 8)), _b64(torch.zeros(4, 8, dtype=torch.float16)))
+    assert [e.rows for e in load_request_embeds(files)] == [4, 4]
+    monkeypatch.setattr(prompt_embeds, "MAX_REQUEST_BYTES", 4 * 8 * 4 + 4 * 8 * 2 - 1)
+    with pytest.raises(InvalidRequestError, match="prompt_embeds hold 192 bytes of rows"):
+        load_request_embeds(files)

@@ -39,7 +39,7 @@ from meshserve.shared.errors import (
     UnavailableError,
 )
 from meshserve.shared.generation_config import apply_defaults
-from meshserve.shared.prompt_embeds import DISABLED_MESSAGE, PromptEmbeds, load_prompt_embeds
+from meshserve.shared.prompt_embeds import DISABLED_MESSAGE, PromptEmbeds, load_request_embeds
 from meshserve.shared.status import http_error
 
 # Tool parsers whose markers are special tokens ([TOOL_CALLS]): vLLM keeps them in the text.
@@ -117,7 +117,7 @@ class Handlers:
         """The body's prompt_embeds read (vLLM's 400 without --enable-prompt-embeds)."""
         if encoded and not self._config.enable_prompt_embeds:
             raise InvalidRequestError(DISABLED_MESSAGE, param="prompt_embeds")
-        return tuple(load_prompt_embeds(e, i) for i, e in enumerate(encoded))
+        return load_request_embeds(encoded)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
