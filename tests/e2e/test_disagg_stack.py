@@ -6,7 +6,10 @@ prompt's KV blocks off through the kvstore; the decode worker loads them as pref
 continues the stream. Fifty concurrent greedy requests give the same text, tokens and
 logprobs as one mixed worker (a reference stack, run first and stopped), and the workers'
 meshserve:kv_handoff_blocks_total counters show the blocks sent and received. A prompt
-shorter than --disagg-min-prompt-tokens runs whole on the decode worker.
+shorter than --disagg-min-prompt-tokens runs whole on the decode worker. `kill -9` of the
+prefill worker (stopped first, so that it holds 20 requests not yet started) or of the
+decode worker (while it decodes 20 longer requests): each still completes with the mixed
+worker's answer (retried whole on the decode worker, or failed over to the prefill worker).
 
 Logprobs agree to float32 rounding (1e-4), not bit for bit: concurrent prompts are batched
 differently on the two stacks, and the decode worker recomputes the prompt's partial last
@@ -19,22 +22,29 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import signal
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 from tiny_models import build_tiny_model
 
 from meshserve.local.launcher import LauncherConfig, Stack, start_stack
+from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 MODEL = "tiny-disagg"
 BLOCK = 16
 MIN_PROMPT_TOKENS = 32
 REQUESTS = 50
 MAX_TOKENS = 6
+FAULT_REQUESTS = 20
+FAULT_MAX_TOKENS = 40  # long enough that requests still run when a worker is killed
+BACK_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +58,11 @@ def prompts() -> list[list[int]]:
     rng = random.Random(32)
     return [[rng.randrange(5, 250) for _ in range(rng.randrange(2 * BLOCK, 6 * BLOCK) + 3)]
             for _ in range(REQUESTS)]
+
+
+def fault_prompts() -> list[list[int]]:
+    """The first prompts again with one token changed (no prefix hits from earlier tests)."""
+    return [[3, *p[1:]] for p in prompts()[:FAULT_REQUESTS]]
 
 
 SHORT_PROMPT = [17, 23, 42, 99, 7, 8, 120, 33, 61, 5]  # under MIN_PROMPT_TOKENS
@@ -64,18 +79,19 @@ def launch(model_dir: Path, run_dir: Path, **overrides: Any) -> Iterator[Stack]:
         yield running
 
 
-async def complete_all(stack: Stack, batch: list[list[int]]) -> list[dict[str, Any]]:
+async def complete_all(stack: Stack, batch: list[list[int]], max_tokens: int = MAX_TOKENS
+                       ) -> list[dict[str, Any]]:
     """Greedy completions of every prompt at once: text, token logprobs, top logprobs."""
     client = openai.AsyncOpenAI(base_url=f"{stack.gateway_url}/v1", api_key="none",
                                 max_retries=0, timeout=240)
 
     async def one(prompt: list[int]) -> dict[str, Any]:
         response = await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2,
             extra_body={"ignore_eos": True})
         choice = response.choices[0]
         assert choice.finish_reason == "length"
-        assert response.usage is not None and response.usage.completion_tokens == MAX_TOKENS
+        assert response.usage is not None and response.usage.completion_tokens == max_tokens
         assert choice.logprobs is not None
         return {"text": choice.text, "tokens": choice.logprobs.tokens,
                 "token_logprobs": choice.logprobs.token_logprobs,
@@ -92,7 +108,8 @@ def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
               ) -> list[dict[str, Any]]:
     """What one mixed worker answers (its stack stopped before the disaggregated one starts)."""
     for stack in launch(model_dir, tmp_path_factory.mktemp("mixed"), workers=1, kvstore=False):
-        return asyncio.run(complete_all(stack, [*prompts(), SHORT_PROMPT]))
+        answers = asyncio.run(complete_all(stack, [*prompts(), SHORT_PROMPT]))
+        return answers + asyncio.run(complete_all(stack, fault_prompts(), FAULT_MAX_TOKENS))
     raise AssertionError("the reference stack did not start")
 
 
@@ -159,7 +176,82 @@ def test_a_short_prompt_runs_whole_on_the_decode_worker(
     before = {w: worker_metric(stack, w, generated) for w in ("prefill-0", "decode-0")}
     sent = handoff_blocks(stack, "prefill-0", "sent")
     (answer,) = asyncio.run(complete_all(stack, [SHORT_PROMPT]))
-    assert_same(answer, reference[-1], "the short prompt")
+    assert_same(answer, reference[REQUESTS], "the short prompt")
     assert worker_metric(stack, "prefill-0", generated) == before["prefill-0"]
     assert worker_metric(stack, "decode-0", generated) == before["decode-0"] + MAX_TOKENS
     assert handoff_blocks(stack, "prefill-0", "sent") == sent
+
+
+def running_on(address: str) -> int:
+    """Sequences running on the worker at `address` (its own GetLoad)."""
+    with grpc.insecure_channel(address) as channel:
+        load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(),
+                                                           timeout=5.0).load
+    return int(load.num_running)
+
+
+def epochs(stack: Stack) -> dict[str, int]:
+    with grpc.insecure_channel(stack.scheduler_address) as channel:
+        listed = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
+            scheduler_pb2.ListWorkersRequest(), timeout=5.0)
+    return {w.info.worker_id: w.info.epoch for w in listed.workers}
+
+
+def wait_back(stack: Stack, before: dict[str, int], killed: str) -> None:
+    """Wait until both workers run and are registered, `killed` under a new epoch."""
+    deadline = time.monotonic() + BACK_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            now = epochs(stack)
+        except grpc.RpcError:
+            now = {}
+        if set(now) == set(stack.worker_ids) and now[killed] != before[killed] and all(
+                stack.service_healthy(w) for w in stack.worker_ids):
+            return
+        time.sleep(0.2)  # polling the registry: a restart gives no other signal
+    raise AssertionError(f"workers not back within {BACK_TIMEOUT_S}s: {epochs(stack)}")
+
+
+@pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
+def test_requests_complete_as_on_one_mixed_worker_when_a_worker_is_killed(
+        stack: Stack, reference: list[dict[str, Any]], victim: str) -> None:
+    address = dict(zip(stack.worker_ids, stack.worker_addresses, strict=True))[victim]
+    before = epochs(stack)
+
+    (scheduler,) = [s for s in stack.services if s.role == "scheduler"]
+    routed = 'meshserve:scheduler_routed_total'
+    label = '{worker_id="prefill-0"}'
+    prefilled = metric(scheduler.metrics_url, routed, label)
+    (gateway,) = stack.gateway_metrics_urls
+    failovers = 'meshserve:gateway_failovers_total', '{outcome="resumed"}'
+    moved = metric(gateway, *failovers)
+    generated = "meshserve:worker_generated_tokens_total"
+    decoded = worker_metric(stack, "decode-0", generated)
+
+    def placed() -> bool:
+        """Whether the victim holds requests: all routed to the (stopped) prefill worker,
+        or some running on the decode worker."""
+        if victim == "prefill-0":
+            return metric(scheduler.metrics_url, routed, label) >= prefilled + FAULT_REQUESTS
+        return running_on(address) > 0
+
+    async def scenario() -> list[dict[str, Any]]:
+        if victim == "prefill-0":  # stopped first: killed mid-prompt, before any token
+            stack.kill(victim, signal.SIGSTOP)
+        answers = asyncio.ensure_future(
+            complete_all(stack, fault_prompts(), FAULT_MAX_TOKENS))
+        while not answers.done() and not await asyncio.to_thread(placed):
+            await asyncio.sleep(0.005)  # polling the counters: nothing signals it
+        assert not answers.done(), f"{victim} ran none of the requests"
+        stack.kill(victim, signal.SIGKILL)
+        return await answers
+
+    answers = asyncio.run(scenario())
+    for i, (got, want) in enumerate(zip(answers, reference[REQUESTS + 1:], strict=True)):
+        assert_same(got, want, f"request {i} ({victim} killed)")
+    if victim == "prefill-0":  # no token came before the kill: each retried on decode-0
+        assert worker_metric(stack, "decode-0", generated) - decoded \
+            == FAULT_REQUESTS * FAULT_MAX_TOKENS
+    else:  # those decoding there resumed from their tokens (on the prefill worker)
+        assert metric(gateway, *failovers) > moved
+    wait_back(stack, before, victim)
