@@ -35,6 +35,7 @@ from meshserve.services.worker.heap import settle_heap
 from meshserve.services.worker.lora.control import LoraControl, with_loras
 from meshserve.services.worker.lora.hook import LoraHook
 from meshserve.services.worker.serving.engine_thread import EngineThread
+from meshserve.services.worker.serving.idle_trim import IdleTrim, libc_malloc_trim
 from meshserve.services.worker.serving.image_metrics import register_image_metrics
 from meshserve.services.worker.serving.kv_publisher import KVEventPublisher
 from meshserve.services.worker.serving.lifecycle import ProcessLifecycle, run_process
@@ -232,6 +233,9 @@ class WorkerProcess:
         self.life = ProcessLifecycle(config, self.server, lambda: self.thread.load,
                                      lambda: self.info)
         self.thread = EngineThread(engine, on_fatal=self.life.on_fatal)
+        if config.idle_trim_interval_s:
+            self.thread.idle_trim = IdleTrim(config.idle_trim_interval_s,
+                                             trim=libc_malloc_trim())
         if config.step_trace:
             self.thread.step_trace = []
             engine.time_device()

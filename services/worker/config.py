@@ -346,11 +346,16 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
     role: Literal["mixed", "prefill", "decode"] = option(
         "mixed", "disaggregated serving: prefill (compute prompts and first tokens, hand their "
         "KV to a decode worker), decode (continue them), or mixed (both)")
+    idle_trim_interval_s: float = option(
+        10.0, "an engine idle for a second hands malloc's free memory back to the system "
+              "(malloc_trim), at most once this often, in seconds (0: never)")
 
     def validate(self) -> None:
         super().validate()
         self.require(self.heartbeat_interval_s is None or self.heartbeat_interval_s > 0,
                      f"must be positive, got {self.heartbeat_interval_s}", "heartbeat_interval_s")
+        self.require(self.idle_trim_interval_s >= 0,
+                     f"must be >= 0, got {self.idle_trim_interval_s}", "idle_trim_interval_s")
         self.require(self.worker_id is None or bool(self.worker_id.strip()),
                      "must not be blank", "worker_id")
         self.require(self.kv_offload_backlog_bytes > 0,

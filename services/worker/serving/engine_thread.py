@@ -7,7 +7,8 @@
         ...                                         # every token since the last update
 
 Commands (add, abort, stop) go in through a thread-safe queue that the thread
-drains at the top of each step; with nothing to run it blocks on that queue. Each
+drains at the top of each step; with nothing to run it blocks on that queue (once
+idle a while, it trims malloc's free memory first: idle_trim.py). Each
 step's results (outputs of every request, add errors, KV events) come back as ONE
 batch handed to the event loop with `call_soon_threadsafe`, and are routed to the
 requests' streams there. A stream merges what its reader has not yet taken, so a
@@ -31,6 +32,7 @@ from meshserve.services.worker.engine.device import make_current
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.images import PromptImage
 from meshserve.services.worker.engine.sequence import SequenceOutput, SequenceState
+from meshserve.services.worker.serving.idle_trim import IdleTrim
 from meshserve.services.worker.serving.request_stream import (
     RequestStream,
     SequenceTimes,
@@ -149,6 +151,8 @@ class EngineThread:
         self.tokens_delivered = 0
         # Diagnostics (set before start()): one StepRecord per loop turn that stepped.
         self.step_trace: list[StepRecord] | None = None
+        # Set before start(): hands malloc's free memory back once the engine idles.
+        self.idle_trim: IdleTrim | None = None
         # Called on the event loop with each delivered step's outputs and the timestamps
         # read with them (the worker's vLLM metrics; services/worker/serving/vllm_metrics.py).
         self.on_step: Callable[[list[SequenceOutput], Mapping[str, SequenceTimes]],
@@ -351,10 +355,15 @@ class EngineThread:
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one if `block`); False on stop."""
         while True:
+            wait_s = self.idle_trim.wait_s() if block and self.idle_trim is not None else None
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=wait_s)
             except queue.Empty:
-                return True
+                if not block:
+                    return True
+                assert self.idle_trim is not None, "a blocking wait timed out"
+                self.idle_trim.idle()  # idle that long: trim if due, then wait on
+                continue
             block = False
             if command is _STOP:
                 return False
@@ -436,6 +445,8 @@ class EngineThread:
         started = time.perf_counter_ns()
         batch.outputs = self.engine.step()
         batch.timing = StepTiming(time.perf_counter_ns() - started)
+        if self.idle_trim is not None:
+            self.idle_trim.busy()
         # Timestamps are read when they can have changed: until the first token is seen,
         # and when a sequence finishes (preemption counts are final then). Reading them
         # every step would cost the engine thread a pass over every sequence.
