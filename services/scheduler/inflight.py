@@ -67,14 +67,32 @@ class InFlight:
     def __init__(self) -> None:
         self._by_worker: dict[str, dict[str, Assignment]] = {}
         self._departed: dict[str, list[tuple[int, Assignment]]] = {}  # (released at, ...)
+        # Over every live assignment, kept as they come and go: len() and the mean routing
+        # time in O(1) (the wait estimate asks for them on every request it might queue).
+        self._count = 0
+        self._routed_ns_sum = 0
 
     def __len__(self) -> int:
         """Requests routed and not released (nor forgotten)."""
-        return sum(len(a) for a in self._by_worker.values())
+        return self._count
+
+    def mean_routed_unix_ns(self) -> int | None:
+        """When the requests in flight were routed, on average (None: none is)."""
+        return self._routed_ns_sum // self._count if self._count else None
 
     def add(self, assignment: Assignment) -> None:
         """Count a routed request against its worker."""
-        self._by_worker.setdefault(assignment.worker_id, {})[assignment.request_id] = assignment
+        assignments = self._by_worker.setdefault(assignment.worker_id, {})
+        replaced = assignments.get(assignment.request_id)
+        if replaced is not None:
+            self._untrack(replaced)
+        assignments[assignment.request_id] = assignment
+        self._count += 1
+        self._routed_ns_sum += assignment.routed_unix_ns
+
+    def _untrack(self, assignment: Assignment) -> None:
+        self._count -= 1
+        self._routed_ns_sum -= assignment.routed_unix_ns
 
     def release(self, request_id: str, worker_id: str, now_unix_ns: int) -> Assignment | None:
         """A request ended at `now_unix_ns`: its assignment; None when it was not tracked
@@ -85,6 +103,7 @@ class InFlight:
         assignment = assignments.pop(request_id, None)
         if assignment is None:
             return None
+        self._untrack(assignment)
         if not assignments:
             del self._by_worker[worker_id]
         self._departed.setdefault(worker_id, []).append((now_unix_ns, assignment))
@@ -125,7 +144,7 @@ class InFlight:
         forgotten_before = heartbeat - int(MAX_TRACK_S * 1e9)
         for rid in [rid for rid, a in assignments.items()
                     if a.epoch != epoch or a.routed_unix_ns <= forgotten_before]:
-            del assignments[rid]
+            self._untrack(assignments.pop(rid))
         if not assignments:
             del self._by_worker[worker_id]
         return list(assignments.values())
@@ -143,6 +162,8 @@ class InFlight:
 
     def keep_only(self, live_worker_ids: set[str]) -> None:
         """Forget workers that are no longer registered."""
-        for tracked in (self._by_worker, self._departed):
-            for worker_id in [w for w in tracked if w not in live_worker_ids]:
-                del tracked[worker_id]
+        for worker_id in [w for w in self._by_worker if w not in live_worker_ids]:
+            for assignment in self._by_worker.pop(worker_id).values():
+                self._untrack(assignment)
+        for worker_id in [w for w in self._departed if w not in live_worker_ids]:
+            del self._departed[worker_id]

@@ -256,7 +256,12 @@ class Router:
 
     def wait_estimate(self) -> float | None:
         """Seconds a request that found every worker full now would wait to start."""
-        return self.waits.estimate(len(self.queue), len(self.inflight))
+        return self.waits.estimate(len(self.queue), len(self.inflight), self._age_s())
+
+    def _age_s(self) -> float | None:
+        """How long the requests in flight have been so, on average (None: none is)."""
+        routed = self.inflight.mean_routed_unix_ns()
+        return None if routed is None else max(0.0, (self._clock_ns() - routed) / 1e9)
 
     async def route(self, query: RouteQuery) -> RouteDecision:
         """Pick a worker, waiting in the global queue while every worker is full.
@@ -289,7 +294,7 @@ class Router:
         bound = query.max_queue_delay_s
         if query.deadline is not None:
             bound = min(bound, query.deadline - asyncio.get_running_loop().time())
-        error = self.waits.refusal(ahead, len(self.inflight), bound)
+        error = self.waits.refusal(ahead, len(self.inflight), bound, self._age_s())
         if error is not None:
             raise error
 

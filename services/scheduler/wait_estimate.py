@@ -3,8 +3,8 @@ behind refusing it at once (429 + Retry-After) rather than queueing it for minut
 
     waits = WaitEstimator()
     waits.observe(seconds)                        # a routed request was released
-    waits.estimate(ahead=len(queue), in_service=len(inflight))   # seconds, or None
-    error = waits.refusal(ahead, in_service, bound_s)            # OverloadedError or None
+    waits.estimate(ahead=len(queue), in_service=len(inflight), age_s=...)   # s, or None
+    error = waits.refusal(ahead, in_service, bound_s, age_s=...)  # OverloadedError or None
 
 By Little's law the requests in service (routed by this replica and not yet released)
 leave at `in_service / service_s` a second, `service_s` being the mean time from route to
@@ -15,8 +15,11 @@ it starts after `ahead + 1` departures:
 
 Pure logic, O(1) per request: the queue's length and the requests in flight are counts
 the scheduler keeps anyway, and every release passes through it already (no message is
-added anywhere). Until a first release is seen (a fresh scheduler) or while nothing is in
-service there is no estimate, and requests queue as the fixed bounds allow.
+added anywhere). Until a first release is seen (a fresh scheduler), the mean age of the
+requests in service (`age_s`: how long they have been in service, on average) stands in
+for the service time: none has ended, so each takes at least that long. A first burst
+therefore queues as the fixed bounds allow, but a first wave that runs for minutes stops
+admitting more behind it. While nothing is in service there is no estimate.
 """
 
 from __future__ import annotations
@@ -47,18 +50,21 @@ class WaitEstimator:
         else:
             self.service_s += self._smoothing * (seconds - self.service_s)
 
-    def estimate(self, ahead: int, in_service: int) -> float | None:
+    def estimate(self, ahead: int, in_service: int, age_s: float | None = None) -> float | None:
         """Seconds until a request with `ahead` requests queued before it starts, while
-        `in_service` requests run; None when unknown (no release seen, nothing in service)."""
-        if self.service_s is None or in_service <= 0:
+        `in_service` requests run, on average `age_s` old; None when unknown (nothing in
+        service, or no release seen and no age)."""
+        service_s = self.service_s if self.service_s is not None else age_s
+        if not service_s or in_service <= 0:
             return None
-        return (ahead + 1) * self.service_s / in_service
+        return (ahead + 1) * service_s / in_service
 
-    def refusal(self, ahead: int, in_service: int, bound_s: float) -> OverloadedError | None:
+    def refusal(self, ahead: int, in_service: int, bound_s: float,
+                age_s: float | None = None) -> OverloadedError | None:
         """The error that refuses a request whose estimated wait passes `bound_s` (its
         Retry-After: when the queue will have drained enough to admit it, at least 1 s);
         None when it may queue (within the bound, or no estimate)."""
-        wait = self.estimate(ahead, in_service)
+        wait = self.estimate(ahead, in_service, age_s)
         if wait is None or wait <= bound_s:
             return None
         return OverloadedError(

@@ -27,6 +27,17 @@ def test_no_estimate_before_a_release_or_with_nothing_in_service() -> None:
     assert waits.estimate(ahead=100, in_service=0) is None
 
 
+def test_before_a_release_the_age_in_service_is_the_service_time() -> None:
+    waits = WaitEstimator()
+    # 4 requests in service for 30 s on average, none ended: each takes 30 s at least.
+    assert waits.estimate(ahead=3, in_service=4, age_s=30.0) == pytest.approx(30.0)
+    error = waits.refusal(ahead=3, in_service=4, bound_s=20.0, age_s=30.0)
+    assert error is not None and error.retry_after_s == 10
+    assert waits.estimate(ahead=3, in_service=4, age_s=0.0) is None  # a burst just routed
+    waits.observe(2.0)  # once requests end, their times count instead
+    assert waits.estimate(ahead=3, in_service=4, age_s=30.0) == pytest.approx(2.0)
+
+
 def test_wait_is_the_departures_ahead_over_the_service_rate() -> None:
     waits = WaitEstimator()
     waits.observe(4.0)  # 8 in service, 4 s each: 2 leave a second
@@ -78,13 +89,33 @@ def test_overloaded_error_keeps_retry_after_and_reason_on_the_wire() -> None:
     assert (plain.retry_after_s, plain.reason) == (None, "")
 
 
+def _assignment(request_id: str, worker_id: str, routed: int, epoch: int = 1) -> Assignment:
+    return Assignment(request_id, worker_id, epoch=epoch, num_sequences=1, num_blocks=2,
+                      routed_unix_ns=routed)
+
+
 def test_inflight_release_returns_the_assignment_once() -> None:
     inflight = InFlight()
-    inflight.add(Assignment("r1", "w0", epoch=1, num_sequences=1, num_blocks=2,
-                            routed_unix_ns=5_000))
+    inflight.add(_assignment("r1", "w0", 5_000))
     released = inflight.release("r1", "w0", 9_000)
     assert released is not None and released.routed_unix_ns == 5_000
     assert inflight.release("r1", "w0", 9_500) is None
+    assert len(inflight) == 0 and inflight.mean_routed_unix_ns() is None
+
+
+def test_inflight_count_and_mean_routing_time_follow_every_change() -> None:
+    inflight = InFlight()
+    for rid, worker, routed in [("a", "w0", 1_000), ("b", "w0", 3_000), ("c", "w1", 5_000)]:
+        inflight.add(_assignment(rid, worker, routed))
+    assert len(inflight) == 3 and inflight.mean_routed_unix_ns() == 3_000
+    inflight.add(_assignment("b", "w0", 6_000))  # the same request again replaces it
+    assert len(inflight) == 3 and inflight.mean_routed_unix_ns() == 4_000
+    inflight.release("a", "w0", 7_000)
+    assert len(inflight) == 2 and inflight.mean_routed_unix_ns() == 5_500
+    inflight.keep_only({"w0"})  # w1 left the registry
+    assert len(inflight) == 1 and inflight.mean_routed_unix_ns() == 6_000
+    inflight.extra_load("w0", epoch=2, last_heartbeat_unix_ns=8_000, reported_sequences=0)
+    assert len(inflight) == 0  # w0 restarted: its old epoch's request is forgotten
 
 
 async def test_queue_admit_sees_the_requests_ahead_and_refuses_before_queueing() -> None:
