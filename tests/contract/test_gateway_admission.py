@@ -8,7 +8,7 @@ burst of BURST concurrent completions arrives: each one either completes, having
 at most the bound (plus a margin for a loaded machine), or gets 429 within a second with
 an integer Retry-After and an OpenAI error body. The refusals are counted by reason, the
 estimate was visible as a gauge, and once the burst has drained requests are admitted
-again.
+again. loadtest/admission.py's report of the same burst is checked against the stack too.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from loadtest_scripts import load_script
 from test_gateway_fakes import MAX_MODEL_LEN, MODEL, FakeTokenizer, FakeWorker, _Output, _serve
 
 from meshserve.proto.v1 import (
@@ -202,3 +203,18 @@ async def test_what_cannot_start_in_time_is_refused_at_once(stack: Stack) -> Non
     # well within the bound).
     again = await _many(stack, 2 * SLOTS)
     assert [a.status for a in again] == [200] * (2 * SLOTS), [a.body for a in again]
+
+
+async def test_the_admission_loadtest_reports_every_request(stack: Stack) -> None:
+    """loadtest/admission.py against this stack: each request of its burst is counted once,
+    refusals with their latency and Retry-After, admitted ones with their wait."""
+    admission = load_script("admission")
+    result = await admission.run(f"http://127.0.0.1:{stack.port}/v1", requests=BURST,
+                                 max_tokens=3, warmup=SLOTS, timeout_s=60.0)
+    assert result["requests"] == BURST
+    assert result["completed"] + result["refused"] == BURST, result
+    assert result["refused"] >= BURST // 2 and result["refusals_over_1s"] == 0, result
+    assert "missing" not in result["retry_after"], result
+    assert result["admitted_wait"]["count"] == result["completed"], result
+    assert result["admitted_wait"]["max_s"] <= SERVICE_S + MAX_QUEUE_DELAY_S + MARGIN_S
+    assert result["failures"] == [], result
