@@ -7,6 +7,7 @@ import math
 import pytest
 
 from meshserve.services.gateway.wire import sampling_params as sampling_params_pb
+from meshserve.services.worker.engine.beam_requests import beam_sequence_params
 from meshserve.services.worker.engine.beam_search import BeamSearch
 from meshserve.services.worker.serving.wire import sampling_params_from_proto
 from meshserve.shared.errors import InvalidRequestError
@@ -98,3 +99,17 @@ def test_a_bad_early_stopping_is_refused_by_name() -> None:
     with pytest.raises(InvalidRequestError) as refused:
         parse_completion_request({"model": "m", "prompt": "hi", "early_stopping": "soon"})
     assert refused.value.param == "early_stopping"
+
+
+def test_each_beam_asks_for_enough_candidates_within_the_vocabulary() -> None:
+    def asked(n: int, logprobs: int | None, vocab: int = 500, eos: tuple[int, ...] = (1,)
+              ) -> int | None:
+        params = SamplingParams(n=n, use_beam_search=True, logprobs=logprobs)
+        run = beam_sequence_params(params, eos, vocab)
+        assert run.n == 1 and run.greedy and run.ignore_eos and run.use_beam_search
+        return run.logprobs
+
+    assert asked(4, None) == 8  # 2 x width with one EOS id
+    assert asked(4, None, eos=(1, 2, 3)) == 16  # (1 + EOS ids) x width
+    assert asked(4, 12) == 12 and asked(4, -1) == -1  # what the request shows, if more
+    assert asked(100, None, vocab=50) == 50

@@ -29,16 +29,15 @@ from meshserve.shared.logprobs import TokenLogprobs
 from meshserve.shared.sampling_params import SamplingParams
 
 
-def beam_sequence_params(params: SamplingParams, eos_token_ids: tuple[int, ...]
-                         ) -> SamplingParams:
+def beam_sequence_params(params: SamplingParams, eos_token_ids: tuple[int, ...],
+                         vocab_size: int) -> SamplingParams:
     """What each beam's sequence runs with: greedy (its sampled token is dropped), with the
     logprobs of as many top candidates as the search ranks (or the more the request asks to
-    see), and the prompt's logprobs where asked (forks leave them out). Other sampling
-    parameters do not apply to beam search (as in vLLM)."""
+    see; at most the vocabulary), and the prompt's logprobs where asked (forks leave them
+    out). Other sampling parameters do not apply to beam search (as in vLLM)."""
     num_candidates = max(2, 1 + len(stop_token_ids(params, eos_token_ids))) * params.n
     wanted = params.logprobs
-    logprobs = num_candidates if wanted is None else (
-        -1 if wanted == -1 else max(wanted, num_candidates))
+    logprobs = -1 if wanted == -1 else min(max(wanted or 0, num_candidates), vocab_size)
     return SamplingParams(n=1, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
                           logprobs=logprobs, prompt_logprobs=params.prompt_logprobs,
                           use_beam_search=True,

@@ -256,7 +256,8 @@ class LLMEngine:
         run_params = params
         if beam:  # one sequence to start with: the search forks it
             share, indices = False, range(1)
-            run_params = beam_sequence_params(params, self.model_config.eos_token_ids)
+            run_params = beam_sequence_params(params, self.model_config.eos_token_ids,
+                                              self.validator.vocab_size)
         for index in indices:
             seq = SequenceState(
                 request_id if params.n == 1 else f"{request_id}#{index}",
