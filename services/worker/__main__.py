@@ -294,7 +294,9 @@ class WorkerProcess:
             self.transfer = await in_daemon_thread(lambda: kvstore.start(namespace),
                                                    "kv-connect")
             _tier_metrics(self.telemetry, self.transfer, self.engine)
-            self.servicer.handoff = StoreHandoff(self.transfer.flush, self.engine.block_size)
+            transfer = self.transfer
+            self.servicer.handoff = StoreHandoff(transfer.flush, self.engine.block_size,
+                                                 reachable=lambda: transfer.available)
             register_handoff_metrics(self.telemetry.registry, self.servicer.handoff)
         self.thread.start()
         await warm_up(self.thread)

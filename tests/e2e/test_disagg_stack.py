@@ -10,6 +10,8 @@ shorter than --disagg-min-prompt-tokens runs whole on the decode worker. `kill -
 prefill worker (stopped first, so that it holds 20 requests not yet started) or of the
 decode worker (while it decodes 20 longer requests): each still completes with the mixed
 worker's answer (retried whole on the decode worker, or failed over to the prefill worker).
+With the kvstore stopped, nothing is handed off: the decode worker recomputes the prompts,
+with the same answers.
 
 Logprobs agree to float32 rounding (1e-4), not bit for bit: concurrent prompts are batched
 differently on the two stacks, and the decode worker recomputes the prompt's partial last
@@ -65,6 +67,11 @@ def fault_prompts() -> list[list[int]]:
     return [[3, *p[1:]] for p in prompts()[:FAULT_REQUESTS]]
 
 
+def storeless_prompts() -> list[list[int]]:
+    """Five more prompts, for the test without a kvstore."""
+    return [[4, *p[1:]] for p in prompts()[:5]]
+
+
 SHORT_PROMPT = [17, 23, 42, 99, 7, 8, 120, 33, 61, 5]  # under MIN_PROMPT_TOKENS
 
 
@@ -109,7 +116,8 @@ def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     """What one mixed worker answers (its stack stopped before the disaggregated one starts)."""
     for stack in launch(model_dir, tmp_path_factory.mktemp("mixed"), workers=1, kvstore=False):
         answers = asyncio.run(complete_all(stack, [*prompts(), SHORT_PROMPT]))
-        return answers + asyncio.run(complete_all(stack, fault_prompts(), FAULT_MAX_TOKENS))
+        answers += asyncio.run(complete_all(stack, fault_prompts(), FAULT_MAX_TOKENS))
+        return answers + asyncio.run(complete_all(stack, storeless_prompts()))
     raise AssertionError("the reference stack did not start")
 
 
@@ -247,7 +255,8 @@ def test_requests_complete_as_on_one_mixed_worker_when_a_worker_is_killed(
         return await answers
 
     answers = asyncio.run(scenario())
-    for i, (got, want) in enumerate(zip(answers, reference[REQUESTS + 1:], strict=True)):
+    faults = reference[REQUESTS + 1:REQUESTS + 1 + FAULT_REQUESTS]
+    for i, (got, want) in enumerate(zip(answers, faults, strict=True)):
         assert_same(got, want, f"request {i} ({victim} killed)")
     if victim == "prefill-0":  # no token came before the kill: each retried on decode-0
         assert worker_metric(stack, "decode-0", generated) - decoded \
@@ -255,3 +264,22 @@ def test_requests_complete_as_on_one_mixed_worker_when_a_worker_is_killed(
     else:  # those decoding there resumed from their tokens (on the prefill worker)
         assert metric(gateway, *failovers) > moved
     wait_back(stack, before, victim)
+
+
+def test_with_the_kvstore_stopped_the_decode_worker_recomputes_the_prompts(
+        stack: Stack, reference: list[dict[str, Any]]) -> None:
+    sent = handoff_blocks(stack, "prefill-0", "sent")
+    received = handoff_blocks(stack, "decode-0", "received")
+    late = 'meshserve:kv_handoff_late_sends_total'
+    late_before = worker_metric(stack, "prefill-0", late)
+    stack.kill("kvstore", signal.SIGSTOP)
+    try:
+        answers = asyncio.run(complete_all(stack, storeless_prompts()))
+    finally:
+        stack.kill("kvstore", signal.SIGCONT)
+    for i, (got, want) in enumerate(zip(answers, reference[-5:], strict=True)):
+        assert_same(got, want, f"request {i} (no kvstore)")
+    # Handed off all the same, with no block: each was late, the decode worker found none.
+    assert handoff_blocks(stack, "prefill-0", "sent") == sent
+    assert worker_metric(stack, "prefill-0", late) == late_before + 5
+    assert handoff_blocks(stack, "decode-0", "received") == received

@@ -79,6 +79,8 @@ class WorkerSession:
         self._engine = engine
         self._handoff = handoff
         self._handed: list[worker_pb2.RequestDone] = []  # handoffs sent, not yet reported
+        self._sending: set[asyncio.Task[None]] = set()  # handoffs under way (held: the loop
+        # keeps only weak references to tasks)
         self._worker_id = worker_id
         self._validate = validate
         self._on_finished = on_finished
@@ -255,7 +257,9 @@ class WorkerSession:
                 reasons.append(self._reason(entry, delta))
             if stream.drained and entry.continues:
                 self._by_stream.pop(id(stream), None)
-                asyncio.ensure_future(self._hand_off(entry))
+                task = asyncio.ensure_future(self._hand_off(entry))
+                self._sending.add(task)
+                task.add_done_callback(self._sending.discard)
             elif stream.drained:
                 done.append(worker_pb2.RequestDone(
                     handle=handle, timings=timings_pb(stream.times, time.monotonic())))

@@ -35,7 +35,7 @@ class HandoffStats:
     sent_blocks: int = 0
     received_blocks: int = 0
     late_sends: int = 0
-    """Sends that did not finish within their timeout."""
+    """Sends that did not finish within their timeout, or found the transport away."""
 
 
 class KvHandoff(Protocol):
@@ -59,17 +59,20 @@ class KvHandoff(Protocol):
 
 class StoreHandoff:
     """The KV tier as the handoff transport: `flush` waits for the transfer thread's
-    queued writes to the kvstore (KVTransfer.flush)."""
+    queued writes to the kvstore (KVTransfer.flush); `reachable` says whether the store
+    answered (a write to a store that is away is dropped, not sent)."""
 
     def __init__(self, flush: Callable[[float], bool], block_size: int, *,
+                 reachable: Callable[[], bool] = lambda: True,
                  timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
         self._flush = flush
+        self._reachable = reachable
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.stats = HandoffStats()
 
     async def send(self, num_blocks: int) -> bool:
-        done = await asyncio.to_thread(self._flush, self.timeout_s)
+        done = await asyncio.to_thread(self._flush, self.timeout_s) and self._reachable()
         if done:
             self.stats.sent_blocks += num_blocks
         else:
