@@ -60,11 +60,12 @@ def make_engine(folder: Path, **overrides: object) -> LLMEngine:
 
 
 def hf_beams(hf: torch.nn.Module, prompt: list[int], width: int, length_penalty: float,
-             early_stopping: bool | str, eos: bool) -> tuple[list[list[int]], list[float]]:
+             early_stopping: bool | str, eos: bool, max_new: int = MAX_NEW,
+             ) -> tuple[list[list[int]], list[float]]:
     """transformers' n best beams (cut after their EOS) and their scores."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                           num_beams=width, num_return_sequences=width, do_sample=False,
                           length_penalty=length_penalty, early_stopping=early_stopping,
                           eos_token_id=EOS if eos else None, pad_token_id=0,
@@ -266,3 +267,31 @@ def test_run_batch_answers_beam_search(setup, tmp_path: Path) -> None:
     assert [c["text"] for c in answer["choices"]] == [
         tokenizer.decode(t, skip_special_tokens=True) for t in want]
     assert answer["usage"]["completion_tokens"] == sum(len(t) for t in want)
+
+
+def test_beams_match_transformers_with_a_sliding_window(tmp_path: Path) -> None:
+    """A Mistral whose window (12) is shorter than the beams: the beams keep their blocks
+    behind the window (a fork's queries reach further back than its parent's); a second
+    request over the same prompt takes its blocks from the prefix cache."""
+    folder = build_tiny_model(tmp_path, "mistral", seed=2, sliding_window=12)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = make_engine(folder)
+    assert engine.kv.window == 12
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (5, 33)]
+    for _ in range(2):  # (the second time, the prompts' blocks are prefix-cache hits)
+        for prompt in prompts:
+            params = SamplingParams(n=3, max_tokens=20, use_beam_search=True, ignore_eos=True)
+            outputs, _ = run(engine, {"r": (prompt, params)})
+            want, scores = hf_beams(hf, prompt, 3, 1.0, False, False, max_new=20)
+            outs = sorted(outputs["r"], key=lambda o: o.index)
+            assert [o.new_token_ids for o in outs] == want
+            assert [o.beam_score for o in outs] == pytest.approx(scores, abs=1e-4)
+    assert engine.cache_counters()[2] > 0, "the second pass should hit the prefix cache"
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    # The window lets a plain sequence outgrow the cache; a beam keeps every block.
+    small = make_engine(folder, num_kv_blocks=5, max_model_len=64, max_num_batched_tokens=16)
+    with pytest.raises(InvalidRequestError, match="beam search needs 45 tokens"):
+        small.add_request("r", prompts[1], SamplingParams(n=2, max_tokens=12,
+                                                          use_beam_search=True))
+    small.add_request("plain", prompts[1], SamplingParams(max_tokens=12))

@@ -242,7 +242,7 @@ class LLMEngine:
         mrope = self.runner.prompt_positions(len(prompt_token_ids), images)
         beam = params.use_beam_search
         if beam:
-            self._check_beam_search(params, resumed)
+            self._check_beam_search(params, resumed, len(prompt_token_ids) + max_tokens)
         if lora_id is not None and not self.config.enable_lora:
             raise NotFoundError(f"LoRA adapter {lora_id} is not loaded on this worker "
                                 "(LoRA is off)", param="model")
@@ -281,7 +281,14 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _check_beam_search(self, params: SamplingParams,
-                           resumed: Mapping[int, Sequence[int]] | None) -> None:
+                           resumed: Mapping[int, Sequence[int]] | None, length: int) -> None:
+        """Refuse what beam search cannot run with; `length`: the most tokens a beam reaches
+        (a beam holds a block per block_size of them, even behind a sliding window)."""
+        whole = self.kv.num_blocks * self.kv.block_size
+        if length > whole:
+            raise InvalidRequestError(
+                f"a beam search needs {length} tokens of KV cache for each beam but the whole "
+                f"cache holds {whole}; lower max_tokens", param="max_tokens")
         if resumed is not None:
             raise InvalidRequestError("a beam search cannot be resumed on another worker",
                                       param="use_beam_search")

@@ -131,7 +131,9 @@ class KVCacheManager:
         """
         total = request.num_computed_tokens + num_new_tokens
         held = self._blocks.get(request.request_id)
-        if held is not None and self.window is not None:
+        # (A beam keeps its blocks behind the window: a fork's first queries reach back
+        # further than its parent's next one.)
+        if held is not None and self.window is not None and not request.params.use_beam_search:
             self._release_behind_window(request, held)
         if not computed and held is not None and self.blocks_needed(total) <= len(held):
             # A decode step inside the blocks it has: the common case, nothing to take.
@@ -143,7 +145,8 @@ class KVCacheManager:
             self._ids[request.request_id] = []
         num_new_blocks = self.blocks_needed(total) - len(held) - len(computed)
         # Prefix hits behind the first new token's window are not taken: placeholders.
-        skipped = self.behind_window(request.num_computed_tokens) if computed else 0
+        skipped = (self.behind_window(request.num_computed_tokens)
+                   if computed and not request.params.use_beam_search else 0)
         taken = computed[skipped:]
         # Prefix-hit blocks with no other user sit in the free list: touching them uses it up.
         num_evictable_hits = sum(1 for b in taken if b.ref_cnt == 0)
@@ -213,12 +216,10 @@ class KVCacheManager:
         child.num_computed_tokens = shared * self.block_size
         if not shared:
             return  # (a preempted parent holds none: the child computes all it has)
-        released = min(self._num_released.get(pid, 0), shared)
-        self.pool.touch(held[released:shared])
+        assert not self._num_released.get(pid), "a beam keeps its blocks behind the window"
+        self.pool.touch(held[:shared])
         self._blocks[cid] = held[:shared]
         self._ids[cid] = self._ids[pid][:shared]
-        if released:
-            self._num_released[cid] = released
         # The shared blocks are the parent's to index: the child indexes only its own.
         self._num_cached[cid] = shared
         child.block_hashes = parent.block_hashes[:shared]
