@@ -1,4 +1,5 @@
-"""BeamSearch on hand-made logprob rows, and beam search's fields on the HTTP body and the wire."""
+"""BeamSearch on hand-made logprob rows, a fork's shared blocks, and beam search's fields on the
+HTTP body and the wire."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 from meshserve.services.gateway.wire import sampling_params as sampling_params_pb
 from meshserve.services.worker.engine.beam_requests import beam_sequence_params
 from meshserve.services.worker.engine.beam_search import BeamSearch
+from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
+from meshserve.services.worker.engine.sequence import SequenceState
 from meshserve.services.worker.serving.wire import sampling_params_from_proto
 from meshserve.shared.errors import InvalidRequestError
 from meshserve.shared.logprobs import TokenLogprobs
@@ -113,3 +116,24 @@ def test_each_beam_asks_for_enough_candidates_within_the_vocabulary() -> None:
     assert asked(4, None, eos=(1, 2, 3)) == 16  # (1 + EOS ids) x width
     assert asked(4, 12) == 12 and asked(4, -1) == -1  # what the request shows, if more
     assert asked(100, None, vocab=50) == 50
+
+
+def test_a_fork_shares_the_parents_full_blocks_by_reference() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    params = SamplingParams(n=1, use_beam_search=True, temperature=0.0)
+    parent = SequenceState("p", list(range(10)), params, max_tokens=8)
+    assert kv.allocate_slots(parent, 10)
+    parent.num_computed_tokens = 10
+    assert kv.block_ids("p") == [0, 1, 2] and kv.num_free_blocks == 7
+    child = SequenceState("c", parent.prompt_token_ids, params, max_tokens=8)
+    child.output_token_ids = [42]
+    kv.fork(parent, child)
+    # The two full blocks are shared; the partial third (tokens 8, 9) is the parent's alone.
+    assert kv.block_ids("c") == [0, 1] and child.num_computed_tokens == 8
+    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [2, 2, 1]
+    assert kv.allocate_slots(child, child.num_tokens - child.num_computed_tokens)
+    assert kv.block_ids("c") == [0, 1, 3] and kv.num_free_blocks == 6
+    kv.free(parent)
+    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1, 2)] == [1, 1, 0]
+    kv.free(child)
+    assert kv.num_free_blocks == 10
