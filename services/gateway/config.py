@@ -103,6 +103,9 @@ class GatewayConfig(ServiceConfig):
         30.0, "seconds a stream whose tokenizer replica was lost waits for a replica to take "
               "its detokenization over (another one, or the same once restarted) before it "
               "ends with an error (0: it ends at once)")
+    scheduler_failover_wait_s: float = option(
+        10.0, "seconds a request waits for the scheduler when it cannot be reached (it died "
+              "and is being restarted) before it is answered 503 (0: at once)")
     model_cache_ttl_s: float = option(5.0, "seconds the worker list (models, context) is cached")
     health_timeout_s: float = option(2.0, "deadline of the checks behind GET /health")
     access_log: bool = option(True, "log one line per API request (client, method, path, "
@@ -187,6 +190,9 @@ class GatewayConfig(ServiceConfig):
                      f"{self.max_queue_delay_s}", "max_queue_delay_s")
         self.require(self.max_failovers >= 0, f"must be >= 0, got {self.max_failovers}",
                      "max_failovers")
+        self.require(self.scheduler_failover_wait_s >= 0,
+                     f"must be >= 0, got {self.scheduler_failover_wait_s}",
+                     "scheduler_failover_wait_s")
         self.require(self.detokenize_failover_wait_s >= 0,
                      f"must be >= 0, got {self.detokenize_failover_wait_s}",
                      "detokenize_failover_wait_s")

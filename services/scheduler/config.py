@@ -22,6 +22,11 @@ class SchedulerConfig(ServiceConfig):
     redis_wait_s: float = option(30.0, "how long to wait for Redis to answer before giving up")
     heartbeat_ttl_s: float = option(3.0, "seconds without a heartbeat after which a worker is "
                                          "dropped")
+    registration_grace_s: float | None = option(
+        None, "seconds after the scheduler starts in which a request for a model no live "
+              "worker serves waits in the global queue for a worker to register (a restarted "
+              "scheduler: the workers register again at their next heartbeat) instead of "
+              "failing (unset: twice --heartbeat-ttl-s; 0: fail at once)")
     queue_capacity: int = option(1024, "requests that may wait in the global queue while every "
                                        "worker is full (0: refuse at once)")
     max_queue_wait_s: float = option(120.0, "longest a request waits in the queue when neither "
@@ -49,6 +54,8 @@ class SchedulerConfig(ServiceConfig):
         super().validate()
         self.require(self.heartbeat_ttl_s > 0, f"must be positive, got {self.heartbeat_ttl_s}",
                      "heartbeat_ttl_s")
+        self.require(self.registration_grace_s is None or self.registration_grace_s >= 0,
+                     f"must be >= 0, got {self.registration_grace_s}", "registration_grace_s")
         self.require(self.redis_wait_s > 0, f"must be positive, got {self.redis_wait_s}",
                      "redis_wait_s")
         self.require(self.queue_capacity >= 0, f"must be >= 0, got {self.queue_capacity}",
@@ -67,6 +74,12 @@ class SchedulerConfig(ServiceConfig):
         self.require(self.disagg_min_prompt_tokens >= 0,
                      f"must be >= 0, got {self.disagg_min_prompt_tokens}",
                      "disagg_min_prompt_tokens")
+
+    @property
+    def registration_grace(self) -> float:
+        """--registration-grace-s, or twice the heartbeat TTL when unset."""
+        return (2 * self.heartbeat_ttl_s if self.registration_grace_s is None
+                else self.registration_grace_s)
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -162,9 +162,14 @@ class Router:
                  queue: GlobalQueue, *, block_size: int,
                  clock_ns: Callable[[], int] = time.time_ns,
                  on_route: Callable[[RouteDecision], None] | None = None,
-                 disagg_min_prompt_tokens: int = DEFAULT_MIN_PROMPT_TOKENS) -> None:
+                 disagg_min_prompt_tokens: int = DEFAULT_MIN_PROMPT_TOKENS,
+                 registration_grace_s: float = 0.0) -> None:
         """`block_size`: the mesh's block size, for queries that bring block hashes;
-        `disagg_min_prompt_tokens`: shorter prompts skip the prefill workers (disagg.py)."""
+        `disagg_min_prompt_tokens`: shorter prompts skip the prefill workers (disagg.py);
+        `registration_grace_s`: for this long after the router is made, a request for a
+        model no live worker serves waits in the global queue instead of failing (a
+        restarted scheduler: the workers' records expired while it was away, and they
+        register again at their next heartbeat)."""
         self.redis = redis
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.registry = registry
@@ -178,6 +183,8 @@ class Router:
         self._indexes: dict[str, KVIndex] = {}
         self._reads = PlacementReads(redis, registry, self._index)
         self._listener: asyncio.Task[None] | None = None
+        self._grace_ends = time.monotonic() + registration_grace_s
+        self._grace_timer: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         """Listen for load changes published by every replica (subscribed on return)."""
@@ -305,6 +312,8 @@ class Router:
             query, [r for r in records if r.info.serves(query.model)]))
         usable = [r for r in serving if r.worker_id not in query.exclude_worker_ids]
         if not usable:
+            if not serving and self._workers_may_register():
+                return None  # queued: a registration (or the grace's end) tries it again
             raise UnavailableError(
                 f"no live worker serves model {query.model!r}"
                 + (f" besides {sorted(query.exclude_worker_ids)}" if serving else ""),
@@ -319,6 +328,16 @@ class Router:
         if not pools.disaggregated:
             return decision
         return self._with_decode(decision, pools.decode, query, matches)
+
+    def _workers_may_register(self) -> bool:
+        """Whether the registration grace still runs; its end wakes the global queue, so
+        that a request still waiting for a worker fails then."""
+        left = self._grace_ends - time.monotonic()
+        if left <= 0:
+            return False
+        if self._grace_timer is None:
+            self._grace_timer = asyncio.get_running_loop().call_later(left, self.queue.notify)
+        return True
 
     def _with_decode(self, decision: RouteDecision, pool: list[WorkerRecord],
                      query: RouteQuery, matches: Mapping[Group, dict[str, int]]

@@ -113,7 +113,8 @@ def build_router(config: SchedulerConfig, redis_client: aioredis.Redis,
     router = Router(redis_client, WorkerRegistry(redis_client, config.heartbeat_ttl_s),
                     build_policy(config), queue, block_size=config.block_size,
                     disagg_min_prompt_tokens=config.disagg_min_prompt_tokens,
-                    on_route=metrics.observe if metrics is not None else None)
+                    on_route=metrics.observe if metrics is not None else None,
+                    registration_grace_s=config.registration_grace)
     if metrics is not None:
         metrics.redis_up.set_function(lambda: 0.0 if router.degraded else 1.0)
         metrics.wait_estimate.set_function(lambda: router.wait_estimate() or 0.0)

@@ -315,7 +315,8 @@ async def test_queue_gives_up_at_the_request_deadline(
 
 
 async def test_route_errors(start_replica: Callable[..., Awaitable[Replica]]) -> None:
-    stub = (await start_replica(queue_capacity=0)).stub
+    # No registration grace: with no worker at all, the first route fails at once.
+    stub = (await start_replica(queue_capacity=0, registration_grace_s=0.0)).stub
     session = RouteSessionClient(stub)
     with pytest.raises(MeshError) as err:
         await session.route(route_request("r0"))
@@ -385,3 +386,35 @@ async def test_route_session_answers_each_ticket_and_queues_alone(
 
 async def _no_inflight(replica: Replica) -> bool:
     return len(replica.service.router.inflight) == 0
+
+
+async def test_a_young_scheduler_holds_a_route_until_a_worker_registers(
+        start_replica: Callable[..., Awaitable[Replica]]) -> None:
+    # A scheduler restarted while workers ran: their records expired with no one to renew
+    # them, and they register again at their next heartbeat.
+    replica = await start_replica(registration_grace_s=30.0)
+    session = RouteSessionClient(replica.stub)
+    route = asyncio.ensure_future(session.route(route_request("r0")))
+
+    async def queued() -> bool:
+        return len(replica.service.router.queue) == 1
+
+    await eventually(queued)
+    await register(replica.stub, "w0")
+    assert (await route).worker_id == "w0"
+    await session.close()
+
+
+async def test_past_the_registration_grace_a_route_with_no_worker_fails(
+        start_replica: Callable[..., Awaitable[Replica]]) -> None:
+    replica = await start_replica(registration_grace_s=0.5)
+    session = RouteSessionClient(replica.stub)
+    started = time.monotonic()
+    with pytest.raises(MeshError, match="no live worker serves model") as err:
+        await session.route(route_request("r0"))
+    assert grpc_code_for(err.value) == grpc.StatusCode.UNAVAILABLE
+    assert 0.4 <= time.monotonic() - started < 5.0  # held for the grace, then refused
+    with pytest.raises(MeshError, match="no live worker serves model"):
+        await session.route(route_request("r1"))  # at once, now
+    assert len(replica.service.router.queue) == 0
+    await session.close()

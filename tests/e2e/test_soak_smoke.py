@@ -1,5 +1,5 @@
 """A short soak (loadtest/soak.py) in CI: 30 s of mixed load on two workers, two tokenizers
-and two gateways (tiny model), with a tokenizer, a gateway and the kvstore killed in turn
+and two gateways (tiny model), with the scheduler, a gateway and a tokenizer killed in turn
 (a worker's kill, the slowest restart, is tests/e2e/test_fault_matrix.py's).
 
 No request is lost, answered 5xx, cut by an error event or left hanging (a killed gateway's
@@ -17,10 +17,10 @@ from loadtest_scripts import load_script
 from meshserve.local.launcher import Stack, start_stack
 
 soak = load_script("soak")
-# Seed 18 draws tokenizer-0, gateway-1, then the kvstore from the stack's kill targets.
+# Seed 25 draws the scheduler, gateway-0, then tokenizer-1 from the stack's kill targets.
 OPTIONS = soak.SoakOptions(minutes=0.5, kill_every_s=8.0, concurrency=6, max_tokens=24,
                            long_prompt_tokens=512, request_timeout_s=60.0,
-                           back_timeout_s=60.0, rss_every_s=2.0, seed=18)
+                           back_timeout_s=60.0, rss_every_s=2.0, seed=25)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_a_short_soak_loses_nothing(stack: Stack) -> None:
     outcomes = result["outcomes"]
     assert result["failures"] == [], [(f["kind"], f["outcome"], f["status"], f["detail"])
                                       for f in result["failures"][:5]]
-    assert {k["part"] for k in result["kills"]} == {"tokenizer", "gateway", "kvstore"}, \
+    assert {k["part"] for k in result["kills"]} == {"scheduler", "gateway", "tokenizer"}, \
         result["kills"]
     assert result["every_kill_back"], result["kills"]
     assert all(result["restarts"][k["service"]] == 1 for k in result["kills"]), \
@@ -52,7 +52,7 @@ def test_a_short_soak_loses_nothing(stack: Stack) -> None:
     assert result["gauges_zero"], result["gauges"]
     assert {"gateway-0", "gateway-1", "worker-0", "worker-1"} <= result["gauges"].keys()
     assert result["stack_up"] and result["ok"]
-    assert {"worker-0", "worker-1", "tokenizer-0", "gateway-1", "redis"} <= result["rss"].keys()
+    assert {"worker-0", "worker-1", "tokenizer-1", "gateway-0", "redis"} <= result["rss"].keys()
     assert all(0 < rss["max"] <= rss["rss_max"] for rss in result["rss"].values())
     # The sampler followed each killed service to its new process.
     assert all(result["rss"][k["service"]]["pids"] == 2 for k in result["kills"]), result["rss"]

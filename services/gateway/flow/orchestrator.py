@@ -429,9 +429,10 @@ class Orchestrator:
                 "gen_ai.request.model": job.model,
                 "meshserve.num_excluded": len(excluded)}) as span:
             carrier = inject_headers({})
-            response = await self._clients.route_stream().route(
+            response = await self._clients.route(
                 request, traceparent=carrier.get("traceparent", ""),
-                timeout_s=self.remaining_s(job.deadline))
+                timeout_s=self.remaining_s(job.deadline),
+                wait_s=self._config.scheduler_failover_wait_s)
             span.set_attributes({
                 "meshserve.worker_id": response.worker_id,
                 "meshserve.matched_blocks": response.num_matched_blocks,

@@ -8,7 +8,9 @@ Session stream per worker and one DetokenizeSession stream per tokenizer replica
 shared by every request of this gateway and opened again on first use after one broke.
 Requests whose DetokenizeSession broke wait, together, for a replica that answers its
 health check (`recover_detokenize_stream`): another replica, or the same address once the
-replica is back, probed with a growing pause on a fresh channel each time.
+replica is back, probed with a growing pause on a fresh channel each time. A route whose
+RouteSession stream broke, or could not open (the scheduler died and is being restarted
+on its address), is tried again the same way for a bounded wait (`route`).
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class MeshClients:
         self.tokenizer_addresses = tuple(tokenizer_addresses)
         self._tokenizers = [tokenizer_pb2_grpc.TokenizerStub(c) for c in self._tokenizer_channels]
         self._next_tokenizer = 0
+        self.scheduler_address = scheduler_address
         self._scheduler_channel = self._client.channel(scheduler_address)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         self._workers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
@@ -188,6 +191,41 @@ class MeshClients:
         if self._routes is None or not self._routes.usable:
             self._routes = RouteStream(self.scheduler)
         return self._routes
+
+    async def route(self, request: scheduler_pb2.RouteRequest, *, traceparent: str,
+                    timeout_s: float, wait_s: float) -> scheduler_pb2.RouteResponse:
+        """The scheduler's route for one request, within `timeout_s`. While the scheduler
+        cannot be reached (the RouteSession stream broke or would not open), the route is
+        tried again on a fresh channel after a growing pause, for at most `wait_s`; then
+        the stream's UnavailableError is raised. An error the scheduler answered (no
+        worker, overloaded, ...) is raised at once."""
+        now = time.monotonic()
+        deadline, give_up = now + timeout_s, now + wait_s
+        pause, _ = _PROBE_PAUSE_S
+        while True:
+            stream = self.route_stream()
+            try:
+                return await stream.route(request, traceparent=traceparent,
+                                          timeout_s=max(deadline - time.monotonic(), 0.0))
+            except UnavailableError:
+                if stream.usable or time.monotonic() + pause > min(deadline, give_up):
+                    raise
+            # A restarted scheduler is reached at once on a fresh channel, where the old one
+            # may wait out its reconnect backoff; the first request to see the stream break
+            # opens it for all.
+            if self._routes is stream:
+                self._renew_scheduler_channel()
+            await asyncio.sleep(pause)  # the scheduler gives no signal when it is back
+            pause = min(pause * 2, _PROBE_PAUSE_S[1])
+
+    def _renew_scheduler_channel(self) -> None:
+        old = self._scheduler_channel
+        self._scheduler_channel = self._client.channel(self.scheduler_address)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
+        self._routes = None
+        task = asyncio.ensure_future(old.close(grace=_OLD_CHANNEL_GRACE_S))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def worker_link(self, address: str) -> WorkerLink:
         """This gateway's Session stream to the worker at `address` (opened on first use)."""
@@ -292,7 +330,8 @@ class MeshClients:
     # -- registry ---------------------------------------------------------------------------
 
     async def list_workers(self, *, refresh: bool = False) -> list[WorkerEntry]:
-        """Registered workers, cached for the configured TTL.
+        """Registered workers, cached for the configured TTL (past it too while the
+        scheduler cannot be reached).
 
         Concurrent callers share one ListWorkers call: a burst of a thousand requests
         arriving as the cache expires costs the scheduler one call, not a thousand.
@@ -302,8 +341,14 @@ class MeshClients:
             return self._worker_cache[1]
         if self._worker_refresh is None or self._worker_refresh.done():
             self._worker_refresh = asyncio.ensure_future(self._fetch_workers())
-        # shield: one caller going away must not cancel the others' shared call.
-        return await asyncio.shield(self._worker_refresh)
+        try:
+            # shield: one caller going away must not cancel the others' shared call.
+            return await asyncio.shield(self._worker_refresh)
+        except UnavailableError:
+            if self._worker_cache is None:
+                raise
+            # The scheduler is away (restarting): the last list stands until it is back.
+            return self._worker_cache[1]
 
     async def _fetch_workers(self) -> list[WorkerEntry]:
         with mesh_errors():
