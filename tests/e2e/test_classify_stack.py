@@ -13,10 +13,9 @@ from typing import Any
 import openai
 import pytest
 import torch
+from pooling_stack import pooling_stack, root_client
 from tiny_models import build_tiny_classifier
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-from meshserve.local.launcher import LauncherConfig, start_stack
 
 MODEL = "tiny-classifier"
 LABELS = ["negative", "positive", "neutral"]
@@ -32,18 +31,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    config = LauncherConfig(model=str(model_dir), served_model_name=MODEL, runner="pooling",
-                            workers=1, port=0, dtype="float32", device="cpu", kvstore=False,
-                            max_model_len=64, run_dir=str(tmp_path_factory.mktemp("run")),
-                            startup_timeout_s=300, stop_grace_s=10)
-    with start_stack(config) as running:
+    with pooling_stack(model_dir, MODEL, tmp_path_factory.mktemp("run"), 64) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def root(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.gateway_url, api_key="none", max_retries=0,
-                         timeout=120)
+    return root_client(stack)
 
 
 @pytest.fixture(scope="module")

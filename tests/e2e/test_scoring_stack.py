@@ -18,10 +18,9 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+from pooling_stack import pooling_stack, root_client
 from tiny_models import build_tiny_model
 from transformers import AutoModel, AutoTokenizer
-
-from meshserve.local.launcher import LauncherConfig, start_stack
 
 MODEL = "tiny-embed"
 MAX_LEN = 48
@@ -37,19 +36,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    config = LauncherConfig(model=str(model_dir), served_model_name=MODEL, runner="pooling",
-                            workers=1, port=0, dtype="float32", device="cpu", kvstore=False,
-                            max_model_len=MAX_LEN, run_dir=str(tmp_path_factory.mktemp("run")),
-                            startup_timeout_s=300, stop_grace_s=10)
-    with start_stack(config) as running:
+    with pooling_stack(model_dir, MODEL, tmp_path_factory.mktemp("run"), MAX_LEN) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def root(stack) -> openai.OpenAI:
     """The client at the gateway's root: vLLM serves /score, /rerank, /pooling there."""
-    return openai.OpenAI(base_url=stack.gateway_url, api_key="none", max_retries=0,
-                         timeout=120)
+    return root_client(stack)
 
 
 @pytest.fixture(scope="module")
