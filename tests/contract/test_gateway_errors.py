@@ -108,7 +108,8 @@ async def test_oversized_body_is_413() -> None:
 
 async def test_api_key_is_enforced() -> None:
     async with start_mesh(api_key="sekret") as mesh:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"},
+                        {"x-api-key": "wrong"}, {"x-api-key": ""}):
             status, body, _ = await call(mesh, "/v1/completions", COMPLETION, headers=headers)
             assert_error(status, body, 401)
         status, body, _ = await call(mesh, "/v1/models", headers={"Authorization": "Bearer x"})
@@ -123,7 +124,11 @@ async def test_api_key_is_enforced() -> None:
                                       max_retries=0) as api:
             with pytest.raises(openai.AuthenticationError):
                 await api.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-        assert len(mesh.worker.requests) == 1
+        # Anthropic's clients send the key alone in x-api-key.
+        status, _, _ = await call(mesh, "/v1/completions", COMPLETION,
+                                  headers={"x-api-key": "sekret"})
+        assert status == 200
+        assert len(mesh.worker.requests) == 2
 
 
 async def test_admission_bound_is_429_with_retry_after() -> None:

@@ -4,7 +4,7 @@ Order, outermost first: `observe` opens the request's SERVER span (parent: the W
 traceparent of the incoming headers, if any) and counts the answer by endpoint and
 status; `errors` turns every failure into the OpenAI error body with the status from
 shared/status.py (429 answers carry Retry-After: the refusal's estimate when it has one);
-`auth` checks the Bearer key.
+`auth` checks the Bearer key (or Anthropic's `x-api-key`).
 """
 
 from __future__ import annotations
@@ -172,8 +172,10 @@ def errors(retry_after_s: int) -> Middleware:
 
 
 def auth(api_key: str | None) -> Middleware:
-    """Require `Authorization: Bearer <api_key>` on the API paths (not on probes)."""
+    """Require `Authorization: Bearer <api_key>` on the API paths (not on probes), or the
+    key alone in `x-api-key`, the header Anthropic's clients send."""
     expected = f"Bearer {api_key}".encode() if api_key else None
+    bare = api_key.encode() if api_key else b""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -182,8 +184,10 @@ def auth(api_key: str | None) -> Middleware:
         if expected is not None and request.path not in _OPEN_PATHS and not preflight:
             # Bytes that are not UTF-8 arrive as surrogates: they compare unequal, not fail.
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, expected):
+            header_key = request.headers.get("x-api-key", "").encode("utf-8", "surrogateescape")
+            if not (hmac.compare_digest(given, expected)
+                    or (header_key and hmac.compare_digest(header_key, bare))):
                 raise AuthenticationError("invalid or missing API key (expected "
-                                          "'Authorization: Bearer <key>')")
+                                          "'Authorization: Bearer <key>' or 'x-api-key: <key>')")
         return await handler(request)
     return middleware
