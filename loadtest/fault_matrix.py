@@ -138,12 +138,14 @@ async def _one_request(session: aiohttp.ClientSession, url: str, model: str) -> 
 
 
 def _kill_once_generating(addresses: list[str], streams: int, finished: Callable[[], int],
-                          target: int, kill: Callable[[], None],
-                          give_up: threading.Event) -> tuple[list[int], float]:
+                          preferred: int, kill: Callable[[int], None],
+                          give_up: threading.Event) -> tuple[list[int], float, int]:
     """Poll the workers' own loads until every stream has started (those running plus those
     the client saw finish make `streams`), none waits, no prompt token is left to compute and
-    worker `target` runs some, then `kill` at once: each worker's running count then, and the
-    time of the kill. RuntimeError once `give_up` is set.
+    a worker runs some, then `kill` one at once: worker `preferred` when it still runs
+    streams, else the one running most (on a slow machine one worker's streams can all end
+    before the other's last one is admitted). Each worker's running count then, the time of
+    the kill and the killed worker's index; RuntimeError once `give_up` is set.
 
     Counting the finished ones lets the kill come when admissions straggle: on a loaded
     machine the first streams can end before the last one is admitted, so all of them never
@@ -163,13 +165,14 @@ def _kill_once_generating(addresses: list[str], streams: int, finished: Callable
         while not give_up.is_set():
             loads = [stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0).load
                      for stub in stubs]
-            if (sum(load.num_running for load in loads) + finished() == streams
-                    and loads[target].num_running > 0
+            running = [int(load.num_running) for load in loads]
+            if (sum(running) + finished() == streams and any(running)
                     and not any(load.num_waiting or load.num_pending_prefill_tokens
                                 for load in loads)):
+                target = preferred if running[preferred] else running.index(max(running))
                 killed_at = time.monotonic()
-                kill()
-                return [int(load.num_running) for load in loads], killed_at
+                kill(target)
+                return running, killed_at, target
             give_up.wait(_LOAD_POLL_S)  # polling: a worker's load sends no signal
     finally:
         for channel in channels:
@@ -237,17 +240,18 @@ def _part_back(stack: Stack, part: str, service: str, epoch: int | None) -> bool
 
 async def _kill_under_load(stack: Stack, part: str, service: str, ends: list[StreamEnd],
                            tasks: list[asyncio.Future[Any]], all_started: asyncio.Event,
-                           timeout_s: float) -> tuple[int | None, float]:
+                           timeout_s: float) -> tuple[int | None, float, str]:
     """Kill `service` once its streams run: for a worker, when the workers' loads show every
-    stream generating (`_kill_once_generating`, off this loop); for another part, when every
-    stream has sent chunks. The killed worker's running count (None for other parts) and
-    the time of the kill; RuntimeError when the streams end (or time out) first."""
+    stream generating (`_kill_once_generating`, off this loop, which may pick the other
+    worker); for another part, when every stream has sent chunks. The killed worker's
+    running count (None for other parts), the time of the kill and the service killed;
+    RuntimeError when the streams end (or time out) first."""
     give_up = threading.Event()
     ready: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(
         _kill_once_generating, stack.worker_addresses, len(ends),
         lambda: sum(end.done or end.failure is not None for end in ends),
         stack.worker_ids.index(service) if part == "worker" else 0,
-        lambda: stack.kill(service, signal.SIGKILL), give_up)
+        lambda target: stack.kill(stack.worker_ids[target], signal.SIGKILL), give_up)
         if part == "worker" else all_started.wait())
     every_stream = asyncio.ensure_future(asyncio.wait(tasks))
     await asyncio.wait([ready, every_stream], return_when=asyncio.FIRST_COMPLETED,
@@ -264,11 +268,11 @@ async def _kill_under_load(stack: Stack, part: str, service: str, ends: list[Str
                            + (f" ({poll})" if poll else ""))
     every_stream.cancel()  # only the wait: the streams go on
     if part == "worker":
-        per_worker, killed_at = ready.result()
-        return per_worker[stack.worker_ids.index(service)], killed_at
+        per_worker, killed_at, target = ready.result()
+        return per_worker[target], killed_at, stack.worker_ids[target]
     killed_at = time.monotonic()
     stack.kill(service, signal.SIGKILL)
-    return None, killed_at
+    return None, killed_at, service
 
 
 async def _recovery(session: aiohttp.ClientSession, url: str, model: str, stack: Stack,
@@ -306,8 +310,8 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
                 "ignore_eos": True, "stream": True}
 
     await _every_worker_listed(stack, recover_timeout_s)
-    # The killed worker's life now, so that no read stands between its load and the kill.
-    epoch = _running_per_worker(stack)[service][1] if part == "worker" else None
+    # The workers' lives now, so that no read stands between their loads and the kill.
+    epochs = {wid: epoch for wid, (_, epoch) in _running_per_worker(stack).items()}
     ends = [StreamEnd() for _ in range(streams)]
     all_started = asyncio.Event()
     count = 0
@@ -322,10 +326,11 @@ async def drill(stack: Stack, part: str, model: str, *, streams: int = 20,
     async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
         tasks = [asyncio.ensure_future(_stream(session, url, body(i), end, started,
                                                stream_timeout_s)) for i, end in enumerate(ends)]
-        running, killed_at = await _kill_under_load(stack, part, service, ends, tasks,
-                                                    all_started, stream_timeout_s)
+        running, killed_at, service = await _kill_under_load(stack, part, service, ends, tasks,
+                                                             all_started, stream_timeout_s)
         first_success, part_back = await _recovery(session, url, model, stack, part, service,
-                                                   epoch, killed_at, recover_timeout_s)
+                                                   epochs.get(service) if part == "worker"
+                                                   else None, killed_at, recover_timeout_s)
         await asyncio.gather(*tasks)
     outcomes = [end.outcome for end in ends]
     resume = None if running is None else _resume_times(ends, killed_at, running)

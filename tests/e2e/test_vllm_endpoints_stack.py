@@ -75,7 +75,9 @@ def test_tokenizer_info_is_the_tokenizers_configuration(stack, model_dir: Path) 
 def test_load_counts_requests_in_flight(stack) -> None:
     assert json.loads(call(stack, "GET", "/load")[2]) == {"server_load": 0}
     client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
-    with client.completions.create(model=MODEL, prompt="hello", max_tokens=8, stream=True,
+    # Long enough that the stream is still generating when /load is read after its first
+    # chunk (the handler ends once it has written the last one, read or not).
+    with client.completions.create(model=MODEL, prompt="hello", max_tokens=110, stream=True,
                                    extra_body={"ignore_eos": True}) as stream:
         next(iter(stream))
         assert json.loads(call(stack, "GET", "/load")[2]) == {"server_load": 1}
