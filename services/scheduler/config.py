@@ -23,9 +23,10 @@ class SchedulerConfig(ServiceConfig):
     heartbeat_ttl_s: float = option(3.0, "seconds without a heartbeat after which a worker is "
                                          "dropped")
     registration_grace_s: float | None = option(
-        None, "seconds after the scheduler starts in which a request for a model no live "
-              "worker serves waits in the global queue for a worker to register (a restarted "
-              "scheduler: the workers register again at their next heartbeat) instead of "
+        None, "seconds after the scheduler starts, and after a worker of the model last "
+              "heartbeated or registered here, in which a request for a model no live worker "
+              "serves waits in the global queue for a worker to register (a restarted "
+              "scheduler, a Redis that came back empty, a worker being restarted) instead of "
               "failing (unset: twice --heartbeat-ttl-s; 0: fail at once)")
     queue_capacity: int = option(1024, "requests that may wait in the global queue while every "
                                        "worker is full (0: refuse at once)")

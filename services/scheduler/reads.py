@@ -100,12 +100,15 @@ class PlacementReads:
         """A registration into the last registry view (before any read has seen it)."""
         self._last_records[record.worker_id] = record
 
-    def note_load(self, worker_id: str, epoch: int, load: WorkerLoad) -> bool:
-        """A heartbeat's load into the last registry view; False for a worker not in it."""
+    def note_load(self, worker_id: str, epoch: int, load: WorkerLoad, now_unix_ns: int
+                  ) -> bool:
+        """A heartbeat's load, received at `now_unix_ns`, into the last registry view;
+        False for a worker not in it."""
         record = self._last_records.get(worker_id)
         if record is None or record.epoch != epoch:
             return False
-        self._last_records[worker_id] = dataclasses.replace(record, load=load)
+        self._last_records[worker_id] = dataclasses.replace(
+            record, load=load, last_heartbeat_unix_ns=now_unix_ns)
         return True
 
     def last_records(self, model: str | None = None) -> list[WorkerRecord]:

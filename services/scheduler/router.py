@@ -169,7 +169,9 @@ class Router:
         `registration_grace_s`: for this long after the router is made, a request for a
         model no live worker serves waits in the global queue instead of failing (a
         restarted scheduler: the workers' records expired while it was away, and they
-        register again at their next heartbeat)."""
+        register again at their next heartbeat); and as long after a worker serving the
+        model last heartbeated or registered here (a Redis that came back empty, a worker
+        being restarted)."""
         self.redis = redis
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.registry = registry
@@ -183,8 +185,11 @@ class Router:
         self._indexes: dict[str, KVIndex] = {}
         self._reads = PlacementReads(redis, registry, self._index)
         self._listener: asyncio.Task[None] | None = None
+        self._grace_s = registration_grace_s
         self._grace_ends = time.monotonic() + registration_grace_s
         self._grace_timer: asyncio.TimerHandle | None = None
+        # worker id -> (monotonic time of its last registration or heartbeat here, info)
+        self._contacts: dict[str, tuple[float, WorkerInfo]] = {}
 
     async def start(self) -> None:
         """Listen for load changes published by every replica (subscribed on return)."""
@@ -219,6 +224,7 @@ class Router:
     async def register(self, info: WorkerInfo, load: WorkerLoad) -> int:
         epoch = await self.registry.register(info, load)
         self._reads.remember(WorkerRecord(info, load, epoch, self._clock_ns()))
+        self._contacts[info.worker_id] = (time.monotonic(), info)
         self.queue.notify()
         return epoch
 
@@ -228,14 +234,18 @@ class Router:
         except REDIS_ERRORS:
             # Redis is away: keep the load for placement; the worker stays registered here
             # and is told to register again by the first heartbeat after Redis is back.
-            ok = self._reads.note_load(worker_id, epoch, load)
+            ok = self._reads.note_load(worker_id, epoch, load, self._clock_ns())
         if ok:
+            contact = self._contacts.get(worker_id)
+            if contact is not None:
+                self._contacts[worker_id] = (time.monotonic(), contact[1])
             self.queue.notify()
         return ok
 
     async def deregister(self, worker_id: str, epoch: int | None) -> bool:
         removed = await self.registry.deregister(worker_id, epoch)
         self._reads.forget(worker_id)
+        self._contacts.pop(worker_id, None)
         self.queue.notify()
         return removed
 
@@ -312,7 +322,7 @@ class Router:
             query, [r for r in records if r.info.serves(query.model)]))
         usable = [r for r in serving if r.worker_id not in query.exclude_worker_ids]
         if not usable:
-            if not serving and self._workers_may_register():
+            if not serving and self._workers_may_register(query.model):
                 return None  # queued: a registration (or the grace's end) tries it again
             raise UnavailableError(
                 f"no live worker serves model {query.model!r}"
@@ -329,14 +339,24 @@ class Router:
             return decision
         return self._with_decode(decision, pools.decode, query, matches)
 
-    def _workers_may_register(self) -> bool:
-        """Whether the registration grace still runs; its end wakes the global queue, so
-        that a request still waiting for a worker fails then."""
-        left = self._grace_ends - time.monotonic()
-        if left <= 0:
+    def _workers_may_register(self, model: str) -> bool:
+        """Whether a worker serving `model` may register soon: the registration grace of a
+        young router still runs, or one such worker heartbeated or registered here less
+        than the grace ago (the registry lost it: Redis came back empty, or it is being
+        restarted). The grace's end wakes the global queue, so that a request still
+        waiting for a worker fails then."""
+        now = time.monotonic()
+        self._contacts = {wid: (seen, info) for wid, (seen, info) in self._contacts.items()
+                          if seen + self._grace_s > now}  # ids of pods long gone go
+        ends = max([self._grace_ends] + [seen + self._grace_s for seen, info
+                                         in self._contacts.values() if info.serves(model)])
+        if ends <= now:
             return False
-        if self._grace_timer is None:
-            self._grace_timer = asyncio.get_running_loop().call_later(left, self.queue.notify)
+        if self._grace_timer is None or self._grace_timer.when() < ends:
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
+            loop = asyncio.get_running_loop()
+            self._grace_timer = loop.call_at(loop.time() + (ends - now), self.queue.notify)
         return True
 
     def _with_decode(self, decision: RouteDecision, pool: list[WorkerRecord],

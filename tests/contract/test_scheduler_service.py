@@ -418,3 +418,37 @@ async def test_past_the_registration_grace_a_route_with_no_worker_fails(
         await session.route(route_request("r1"))  # at once, now
     assert len(replica.service.router.queue) == 0
     await session.close()
+
+
+async def test_a_route_waits_for_a_worker_the_registry_lost_within_the_grace(
+        start_replica: Callable[..., Awaitable[Replica]]) -> None:
+    # A worker that beat here moments ago and is gone from the registry (Redis came back
+    # empty, or it is being restarted) holds a route for the grace, as a young scheduler
+    # does; one that left by deregistering does not.
+    replica = await start_replica(registration_grace_s=2.0, heartbeat_ttl_s=0.2)
+    session = RouteSessionClient(replica.stub)
+    with pytest.raises(MeshError, match="no live worker serves model 'other'"):
+        # No worker of this model ever beat here: it fails at the young grace's end.
+        await session.route(scheduler_pb2.RouteRequest(request_id="young", model="other",
+                                                       prompt_token_ids=PROMPT))
+    await register(replica.stub, "w0")
+
+    async def expired() -> bool:
+        return await worker_ids(replica.stub) == []
+
+    await eventually(expired)  # no heartbeat: its record is gone after the 0.2 s TTL
+    route = asyncio.ensure_future(session.route(route_request("r0")))
+
+    async def queued() -> bool:
+        return len(replica.service.router.queue) == 1
+
+    await eventually(queued)
+    await register(replica.stub, "w0", epoch=2)  # back
+    assert (await route).worker_id == "w0"
+    await replica.stub.DeregisterWorker(scheduler_pb2.DeregisterWorkerRequest(
+        worker_id="w0", epoch=2))
+    started = time.monotonic()
+    with pytest.raises(MeshError, match="no live worker serves model 'tiny'"):
+        await session.route(route_request("r1"))
+    assert time.monotonic() - started < 1.0  # at once: it said it left
+    await session.close()
