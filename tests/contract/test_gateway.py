@@ -26,6 +26,8 @@ from test_gateway_fakes import (
     token_logprob,
 )
 
+from meshserve.proto.v1 import common_pb2
+
 PROMPT = "Hi there"
 
 
@@ -240,3 +242,19 @@ async def test_re_routes_when_a_worker_is_unavailable() -> None:
         assert result.choices[0].text == head(0, 3)
         assert [list(r.exclude_worker_ids) for r in mesh.scheduler.routes] == [[], ["dead0"]]
         assert len(mesh.worker.requests) == 1
+
+
+async def test_embeddings_are_admitted_by_the_wait_estimate_as_generation_is() -> None:
+    # Both kinds of route carry --max-queue-delay-s, so the scheduler refuses with 429
+    # what cannot start in time; a route moved after a failure does not (it was admitted).
+    async with start_mesh(dead_workers=1, max_queue_delay_s=7.5) as mesh, \
+            aiohttp.ClientSession(mesh.base_url) as http:
+        async with http.post("/v1/embeddings", json={"model": MODEL, "input": "hi"}) as resp:
+            await resp.read()
+        async with http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                      "max_tokens": 2}) as resp:
+            assert resp.status == 200, await resp.text()
+        delays = [(r.runner == common_pb2.RUNNER_POOLING, list(r.exclude_worker_ids),
+                   r.max_queue_delay_s) for r in mesh.scheduler.routes]
+        assert delays == [(True, [], 7.5), (True, ["dead0"], 0.0),
+                          (False, [], 7.5), (False, ["dead0"], 0.0)]

@@ -176,13 +176,16 @@ class EmbeddingHandlers:
             request_id=request_id, model=model, num_prompt_tokens=sum(map(len, inputs)),
             num_sequences=len(inputs), expected_output_tokens=0, priority=parsed.priority,
             deadline_unix_ns=self._deadline_unix_ns(deadline),
-            exclude_worker_ids=excluded, runner=common_pb2.RUNNER_POOLING), "priority")
+            exclude_worker_ids=excluded, runner=common_pb2.RUNNER_POOLING,
+            # Refused by the wait estimate only as it first arrives, as generation is.
+            max_queue_delay_s=0.0 if excluded else self._config.max_queue_delay_s), "priority")
         with self._tracer.start_as_current_span("route", attributes={
                 "gen_ai.request.model": model, "meshserve.num_excluded": len(excluded)}) as span:
             carrier = inject_headers({})
-            response = await self._clients.route_stream().route(
+            response = await self._clients.route(
                 request, traceparent=carrier.get("traceparent", ""),
-                timeout_s=self._orch.remaining_s(deadline))
+                timeout_s=self._orch.remaining_s(deadline),
+                wait_s=self._config.scheduler_failover_wait_s)
             span.set_attributes({"meshserve.worker_id": response.worker_id,
                                  "meshserve.queued_ns": response.queued_ns})
         return response
