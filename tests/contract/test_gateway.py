@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, NotFoundError
 from test_gateway_fakes import (
     BOS,
     CACHED_TOKENS,
@@ -258,3 +258,18 @@ async def test_embeddings_are_admitted_by_the_wait_estimate_as_generation_is() -
                    r.max_queue_delay_s) for r in mesh.scheduler.routes]
         assert delays == [(True, [], 7.5), (True, ["dead0"], 0.0),
                           (False, [], 7.5), (False, ["dead0"], 0.0)]
+
+
+async def test_a_model_served_moments_ago_is_routed_not_404() -> None:
+    # With no --served-model-name, the gateway knows models from the worker list; a
+    # restarted scheduler lists none until the workers register again.
+    async with start_mesh(served_model_names=()) as mesh, \
+            client(mesh) as api:
+        await api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+        mesh.scheduler.lists_none = True  # routes still place, as a held route would
+        with pytest.raises(NotFoundError, match="does not exist"):
+            await api.completions.create(model="never-served", prompt=PROMPT, max_tokens=1)
+        mesh.scheduler.routes.clear()
+        result = await api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+        assert result.choices[0].text == head(0, 3)
+        assert [r.model for r in mesh.scheduler.routes] == [MODEL]

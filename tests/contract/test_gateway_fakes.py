@@ -214,6 +214,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.metadata: list[dict[str, str]] = []  # the trace context of each route
         self.session_metadata: list[dict[str, str]] = []  # of the route streams
         self.route_error: MeshError | None = None
+        self.lists_none = False  # ListWorkers answers no worker (a registry emptied)
 
     def _route(self, request: scheduler_pb2.RouteRequest) -> scheduler_pb2.RouteResponse:
         self.routes.append(request)
@@ -252,7 +253,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.ListWorkersResponse(workers=[scheduler_pb2.WorkerStatus(
             info=common_pb2.WorkerInfo(worker_id=wid, address=addr, model_names=[MODEL],
                                        max_model_len=MAX_MODEL_LEN))
-            for wid, addr in self.workers], degraded=self.degraded)
+            for wid, addr in ([] if self.lists_none else self.workers)], degraded=self.degraded)
 
 
 # -- worker ---------------------------------------------------------------------------------

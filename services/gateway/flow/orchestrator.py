@@ -74,6 +74,10 @@ from meshserve.shared.telemetry import inject_headers
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+# How long a model a worker list named stays known when a later list lacks it: a scheduler
+# restarted or a Redis come back empty lists no worker for a few heartbeats.
+_MODEL_MEMORY_S = 60.0
+
 
 class Orchestrator:
     """Runs generation requests (and the /tokenize, /detokenize helpers) over the mesh."""
@@ -138,6 +142,10 @@ class Orchestrator:
             return requested
         if not self._config.served_model_names and requested in await self._clients.model_names(
                 refresh=True):  # a worker may have registered since the cache was filled
+            return requested
+        if self._clients.listed_within(requested, _MODEL_MEMORY_S):
+            # Served moments ago: its workers are registering again, and routing holds the
+            # request for them (or answers 503), where a 404 would say it never existed.
             return requested
         raise NotFoundError(f"The model `{requested}` does not exist.", param="model")
 

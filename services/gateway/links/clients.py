@@ -131,6 +131,7 @@ class MeshClients:
         self._workers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
         self._closing: set[asyncio.Future[None]] = set()  # channels of broken sessions
         self._worker_cache: tuple[float, list[WorkerEntry]] | None = None
+        self._models_listed: dict[str, float] = {}  # model -> when a list last named it
         self._cache_ttl_s = model_cache_ttl_s
         self._worker_refresh: asyncio.Future[list[WorkerEntry]] | None = None
         self._worker_links: dict[str, WorkerLink] = {}
@@ -361,8 +362,17 @@ class MeshClients:
                                w.info.runner != common_pb2.RUNNER_POOLING,
                                tuple(w.info.class_labels))
                    for w in response.workers]
-        self._worker_cache = (time.monotonic(), workers)
+        now = time.monotonic()
+        self._worker_cache = (now, workers)
+        for worker in workers:
+            self._models_listed.update(dict.fromkeys(worker.model_names, now))
         return workers
+
+    def listed_within(self, model: str, seconds: float) -> bool:
+        """Whether a worker list fetched less than `seconds` ago named `model` (a scheduler
+        restarted, or Redis come back empty, lists none until the workers register again)."""
+        listed = self._models_listed.get(model)
+        return listed is not None and time.monotonic() - listed < seconds
 
     async def model_names(self, *, refresh: bool = False) -> list[str]:
         """Model names the registered workers serve, first seen first."""
