@@ -64,11 +64,45 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         f"norm weight {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}")
 
 
+def rms_norm_f32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm in float32 throughout: the normalised row times `weight + offset` [H] in
+    float32, cast back to x's dtype once. transformers' `GptOssRMSNorm` (offset 0) and
+    `Gemma2RMSNorm`/`Gemma3RMSNorm` (offset 1) keep this order, unlike Llama's."""
+    _check(x, weight)
+    if x.is_cuda:
+        from meshserve.kernels import triton_norm  # imported on the GPU path only
+
+        return triton_norm.rms_norm_f32_weight(x, weight, eps, offset)
+    return rms_norm_f32_weight_reference(x, weight, eps, offset)
+
+
+def fused_add_rms_norm_f32_weight(x: torch.Tensor, residual: torch.Tensor,
+                                  weight: torch.Tensor, eps: float, offset: float = 0.0
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`new_residual = x + residual` (in the activations' dtype), then
+    `(rms_norm_f32_weight(new_residual), new_residual)`."""
+    _check(x, weight)
+    assert x.shape == residual.shape, (
+        f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
+    if x.is_cuda:
+        from meshserve.kernels import triton_norm  # imported on the GPU path only
+
+        return triton_norm.fused_add_rms_norm_f32_weight(x, residual, weight, eps, offset)
+    new_residual = residual + x
+    return rms_norm_f32_weight_reference(new_residual, weight, eps, offset), new_residual
+
+
+def rms_norm_f32_weight_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                                  offset: float = 0.0) -> torch.Tensor:
+    """PyTorch `rms_norm_f32_weight`."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return ((weight.float() + offset) * normed).to(x.dtype)
+
+
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: x [..., H] scaled by (1 + weight) [H], all in float32 and only then
     cast back to x's dtype (transformers' `Gemma2RMSNorm`/`Gemma3RMSNorm`, which differ from
-    Llama's order on purpose). PyTorch on every device: no Triton kernel yet."""
-    _check(x, weight)
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
+    Llama's order on purpose)."""
+    return rms_norm_f32_weight(x, weight, eps, offset=1.0)

@@ -1,5 +1,9 @@
 """Triton RMSNorm and fused residual-add + RMSNorm behind `meshserve.kernels.norm`.
 
+Two orders of the weight multiply: Llama's (below) and the float32 one of gpt-oss and Gemma
+(`rms_norm_f32_weight`: the normalised row stays float32, is multiplied by `weight + offset`
+in float32, and is rounded once).
+
 One program normalises one row of H elements. The arithmetic follows the reference in
 `norm.py` step for step, so the results match it bit for bit except where the order of the
 sum of squares differs: the residual add is rounded to the activations' dtype, the mean of
@@ -76,6 +80,45 @@ def fused_add_rms_norm(
     return out, new_residual
 
 
+def rms_norm_f32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm whose `weight + offset` multiplies the float32 normalised row before its one
+    cast back to x's dtype (norm.rms_norm_f32_weight). x: [..., H] -> [..., H], contiguous."""
+    _check(_rms_norm_f32_kernel, x, weight)
+    rows = _rows(x)  # [R, H]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return out
+    hidden = x.shape[-1]
+    _rms_norm_f32_kernel[(rows.shape[0],)](
+        rows, weight, out, rows.stride(0), hidden, eps, offset,
+        BLOCK_H=triton.next_power_of_2(hidden), num_warps=_num_warps(hidden),
+        **pdl.launch_options(x.device))
+    return out
+
+
+def fused_add_rms_norm_f32_weight(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                  eps: float, offset: float = 0.0
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`new_residual = x + residual`; returns `(rms_norm_f32_weight(new_residual),
+    new_residual)`, both new contiguous tensors in x's dtype."""
+    _check(_fused_add_rms_norm_f32_kernel, x, weight, residual)
+    assert x.shape == residual.shape and x.dtype == residual.dtype, (
+        f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
+        f"must have the same shape and dtype")
+    rows, res_rows = _rows(x), _rows(residual)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return out, new_residual
+    hidden = x.shape[-1]
+    _fused_add_rms_norm_f32_kernel[(rows.shape[0],)](
+        rows, res_rows, weight, out, new_residual, rows.stride(0), res_rows.stride(0),
+        hidden, eps, offset, BLOCK_H=triton.next_power_of_2(hidden),
+        num_warps=_num_warps(hidden), **pdl.launch_options(x.device))
+    return out, new_residual
+
+
 @triton.jit
 def _normalise_row(h, w_ptr, out_ptr, row, hidden, eps, BLOCK_H: tl.constexpr):
     """Normalise one row h [BLOCK_H] (in the activations' dtype, zero past `hidden`) and
@@ -114,6 +157,45 @@ def _fused_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, stride_x
     h = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
     tl.store(new_r_ptr + row * hidden + cols, h, mask=mask)
     _normalise_row(h, w_ptr, out_ptr, row, hidden, eps, BLOCK_H)
+
+
+@triton.jit
+def _normalise_row_f32(h, w_ptr, out_ptr, row, hidden, eps, offset, BLOCK_H: tl.constexpr):
+    """Normalise one row h [BLOCK_H] in float32 and store it times `weight + offset`
+    (float32 too), rounded once to the output's dtype."""
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    h32 = h.to(tl.float32)
+    variance = tl.sum(h32 * h32, axis=0) / hidden
+    normed = h32 * tl.div_rn(1.0, tl.sqrt_rn(variance + eps))
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
+    tl.store(out_ptr + row * hidden + cols, (w * normed).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _rms_norm_f32_kernel(x_ptr, w_ptr, out_ptr, stride_x, hidden, eps, offset,
+                         BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < hidden, other=0.0)
+    _normalise_row_f32(x, w_ptr, out_ptr, row, hidden, eps, offset, BLOCK_H)
+
+
+@triton.jit
+def _fused_add_rms_norm_f32_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, stride_x, stride_r,
+                                   hidden, eps, offset, BLOCK_H: tl.constexpr,
+                                   PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    h = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)  # rounded as `residual + x`
+    tl.store(new_r_ptr + row * hidden + cols, h, mask=mask)
+    _normalise_row_f32(h, w_ptr, out_ptr, row, hidden, eps, offset, BLOCK_H)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

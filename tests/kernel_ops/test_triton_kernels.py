@@ -44,7 +44,11 @@ from meshserve.kernels.attention import (
     paged_attention_reference,
     write_kv_reference,
 )
-from meshserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from meshserve.kernels.norm import (
+    fused_add_rms_norm_reference,
+    rms_norm_f32_weight_reference,
+    rms_norm_reference,
+)
 from meshserve.kernels.rotary import RotaryEmbedding, apply_rotary
 from meshserve.kernels.triton_attention import AttentionTiles
 from meshserve.services.worker.engine.sampler import Sampler, SamplingRow, make_generator
@@ -429,6 +433,23 @@ def test_rms_norm_of_a_strided_head_view_and_a_float32_weight() -> None:
 
 @in_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # gpt-oss's norm, Gemma's
+def test_float32_weight_norms_match_their_reference(dtype: torch.dtype, offset: float) -> None:
+    g = torch.Generator().manual_seed(23)
+    x = (2 * torch.randn(4, 96, generator=g)).to(dtype)
+    residual = (5 * torch.randn(4, 96, generator=g)).to(dtype)
+    weight = 0.5 * torch.randn(96, generator=g)  # float32, as gpt-oss keeps it
+    want = rms_norm_f32_weight_reference(x, weight, 1e-5, offset)
+    _assert_nearly_bitwise(triton_norm.rms_norm_f32_weight(x, weight, 1e-5, offset), want)
+    out, new_res = triton_norm.fused_add_rms_norm_f32_weight(x, residual, weight.to(dtype),
+                                                            1e-5, offset)
+    assert torch.equal(new_res, residual + x)
+    _assert_nearly_bitwise(out, rms_norm_f32_weight_reference(residual + x, weight.to(dtype),
+                                                              1e-5, offset))
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inplace", [False, True])
 def test_fused_add_rms_norm_matches_reference(dtype: torch.dtype, inplace: bool) -> None:
     g = torch.Generator().manual_seed(11)
@@ -739,6 +760,12 @@ out.append(build(triton_norm._fused_add_rms_norm_kernel, bf16("x_ptr", "r_ptr", 
     "out_ptr", "new_r_ptr") | {"eps": "fp32"}, dict(BLOCK_H=8192), num_warps=8))
 out.append(build(triton_norm._rms_norm_kernel, bf16("x_ptr", "w_ptr", "out_ptr")
     | {"eps": "fp32"}, dict(BLOCK_H=4096), num_warps=8))
+# gpt-oss's norms (hidden 2880, float32 weight) and Gemma's (offset 1).
+out.append(build(triton_norm._rms_norm_f32_kernel, bf16("x_ptr", "out_ptr")
+    | {"w_ptr": "*fp32", "eps": "fp32", "offset": "fp32"}, dict(BLOCK_H=4096), num_warps=8))
+out.append(build(triton_norm._fused_add_rms_norm_f32_kernel, bf16("x_ptr", "r_ptr",
+    "out_ptr", "new_r_ptr") | {"w_ptr": "*fp32", "eps": "fp32", "offset": "fp32"},
+    dict(BLOCK_H=4096), num_warps=8))
 out.append(build(triton_rank_sum_norm._sum_add_rms_norm_kernel, bf16("x_ptr", "r_ptr", "w_ptr",
     "out_ptr", "new_r_ptr") | {"buffer_ptrs": "*i64", "flag_ptrs": "*i64", "epoch_ptr": "*i32",
     "eps": "fp32"}, dict(RANK=1, WORLD=2, WORLD_PAD=2, BLOCK_H=8192), num_warps=8))
@@ -765,7 +792,7 @@ print(json.dumps(out))
 @outside_interpreter
 def test_kernels_compile_for_hopper_without_spills() -> None:
     launches = compile_launches(_COMPILE_FOR_HOPPER)
-    assert len(launches) == 22
+    assert len(launches) == 24
     # Every kernel of a step but the sampler's waits for the kernel before (PDL on Hopper).
     assert {launch["kernel"] for launch in launches if not launch["pdl"]} == {
         "_gumbel_argmax_kernel"}

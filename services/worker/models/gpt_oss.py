@@ -38,6 +38,7 @@ from torch import nn
 
 from meshserve.kernels.linear import linear
 from meshserve.kernels.moe import fused_experts, route_topk_softmax
+from meshserve.kernels.norm import fused_add_rms_norm_f32_weight, rms_norm_f32_weight
 from meshserve.kernels.rotary import RotaryEmbedding
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import (
@@ -65,14 +66,11 @@ class GptOssRMSNorm(RMSNorm):
     `GptOssRMSNorm` with its float32 weight (the same numbers in float32 models)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed).to(x.dtype)
+        return rms_norm_f32_weight(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor,
                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        new_residual = residual + x
-        return self(new_residual), new_residual
+        return fused_add_rms_norm_f32_weight(x, residual, self.weight, self.eps)
 
 
 class GptOssAttention(Attention):
