@@ -56,10 +56,7 @@ def fused_add_rms_norm(
     With `inplace=True` the results overwrite `x` (normed) and `residual` (new residual), which
     must then be contiguous and share weight's dtype; each row is read before it is written.
     """
-    _check(_fused_add_rms_norm_kernel, x, weight, residual)
-    assert x.shape == residual.shape and x.dtype == residual.dtype, (
-        f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
-        f"must have the same shape and dtype")
+    _check_add(_fused_add_rms_norm_kernel, x, residual, weight)
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     if inplace:
         assert x.is_contiguous() and residual.is_contiguous() and out_dtype == x.dtype, (
@@ -102,10 +99,7 @@ def fused_add_rms_norm_f32_weight(x: torch.Tensor, residual: torch.Tensor, weigh
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`new_residual = x + residual`; returns `(rms_norm_f32_weight(new_residual),
     new_residual)`, both new contiguous tensors in x's dtype."""
-    _check(_fused_add_rms_norm_f32_kernel, x, weight, residual)
-    assert x.shape == residual.shape and x.dtype == residual.dtype, (
-        f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
-        f"must have the same shape and dtype")
+    _check_add(_fused_add_rms_norm_f32_kernel, x, residual, weight)
     rows, res_rows = _rows(x), _rows(residual)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -206,6 +200,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _num_warps(hidden: int) -> int:
     return 4 if hidden <= 2048 else 8 if hidden <= 8192 else 16
+
+
+def _check_add(kernel: object, x: torch.Tensor, residual: torch.Tensor,
+               weight: torch.Tensor) -> None:
+    _check(kernel, x, weight, residual)
+    assert x.shape == residual.shape and x.dtype == residual.dtype, (
+        f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
+        f"must have the same shape and dtype")
 
 
 def _check(kernel: object, x: torch.Tensor, weight: torch.Tensor, *more: torch.Tensor) -> None:
