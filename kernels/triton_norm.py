@@ -14,6 +14,8 @@ so rounding it once gives what PyTorch gives).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -67,14 +69,7 @@ def fused_add_rms_norm(
         rows, res_rows = _rows(x), _rows(residual)
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0] == 0:
-        return out, new_residual
-    hidden = x.shape[-1]
-    _fused_add_rms_norm_kernel[(rows.shape[0],)](
-        rows, res_rows, weight, out, new_residual, rows.stride(0), res_rows.stride(0),
-        hidden, eps, BLOCK_H=triton.next_power_of_2(hidden), num_warps=_num_warps(hidden),
-        **pdl.launch_options(x.device))
-    return out, new_residual
+    return _add_norm(_fused_add_rms_norm_kernel, rows, res_rows, weight, out, new_residual, eps)
 
 
 def rms_norm_f32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -100,16 +95,21 @@ def fused_add_rms_norm_f32_weight(x: torch.Tensor, residual: torch.Tensor, weigh
     """`new_residual = x + residual`; returns `(rms_norm_f32_weight(new_residual),
     new_residual)`, both new contiguous tensors in x's dtype."""
     _check_add(_fused_add_rms_norm_f32_kernel, x, residual, weight)
-    rows, res_rows = _rows(x), _rows(residual)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0] == 0:
-        return out, new_residual
-    hidden = x.shape[-1]
-    _fused_add_rms_norm_f32_kernel[(rows.shape[0],)](
-        rows, res_rows, weight, out, new_residual, rows.stride(0), res_rows.stride(0),
-        hidden, eps, offset, BLOCK_H=triton.next_power_of_2(hidden),
-        num_warps=_num_warps(hidden), **pdl.launch_options(x.device))
+    return _add_norm(_fused_add_rms_norm_f32_kernel, _rows(x), _rows(residual), weight,
+                     torch.empty_like(x, memory_format=torch.contiguous_format),
+                     torch.empty_like(x, memory_format=torch.contiguous_format), eps, offset)
+
+
+def _add_norm(kernel: Any, rows: torch.Tensor, res_rows: torch.Tensor, weight: torch.Tensor,
+              out: torch.Tensor, new_residual: torch.Tensor, eps: float, *scalars: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch an add + norm `kernel` over rows and res_rows [R, H] (one program a row)."""
+    if rows.shape[0] > 0:
+        hidden = rows.shape[-1]
+        kernel[(rows.shape[0],)](
+            rows, res_rows, weight, out, new_residual, rows.stride(0), res_rows.stride(0),
+            hidden, eps, *scalars, BLOCK_H=triton.next_power_of_2(hidden),
+            num_warps=_num_warps(hidden), **pdl.launch_options(rows.device))
     return out, new_residual
 
 
@@ -143,6 +143,14 @@ def _fused_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, stride_x
                                hidden, eps, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
+    h = _add_row(x_ptr, r_ptr, new_r_ptr, row, stride_x, stride_r, hidden, BLOCK_H)
+    _normalise_row(h, w_ptr, out_ptr, row, hidden, eps, BLOCK_H)
+
+
+@triton.jit
+def _add_row(x_ptr, r_ptr, new_r_ptr, row, stride_x, stride_r, hidden, BLOCK_H: tl.constexpr):
+    """Row `row` of x + residual, stored as the new residual and returned [BLOCK_H] (zero
+    past `hidden`)."""
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -150,7 +158,7 @@ def _fused_add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, stride_x
     # The add is rounded to the activations' dtype, as `residual + x` is in PyTorch.
     h = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
     tl.store(new_r_ptr + row * hidden + cols, h, mask=mask)
-    _normalise_row(h, w_ptr, out_ptr, row, hidden, eps, BLOCK_H)
+    return h
 
 
 @triton.jit
@@ -183,12 +191,7 @@ def _fused_add_rms_norm_f32_kernel(x_ptr, r_ptr, w_ptr, out_ptr, new_r_ptr, stri
                                    PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
-    h = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)  # rounded as `residual + x`
-    tl.store(new_r_ptr + row * hidden + cols, h, mask=mask)
+    h = _add_row(x_ptr, r_ptr, new_r_ptr, row, stride_x, stride_r, hidden, BLOCK_H)
     _normalise_row_f32(h, w_ptr, out_ptr, row, hidden, eps, offset, BLOCK_H)
 
 
