@@ -189,6 +189,30 @@ def test_cli_prefix_heavy_reports_the_servers_prefix_cache_hits(
     assert f"{doc['total_cached_tokens']:>10}" in printed.split("Prompt tokens from cache:")[1]
 
 
+def test_cli_long_prompt_sends_long_prompts_and_reports_goodput(
+        server: FakeOpenAIServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "long.json"
+    assert cli_main(["bench", "serve", "--base-url", server.url, "--vocab-size", "500",
+                     "--dataset", "long-prompt", "--max-model-len", "4096", "--seed", "5",
+                     "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos",
+                     "--goodput", "ttft:60000", "tpot:60000", "e2el:60000", "--no-progress",
+                     "--output-json", str(out)]) == 0
+    expected = datasets.long_prompt_lengths(8, (2048, 8192), (64, 256), 4096, seed=5)
+    timed = server.bodies[1:]  # after one warm-up request
+    assert sorted((len(b["prompt"]), b["max_tokens"]) for b in timed) == sorted(expected)
+    doc = json.loads(out.read_text())
+    assert (doc["completed"], doc["failed"]) == (8, 0)
+    assert doc["total_input_tokens"] == sum(i for i, _ in expected)
+    assert doc["total_output_tokens"] == sum(o for _, o in expected)
+    assert doc["config"]["goodput"] == ["ttft:60000", "tpot:60000", "e2el:60000"]
+    # Every request met the SLOs: goodput is the request throughput, printed as vLLM does.
+    assert doc["request_goodput"] == pytest.approx(8 / doc["duration"])
+    assert doc["request_goodput"] == pytest.approx(doc["request_throughput"])
+    printed = capsys.readouterr().out
+    row = printed.split("Request goodput (req/s):")[1].splitlines()[0]
+    assert float(row) == pytest.approx(doc["request_goodput"], abs=0.005)
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

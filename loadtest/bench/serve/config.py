@@ -69,11 +69,13 @@ class ServeConfig(Config):
         "completions", "completions: /v1/completions; chat: /v1/chat/completions")
     model: str | None = option(None, "model name to send (unset: the first of GET /v1/models)")
     api_key: str | None = option(None, "sent as `Authorization: Bearer KEY`")
-    dataset: Literal["random", "sharegpt-like", "sharegpt", "prefix-heavy"] = option(
+    dataset: Literal["random", "sharegpt-like", "sharegpt", "prefix-heavy",
+                     "long-prompt"] = option(
         "random", "random: --random-* lengths; sharegpt-like: the synthetic ShareGPT-like mix "
                   "of `meshserve bench throughput`; sharegpt: a ShareGPT JSON file "
                   "(--dataset-path); prefix-heavy: tenants' shared system prompts, each "
-                  "request a Zipf-drawn tenant's prompt and its own question")
+                  "request a Zipf-drawn tenant's prompt and its own question; long-prompt: "
+                  "RAG-like long prompts and short answers (--long-prompt-*)")
     # option() returns a dataclasses.field (the default is None), not a shared mutable value.
     dataset_path: Path | None = option(None, "ShareGPT JSON file (--dataset sharegpt)")  # noqa: RUF009
     num_prompts: int = option(1000, "requests to send")
@@ -90,6 +92,12 @@ class ServeConfig(Config):
              "k^-s; 0: uniform)")
     prefix_question_len: int = option(
         32, "prefix-heavy: tokens of each request's own question after the system prompt")
+    long_prompt_min_len: int = option(2048, "long-prompt: fewest prompt tokens")
+    long_prompt_max_len: int = option(
+        8192, "long-prompt: most prompt tokens (cut to the context length minus the longest "
+              "answer)")
+    long_prompt_min_output_len: int = option(64, "long-prompt: fewest output tokens")
+    long_prompt_max_output_len: int = option(256, "long-prompt: most output tokens")
     sharegpt_output_len: int | None = option(
         None, "sharegpt: fixed output tokens (unset: the reply's token count, which needs "
               "--tokenizer)")
@@ -127,7 +135,8 @@ class ServeConfig(Config):
         self.require(self.base_url.startswith(("http://", "https://")),
                      f"must start with http:// or https://, got {self.base_url!r}", "base_url")
         positive = ("num_prompts", "random_input_len", "prefix_tenants", "prefix_len",
-                    "prefix_question_len")
+                    "prefix_question_len", "long_prompt_min_len",
+                    "long_prompt_min_output_len")
         for name in positive:
             value = getattr(self, name)
             self.require(value >= 1, f"must be >= 1, got {value}", name)
@@ -135,6 +144,11 @@ class ServeConfig(Config):
                      "max_concurrency"):
             value = getattr(self, name)
             self.require(value is None or value >= 1, f"must be >= 1, got {value}", name)
+        for low, high in (("long_prompt_min_len", "long_prompt_max_len"),
+                          ("long_prompt_min_output_len", "long_prompt_max_output_len")):
+            self.require(getattr(self, high) >= getattr(self, low),
+                         f"must be >= --{low.replace('_', '-')} ({getattr(self, low)}), "
+                         f"got {getattr(self, high)}", high)
         self.require(0 <= self.random_range_ratio < 1,
                      f"must be in [0, 1), got {self.random_range_ratio}", "random_range_ratio")
         self.require(0 <= self.prefix_zipf_s < math.inf,
@@ -195,6 +209,12 @@ class ServeConfig(Config):
         if self.random_output_len is not None:
             return self.random_output_len
         return _PREFIX_HEAVY_OUTPUT_LEN if self.dataset == "prefix-heavy" else _RANDOM_OUTPUT_LEN
+
+    @property
+    def long_prompt_ranges(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The long-prompt set's (prompt, output) token ranges, both ends inclusive."""
+        return ((self.long_prompt_min_len, self.long_prompt_max_len),
+                (self.long_prompt_min_output_len, self.long_prompt_max_output_len))
 
     @property
     def goodput_slos_ms(self) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Benchmark prompts as token ids: random, ShareGPT-like and prefix-heavy, fixed by a seed.
+"""Benchmark prompts as token ids: random, ShareGPT-like, prefix-heavy and long-prompt, fixed
+by a seed.
 
 Torch-free, and shared by both benchmarks: `meshserve bench throughput` feeds these prompts to
 the in-process engine and `meshserve bench serve` sends them over HTTP, so one seed gives both
@@ -16,6 +17,12 @@ system prompts (no block in common), popular by a Zipf law, each request adding 
     heavy = prefix_heavy(1000, num_tenants=32, prefix_len=2048, zipf_s=1.1, question_len=32,
                          output_len=64, vocabulary=vocab, seed=seed)
     pairs = heavy.prompts()     # [(prefixes[tenant] + question, 64), ...]
+
+The long-prompt set is RAG-like traffic for disaggregated serving: long prompts (retrieved
+documents and a question, 2-8k tokens), short answers (64-256), each length uniform over its
+range, the prompt range cut to what the context leaves after the longest answer:
+
+    pairs = long_prompt_lengths(1000, (2048, 8192), (64, 256), max_model_len, seed)
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ _LENGTHS_STREAM = 1
 _PREFIX_STREAM = 2
 _SUFFIX_STREAM = 3
 _TENANT_STREAM = 5  # 4 is the runner's arrival times
+_LONG_PROMPT_STREAM = 6
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,27 @@ def sharegpt_like_lengths(num_prompts: int, seed: int, max_model_len: int
         output_len = min(output_len, max_model_len - MIN_LEN)
         pairs.append((min(input_len, max_model_len - output_len), output_len))
     return pairs
+
+
+def long_prompt_lengths(num_prompts: int, input_range: tuple[int, int],
+                        output_range: tuple[int, int], max_model_len: int | None, seed: int
+                        ) -> list[tuple[int, int]]:
+    """(input_len, output_len) pairs of the long-prompt set, the same for a seed: each length
+    uniform over its inclusive range. The prompt range's top is cut to `max_model_len` minus
+    the longest answer, so that every request fits the context; ConfigError when even the
+    shortest prompt would not (the server would refuse every request)."""
+    (in_low, in_high), (out_low, out_high) = input_range, output_range
+    if max_model_len is not None:
+        if in_low + out_high > max_model_len:
+            raise ConfigError(f"long-prompt requests of at least {in_low} prompt and up to "
+                              f"{out_high} output tokens exceed the context length "
+                              f"{max_model_len}: lower --long-prompt-min-len or "
+                              f"--long-prompt-max-output-len", param="long_prompt_min_len")
+        in_high = min(in_high, max_model_len - out_high)
+    rng = np.random.default_rng((seed, _LONG_PROMPT_STREAM))
+    inputs: list[int] = rng.integers(in_low, in_high + 1, size=num_prompts).tolist()
+    outputs: list[int] = rng.integers(out_low, out_high + 1, size=num_prompts).tolist()
+    return list(zip(inputs, outputs, strict=True))
 
 
 def _allowed_ids(vocab_size: int, special_ids: Collection[int]) -> np.ndarray:

@@ -70,9 +70,12 @@ def resolve_vocabulary(config: ServeConfig, tokenizer: Any) -> tuple[datasets.Vo
 
 def _token_prompts(config: ServeConfig, vocab: datasets.Vocabulary, max_model_len: int | None
                    ) -> list[tuple[list[int], int]]:
-    """(prompt ids, output_len) of the random and ShareGPT-like datasets."""
+    """(prompt ids, output_len) of the random, ShareGPT-like and long-prompt datasets."""
     seed, n = config.seed, config.num_prompts
-    if config.dataset == "sharegpt-like":
+    if config.dataset == "long-prompt":
+        lengths = datasets.long_prompt_lengths(n, *config.long_prompt_ranges, max_model_len,
+                                               seed)
+    elif config.dataset == "sharegpt-like":
         # No context length given: no cut (the mix never exceeds 2 x MAX_LEN tokens).
         lengths = datasets.sharegpt_like_lengths(n, seed, max_model_len or 2 * datasets.MAX_LEN)
     else:
