@@ -39,6 +39,7 @@ from meshserve.services.worker.serving.idle_trim import IdleTrim, libc_malloc_tr
 from meshserve.services.worker.serving.image_metrics import register_image_metrics
 from meshserve.services.worker.serving.kv_publisher import KVEventPublisher
 from meshserve.services.worker.serving.lifecycle import ProcessLifecycle, run_process
+from meshserve.services.worker.serving.role_metrics import register_role_gauges
 from meshserve.services.worker.serving.service import WorkerServicer
 from meshserve.services.worker.serving.spec_metrics import register_spec_metrics
 from meshserve.services.worker.serving.step_trace import write_step_trace
@@ -259,6 +260,7 @@ class WorkerProcess:
         self.publisher: KVEventPublisher | None = None
         self.transfer: KVTransfer | None = None
         _load_gauges(telemetry, self.thread)
+        register_role_gauges(telemetry.registry, config.role, lambda: self.thread.load)
         self.vllm_metrics = vllm_metrics_of(engine, self.thread, names[0],
                                             telemetry.registry)
         self.servicer.on_params = self.vllm_metrics.observe_params
