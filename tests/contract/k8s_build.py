@@ -3,8 +3,8 @@
 `build(folder)` reads a kustomization.yaml and returns its objects the way
 `kubectl kustomize folder` does for the fields used there: `resources` (files, or folders
 holding a kustomization), `patches` by `path` (strategic merge: lists of containers,
-volumes, env and mounts merge by their key, new items first; other lists are replaced)
-and `namespace`.
+volumes, env and mounts merge by their key, new items first; other lists are replaced;
+a patch whose top level says `$patch: delete` removes its object) and `namespace`.
 A field it does not know fails the build, so that the tests never check less than
 kubectl would apply.
 """
@@ -49,8 +49,10 @@ def build(folder: Path) -> list[Doc]:
         assert set(patch) == {"path"}, f"{folder}: only `path` patches are resolved: {patch}"
         for change in load_documents(folder / patch["path"]):
             target = find(docs, change["kind"], change["metadata"]["name"])
-            merged = strategic_merge(target, change)
-            docs[docs.index(target)] = merged
+            if change.get("$patch") == "delete":
+                docs.remove(target)
+                continue
+            docs[docs.index(target)] = strategic_merge(target, change)
     namespace = kustomization.get("namespace")
     if namespace:
         for doc in docs:

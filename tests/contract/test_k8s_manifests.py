@@ -3,8 +3,9 @@ Kubernetes API schemas offline (kubernetes-validate, strict: unknown fields fail
 follow the policy of docs/scaling.md: resources, a locked-down security context, three
 probes, pinned images, a disruption budget per Deployment, an autoscaler per scalable
 service on metrics the services export, and container flags that the services' own
-config parsers accept. Every rule runs over each variant: the base (CPU workers), gpu and
-vision (the base with image encoders).
+config parsers accept. Every rule runs over each variant: the base (CPU workers), gpu,
+vision (the base with image encoders) and disagg (prefill and decode worker pools in place
+of the mixed workers).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from meshserve.shared.config import ServiceConfig
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "compose" / "k8s"
-VARIANTS = ("base", "gpu", "vision")
+VARIANTS = ("base", "gpu", "vision", "disagg")
 # The oldest Kubernetes the manifests are written for (grpc probes, autoscaling/v2 and
 # policy/v1 are all GA there); kubernetes-validate bundles its schemas.
 KUBERNETES_VERSION = "1.30.0"
@@ -43,21 +44,29 @@ CONFIGS: dict[str, type[ServiceConfig]] = {
     "worker": WorkerConfig, "kvstore": KVStoreConfig, "encoder": EncoderConfig}
 # The roles each variant runs, and which of them scale out.
 ROLES = {"base": set(CONFIGS) - {"encoder"}, "gpu": set(CONFIGS) - {"encoder"},
-         "vision": set(CONFIGS)}
+         "vision": set(CONFIGS), "disagg": set(CONFIGS) - {"encoder"}}
 SCALABLE = {"base": {"gateway", "tokenizer", "worker"}, "gpu": {"gateway", "tokenizer", "worker"},
-            "vision": {"gateway", "tokenizer", "worker", "encoder"}}
+            "vision": {"gateway", "tokenizer", "worker", "encoder"},
+            "disagg": {"gateway", "tokenizer", "worker-prefill", "worker-decode"}}
 # What saturates each scalable service: the exported gauge or the resource its autoscaler
 # watches.
 SATURATION = {"gateway": {"meshserve:gateway_requests_in_flight"},
               "tokenizer": {"Resource/cpu"},
               "worker": {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"},
-              "encoder": {"meshserve:encoder_calls_in_flight"}}
+              "encoder": {"meshserve:encoder_calls_in_flight"},
+              "worker-prefill": {"meshserve:worker_pending_prefill_tokens"},
+              "worker-decode": {"vllm:num_requests_running", "vllm:kv_cache_usage_perc"}}
 # Prometheus names of the gauges the autoscalers act on, as the services export them.
 EXPORTED_METRICS = {"meshserve:gateway_requests_in_flight", "vllm:num_requests_waiting",
-                    "vllm:kv_cache_usage_perc", "meshserve:encoder_calls_in_flight"}
+                    "vllm:kv_cache_usage_perc", "meshserve:encoder_calls_in_flight",
+                    "meshserve:worker_pending_prefill_tokens", "vllm:num_requests_running"}
 # What the vision variant adds to the base.
 ENCODER_OBJECTS = {("Deployment", "encoder"), ("Service", "encoder-headless"),
                    ("PodDisruptionBudget", "encoder"), ("HorizontalPodAutoscaler", "encoder")}
+# What the disagg variant puts in place of the base's mixed workers.
+POOLS = {"worker-prefill": "prefill", "worker-decode": "decode"}
+MIXED_OBJECTS = {("Deployment", "worker"), ("PodDisruptionBudget", "worker"),
+                 ("HorizontalPodAutoscaler", "worker")}
 METRICS_PORT = 8001
 POD_IP = "10.1.2.3"
 SECRET = "key-from-the-secret"
@@ -251,10 +260,14 @@ def test_every_container_flag_and_variable_is_one_its_service_reads(
 
 def test_tokenizer_workers_and_encoders_read_one_model_setting(docs: list[Doc]) -> None:
     settings = find(docs, "ConfigMap", "meshserve-config")["data"]
-    for name in {"tokenizer", "worker", "encoder"} & set(of_kind(docs, "Deployment")):
-        container = pod_spec(find(docs, "Deployment", name))["containers"][0]
+    for name, deployment in of_kind(docs, "Deployment").items():
+        container = pod_spec(deployment)["containers"][0]
+        if not is_mesh(container) or container["command"][1] not in {"tokenizer", "worker",
+                                                                      "encoder"}:
+            continue
+        role = container["command"][1]
         env = container_env(container, docs, pod_ip=POD_IP, secret_value=SECRET)
-        config = CONFIGS[name].from_args(container["args"], environ=env)
+        config = CONFIGS[role].from_args(container["args"], environ=env)
         values = config.as_dict()
         assert values["model"] == settings["model"] == "default", name
         assert values.get("max_model_len") is None, name  # "" reads as unset
@@ -341,6 +354,48 @@ def test_vision_variant_differs_only_by_the_encoders_and_workers_encoder_variabl
     assert [e for e in vision_env if e in base_env] == base_env
     assert {e["name"] for e in vision_env if e not in base_env} == {
         "MESHSERVE_ENCODER_ADDRESSES", "MESHSERVE_ENCODER_SHARED_MEMORY"}
+
+
+def test_disagg_variant_puts_two_pools_in_place_of_the_mixed_workers() -> None:
+    """Each pool is the base's worker under its own name and labels, started with its
+    --role; nothing else differs from the base."""
+    base, disagg = build(K8S / "base"), build(K8S / "disagg")
+
+    def key(doc: Doc) -> tuple[str, str]:
+        return doc["kind"], doc["metadata"]["name"]
+
+    pool_objects = {(kind, name) for name in POOLS
+                    for kind in ("Deployment", "PodDisruptionBudget", "HorizontalPodAutoscaler")}
+    assert {key(d) for d in base} - {key(d) for d in disagg} == MIXED_OBJECTS
+    assert {key(d) for d in disagg} - {key(d) for d in base} == pool_objects
+    assert [d for d in base if key(d) not in MIXED_OBJECTS] == \
+        [d for d in disagg if key(d) not in pool_objects]
+    mixed = find(base, "Deployment", "worker")
+    for name, role in POOLS.items():
+        pool = find(disagg, "Deployment", name)
+        container = pod_spec(pool)["containers"][0]
+        config = WorkerConfig.from_args(container["args"], environ=container_env(
+            container, disagg, pod_ip=POD_IP, secret_value=SECRET))
+        assert config.role == role and config.kv_offload, name
+        assert container["args"][-2:] == ["--role", role]
+        as_mixed = yaml.safe_load(yaml.safe_dump(pool).replace(name, "worker"))
+        pod_spec(as_mixed)["containers"][0]["args"] = container["args"][:-2]
+        assert as_mixed == mixed, name
+
+
+def test_the_workers_export_the_gauges_the_pools_scale_on() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from meshserve.services.worker.serving.role_metrics import register_role_gauges
+    from meshserve.shared import vllm_metrics
+    from meshserve.shared.worker_registry import WorkerLoad
+
+    registry = CollectorRegistry()
+    register_role_gauges(registry, "prefill", WorkerLoad)
+    kinds = {m.name: m.type for m in registry.collect()}
+    assert kinds["meshserve:worker_pending_prefill_tokens"] == "gauge"
+    assert {vllm_metrics.NUM_RUNNING, vllm_metrics.KV_CACHE_USAGE} == \
+        SATURATION["worker-decode"]
 
 
 def test_the_api_key_comes_from_a_secret_and_is_never_inlined(docs: list[Doc]) -> None:
