@@ -34,9 +34,12 @@ HOST_FILE = REPO / "compose" / "docker-compose.host.yml"
 PROXY_CONF = REPO / "compose" / "gateway-proxy.conf"
 IMAGE = "meshserve:latest"
 GPU_WORKERS = ("worker-gpu-0", "worker-gpu-1")
-SCALABLE = ("tokenizer", "worker", "gateway", "encoder")
+# The worker pools of `--profile disagg`, and their roles.
+POOLS = {"worker-prefill": "prefill", "worker-decode": "decode"}
+SCALABLE = ("tokenizer", "worker", "gateway", "encoder", *POOLS)
 MESH_ROLES = {"tokenizer": "tokenizer", "scheduler": "scheduler", "kvstore": "kvstore",
               "worker": "worker", "worker-gpu-0": "worker", "worker-gpu-1": "worker",
+              "worker-prefill": "worker", "worker-decode": "worker",
               "gateway": "gateway", "encoder": "encoder"}
 CONFIGS: dict[str, type[ServiceConfig]] = {
     "tokenizer": TokenizerConfig, "scheduler": SchedulerConfig, "kvstore": KVStoreConfig,
@@ -66,8 +69,7 @@ def compose(*args: str, files: tuple[Path, ...] = (), env: dict[str, str] | None
 def resolve(*files: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """The fully resolved services, every profile included."""
     done = compose("--profile", "gpu", "--profile", "monitoring", "--profile", "vision",
-                   "config", "--format",
-                   "json", files=files, env=env)
+                   "--profile", "disagg", "config", "--format", "json", files=files, env=env)
     assert done.returncode == 0, done.stderr
     resolved: dict[str, Any] = json.loads(done.stdout)["services"]
     return resolved
@@ -233,7 +235,7 @@ def test_tokenizers_are_found_through_one_dns_name(services: dict[str, Any]) -> 
         "dns:///tokenizer:50051"
     # Connections age out, so gateways resolve the name again and find added replicas.
     assert float(services["tokenizer"]["environment"]["MESHSERVE_MAX_CONNECTION_AGE_S"]) > 0
-    for name in ("worker", *GPU_WORKERS):
+    for name in ("worker", *GPU_WORKERS, *POOLS):
         env = services[name]["environment"]
         assert "MESHSERVE_ADVERTISE_ADDRESS" not in env, "a scaled worker advertises itself"
 
@@ -279,9 +281,9 @@ def test_start_periods_tolerate_slow_loads_and_dependencies_wait(
         services: dict[str, Any]) -> None:
     for name in MESH_ROLES:
         assert duration_s(services[name]["healthcheck"]["start_period"]) >= 120, name
-    for name in ("worker", "gateway", *GPU_WORKERS):
+    for name in ("worker", "gateway", *GPU_WORKERS, *POOLS):
         assert duration_s(services[name]["healthcheck"]["start_period"]) >= 300, name
-    for name in ("scheduler", "kvstore", "worker", "gateway", *GPU_WORKERS):
+    for name in ("scheduler", "kvstore", "worker", "gateway", *GPU_WORKERS, *POOLS):
         conditions = {d["condition"] for d in services[name]["depends_on"].values()}
         assert conditions == {"service_healthy"}, name
 
@@ -337,9 +339,10 @@ def test_host_networking_override(host_services: dict[str, Any]) -> None:
     assert {"gateway-proxy", "otel-collector"}.isdisjoint(
         n for n, s in host_services.items() if "profiles" not in s)
     env = {n: s.get("environment", {}) for n, s in mesh.items()}
-    for name in ("tokenizer", "gateway", "worker"):
+    for name in ("tokenizer", "gateway", "worker", *POOLS):
         assert env[name]["MESHSERVE_REUSE_PORT"] == "true", name
-    assert env["worker"]["MESHSERVE_PORT"] == "0"
+    for name in ("worker", *POOLS):
+        assert env[name]["MESHSERVE_PORT"] == "0", name
     for name, values in env.items():
         for key, value in values.items():
             # (An empty address list is none: the encoders, unless asked for.)
@@ -347,8 +350,34 @@ def test_host_networking_override(host_services: dict[str, Any]) -> None:
                     value or not key.endswith("_ADDRESSES")):
                 assert "127.0.0.1" in value, (name, key, value)
     ports = [int(env[n][k]) for n in ("tokenizer", "scheduler", "kvstore", "gateway",
-                                      "worker", *GPU_WORKERS)
+                                      "worker", *GPU_WORKERS, *POOLS)
              for k in ("MESHSERVE_PORT", "MESHSERVE_METRICS_PORT") if k in env[n]]
     nonzero = [p for p in ports if p]
     assert len(nonzero) == len(set(nonzero)), ports
     assert host_services["tokenizer"]["build"]["network"] == "host"
+
+
+def test_disagg_pools_are_the_cpu_worker_with_a_role(services: dict[str, Any]) -> None:
+    """`--profile disagg` adds a prefill and a decode pool: the CPU worker's service with
+    its role and its own metrics port; GPU workers take a role from the environment."""
+    worker = services["worker"]
+    for name, role in POOLS.items():
+        pool = services[name]
+        assert pool["profiles"] == ["disagg"], name
+        env = {k: str(v) for k, v in pool["environment"].items()}
+        config = WorkerConfig.from_args([], environ=env)
+        assert config.role == role and config.kvstore_address and config.kv_offload, name
+        assert {k: v for k, v in env.items() if k not in ("MESHSERVE_ROLE",
+                                                          "MESHSERVE_METRICS_PORT")} == \
+            {k: str(v) for k, v in worker["environment"].items()
+             if k != "MESHSERVE_METRICS_PORT"}, name
+        for key in ("command", "volumes", "depends_on", "healthcheck", "deploy", "image"):
+            assert pool[key] == worker[key], (name, key)
+    ports = {services[n]["environment"]["MESHSERVE_METRICS_PORT"] for n in ("worker", *POOLS)}
+    assert len(ports) == 3
+    assert "disagg" not in worker.get("profiles", [])
+    assert {services[n]["environment"]["MESHSERVE_ROLE"] for n in GPU_WORKERS} == {"mixed"}
+    split = resolve(env={"MESHSERVE_GPU0_ROLE": "prefill", "MESHSERVE_GPU1_ROLE": "decode"})
+    roles = [WorkerConfig.from_args([], environ={
+        k: str(v) for k, v in split[n]["environment"].items()}).role for n in GPU_WORKERS]
+    assert roles == ["prefill", "decode"]

@@ -161,7 +161,7 @@ def test_prometheus_scrapes_every_role_where_compose_serves_metrics() -> None:
     # Where compose serves each service's /metrics (the gateway: on its API port).
     served = {name: _default_port(services[name]["environment"]["MESHSERVE_METRICS_PORT"])
               for name in ("tokenizer", "scheduler", "kvstore", "worker", "worker-gpu-0",
-                           "worker-gpu-1")}
+                           "worker-gpu-1", "worker-prefill", "worker-decode")}
     served["gateway"] = _default_port(services["gateway"]["environment"]["MESHSERVE_PORT"])
     scraped: dict[str, int] = {}
     for job in jobs.values():
