@@ -4,8 +4,8 @@ follow the policy of docs/scaling.md: resources, a locked-down security context,
 probes, pinned images, a disruption budget per Deployment, an autoscaler per scalable
 service on metrics the services export, and container flags that the services' own
 config parsers accept. Every rule runs over each variant: the base (CPU workers), gpu,
-vision (the base with image encoders) and disagg (prefill and decode worker pools in place
-of the mixed workers).
+vision (the base with image encoders), disagg (prefill and decode worker pools in place
+of the mixed workers) and disagg-gpu (those pools on GPUs).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from meshserve.shared.config import ServiceConfig
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "compose" / "k8s"
-VARIANTS = ("base", "gpu", "vision", "disagg")
+VARIANTS = ("base", "gpu", "vision", "disagg", "disagg-gpu")
 # The oldest Kubernetes the manifests are written for (grpc probes, autoscaling/v2 and
 # policy/v1 are all GA there); kubernetes-validate bundles its schemas.
 KUBERNETES_VERSION = "1.30.0"
@@ -44,10 +44,12 @@ CONFIGS: dict[str, type[ServiceConfig]] = {
     "worker": WorkerConfig, "kvstore": KVStoreConfig, "encoder": EncoderConfig}
 # The roles each variant runs, and which of them scale out.
 ROLES = {"base": set(CONFIGS) - {"encoder"}, "gpu": set(CONFIGS) - {"encoder"},
-         "vision": set(CONFIGS), "disagg": set(CONFIGS) - {"encoder"}}
+         "vision": set(CONFIGS), "disagg": set(CONFIGS) - {"encoder"},
+         "disagg-gpu": set(CONFIGS) - {"encoder"}}
 SCALABLE = {"base": {"gateway", "tokenizer", "worker"}, "gpu": {"gateway", "tokenizer", "worker"},
             "vision": {"gateway", "tokenizer", "worker", "encoder"},
-            "disagg": {"gateway", "tokenizer", "worker-prefill", "worker-decode"}}
+            "disagg": {"gateway", "tokenizer", "worker-prefill", "worker-decode"},
+            "disagg-gpu": {"gateway", "tokenizer", "worker-prefill", "worker-decode"}}
 # What saturates each scalable service: the exported gauge or the resource its autoscaler
 # watches.
 SATURATION = {"gateway": {"meshserve:gateway_requests_in_flight"},
@@ -370,12 +372,26 @@ def test_disagg_variant_puts_two_pools_in_place_of_the_mixed_workers() -> None:
     assert {key(d) for d in disagg} - {key(d) for d in base} == pool_objects
     assert [d for d in base if key(d) not in MIXED_OBJECTS] == \
         [d for d in disagg if key(d) not in pool_objects]
-    mixed = find(base, "Deployment", "worker")
+    assert_pools_are(disagg, find(base, "Deployment", "worker"))
+
+
+def test_disagg_gpu_variant_differs_only_in_its_pools_each_the_gpu_worker() -> None:
+    disagg, gpu_pools = build(K8S / "disagg"), build(K8S / "disagg-gpu")
+
+    def other(doc: Doc) -> bool:
+        return doc["kind"] != "Deployment" or doc["metadata"]["name"] not in POOLS
+
+    assert [d for d in disagg if other(d)] == [d for d in gpu_pools if other(d)]
+    assert_pools_are(gpu_pools, find(build(K8S / "gpu"), "Deployment", "worker"))
+
+
+def assert_pools_are(docs: list[Doc], mixed: Doc) -> None:
+    """Each pool of `docs` is `mixed` under its own name and labels, with its --role."""
     for name, role in POOLS.items():
-        pool = find(disagg, "Deployment", name)
+        pool = find(docs, "Deployment", name)
         container = pod_spec(pool)["containers"][0]
         config = WorkerConfig.from_args(container["args"], environ=container_env(
-            container, disagg, pod_ip=POD_IP, secret_value=SECRET))
+            container, docs, pod_ip=POD_IP, secret_value=SECRET))
         assert config.role == role and config.kv_offload, name
         assert container["args"][-2:] == ["--role", role]
         as_mixed = yaml.safe_load(yaml.safe_dump(pool).replace(name, "worker"))
