@@ -86,6 +86,9 @@ class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
                                      "compute prompts and hand their KV to decode workers)")
     decode_workers: int = option(0, "decode workers to start (they continue the requests "
                                     "prefill workers hand off, and run short prompts whole)")
+    kv_handoff: Literal["store", "tcp"] = option(
+        "store", "how prefill workers hand prompts' KV to decode workers: through the kvstore "
+        "(store) or pulled over TCP (tcp)")
     disagg_min_prompt_tokens: int | None = option(
         None, "prompts shorter than this skip the prefill workers (unset: the scheduler's "
               "default)")
@@ -172,8 +175,10 @@ class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
             self.require(value >= 0, f"must be >= 0, got {value}", name)
         self.require(self.num_workers >= 1, "needs at least one worker (--workers, "
                      "--prefill-workers or --decode-workers)", "workers")
-        self.require(self.kvstore or not (self.prefill_workers or self.decode_workers),
-                     "prefill and decode workers hand KV over through the kvstore", "kvstore")
+        self.require(self.kvstore or self.kv_handoff == "tcp"
+                     or not (self.prefill_workers or self.decode_workers),
+                     "prefill and decode workers hand KV over through the kvstore (or "
+                     "--kv-handoff tcp)", "kvstore")
         self.require(self.encoders >= 0, f"must be >= 0, got {self.encoders}", "encoders")
         self.require(self.gateways >= 0, f"must be >= 0 (0: by cores), got {self.gateways}",
                      "gateways")
@@ -340,6 +345,7 @@ class Stack:
                 *self._common(address), "--worker-id", worker_id, "--role", role,
                 "--redis-url", self.redis_url,
                 "--scheduler-address", self.scheduler_address, *served,
+                *(["--kv-handoff", "tcp"] if c.kv_handoff == "tcp" else []),
                 *c.engine_flags(), *c.runner_flags(), *placement], grpc_serving(address))
         gateway = [*self._common(), "--host", c.host, "--port", str(self.gateway_port),
                    "--tokenizer-addresses", ",".join(self.tokenizer_addresses),

@@ -92,7 +92,7 @@ class ImageInput(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., hash: _Optional[bytes] = ..., range: _Optional[_Union[_common_pb2.PlaceholderRange, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "params", "priority", "cache_salt", "lora_id", "deadline_unix_ns", "kvstore_blocks", "prefill_only", "handed_off")
+    __slots__ = ("request_id", "prompts", "params", "priority", "cache_salt", "lora_id", "deadline_unix_ns", "kvstore_blocks", "prefill_only", "handed_off", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class GenerateRequest(_message.Message):
     KVSTORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     params: _common_pb2.SamplingParams
@@ -113,7 +114,8 @@ class GenerateRequest(_message.Message):
     kvstore_blocks: int
     prefill_only: bool
     handed_off: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., kvstore_blocks: _Optional[int] = ..., prefill_only: _Optional[bool] = ..., handed_off: _Optional[bool] = ...) -> None: ...
+    kv_source: str
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., kvstore_blocks: _Optional[int] = ..., prefill_only: _Optional[bool] = ..., handed_off: _Optional[bool] = ..., kv_source: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "indices")
@@ -236,11 +238,15 @@ class RequestError(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
 
 class RequestDone(_message.Message):
-    __slots__ = ("handle", "timings", "handed_off")
+    __slots__ = ("handle", "timings", "handed_off", "kv_source", "refused")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     handle: int
     timings: _common_pb2.Timings
     handed_off: bool
-    def __init__(self, handle: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., handed_off: _Optional[bool] = ...) -> None: ...
+    kv_source: str
+    refused: bool
+    def __init__(self, handle: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., handed_off: _Optional[bool] = ..., kv_source: _Optional[str] = ..., refused: _Optional[bool] = ...) -> None: ...

@@ -45,9 +45,19 @@ from meshserve.services.worker.serving.spec_metrics import register_spec_metrics
 from meshserve.services.worker.serving.step_trace import write_step_trace
 from meshserve.services.worker.serving.vllm_metrics import metrics_url_of, vllm_metrics_of
 from meshserve.services.worker.spec.decoder import SpecDecoder
-from meshserve.services.worker.tier.handoff import StoreHandoff, register_handoff_metrics
+from meshserve.services.worker.tier.handoff import (
+    KvHandoff,
+    StoreHandoff,
+    register_handoff_metrics,
+)
 from meshserve.services.worker.tier.kv_tier import KVTier
 from meshserve.services.worker.tier.store_client import KVStoreClient
+from meshserve.services.worker.tier.tcp_blocks import BlockHolder, BlockServer
+from meshserve.services.worker.tier.tcp_handoff import (
+    TcpHandoff,
+    TcpTransfer,
+    register_tcp_metrics,
+)
 from meshserve.services.worker.tier.transfer import KVTransfer
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.generation_config import sampling_defaults
@@ -59,7 +69,7 @@ from meshserve.shared.redis_server import connect
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.service_main import in_daemon_thread, run_service
 from meshserve.shared.telemetry import Telemetry
-from meshserve.shared.worker_registry import WorkerInfo, WorkerRegistry
+from meshserve.shared.worker_registry import ROLE_PREFILL, WorkerInfo, WorkerRegistry
 
 SERVICE_NAME = "meshserve.v1.Worker"
 _log = logging.getLogger("meshserve.services.worker")
@@ -199,9 +209,9 @@ class KVStoreLink:
         return True
 
     def plan(self) -> KVTierPlan:
-        return KVTierPlan(self._transport, self.backlog_bytes)
+        return KVTierPlan(self.transport, self.backlog_bytes)
 
-    def _transport(self, kv_caches: KVCaches) -> KVTransfer:
+    def transport(self, kv_caches: KVCaches) -> KVTransfer:
         self.transfer = KVTransfer(
             lambda: KVStoreClient(self.address, self.namespace, shm=self.shm), kv_caches)
         return self.transfer
@@ -214,6 +224,51 @@ class KVStoreLink:
         return self.transfer
 
 
+class TcpHandoffLink:
+    """The KV handoff over TCP (--kv-handoff tcp): the KV tier's transport, wrapped around
+    the kvstore's when there is one (`plan`); a prefill worker's block listener, started
+    with the transfer thread once the worker's address is known (`start`)."""
+
+    def __init__(self, config: WorkerConfig, kvstore: KVStoreLink | None) -> None:
+        self.config = config
+        self.kvstore = kvstore
+        self.transfer: TcpTransfer | None = None
+        self.server: BlockServer | None = None
+
+    def plan(self) -> KVTierPlan:
+        return KVTierPlan(self._transport, self.config.kv_offload_backlog_bytes)
+
+    def _transport(self, kv_caches: KVCaches) -> TcpTransfer:
+        config = self.config
+        holder = (BlockHolder(config.kv_handoff_hold_bytes, config.kv_handoff_hold_s)
+                  if config.role == ROLE_PREFILL else None)
+        self.transfer = TcpTransfer(
+            kv_caches, inner=self.kvstore.transport(kv_caches) if self.kvstore else None,
+            holder=holder, streams=config.kv_handoff_streams)
+        return self.transfer
+
+    def start(self, address: str, block_size: int) -> TcpHandoff:
+        """Listen (a prefill worker: on the worker's host, advertised as in `address`)
+        and start the transfer thread."""
+        transfer = self.transfer
+        assert transfer is not None, "the engine was built without this link's plan"
+        source = ""
+        if transfer.holder is not None:
+            self.server = BlockServer(transfer.holder, self.config.host,
+                                      self.config.kv_handoff_port)
+            self.server.start()
+            source = f"{address.rpartition(':')[0]}:{self.server.port}"
+        transfer.start()
+        return TcpHandoff(transfer, block_size, source,
+                          watermark=self.config.kv_handoff_watermark)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.transfer is not None:
+            self.transfer.stop()
+
+
 class WorkerProcess:
     """The pieces of one running worker, wired together (see the module doc)."""
 
@@ -222,10 +277,12 @@ class WorkerProcess:
     info: WorkerInfo
 
     def __init__(self, config: WorkerConfig, engine: LLMEngine, telemetry: Telemetry,
-                 kvstore: KVStoreLink | None = None) -> None:
+                 kvstore: KVStoreLink | None = None, tcp: TcpHandoffLink | None = None
+                 ) -> None:
         self.config = config
         self.engine = engine
         self.kvstore = kvstore
+        self.tcp = tcp
         self.telemetry = telemetry
         self.server = GrpcServer(config.listen_address, service_names=[SERVICE_NAME],
                                  telemetry=telemetry, grace_s=config.drain_grace_s,
@@ -296,9 +353,8 @@ class WorkerProcess:
             self.transfer = await in_daemon_thread(lambda: kvstore.start(namespace),
                                                    "kv-connect")
             _tier_metrics(self.telemetry, self.transfer, self.engine)
-            transfer = self.transfer
-            self.servicer.handoff = StoreHandoff(transfer.flush, self.engine.block_size,
-                                                 reachable=lambda: transfer.available)
+        self.servicer.handoff = self._handoff()
+        if self.servicer.handoff is not None:
             register_handoff_metrics(self.telemetry.registry, self.servicer.handoff)
         self.thread.start()
         await warm_up(self.thread)
@@ -311,6 +367,19 @@ class WorkerProcess:
         _log.info("worker serving", extra={"worker_id": worker_id, "epoch": epoch,
                                            "address": self.info.address, "port": port})
         self.life.register()
+
+    def _handoff(self) -> KvHandoff | None:
+        """The KV handoff transport (disaggregated serving), started; None without one."""
+        if self.tcp is not None:
+            handoff = self.tcp.start(self.info.address, self.engine.block_size)
+            register_tcp_metrics(self.telemetry.registry, handoff.transfer)
+            return handoff
+        transfer = self.transfer
+        if transfer is None:
+            return None
+        return StoreHandoff(transfer.flush, self.engine.block_size,
+                            reachable=lambda: transfer.available,
+                            watermark=self.config.kv_handoff_watermark)
 
     async def run_until_stopped(self) -> None:
         """Serve until SIGTERM (or a fatal error), deregistering as the drain starts."""
@@ -329,6 +398,8 @@ class WorkerProcess:
         self.engine.close()  # its tensor-parallel ranks, if any
         if self.transfer is not None:
             await in_daemon_thread(self.transfer.stop, "kv-transfer-stop")
+        if self.tcp is not None:
+            await in_daemon_thread(self.tcp.stop, "kv-handoff-stop")
         if self.thread.step_trace is not None and self.config.step_trace:
             path = f"{self.config.step_trace}.{self.info.worker_id}"
             write_step_trace(path, self.thread.step_trace)
@@ -349,9 +420,11 @@ async def serve(config: WorkerConfig) -> int:
 
         return await serve_pooling(config, claim_epoch)
     kvstore = KVStoreLink(config) if KVStoreLink.wanted(config) else None
+    tcp = TcpHandoffLink(config, kvstore) if config.kv_handoff == "tcp" else None
+    plan = tcp.plan() if tcp is not None else kvstore.plan() if kvstore is not None else None
     return await run_process(
-        config, lambda: load_engine(config, kvstore.plan() if kvstore is not None else None),
-        lambda engine, telemetry: WorkerProcess(config, engine, telemetry, kvstore),
+        config, lambda: load_engine(config, plan),
+        lambda engine, telemetry: WorkerProcess(config, engine, telemetry, kvstore, tcp),
         "worker stopped after an engine failure: %r")
 
 

@@ -346,6 +346,21 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
     role: Literal["mixed", "prefill", "decode"] = option(
         "mixed", "disaggregated serving: prefill (compute prompts and first tokens, hand their "
         "KV to a decode worker), decode (continue them), or mixed (both)")
+    kv_handoff: Literal["store", "tcp"] = option(
+        "store", "how prefilled prompts' KV reaches the decode worker: through the kvstore "
+        "(store), or pulled straight from the prefill worker over TCP (tcp)")
+    kv_handoff_streams: int = option(4, "parallel TCP connections a decode worker pulls one "
+                                        "handoff's blocks over (--kv-handoff tcp)")
+    kv_handoff_port: int = option(0, "TCP port a prefill worker serves its handed-off blocks "
+                                     "on (--kv-handoff tcp; 0: any free port)")
+    kv_handoff_hold_s: float = option(30.0, "seconds a prefill worker holds handed-off blocks "
+                                            "that no decode worker pulled (--kv-handoff tcp)")
+    kv_handoff_hold_bytes: int = option(1 << 30, "most bytes of handed-off blocks a prefill "
+                                                 "worker holds; the oldest go first "
+                                                 "(--kv-handoff tcp)")
+    kv_handoff_watermark: float = option(
+        0.01, "fraction of its KV cache a decode worker keeps free: a handed-off request "
+              "whose prompt blocks would leave less is refused and placed elsewhere")
     idle_trim_interval_s: float = option(
         10.0, "an engine idle for a second hands malloc's free memory back to the system "
               "(malloc_trim), at most once this often, in seconds (0: never)")
@@ -363,13 +378,31 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
                      "kv_offload_backlog_bytes")
         self.require(not (self.pooling and self.tensor_parallel_size > 1),
                      "a pooling worker runs on one device", "tensor_parallel_size")
-        self.require(self.role == "mixed" or bool(self.kvstore_address and self.kv_offload),
+        self.require(self.role == "mixed" or self.kv_handoff == "tcp"
+                     or bool(self.kvstore_address and self.kv_offload),
                      "a prefill or decode worker hands KV over through the kvstore: it needs "
-                     "--kvstore-address (and --kv-offload)", "role")
-        self.require(not (self.kvstore_address and self.kv_offload)
+                     "--kvstore-address (and --kv-offload), or --kv-handoff tcp", "role")
+        self.require(not (self.kvstore_address and self.kv_offload or self.kv_handoff == "tcp")
                      or self.enable_prefix_caching,
                      "the KV tier finds blocks by hash: it needs prefix caching",
                      "kv_offload")
+        self._validate_handoff()
+
+    def _validate_handoff(self) -> None:
+        self.require(self.kv_handoff_streams >= 1,
+                     f"must be at least 1, got {self.kv_handoff_streams}", "kv_handoff_streams")
+        self.require(0 <= self.kv_handoff_port <= 65535,
+                     f"must be in [0, 65535], got {self.kv_handoff_port}", "kv_handoff_port")
+        self.require(self.kv_handoff_hold_s > 0,
+                     f"must be positive, got {self.kv_handoff_hold_s}", "kv_handoff_hold_s")
+        self.require(self.kv_handoff_hold_bytes > 0,
+                     f"must be positive, got {self.kv_handoff_hold_bytes}",
+                     "kv_handoff_hold_bytes")
+        self.require(0 <= self.kv_handoff_watermark <= 1,
+                     f"must be in [0, 1], got {self.kv_handoff_watermark}",
+                     "kv_handoff_watermark")
+        self.require(self.kv_handoff == "store" or self.tensor_parallel_size == 1,
+                     "the TCP handoff works on one device (as the KV tier)", "kv_handoff")
 
     def resolved_worker_id(self, bound_port: int) -> str:
         """The configured worker id, or `<hostname>-<port>` (stable across restarts)."""

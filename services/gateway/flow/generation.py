@@ -134,6 +134,8 @@ class Generation:
         self._error: MeshError | None = None
         self._lost: MeshError | None = None
         self._handed_off = False  # the prefill worker handed the request off: move it
+        self.kv_source = ""  # where its prompt's KV waits (a TCP handoff; "": the kvstore)
+        self.refused = False  # the decode worker it moved to had no room: move it again
         # Entries sent to the detokenizer (or waiting for a new stream), answer pending, in
         # order; a worker's error or loss waits for them, so that what was generated before
         # it still reaches the client first.
@@ -284,9 +286,11 @@ class Generation:
     def on_worker_error(self, error: MeshError) -> None:
         self._after_detok(lambda: self._fail(error))
 
-    def on_worker_done(self, timings: common_pb2.Timings, handed_off: bool = False) -> None:
-        self._timings = timings
-        if handed_off:  # disaggregated serving: the decode worker continues
+    def on_worker_done(self, done: worker_pb2.RequestDone) -> None:
+        self._timings = done.timings
+        if done.handed_off or done.refused:  # disaggregated serving: the request moves on
+            self.kv_source = done.kv_source if done.handed_off else self.kv_source
+            self.refused = done.refused
             self._after_detok(self._set_handed_off)
 
     def _set_handed_off(self) -> None:

@@ -27,7 +27,9 @@ The scheduler is told each attempt ended (a release on the route stream).
 Disaggregated serving: a route that names a decode worker (RouteResponse.decode) places
 the request on its prefill worker as `prefill_only`; that worker sends the first tokens
 and hands the prompt's KV off, and the request then moves to the decode worker the way a
-failover does (the first tokens resumed there), without counting as one.
+failover does (the first tokens resumed there), without counting as one. A decode worker
+without room refuses it (RequestDone.refused) before running anything: the request is
+routed again without that worker, to another decode worker or whole elsewhere.
 """
 
 from __future__ import annotations
@@ -305,12 +307,16 @@ class Orchestrator:
         after a loss, the unfinished sequences continue from their output tokens."""
         job = generation.job
         resumed: list[worker_pb2.ResumedSequence] = []
-        handed_off = generation.placement is not None and lost is None
+        handed_off = False
         if generation.placement is None:
             route = await self._route(job, generation.prompts, request.params, [])
         else:
-            route = (self._handed_over(generation, span) if lost is None
-                     else await self._move(generation, request, lost, span))
+            if lost is not None:
+                route = await self._move(generation, request, lost, span)
+            elif generation.refused:
+                route, handed_off = await self._after_refusal(generation, request, span)
+            else:
+                route, handed_off = self._handed_over(generation, span), True
             if generation.num_received:  # else it simply starts again
                 resumed = [worker_pb2.ResumedSequence(index=i, token_ids=ids)
                            for i, ids in generation.unfinished()]
@@ -321,6 +327,7 @@ class Orchestrator:
         request.kvstore_blocks = route.num_kvstore_blocks
         request.prefill_only = route.HasField("decode")
         request.handed_off = handed_off
+        request.kv_source = generation.kv_source if handed_off else ""
         if handed_off:  # the prompt's blocks are in the kvstore now: the worker asks for them
             request.ClearField("kvstore_blocks")
         add = worker_pb2.SessionAdd(handle=next(self._handles), request=request,
@@ -338,14 +345,28 @@ class Orchestrator:
         prefill = generation.route
         assert prefill.HasField("decode"), "only a route with a decode worker hands off"
         self._clients.route_stream().release(generation.job.request_id, prefill.worker_id)
-        target = prefill.decode
         span.add_event("kv handoff", {"meshserve.from_worker_id": prefill.worker_id,
-                                      "meshserve.to_worker_id": target.worker_id,
+                                      "meshserve.to_worker_id": prefill.decode.worker_id,
                                       "meshserve.tokens_carried": generation.num_received})
-        return scheduler_pb2.RouteResponse(
-            worker_id=target.worker_id, address=target.address, epoch=target.epoch,
-            block_size=prefill.block_size, policy=prefill.policy,
-            num_prompt_blocks=prefill.num_prompt_blocks)
+        return _decode_route(prefill)
+
+    async def _after_refusal(self, generation: Generation, request: worker_pb2.GenerateRequest,
+                             span: Span) -> tuple[scheduler_pb2.RouteResponse, bool]:
+        """Where a request goes that its decode worker refused (no room for its prompt's
+        KV; nothing ran there), and whether it is still a handoff: another decode worker
+        the router picks, the blocks pulled from the same source; with none, the whole
+        request where the router places it. Not a failover: nothing was lost."""
+        generation.refused = False
+        refused = generation.route
+        generation.excluded.append(refused.worker_id)
+        self._release(generation.job, refused)
+        span.add_event("kv handoff refused", {"meshserve.worker_id": refused.worker_id})
+        route = await self._route(generation.job, generation.prompts, request.params,
+                                  generation.excluded)
+        if not route.HasField("decode"):
+            return route, False
+        self._clients.route_stream().release(generation.job.request_id, route.worker_id)
+        return _decode_route(route), True
 
     async def _move(self, generation: Generation, request: worker_pb2.GenerateRequest,
                     lost: UnavailableError, span: Span) -> scheduler_pb2.RouteResponse:
@@ -465,6 +486,15 @@ class Orchestrator:
         self._clients.route_stream().release(job.request_id, route.worker_id)
         if route.HasField("decode"):
             self._clients.route_stream().release(job.request_id, route.decode.worker_id)
+
+
+def _decode_route(route: scheduler_pb2.RouteResponse) -> scheduler_pb2.RouteResponse:
+    """The route of a disaggregated `route`'s decode worker (the request moves there)."""
+    target = route.decode
+    return scheduler_pb2.RouteResponse(
+        worker_id=target.worker_id, address=target.address, epoch=target.epoch,
+        block_size=route.block_size, policy=route.policy,
+        num_prompt_blocks=route.num_prompt_blocks)
 
 
 async def _gather_all(coros: Sequence[Awaitable[_T]]) -> list[_T]:

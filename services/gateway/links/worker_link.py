@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
-from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from meshserve.proto.v1 import worker_pb2, worker_pb2_grpc
 from meshserve.services.gateway.links.bidi_link import BidiLink
 from meshserve.services.gateway.links.detokenize import DetokenizeStream
 from meshserve.shared.errors import MeshError
@@ -38,9 +38,10 @@ class SessionRunner(Protocol):
     def on_worker_error(self, error: MeshError) -> None:
         """The worker failed the request."""
 
-    def on_worker_done(self, timings: common_pb2.Timings, handed_off: bool) -> None:
+    def on_worker_done(self, done: worker_pb2.RequestDone) -> None:
         """The worker finished every sequence of the request, or (`handed_off`, a prefill
-        worker's part) the sequences still running go on at the decode worker."""
+        worker's part) the sequences still running go on at the decode worker, or
+        (`refused`, a decode worker without room) the request goes elsewhere."""
 
     def worker_lost(self, error: MeshError) -> None:
         """The session broke before the request finished."""
@@ -130,7 +131,7 @@ class WorkerLink:
         for done in response.done:
             runner = runners.pop(done.handle, None)
             if runner is not None:
-                runner.on_worker_done(done.timings, done.handed_off)
+                runner.on_worker_done(done)
         for stream in touched.values():
             await stream.flush()
 

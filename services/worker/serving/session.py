@@ -37,7 +37,7 @@ from meshserve.services.worker.serving.wire import (
     resumed_sequences,
     timings_pb,
 )
-from meshserve.services.worker.tier.handoff import KvHandoff
+from meshserve.services.worker.tier.handoff import KvHandoff, has_room
 from meshserve.shared.errors import (
     DeadlineExceededError,
     MeshError,
@@ -130,6 +130,8 @@ class WorkerSession:
                 raise UnavailableError(f"worker {self._worker_id} is draining; retry on "
                                        "another worker")
             params = self._validate(add.request)
+            if self._refuses(add):
+                return
             prefill_only = self._prefill_only(add.request, params)
             if prefill_only:  # the first token here, the rest at the decode worker
                 params = dataclasses.replace(params, max_tokens=1,
@@ -157,6 +159,25 @@ class WorkerSession:
         if add.request.deadline_unix_ns:
             heapq.heappush(self._deadlines, (add.request.deadline_unix_ns, handle))
             self._arm_deadline_timer()
+
+    def _refuses(self, add: worker_pb2.SessionAdd) -> bool:
+        """Whether this decode worker refuses a handed-off request for lack of KV room (a
+        RequestDone.refused, not an error: the gateway places it elsewhere); otherwise
+        tells the handoff where its blocks wait."""
+        request, handoff = add.request, self._handoff
+        if not request.handed_off or handoff is None:
+            return False
+        load = self._engine.load
+        blocks = sum(len(p.token_ids) // handoff.block_size for p in request.prompts)
+        if not has_room(blocks, load.num_free_blocks, load.num_total_blocks,
+                        handoff.watermark):
+            handoff.stats.refused += 1
+            self._handed.append(worker_pb2.RequestDone(handle=add.handle, refused=True))
+            self._ready.set()
+            return True
+        if request.kv_source:
+            handoff.expect(request.request_id, request.kv_source)
+        return False
 
     def _prefill_only(self, request: worker_pb2.GenerateRequest,
                       params: SamplingParams) -> bool:
@@ -297,7 +318,7 @@ class WorkerSession:
             return  # the session closed meanwhile
         self._handed.append(worker_pb2.RequestDone(
             handle=entry.handle, timings=timings_pb(entry.stream.times, time.monotonic()),
-            handed_off=True))
+            handed_off=True, kv_source=self._handoff.source))
         self._forget(entry, None)
         self._ready.set()
 
@@ -320,6 +341,8 @@ class WorkerSession:
         details.append(detail)
 
     def _forget(self, entry: SessionEntry, error_kind: str | None) -> None:
+        if entry.request.kv_source and self._handoff is not None:
+            self._handoff.forget(entry.request.request_id)
         self._entries.pop(entry.handle, None)
         self._by_stream.pop(id(entry.stream), None)
         self._on_finished(entry, error_kind)

@@ -10,8 +10,15 @@ step that computes it (tier/kv_tier.py), so sending is waiting until those write
 the decode worker loads them by block hash as prefix-cache hits from the store at admission
 (its partial last block and the first tokens are recomputed: a few tokens). A handoff that
 is not in the store in time costs the decode worker a recomputation, nothing else.
-Transports that copy device to device (NCCL, CUDA IPC) or stream over TCP fit behind the
-same two calls.
+`TcpHandoff` (tier/tcp_handoff.py) is the second: the prefill worker holds the blocks and
+names where (`source`), the decode worker pulls them over parallel TCP streams.
+
+The decode worker first checks it has room (`has_room`): a handed-off request whose prompt
+blocks would leave less than the watermark free is refused before anything runs, and the
+gateway places it elsewhere. Transports that copy device to device (NCCL, CUDA IPC) or
+over RDMA (UCX) fit behind the same calls: `send` makes the blocks reachable and says
+where, `expect` tells the decode side where a request's blocks wait, and the engine's KV
+tier pulls them into blocks it allocated first (tier/kv_tier.py's probe, then load).
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from prometheus_client import CollectorRegistry, Gauge
 # Longest a prefill worker waits for its prompt blocks to reach the store; past it the
 # request moves on anyway and the decode worker computes what is missing.
 DEFAULT_SEND_TIMEOUT_S = 10.0
+# Fraction of its KV cache a decode worker keeps free when it takes a handed-off prompt
+# (as vLLM's block-manager watermark: room for running sequences to grow).
+DEFAULT_WATERMARK = 0.01
 
 
 @dataclass
@@ -36,6 +46,8 @@ class HandoffStats:
     received_blocks: int = 0
     late_sends: int = 0
     """Sends that did not finish within their timeout, or found the transport away."""
+    refused: int = 0
+    """Handed-off requests this decode worker had no room for (placed elsewhere)."""
 
 
 class KvHandoff(Protocol):
@@ -44,6 +56,10 @@ class KvHandoff(Protocol):
     stats: HandoffStats
     block_size: int
     """Tokens per KV block: a prompt's full blocks are what is handed off."""
+    source: str
+    """Where this prefill worker's handed-off blocks wait ("": the kvstore)."""
+    watermark: float
+    """Decode side: the fraction of the KV cache kept free when taking a handoff."""
 
     async def send(self, num_blocks: int) -> bool:
         """Prefill side: make a request's `num_blocks` full prompt blocks, computed by the
@@ -56,6 +72,15 @@ class KvHandoff(Protocol):
         cache when it was admitted (loaded from the handoff)."""
         ...
 
+    def expect(self, request_id: str, source: str) -> None:
+        """Decode side: request `request_id`'s blocks wait at `source` (before it is
+        submitted to the engine)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """Decode side: the request ended; drop what `expect` noted."""
+        ...
+
 
 class StoreHandoff:
     """The KV tier as the handoff transport: `flush` waits for the transfer thread's
@@ -64,12 +89,15 @@ class StoreHandoff:
 
     def __init__(self, flush: Callable[[float], bool], block_size: int, *,
                  reachable: Callable[[], bool] = lambda: True,
-                 timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+                 watermark: float = DEFAULT_WATERMARK) -> None:
         self._flush = flush
+        self.watermark = watermark
         self._reachable = reachable
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.stats = HandoffStats()
+        self.source = ""
 
     async def send(self, num_blocks: int) -> bool:
         done = await asyncio.to_thread(self._flush, self.timeout_s) and self._reachable()
@@ -82,6 +110,20 @@ class StoreHandoff:
     def receive(self, num_blocks: int) -> None:
         self.stats.received_blocks += num_blocks
 
+    def expect(self, request_id: str, source: str) -> None:
+        pass  # the engine asks the store for any prompt it lacks
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def has_room(num_blocks: int, num_free_blocks: int, num_total_blocks: int,
+             watermark: float) -> bool:
+    """Whether a decode worker with `num_free_blocks` of `num_total_blocks` free takes a
+    handed-off prompt of `num_blocks` blocks and still keeps `watermark` of its cache free
+    (room for its running sequences to grow without preemption)."""
+    return num_free_blocks - num_blocks >= watermark * num_total_blocks
+
 
 def register_handoff_metrics(registry: CollectorRegistry, handoff: KvHandoff) -> None:
     """meshserve:kv_handoff_blocks_total{direction="sent"|"received"}, read at scrape time."""
@@ -91,6 +133,10 @@ def register_handoff_metrics(registry: CollectorRegistry, handoff: KvHandoff) ->
                    ["direction"], registry=registry)
     blocks.labels("sent").set_function(lambda: handoff.stats.sent_blocks)
     blocks.labels("received").set_function(lambda: handoff.stats.received_blocks)
+    Gauge("meshserve:kv_handoff_refusals_total",
+          "Handed-off requests this decode worker refused for lack of KV room (the gateway "
+          "placed them elsewhere)", registry=registry
+          ).set_function(lambda: handoff.stats.refused)
     Gauge("meshserve:kv_handoff_late_sends_total",
           "Handoffs whose KV was not in the store within the send timeout (the decode worker "
           "recomputes what it lacks)", registry=registry

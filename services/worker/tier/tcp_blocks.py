@@ -1,0 +1,252 @@
+"""KV blocks over raw TCP: a prefill worker's held blocks, its listener, a decode worker's pull.
+
+The prefill worker keeps the blocks it handed off in a `BlockHolder` (host memory, by block
+hash) and serves them from a `BlockServer`; the decode worker `probe`s how many of a
+prompt's blocks are held and `pull`s them over K parallel connections into one buffer it
+allocated first (each connection fetches one contiguous run of the blocks).
+
+The wire: a request is a 9-byte header (magic b"MKV1", op, block count) and the 32-byte
+block hashes; HAS answers a 4-byte count of the leading hashes held; GET answers a 12-byte
+header (block count, bytes per block) and then the blocks' bytes, back to back, nothing
+per block. A GET takes its blocks out of the holder (all or none: count 0 is a miss), so a
+pulled block is freed at once; a block nobody pulls is freed after `hold_s`, and the holder
+never keeps more than `max_bytes` (the oldest blocks go first).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.shared.block_hash import BlockHash
+
+MAGIC = b"MKV1"
+OP_HAS = 1
+OP_GET = 2
+HASH_BYTES = 32
+_REQUEST = struct.Struct("!4sBI")  # magic, op, number of hashes
+_COUNT = struct.Struct("!I")  # HAS: leading hashes held
+_BLOCKS = struct.Struct("!IQ")  # GET: blocks sent (0: a miss), bytes per block
+# Most hashes one request may name (a 128k-token prompt of 16-token blocks is 8k).
+_MAX_HASHES = 1 << 16
+
+
+@dataclass
+class HolderStats:
+    """Counters since start (the prefill worker's metrics)."""
+
+    held_blocks: int = 0
+    pulled_blocks: int = 0
+    expired_blocks: int = 0
+    """Freed after `hold_s` without a pull, or pushed out by the byte bound."""
+
+
+class BlockHolder:
+    """Blocks waiting to be pulled, by hash: freed when pulled, after `hold_s`, or when
+    newer blocks need the room (`max_bytes`). Thread-safe."""
+
+    def __init__(self, max_bytes: int, hold_s: float, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_bytes = max_bytes
+        self.hold_s = hold_s
+        self._clock = clock
+        self._blocks: collections.OrderedDict[BlockHash, tuple[torch.Tensor, float]] = (
+            collections.OrderedDict())  # oldest first: (uint8 bytes, freed at)
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.stats = HolderStats()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    def put(self, block_hash: BlockHash, data: torch.Tensor) -> None:
+        """Hold one block's bytes (a uint8 CPU tensor of its own) for `hold_s`."""
+        with self._lock:
+            self._pop(block_hash)
+            self._blocks[block_hash] = (data, self._clock() + self.hold_s)
+            self._bytes += data.numel()
+            self.stats.held_blocks += 1
+            self._expire_locked()
+            while self._bytes > self.max_bytes:
+                self._pop(next(iter(self._blocks)))
+                self.stats.expired_blocks += 1
+
+    def num_held(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of `hashes`, from the first, are held."""
+        with self._lock:
+            self._expire_locked()
+            count = 0
+            for block_hash in hashes:
+                if block_hash not in self._blocks:
+                    break
+                count += 1
+            return count
+
+    def take(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor] | None:
+        """Remove and return the blocks of `hashes`, or None (nothing removed) when one is
+        not held."""
+        with self._lock:
+            self._expire_locked()
+            if not all(h in self._blocks for h in hashes):
+                return None
+            taken = [self._pop(h) for h in hashes]
+            self.stats.pulled_blocks += len(taken)
+            return taken
+
+    def expire(self) -> float | None:
+        """Free the blocks past their time; seconds until the next one is due (None: none
+        held)."""
+        with self._lock:
+            self._expire_locked()
+            if not self._blocks:
+                return None
+            return max(min(at for _, at in self._blocks.values()) - self._clock(), 0.0)
+
+    def _expire_locked(self) -> None:
+        now = self._clock()
+        for block_hash in [h for h, (_, at) in self._blocks.items() if at <= now]:
+            self._pop(block_hash)
+            self.stats.expired_blocks += 1
+
+    def _pop(self, block_hash: BlockHash) -> torch.Tensor:
+        data, _ = self._blocks.pop(block_hash, (None, 0.0))
+        if data is None:
+            return torch.empty(0, dtype=torch.uint8)
+        self._bytes -= data.numel()
+        return data
+
+
+class BlockServer:
+    """Serves a holder's blocks on `host:port` (0: any port), a thread per connection."""
+
+    def __init__(self, holder: BlockHolder, host: str, port: int = 0) -> None:
+        self.holder = holder
+        handler = type("_Handler", (_Handler,), {"holder": holder})
+        self._server = socketserver.ThreadingTCPServer((host, port), handler,
+                                                       bind_and_activate=False)
+        self._server.daemon_threads = True
+        self._server.allow_reuse_address = True
+        self._server.server_bind()
+        self._server.server_activate()
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="kv-handoff-server", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    holder: BlockHolder
+
+    def handle(self) -> None:
+        conn: socket.socket = self.request
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        magic, op, count = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
+        if magic != MAGIC or count > _MAX_HASHES or op not in (OP_HAS, OP_GET):
+            return  # not our client: close
+        raw = _recv_exact(conn, count * HASH_BYTES)
+        hashes = [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
+        if op == OP_HAS:
+            conn.sendall(_COUNT.pack(self.holder.num_held(hashes)))
+            return
+        blocks = self.holder.take(hashes)
+        if not blocks:
+            conn.sendall(_BLOCKS.pack(0, 0))
+            return
+        conn.sendall(_BLOCKS.pack(len(blocks), blocks[0].numel()))
+        for block in blocks:
+            conn.sendall(block.numpy().data)
+
+
+def probe(address: str, hashes: Sequence[BlockHash], timeout_s: float) -> int:
+    """How many of `hashes`, from the first, the source at `address` holds (0 when it
+    cannot be reached)."""
+    if not hashes:
+        return 0
+    try:
+        with _connect(address, timeout_s) as conn:
+            conn.sendall(_request(OP_HAS, hashes))
+            (count,) = _COUNT.unpack(_recv_exact(conn, _COUNT.size))
+    except OSError:
+        return 0
+    return min(int(count), len(hashes))
+
+
+def pull(address: str, hashes: Sequence[BlockHash], out: torch.Tensor,
+         pool: ThreadPoolExecutor, streams: int, timeout_s: float) -> bool:
+    """Fetch the blocks of `hashes` into `out` (uint8 CPU [n, bytes per block]) over up to
+    `streams` connections run on `pool`; False when any part is missing or fails."""
+    assert out.dtype == torch.uint8 and out.dim() == 2 and out.shape[0] == len(hashes), \
+        f"pull needs a uint8 [n, block bytes] buffer, got {out.dtype} {tuple(out.shape)}"
+    runs = _runs(len(hashes), streams)
+    futures = [pool.submit(_pull_run, address, hashes[a:b], out[a:b], timeout_s)
+               for a, b in runs]
+    results = [f.result() for f in futures]  # every run ends before `out` is used
+    return all(results)
+
+
+def _pull_run(address: str, hashes: Sequence[BlockHash], out: torch.Tensor,
+              timeout_s: float) -> bool:
+    try:
+        with _connect(address, timeout_s) as conn:
+            conn.sendall(_request(OP_GET, hashes))
+            count, size = _BLOCKS.unpack(_recv_exact(conn, _BLOCKS.size))
+            if count != len(hashes) or size != out.shape[1]:
+                return False
+            _recv_into(conn, out.numpy().data.cast("B"))
+    except OSError:
+        return False
+    return True
+
+
+def _runs(n: int, streams: int) -> list[tuple[int, int]]:
+    """`n` blocks cut into at most `streams` contiguous, nearly equal runs."""
+    parts = max(1, min(streams, n))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+
+
+def _request(op: int, hashes: Sequence[BlockHash]) -> bytes:
+    assert all(len(h) == HASH_BYTES for h in hashes), "block hashes are 32 bytes"
+    return _REQUEST.pack(MAGIC, op, len(hashes)) + b"".join(hashes)
+
+
+def _connect(address: str, timeout_s: float) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def _recv_exact(conn: socket.socket, size: int) -> bytes:
+    buffer = bytearray(size)
+    _recv_into(conn, memoryview(buffer))
+    return bytes(buffer)
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if not n:
+            raise ConnectionError(f"the peer closed after {got} of {len(view)} bytes")
+        got += n

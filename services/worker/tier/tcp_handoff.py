@@ -1,0 +1,332 @@
+"""The KV handoff over TCP (--kv-handoff tcp): prefill worker to decode worker, no store between.
+
+`TcpTransfer` is the engine's KV-tier transport (tier/kv_tier.py's KVTransport) with a
+thread of its own, wrapped around the kvstore's transfer when the worker has one:
+
+- On a prefill worker, every block the engine indexes (the write-through saves, queued
+  right after the step that computes them) is copied by this thread, off the engine
+  thread, out of the gathered tensor into host memory of its own and held in a
+  `BlockHolder` (tier/tcp_blocks.py), served by the worker's `BlockServer`. A held block is
+  freed once pulled or after `hold_s`, and the holder never keeps more than its byte bound.
+- On a decode worker, a handed-off request's blocks wait at the source its GenerateRequest
+  names (`expect`). The engine probes for the prompt blocks past its own prefix hits as
+  for the store: the probe asks the source how many it holds; the engine allocates that
+  many blocks; the load pulls them over `streams` parallel connections into one host
+  buffer and scatters it into those blocks. A source that is gone, a pull that fails or
+  times out: the load fails and the engine recomputes the prompt (nothing else is lost).
+
+Every other probe and load goes to the kvstore's transfer (or finds nothing without one).
+`TcpHandoff` is the `KvHandoff` over it: sending waits until the thread holds the
+request's blocks, and names the listener's address as their source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry, Gauge
+
+from meshserve.services.worker.engine.device import make_current
+from meshserve.services.worker.engine.kv_copy import KVCaches, block_shape, scatter_blocks
+from meshserve.services.worker.tier.handoff import (
+    DEFAULT_SEND_TIMEOUT_S,
+    DEFAULT_WATERMARK,
+    HandoffStats,
+)
+from meshserve.services.worker.tier.kv_tier import (
+    KVTransport,
+    LoadDone,
+    LoadJob,
+    ProbeDone,
+    ProbeJob,
+    SaveJob,
+    TransferDone,
+    TransferJob,
+)
+from meshserve.services.worker.tier.tcp_blocks import BlockHolder, probe, pull
+from meshserve.shared.block_hash import BlockHash
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class TcpLease:
+    """What a probe found: the leading `hashes` that `source` holds."""
+
+    source: str
+    hashes: list[BlockHash]
+
+
+@dataclass(frozen=True)
+class _SourcedProbe:
+    job: ProbeJob
+    source: str
+
+
+@dataclass
+class PullStats:
+    """Counters since start (the decode worker's metrics)."""
+
+    pulled_blocks: int = 0
+    pulled_bytes: int = 0
+    pull_seconds: float = 0.0
+    failed_pulls: int = 0
+
+
+class TcpTransfer:
+    """The KV tier's transport with the TCP handoff (see the module doc)."""
+
+    def __init__(self, kv_caches: KVCaches, *, inner: KVTransport | None = None,
+                 holder: BlockHolder | None = None, streams: int = 4,
+                 timeout_s: float = 10.0) -> None:
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0][0].device
+        self.block_shape = block_shape(kv_caches)
+        self.streams = streams
+        self.timeout_s = timeout_s
+        self.holder = holder
+        self.stats = PullStats()
+        self._inner = inner
+        self._sources: dict[str, str] = {}  # request id -> where its blocks wait
+        self._jobs: collections.deque[object] = collections.deque()
+        self._wake = threading.Condition()
+        self._backlog = 0
+        self._done: list[TransferDone] = []
+        self._cond = threading.Condition()
+        self._pool = ThreadPoolExecutor(streams, thread_name_prefix="kv-pull")
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="kv-handoff", daemon=True)
+
+    # ----- the decode side's requests -------------------------------------------------
+    def expect(self, request_id: str, source: str) -> None:
+        """The blocks of request `request_id` wait at `source` (host:port)."""
+        self._sources[request_id] = source
+
+    def forget(self, request_id: str) -> None:
+        self._sources.pop(request_id, None)
+
+    def _source_of(self, sequence_id: str) -> str | None:
+        """A probing sequence's source: its request's (a sibling of n > 1 is `id#index`)."""
+        source = self._sources.pop(sequence_id, None)
+        return source or self._sources.get(sequence_id.rpartition("#")[0])
+
+    # ----- the engine's side (KVTransport) -------------------------------------------
+    @property
+    def available(self) -> bool:
+        inner = self._inner is not None and self._inner.available
+        return inner or self.holder is not None or bool(self._sources)
+
+    @property
+    def save_backlog_bytes(self) -> int:
+        inner = self._inner.save_backlog_bytes if self._inner is not None else 0
+        return max(inner, self._backlog)
+
+    def submit(self, job: TransferJob) -> None:
+        if isinstance(job, SaveJob):
+            if self._inner is not None:
+                self._inner.submit(job)
+            if self.holder is not None:
+                self._queue(job, job.nbytes)
+        elif isinstance(job, ProbeJob):
+            self._submit_probe(job)
+        elif isinstance(job.lease, TcpLease):
+            if isinstance(job, LoadJob):  # a DropJob of ours has nothing to release
+                self._queue(job)
+        elif self._inner is not None:
+            self._inner.submit(job)
+
+    def _submit_probe(self, job: ProbeJob) -> None:
+        source = self._source_of(job.request_id)
+        if source:
+            self._queue(_SourcedProbe(job, source))
+        elif self._inner is not None:
+            self._inner.submit(job)
+        else:
+            self._finish(ProbeDone(job.request_id, 0, None))
+
+    def take_done(self) -> list[TransferDone]:
+        done = self._inner.take_done() if self._inner is not None else []
+        if self._done:
+            with self._cond:
+                done, self._done = [*done, *self._done], []
+        return done
+
+    def wait(self, timeout_s: float) -> None:
+        if self._inner is not None and not self._jobs:
+            self._inner.wait(timeout_s)
+            return
+        with self._cond:
+            if not self._done:
+                self._cond.wait(timeout_s)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every job queued so far is done (the held blocks are held)."""
+        done = threading.Event()
+        self._queue(done.set)
+        return done.wait(timeout_s)
+
+    # ----- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue(_STOP)
+        self._thread.join(timeout=10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ----- the thread ------------------------------------------------------------------
+    def _queue(self, job: object, nbytes: int = 0) -> None:
+        with self._wake:
+            self._backlog += nbytes
+            self._jobs.append(job)
+            self._wake.notify()
+
+    def _run(self) -> None:
+        make_current(self.device)
+        while True:
+            with self._wake:
+                while not self._jobs:
+                    # Held blocks past their time are freed when the next one is due.
+                    self._wake.wait(self.holder.expire() if self.holder is not None else None)
+                job = self._jobs.popleft()
+            if job is _STOP:
+                return
+            self._do(job)
+
+    def _do(self, job: object) -> None:
+        try:
+            if isinstance(job, SaveJob):
+                self._hold(job)
+            elif isinstance(job, _SourcedProbe):
+                self._probe(job)
+            elif isinstance(job, LoadJob):
+                self._load(job)
+            else:
+                job()  # type: ignore[operator]
+        except Exception:  # a bug here must not kill the worker: the prompt is recomputed
+            log.exception("KV handoff job failed")
+        finally:
+            if isinstance(job, SaveJob):
+                with self._wake:
+                    self._backlog -= job.nbytes
+
+    def _hold(self, job: SaveJob) -> None:
+        """Copy each block into host memory of its own and hold it (prefill side)."""
+        assert self.holder is not None, "only a prefill worker holds blocks"
+        if job.ready is not None:
+            job.ready.synchronize()
+        rows = job.data.reshape(len(job.hashes), -1).view(torch.uint8)  # [n, block bytes]
+        for block_hash, row in zip(job.hashes, rows, strict=True):
+            data = torch.empty(row.numel(), dtype=torch.uint8)
+            data.copy_(row)
+            self.holder.put(block_hash, data)
+
+    def _probe(self, probed: _SourcedProbe) -> None:
+        job, found = probed.job, 0
+        try:
+            found = probe(probed.source, job.hashes, self.timeout_s)
+        finally:
+            lease = TcpLease(probed.source, job.hashes[:found]) if found else None
+            self._finish(ProbeDone(job.request_id, found, lease))
+
+    def _load(self, job: LoadJob) -> None:
+        ok = False
+        try:
+            ok = self._pull_into_cache(job)
+        finally:
+            if not ok:
+                self.stats.failed_pulls += 1
+            self._finish(LoadDone(job.request_id, ok))
+
+    def _pull_into_cache(self, job: LoadJob) -> bool:
+        lease: TcpLease = job.lease  # type: ignore[assignment]
+        n = len(job.block_ids)
+        started = time.perf_counter()
+        dtype = self.kv_caches[0][0].dtype
+        # [n, layers, 2, block_size, kv_heads, head_dim], page-locked on a GPU host
+        packed = torch.empty((n, *self.block_shape), dtype=dtype,
+                             pin_memory=self._stream is not None)
+        if not pull(lease.source, lease.hashes[:n], packed.view(n, -1).view(torch.uint8),
+                    self._pool, self.streams, self.timeout_s):
+            return False
+        if self._stream is None:
+            scatter_blocks(self.kv_caches, job.block_ids, packed)
+        else:
+            with torch.cuda.stream(self._stream):
+                if job.after is not None:
+                    self._stream.wait_event(job.after)
+                scatter_blocks(self.kv_caches, job.block_ids,
+                               packed.to(self.device, non_blocking=True))
+            self._stream.synchronize()
+        self.stats.pulled_blocks += n
+        self.stats.pulled_bytes += packed.numel() * packed.element_size()
+        self.stats.pull_seconds += time.perf_counter() - started
+        return True
+
+    def _finish(self, done: TransferDone) -> None:
+        with self._cond:
+            self._done.append(done)
+            self._cond.notify_all()
+
+
+class TcpHandoff:
+    """`KvHandoff` over a `TcpTransfer`: `source` is the prefill worker's listener."""
+
+    def __init__(self, transfer: TcpTransfer, block_size: int, source: str = "", *,
+                 timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+                 watermark: float = DEFAULT_WATERMARK) -> None:
+        self.transfer = transfer
+        self.watermark = watermark
+        self.block_size = block_size
+        self.source = source
+        self.timeout_s = timeout_s
+        self.stats = HandoffStats()
+
+    async def send(self, num_blocks: int) -> bool:
+        done = await asyncio.to_thread(self.transfer.flush, self.timeout_s)
+        if done:
+            self.stats.sent_blocks += num_blocks
+        else:
+            self.stats.late_sends += 1
+        return done
+
+    def receive(self, num_blocks: int) -> None:
+        self.stats.received_blocks += num_blocks
+
+    def expect(self, request_id: str, source: str) -> None:
+        self.transfer.expect(request_id, source)
+
+    def forget(self, request_id: str) -> None:
+        self.transfer.forget(request_id)
+
+
+def register_tcp_metrics(registry: CollectorRegistry, transfer: TcpTransfer) -> None:
+    """The TCP handoff's gauges: held bytes and freed blocks (prefill), pulls (decode)."""
+    holder = transfer.holder
+    read: list[tuple[str, str, Callable[[], float]]] = [
+        ("kv_handoff_pulled_bytes_total", "Bytes of KV blocks pulled from prefill workers",
+         lambda: transfer.stats.pulled_bytes),
+        ("kv_handoff_pull_seconds_total", "Seconds spent pulling KV blocks over TCP",
+         lambda: transfer.stats.pull_seconds),
+        ("kv_handoff_failed_pulls_total",
+         "Pulls that failed or found the source gone (the prompt was recomputed)",
+         lambda: transfer.stats.failed_pulls)]
+    if holder is not None:
+        read += [
+            ("kv_handoff_held_bytes", "Bytes of handed-off KV blocks held for decode workers",
+             lambda: holder.held_bytes),
+            ("kv_handoff_expired_blocks_total",
+             "Held KV blocks freed unpulled (hold time or byte bound)",
+             lambda: holder.stats.expired_blocks)]
+    for name, doc, fn in read:
+        Gauge(f"meshserve:{name}", doc, registry=registry).set_function(fn)

@@ -1,0 +1,131 @@
+"""The TCP KV handoff between two engines on a tiny model (services/worker/tier/tcp_handoff.py):
+the prefill engine's transfer thread holds the prompt's blocks and its listener serves
+them; the decode engine, told where they wait, probes, allocates and pulls them over
+several real TCP streams, and its output equals recomputation with the pulled KV bit-exact;
+the pulled blocks leave the prefill side; a source that is gone costs only recomputation."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from engine_features import tier_of
+from engine_outputs import drain, tokens
+from tiny_models import build_tiny_model
+
+from meshserve.services.worker.builder import KVTierPlan, build_engine
+from meshserve.services.worker.config import EngineConfig
+from meshserve.services.worker.engine.engine import LLMEngine
+from meshserve.services.worker.engine.kv_copy import KVCaches
+from meshserve.services.worker.tier.tcp_blocks import BlockHolder, BlockServer
+from meshserve.services.worker.tier.tcp_handoff import TcpTransfer
+from meshserve.shared.block_hash import hash_blocks
+from meshserve.shared.sampling_params import SamplingParams
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tcp-handoff"), "llama", seed=6)
+
+
+def make_engine(folder: Path, holder: BlockHolder | None) -> tuple[LLMEngine, TcpTransfer]:
+    config = EngineConfig(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64,
+                          block_size=BLOCK, max_model_len=256)
+    made: list[TcpTransfer] = []
+
+    def transport(kv_caches: KVCaches) -> TcpTransfer:
+        made.append(TcpTransfer(kv_caches, holder=holder, streams=3, timeout_s=5.0))
+        return made[0]
+
+    engine = build_engine(config, kv_tier=KVTierPlan(transport, 1 << 30))
+    made[0].start()
+    return engine, made[0]
+
+
+@pytest.fixture
+def prefill(folder: Path) -> Iterator[tuple[LLMEngine, TcpTransfer, str]]:
+    holder = BlockHolder(1 << 30, 60.0)
+    server = BlockServer(holder, "127.0.0.1")
+    server.start()
+    engine, transfer = make_engine(folder, holder)
+    try:
+        yield engine, transfer, f"127.0.0.1:{server.port}"
+    finally:
+        transfer.stop()
+        server.stop()
+
+
+def run(engine: LLMEngine, prompt: list[int], rid: str) -> tuple[list[int], int]:
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=6,
+                                                   ignore_eos=True))
+    outputs = drain(engine)[(rid, 0)]
+    return tokens(outputs), outputs[-1].num_cached_tokens
+
+
+def prompt() -> list[int]:
+    rng = random.Random(7)
+    return [rng.randrange(3, 200) for _ in range(5 * BLOCK + 3)]
+
+
+def cached_bytes(engine: LLMEngine, block_hash: bytes) -> bytes:
+    block = engine.kv.pool.get_cached_block(block_hash)
+    assert block is not None
+    return torch.stack([torch.stack([k[block.block_id], v[block.block_id]])
+                        for k, v in engine.runner.kv_caches]).numpy().tobytes()
+
+
+def test_prompt_blocks_pulled_over_tcp_decode_as_recomputed(
+        folder: Path, prefill: tuple[LLMEngine, TcpTransfer, str]) -> None:
+    first, first_transfer, source = prefill
+    reference, _ = run(first, prompt(), "p")
+    assert first_transfer.flush(10)
+    holder = first_transfer.holder
+    assert holder is not None and holder.stats.held_blocks >= 5
+    hashes = hash_blocks(prompt(), BLOCK)
+    assert len(hashes) == 5
+    computed = {h: cached_bytes(first, h) for h in hashes}
+
+    second, second_transfer = make_engine(folder, None)
+    try:
+        second_transfer.expect("d", source)
+        out, cached = run(second, prompt(), "d")
+        assert out == reference, "KV pulled over TCP gave different tokens"
+        assert cached == 5 * BLOCK
+        tier = tier_of(second)
+        assert tier is not None and tier.stats.loaded_blocks == 5
+        assert second_transfer.stats.pulled_blocks == 5
+        for h in hashes:
+            assert cached_bytes(second, h) == computed[h], "a pulled block is not bit-exact"
+        # Pulled blocks are freed on the prefill side (the rest wait for their hold time).
+        assert holder.stats.pulled_blocks == 5
+        assert holder.num_held(hashes) == 0
+    finally:
+        second_transfer.stop()
+
+
+def test_a_source_that_is_gone_costs_only_recomputation(
+        folder: Path, prefill: tuple[LLMEngine, TcpTransfer, str]) -> None:
+    first, _, _ = prefill
+    reference, _ = run(first, prompt(), "p")
+    second, second_transfer = make_engine(folder, None)
+    try:
+        second_transfer.expect("d", closed_address())
+        out, cached = run(second, prompt(), "d")
+    finally:
+        second_transfer.stop()
+    assert out == reference and cached == 0
+    tier = tier_of(second)
+    assert tier is not None and tier.stats.probes == 1 and tier.stats.loaded_blocks == 0
+
+
+def closed_address() -> str:
+    """An address on 127.0.0.1 where nothing listens (a server started, then stopped)."""
+    server = BlockServer(BlockHolder(1, 1.0), "127.0.0.1")
+    server.start()
+    server.stop()
+    return f"127.0.0.1:{server.port}"
