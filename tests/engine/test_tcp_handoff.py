@@ -2,11 +2,14 @@
 the prefill engine's transfer thread holds the prompt's blocks and its listener serves
 them; the decode engine, told where they wait, probes, allocates and pulls them over
 several real TCP streams, and its output equals recomputation with the pulled KV bit-exact;
-the pulled blocks leave the prefill side; a source that is gone costs only recomputation."""
+the pulled blocks leave the prefill side; a source that is gone, or that does not answer
+within the timeout, costs only recomputation."""
 
 from __future__ import annotations
 
 import random
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,13 +36,14 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tcp-handoff"), "llama", seed=6)
 
 
-def make_engine(folder: Path, holder: BlockHolder | None) -> tuple[LLMEngine, TcpTransfer]:
+def make_engine(folder: Path, holder: BlockHolder | None, timeout_s: float = 5.0
+                ) -> tuple[LLMEngine, TcpTransfer]:
     config = EngineConfig(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64,
                           block_size=BLOCK, max_model_len=256)
     made: list[TcpTransfer] = []
 
     def transport(kv_caches: KVCaches) -> TcpTransfer:
-        made.append(TcpTransfer(kv_caches, holder=holder, streams=3, timeout_s=5.0))
+        made.append(TcpTransfer(kv_caches, holder=holder, streams=3, timeout_s=timeout_s))
         return made[0]
 
     engine = build_engine(config, kv_tier=KVTierPlan(transport, 1 << 30))
@@ -121,6 +125,26 @@ def test_a_source_that_is_gone_costs_only_recomputation(
     assert out == reference and cached == 0
     tier = tier_of(second)
     assert tier is not None and tier.stats.probes == 1 and tier.stats.loaded_blocks == 0
+
+
+def test_a_source_that_does_not_answer_in_time_costs_only_recomputation(
+        folder: Path, prefill: tuple[LLMEngine, TcpTransfer, str]) -> None:
+    first, _, _ = prefill
+    reference, _ = run(first, prompt(), "p")
+    # A listener that never answers: connections complete in its backlog, nothing is read.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        second, second_transfer = make_engine(folder, None, timeout_s=0.5)
+        try:
+            second_transfer.expect("d", f"127.0.0.1:{silent.getsockname()[1]}")
+            started = time.monotonic()
+            out, cached = run(second, prompt(), "d")
+            waited = time.monotonic() - started
+        finally:
+            second_transfer.stop()
+    assert out == reference and cached == 0
+    assert 0.5 <= waited < 5.0, f"the probe's timeout bounded the wait: {waited:.2f}s"
 
 
 def closed_address() -> str:
