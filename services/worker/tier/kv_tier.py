@@ -105,6 +105,11 @@ class KVTransport(Protocol):
         """Bytes of submitted saves not yet written."""
         ...
 
+    def may_hold(self, request_id: str) -> bool:
+        """Whether a probe for this sequence's prompt blocks may find any (the store is
+        reachable, or a handoff source is known for it)."""
+        ...
+
     def submit(self, job: TransferJob) -> None: ...
 
     def take_done(self) -> list[TransferDone]:
@@ -171,7 +176,7 @@ class KVTier(StepHook):
         request.store_checked = True
         # As get_computed_blocks: the last token is always computed.
         last = (request.num_tokens - 1) // self.kv.block_size
-        if last <= num_local_blocks or not self.transport.available:
+        if last <= num_local_blocks or not self.transport.may_hold(request.request_id):
             return False
         self._probing[request.request_id] = (request, num_local_blocks)
         self.stats.probes += 1

@@ -116,15 +116,22 @@ class TcpTransfer:
         self._sources.pop(request_id, None)
 
     def _source_of(self, sequence_id: str) -> str | None:
-        """A probing sequence's source: its request's (a sibling of n > 1 is `id#index`)."""
-        source = self._sources.pop(sequence_id, None)
-        return source or self._sources.get(sequence_id.rpartition("#")[0])
+        """A probing sequence's source (its request's, kept for its siblings when n > 1)."""
+        request_id = _request_of(sequence_id, self._sources)
+        if request_id == sequence_id:
+            return self._sources.pop(request_id, None)
+        return self._sources.get(request_id) if request_id is not None else None
 
     # ----- the engine's side (KVTransport) -------------------------------------------
     @property
     def available(self) -> bool:
-        inner = self._inner is not None and self._inner.available
-        return inner or self.holder is not None or bool(self._sources)
+        """Whether saves are taken: the store's, or a prefill worker's holder."""
+        return self.holder is not None or (self._inner is not None and self._inner.available)
+
+    def may_hold(self, request_id: str) -> bool:
+        if self._sources and _request_of(request_id, self._sources) is not None:
+            return True
+        return self._inner is not None and self._inner.may_hold(request_id)
 
     @property
     def save_backlog_bytes(self) -> int:
@@ -277,6 +284,15 @@ class TcpTransfer:
         with self._cond:
             self._done.append(done)
             self._cond.notify_all()
+
+
+def _request_of(sequence_id: str, sources: dict[str, str]) -> str | None:
+    """The request among `sources` that a sequence belongs to: its own id, or for a
+    sibling of n > 1 the id before `#index` (the engine's naming)."""
+    if sequence_id in sources:
+        return sequence_id
+    request_id = sequence_id.rpartition("#")[0]
+    return request_id if request_id in sources else None
 
 
 class TcpHandoff:

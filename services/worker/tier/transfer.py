@@ -110,6 +110,9 @@ class KVTransfer:
     def save_backlog_bytes(self) -> int:
         return self._backlog
 
+    def may_hold(self, request_id: str) -> bool:
+        return self.available
+
     def submit(self, job: TransferJob) -> None:
         with self._wake:
             if isinstance(job, SaveJob):
