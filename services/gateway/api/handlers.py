@@ -225,7 +225,7 @@ class Handlers:
                     renderer = renderer_for(job, generation.prompts, generation.lookup)
                     response = web.StreamResponse(headers=SSE_HEADERS)
                     await response.prepare(request)
-                    await self._write_stream(response, generation, renderer)
+                    tail = await self._write_stream(response, generation, renderer)
         except asyncio.CancelledError as exc:
             if response is None or not self._drain.ended_by_drain(exc):
                 raise  # the client went away (or the request never started)
@@ -242,8 +242,7 @@ class Handlers:
             await self._end_stream(response, job, error)
             return response
         assert response is not None
-        await response.write(bodies.SSE_DONE)
-        await response.write_eof()
+        await response.write_eof(tail + bodies.SSE_DONE)
         return response
 
     def stream_error(self, exc: Exception) -> MeshError:
@@ -270,23 +269,30 @@ class Handlers:
             _log.info("client of %s went away before the error event", job.request_id)
 
     async def _write_stream(self, response: web.StreamResponse, generation: Generation,
-                            renderer: Renderer) -> None:
+                            renderer: Renderer) -> bytes:
+        """Write the chunks of every worker step but the last, each step's in one write (the
+        role chunks go with the first); returns the last step's chunks and the usage chunk,
+        which go out in one write with `[DONE]` and the end of the stream."""
         options = generation.job.options
         # As vLLM: continuous usage stats only where usage is asked for at all, on every
         # chunk from the first (role) chunk on.
         continuous = options.include_usage and options.continuous_usage_stats
-        start = renderer.start(_before_output(generation.usage()) if continuous else None)
-        if start:
-            await response.write(start)
-        async for update in generation.updates():
-            usage = generation.usage() if continuous else None
-            data = renderer.chunks(update, usage)
-            if data:
-                await response.write(data)
+        held = renderer.start(_before_output(generation.usage()) if continuous else None)
+        try:
+            async for update in generation.updates():
+                held += renderer.chunks(update, generation.usage() if continuous else None)
+                if held and not generation.done:
+                    await response.write(held)
+                    held = b""
+        except Exception:
+            if held:  # what came before the error reaches the client first
+                await response.write(held)
+            raise
         usage = generation.usage()
         if options.include_usage:
-            await response.write(renderer.usage_chunk(usage))
+            held += renderer.usage_chunk(usage)
         _annotate_result(generation, renderer, usage)
+        return held
 
 
 def _before_output(usage: dict[str, Any]) -> dict[str, Any]:

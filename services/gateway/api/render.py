@@ -17,6 +17,8 @@ from meshserve.shared import openai_bodies as bodies
 from meshserve.shared import openai_protocol as oai
 from meshserve.shared.logprobs import TokenLogprobs
 
+_EMPTY_TAIL = b'[]}\n\n'  # how the SSE bytes of a chunk without choices or usage end
+
 
 @dataclass
 class _Choice:
@@ -46,6 +48,7 @@ class Renderer:
         self.created = bodies.created_timestamp() if created is None else created
         self._choices = [_Choice() for _ in range(job.num_choices)]
         self._ids_sent: set[int] = set()  # choices whose prompt_token_ids were streamed
+        self._head = b""  # a chunk's SSE bytes up to its choices (see _event)
 
     # -- streaming --------------------------------------------------------------------------
 
@@ -66,9 +69,19 @@ class Renderer:
             if choice is not None:
                 first = delta.index not in self._ids_sent and self._prompt_ids_on_choice
                 self._ids_sent.add(delta.index)
-                events.append(bodies.sse(self._chunk([self._with_token_ids(
-                    choice, delta.index, delta.token_ids, first)], usage)))
+                events.append(self._event(self._with_token_ids(
+                    choice, delta.index, delta.token_ids, first), usage))
         return b"".join(events)
+
+    def _event(self, choice: dict[str, Any], usage: dict[str, Any] | None) -> bytes:
+        """`bodies.sse(self._chunk([choice], usage))`, byte for byte, with the envelope (id,
+        object, created, model) encoded once per response rather than once per chunk."""
+        if not self._head:
+            empty = bodies.sse(self._chunk([], None))
+            assert empty.endswith(_EMPTY_TAIL), "a chunk's choices come last"
+            self._head = empty[:-len(_EMPTY_TAIL)] + b"["
+        tail = b"]}\n\n" if usage is None else b'],"usage":' + bodies.dumps(usage) + b"}\n\n"
+        return self._head + bodies.dumps(choice) + tail
 
     def _prompt_ids(self, index: int) -> list[int] | None:
         """The prompt token ids of choice `index` (None for embeddings, as vLLM: no ids)."""
