@@ -1,7 +1,8 @@
 """The model modules and loader against transformers' own models on the same files.
 
 Every tiny folder is written by transformers (tests/tiny_models.py) and read back by
-`AutoModelForCausalLM` as the reference; the GGUF case uses the real default model file.
+`AutoModelForCausalLM` as the reference (the default GGUF model's case is in
+test_smollm2_gguf.py, sharing transformers' slow GGUF load).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from meshserve.services.worker.loader import (
 from meshserve.services.worker.models.config import ModelConfig
 from meshserve.services.worker.models.llama import CausalLM
 from meshserve.shared import default_model
-from meshserve.shared.default_model import DEFAULT_MODEL_NAME, GGUF_NAME
+from meshserve.shared.default_model import GGUF_NAME
 from meshserve.shared.errors import ModelLoadError
 
 CPU = torch.device("cpu")
@@ -305,30 +306,6 @@ def test_resolve_dtype() -> None:
     assert resolve_dtype("bfloat16", config, CPU) == torch.bfloat16
     with pytest.raises(ModelLoadError, match="dtype"):
         resolve_dtype("int3", config, CPU)
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> tuple[ModelSource, CausalLM, torch.nn.Module]:
-    source = resolve_model(None)
-    ours = load_model(source, load_model_config(source), torch.float32, CPU, "auto")
-    ref = AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name,
-                                               dtype=torch.float32)
-    return source, ours, ref
-
-
-def test_default_gguf_model_matches_transformers(smollm2: Any) -> None:
-    source, ours, ref = smollm2
-    assert source.format == "gguf" and source.name == DEFAULT_MODEL_NAME
-    assert resolve_model(str(source.path)) == ModelSource(str(source.path), source.path, "gguf",
-                                                          source.path)
-    assert ours.config.architecture == "LlamaForCausalLM" and ours.config.tie_word_embeddings
-    ids = torch.cat([torch.tensor([1]), token_ids(13, seed=9, vocab=ours.config.vocab_size)])
-    with torch.no_grad():
-        want = ref(ids[None]).logits[0].float()
-    runner = PagedRunner(ours, num_blocks=8, block_size=16)
-    prefill = runner.step([(0, ids[:12], 0)])[0]
-    decode = [runner.step([(0, ids[t : t + 1], t)])[0] for t in (12, 13)]
-    torch.testing.assert_close(torch.cat([prefill, *decode]), want, rtol=0, atol=1e-3)
 
 
 def _fake_wheel(folder: Path, payload: bytes) -> Path:
