@@ -130,7 +130,7 @@ class Generation:
         self._mailbox: list[GenerationUpdate] = []
         self._deltas: list[ChoiceDelta] = []  # of the detokenizer answer being applied
         self._stopped: list[int] = []
-        self._event = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the handler's, while it waits
         self._error: MeshError | None = None
         self._lost: MeshError | None = None
         self._handed_off = False  # the prefill worker handed the request off: move it
@@ -241,14 +241,19 @@ class Generation:
                 continue
             if self.done:
                 return None
-            self._event.clear()
-            await self._event.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     async def _handle_lost(self, lost: MeshError) -> None:
         await self._failover(self, UnavailableError(lost.message, param=lost.param))
 
     def _wake(self) -> None:
-        self._event.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # -- the worker session's side (SessionRunner) ------------------------------------------
 
@@ -332,12 +337,12 @@ class Generation:
         if text.stopped:
             self._stopped.append(ref.index)
 
-    def publish(self) -> None:
+    def publish(self, now: float) -> None:
         self._run_deferred()
         if not self._deltas:
             return
         update, self._deltas = GenerationUpdate(self._deltas), []
-        self._observe_timing(update)
+        self._observe_timing(update, now)
         self._mailbox.append(update)
         stopped, self._stopped = self._stopped, []
         placement = self.placement
@@ -444,13 +449,12 @@ class Generation:
         return ChoiceDelta(entry.index, text.text, entry.token_ids[:counted], logprobs,
                            prompt_logprobs, reason, stop_reason)
 
-    def _observe_timing(self, update: GenerationUpdate) -> None:
-        tokens = 0
-        for choice in update.choices:
-            tokens = max(tokens, len(choice.token_ids))
+    def _observe_timing(self, update: GenerationUpdate, now: float) -> None:
+        """TTFT, or the inter-token latency of the update's tokens (`now`: the step's time,
+        read once for every request of the step)."""
+        tokens = max(len(choice.token_ids) for choice in update.choices)
         if not tokens:
             return
-        now = asyncio.get_running_loop().time()
         if self._last_token_time is None:
             self._ttft.observe(now - self.job.arrival)
         else:

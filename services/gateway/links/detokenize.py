@@ -4,7 +4,7 @@
     stream.add(sink, handle, index, ids, ...)       # entries of one worker step ...
     await stream.flush()                            # ... go out as one message
     # the answer arrives on the stream's reader: sink.on_text(...) per entry, then
-    # sink.publish() once per sink touched by that message
+    # sink.publish(now) once per sink touched by that message
 
 Every request the gateway binds to this replica is multiplexed on one bidirectional
 stream: each message carries one worker step's new tokens for all of them (columnar),
@@ -102,8 +102,9 @@ class TextSink(Protocol):
     def on_text(self, ref: object, text: SequenceText) -> None:
         """The text of one entry (`ref`: what the sink passed to `add`)."""
 
-    def publish(self) -> None:
-        """Every entry of one answer has been given (called once per answer per sink)."""
+    def publish(self, now: float) -> None:
+        """Every entry of one answer has been given (called once per answer per sink; `now`:
+        the event loop's time, read once per answer)."""
 
     def on_detokenize_error(self, error: MeshError) -> None:
         """The request failed at the tokenizer."""
@@ -249,8 +250,9 @@ class DetokenizeStream:
             stop = next(stop_strings, "") if stopped else ""
             sink.on_text(ref, SequenceText(text, stopped, finished, count, stop))
             touched[id(sink)] = sink
+        now = asyncio.get_running_loop().time()
         for sink in touched.values():
-            sink.publish()
+            sink.publish(now)
 
     def _break(self, error: MeshError) -> None:
         """The stream is gone: every request bound to it is told, and forgotten here."""
@@ -293,7 +295,7 @@ class _OneShot:
     def on_text(self, ref: object, text: SequenceText) -> None:
         self._text += text.text
 
-    def publish(self) -> None:
+    def publish(self, now: float) -> None:
         if not self.result.done():
             self.result.set_result(self._text)
 
