@@ -192,8 +192,11 @@ class CostWorker(worker_pb2_grpc.WorkerServicer):
 
     def _step(self, running: dict[int, _Running]) -> worker_pb2.SessionResponse:
         response = worker_pb2.SessionResponse(num_steps=1)
-        handles, sizes, tokens, reasons = [], [], [], []
-        done = []
+        handles: list[int] = []
+        sizes: list[int] = []
+        tokens: list[int] = []
+        reasons: list[int] = []
+        done: list[worker_pb2.RequestDone] = []
         for handle, run in list(running.items()):
             size = min(self.tokens_per_step, run.limit - run.sent)
             tokens.extend(token_of(run.sent + i) for i in range(size))
