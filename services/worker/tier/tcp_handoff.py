@@ -22,7 +22,6 @@ request's blocks, and names the listener's address as their source.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import threading
@@ -39,7 +38,7 @@ from meshserve.services.worker.engine.kv_copy import KVCaches, block_shape, scat
 from meshserve.services.worker.tier.handoff import (
     DEFAULT_SEND_TIMEOUT_S,
     DEFAULT_WATERMARK,
-    HandoffStats,
+    StoreHandoff,
 )
 from meshserve.services.worker.tier.kv_tier import (
     KVTransport,
@@ -295,29 +294,17 @@ def _request_of(sequence_id: str, sources: dict[str, str]) -> str | None:
     return request_id if request_id in sources else None
 
 
-class TcpHandoff:
-    """`KvHandoff` over a `TcpTransfer`: `source` is the prefill worker's listener."""
+class TcpHandoff(StoreHandoff):
+    """`KvHandoff` over a `TcpTransfer`: `source` is the prefill worker's listener. Sending
+    waits for the transfer thread to hold the blocks (as the store's writes are waited for);
+    the decode side tells the transfer where each request's blocks are."""
 
     def __init__(self, transfer: TcpTransfer, block_size: int, source: str = "", *,
                  timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
                  watermark: float = DEFAULT_WATERMARK) -> None:
+        super().__init__(transfer.flush, block_size, timeout_s=timeout_s, watermark=watermark)
         self.transfer = transfer
-        self.watermark = watermark
-        self.block_size = block_size
         self.source = source
-        self.timeout_s = timeout_s
-        self.stats = HandoffStats()
-
-    async def send(self, num_blocks: int) -> bool:
-        done = await asyncio.to_thread(self.transfer.flush, self.timeout_s)
-        if done:
-            self.stats.sent_blocks += num_blocks
-        else:
-            self.stats.late_sends += 1
-        return done
-
-    def receive(self, num_blocks: int) -> None:
-        self.stats.received_blocks += num_blocks
 
     def expect(self, request_id: str, source: str) -> None:
         self.transfer.expect(request_id, source)
