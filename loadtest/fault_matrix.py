@@ -41,6 +41,7 @@ from typing import Any
 import aiohttp
 import grpc
 
+from meshserve.bench.serve.client import sse_events
 from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -101,12 +102,8 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
                 if response.status != 200:
                     end.failure = f"HTTP {response.status}"
                     return
-                async for raw in response.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:"):].strip()
-                    if data == "[DONE]":
+                async for data in sse_events(response):
+                    if data == b"[DONE]":
                         end.done = True
                         continue
                     event = json.loads(data)

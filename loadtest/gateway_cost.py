@@ -47,6 +47,7 @@ import aiohttp
 import grpc
 import orjson
 
+from meshserve.bench.serve.client import sse_events
 from meshserve.proto.v1 import (
     common_pb2,
     scheduler_pb2,
@@ -292,17 +293,14 @@ class StreamResult:
 
 async def stream_one(session: aiohttp.ClientSession, url: str, tokens: int,
                      number: int) -> StreamResult:
-    """One streamed chat request, read as raw SSE lines."""
+    """One streamed chat request, its events read as they arrive."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": f"prompt {number}"}],
             "max_tokens": tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     result = StreamResult()
     async with session.post(f"{url}/v1/chat/completions", json=body) as answer:
         assert answer.status == 200, await answer.text()
-        async for line in answer.content:
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:].strip()
+        async for payload in sse_events(answer):
             if payload == b"[DONE]":
                 result.done = True
                 break

@@ -33,6 +33,8 @@ from typing import Any
 
 import aiohttp
 
+from meshserve.bench.serve.client import sse_events
+
 KINDS = {"stream": 35, "chat": 20, "cancel": 15, "bad": 15, "long": 15}
 FAILURES = ("lost", "server_error", "error_event", "unexpected", "hung")
 GATEWAY_CUT_S = 5.0
@@ -140,12 +142,8 @@ class Load:
             if not _answered_ok(fate, response.status, await _head(response)):
                 return
             chunks, finish, done = 0, None, False
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+            async for data in sse_events(response):
+                if data == b"[DONE]":
                     done = True
                     continue
                 event = json.loads(data)

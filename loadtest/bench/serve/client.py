@@ -91,6 +91,17 @@ class SseParser:
         return events
 
 
+async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The data of each server-sent event of `response`'s body as it arrives (`[DONE]`
+    included), split by `SseParser`."""
+    parser = SseParser()
+    async for chunk in response.content.iter_any():
+        for data in parser.feed(chunk):
+            yield data
+    for data in parser.finish():
+        yield data
+
+
 def error_message(body: bytes) -> str:
     """The OpenAI error body's message, else the body's start."""
     try:
