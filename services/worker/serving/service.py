@@ -26,7 +26,7 @@ from meshserve.services.worker.serving.engine_thread import EngineThread
 from meshserve.services.worker.serving.request_stream import RequestTimes
 from meshserve.services.worker.serving.session import SessionEntry, WorkerSession
 from meshserve.services.worker.serving.wire import sampling_params_from_proto
-from meshserve.services.worker.tier.handoff import KvHandoff
+from meshserve.services.worker.tier.handoff import KvHandoff, RoomReservations
 from meshserve.shared.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -122,6 +122,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.lora: LoraControl | None = None  # runtime LoRA loading (set by the worker)
         # Moves prefilled prompts' KV (disaggregated serving; set by a worker with a kvstore).
         self.handoff: KvHandoff | None = None
+        # Decode side: blocks promised to handed-off requests, over all sessions.
+        self.reservations = RoomReservations()
 
     def wake_sessions(self) -> None:
         """Let every session re-check its state (the worker started draining)."""
@@ -132,7 +134,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                       context: grpc.aio.ServicerContext) -> None:
         session = WorkerSession(self._engine, worker_id=self.info.worker_id,
                                 validate=self._validate, on_finished=self._session_finished,
-                                draining=self._draining, handoff=self.handoff)
+                                draining=self._draining, handoff=self.handoff,
+                                reservations=self.reservations)
         self._sessions.add(session)
         reader = asyncio.ensure_future(session.read(request_iterator))
         try:

@@ -37,7 +37,7 @@ from meshserve.services.worker.serving.wire import (
     resumed_sequences,
     timings_pb,
 )
-from meshserve.services.worker.tier.handoff import KvHandoff, has_room
+from meshserve.services.worker.tier.handoff import KvHandoff, RoomReservations
 from meshserve.shared.errors import (
     DeadlineExceededError,
     MeshError,
@@ -72,12 +72,16 @@ class WorkerSession:
                  validate: Callable[[worker_pb2.GenerateRequest], SamplingParams],
                  on_finished: Callable[[SessionEntry, str | None], None],
                  draining: Callable[[], bool] = lambda: False,
-                 handoff: KvHandoff | None = None) -> None:
+                 handoff: KvHandoff | None = None,
+                 reservations: RoomReservations | None = None) -> None:
         """`validate` turns a request into its SamplingParams (or raises); `on_finished`
         is called once per request that ends (its entry and the error kind, if any);
-        `handoff` moves prefilled prompts' KV (disaggregated serving; None: not served)."""
+        `handoff` moves prefilled prompts' KV (disaggregated serving; None: not served);
+        `reservations`: the worker's blocks promised to handed-off requests (shared by its
+        sessions; default: this session's own)."""
         self._engine = engine
         self._handoff = handoff
+        self._reservations = reservations if reservations is not None else RoomReservations()
         self._handed: list[worker_pb2.RequestDone] = []  # handoffs sent, not yet reported
         self._sending: set[asyncio.Task[None]] = set()  # handoffs under way (held: the loop
         # keeps only weak references to tasks)
@@ -130,7 +134,7 @@ class WorkerSession:
                 raise UnavailableError(f"worker {self._worker_id} is draining; retry on "
                                        "another worker")
             params = self._validate(add.request)
-            if self._refuses(add):
+            if self._refuses(add, params.n):
                 return
             prefill_only = self._prefill_only(add.request, params)
             if prefill_only:  # the first token here, the rest at the decode worker
@@ -156,21 +160,25 @@ class WorkerSession:
                              prefill_only=prefill_only)
         self._entries[handle] = entry
         self._by_stream[id(stream)] = handle
+        if add.request.handed_off and self._handoff is not None:
+            self._reservations.reserve(stream, self._prompt_blocks(add, params.n))
         if add.request.deadline_unix_ns:
             heapq.heappush(self._deadlines, (add.request.deadline_unix_ns, handle))
             self._arm_deadline_timer()
 
-    def _refuses(self, add: worker_pb2.SessionAdd) -> bool:
+    def _refuses(self, add: worker_pb2.SessionAdd, n: int) -> bool:
         """Whether this decode worker refuses a handed-off request for lack of KV room (a
         RequestDone.refused, not an error: the gateway places it elsewhere); otherwise
-        tells the handoff where its blocks wait."""
+        tells the handoff where its blocks wait. The blocks other handed-off requests were
+        promised and the engine has not allocated yet count as taken (the request reserves
+        its own once it is submitted, in `add`)."""
         request, handoff = add.request, self._handoff
         if not request.handed_off or handoff is None:
             return False
         load = self._engine.load
-        blocks = sum(len(p.token_ids) // handoff.block_size for p in request.prompts)
-        if not has_room(blocks, load.num_free_blocks, load.num_total_blocks,
-                        handoff.watermark):
+        blocks = sum(self._prompt_blocks(add, n))
+        if not self._reservations.has_room(blocks, load.num_free_blocks,
+                                           load.num_total_blocks, handoff.watermark):
             handoff.stats.refused += 1
             self._handed.append(worker_pb2.RequestDone(handle=add.handle, refused=True))
             self._ready.set()
@@ -178,6 +186,15 @@ class WorkerSession:
         if request.kv_source:
             handoff.expect(request.request_id, request.kv_source)
         return False
+
+    def _prompt_blocks(self, add: worker_pb2.SessionAdd, n: int) -> list[int]:
+        """The full blocks of each of the request's prompts (`n` samples each) that will
+        run (a resumed request's prompts whose every sequence had finished run nothing)."""
+        assert self._handoff is not None, "only a worker with a handoff counts prompt blocks"
+        size = self._handoff.block_size
+        runs = {resumed.index // n for resumed in add.resumed} if add.resumed else None
+        return [len(p.token_ids) // size if runs is None or i in runs else 0
+                for i, p in enumerate(add.request.prompts)]
 
     def _prefill_only(self, request: worker_pb2.GenerateRequest,
                       params: SamplingParams) -> bool:
@@ -300,13 +317,20 @@ class WorkerSession:
         """A delta's finish reason on the wire; a prefill-only sequence stopped by its
         one-token budget is not finished: it goes on at the decode worker."""
         if delta.first and entry.request.handed_off and self._handoff is not None:
-            self._handoff.receive(delta.num_cached_tokens // self._handoff.block_size)
+            self._admitted(entry, delta)
         if not delta.finish_reason:
             return _UNSET
         if entry.prefill_only and delta.finish_reason == "length":
             entry.continues = True
             return _UNSET
         return FINISH_PB[delta.finish_reason]
+
+    def _admitted(self, entry: SessionEntry, delta: SequenceDelta) -> None:
+        """A handed-off request's sequence gave its first output: the engine allocated its
+        prompt's blocks (or it ended before that), so that prompt's reservation ends."""
+        assert self._handoff is not None
+        self._handoff.receive(delta.num_cached_tokens // self._handoff.block_size)
+        self._reservations.release(entry.stream, delta.index // entry.params.n)
 
     async def _hand_off(self, entry: SessionEntry) -> None:
         """Send a prefilled request's prompt KV, then report it handed off (the gateway
@@ -341,6 +365,7 @@ class WorkerSession:
         details.append(detail)
 
     def _forget(self, entry: SessionEntry, error_kind: str | None) -> None:
+        self._reservations.release(entry.stream)
         if entry.request.kv_source and self._handoff is not None:
             self._handoff.forget(entry.request.request_id)
         self._entries.pop(entry.handle, None)

@@ -15,7 +15,10 @@ names where (`source`), the decode worker pulls them over parallel TCP streams.
 
 The decode worker first checks it has room (`has_room`): a handed-off request whose prompt
 blocks would leave less than the watermark free is refused before anything runs, and the
-gateway places it elsewhere. Transports that copy device to device (NCCL, CUDA IPC) or
+gateway places it elsewhere. The free blocks it reads are the engine's after its last step,
+less the blocks already promised to handed-off requests that passed the check and are not
+allocated yet (`RoomReservations`, one per worker): two handoffs arriving in one step cannot
+both take the same room. Transports that copy device to device (NCCL, CUDA IPC) or
 over RDMA (UCX) fit behind the same calls: `send` makes the blocks reachable and says
 where, `expect` tells the decode side where a request's blocks wait, and the engine's KV
 tier pulls them into blocks it allocated first (tier/kv_tier.py's probe, then load).
@@ -24,7 +27,7 @@ tier pulls them into blocks it allocated first (tier/kv_tier.py's probe, then lo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -123,6 +126,52 @@ def has_room(num_blocks: int, num_free_blocks: int, num_total_blocks: int,
     handed-off prompt of `num_blocks` blocks and still keeps `watermark` of its cache free
     (room for its running sequences to grow without preemption)."""
     return num_free_blocks - num_blocks >= watermark * num_total_blocks
+
+
+class RoomReservations:
+    """Decode side: the KV blocks promised to handed-off requests that passed the room check
+    but that the engine has not allocated yet, over every session of the worker.
+
+    A request reserves its prompts' full blocks when it is taken; a prompt's share is
+    released when its first output comes back (the engine allocated its blocks when it
+    admitted it, and the free blocks read after that step count them), the rest when the
+    request ends in any way (finished, aborted, failed, its session closed). Until then the
+    room check counts them as taken. Only the event loop touches it.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[object, dict[int, int]] = {}  # owner -> prompt index -> blocks
+        self.reserved = 0
+        """Blocks reserved now (the sum of every owner's)."""
+
+    def has_room(self, num_blocks: int, num_free_blocks: int, num_total_blocks: int,
+                 watermark: float) -> bool:
+        """`has_room`, with the reserved blocks counted as taken."""
+        return has_room(num_blocks, num_free_blocks - self.reserved, num_total_blocks,
+                        watermark)
+
+    def reserve(self, owner: object, prompt_blocks: Sequence[int]) -> None:
+        """Reserve `prompt_blocks[p]` blocks for prompt p of `owner` (one request)."""
+        assert owner not in self._held, "a request reserves its blocks once"
+        held = {p: blocks for p, blocks in enumerate(prompt_blocks) if blocks > 0}
+        if held:
+            self._held[owner] = held
+            self.reserved += sum(held.values())
+
+    def release(self, owner: object, prompt: int | None = None) -> None:
+        """Release prompt `prompt`'s blocks of `owner` (None: all it still holds); what
+        is not held is ignored."""
+        held = self._held.get(owner)
+        if held is None:
+            return
+        for p in list(held) if prompt is None else [prompt]:
+            self.reserved -= held.pop(p, 0)
+        if not held:
+            del self._held[owner]
+
+    def __len__(self) -> int:
+        """Requests holding a reservation."""
+        return len(self._held)
 
 
 def register_handoff_metrics(registry: CollectorRegistry, handoff: KvHandoff) -> None:
