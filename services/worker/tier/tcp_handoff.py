@@ -242,6 +242,8 @@ class TcpTransfer:
         try:
             found = probe(probed.source, job.hashes, self.timeout_s)
         finally:
+            if not found:  # the source is gone, or no longer holds them: a failed pull too
+                self.stats.failed_pulls += 1
             lease = TcpLease(probed.source, job.hashes[:found]) if found else None
             self._finish(ProbeDone(job.request_id, found, lease))
 
