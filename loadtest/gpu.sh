@@ -35,8 +35,10 @@ PARTS_HELP="
               tree (BASE_TREE) and on this tree, side by side
   vllm        vLLM's offline engine next to \`meshserve bench\` on the same prompts
               (ShareGPT-like throughput, single-stream TPOT); installs vLLM from the parts
-              loadtest/vllm_fetch.sh prepares, carried over several calls"
-PARTS=(suite peer mesh kv lora spec fp8 tp structured metrics profile tests ab vllm)
+              loadtest/vllm_fetch.sh prepares, carried over several calls
+  disagg      disaggregated serving on 2 GPUs: 1 prefill + 1 decode worker against 2 mixed
+              ones, long prompts at a sweep of request rates; goodput under TTFT/ITL SLOs"
+PARTS=(suite peer mesh kv lora spec fp8 tp structured metrics profile tests ab vllm disagg)
 
 usage() {
   echo "usage: bash loadtest/gpu.sh PART [PART...]   (results in \$OUT/PART/)"
