@@ -86,9 +86,10 @@ class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
                                      "compute prompts and hand their KV to decode workers)")
     decode_workers: int = option(0, "decode workers to start (they continue the requests "
                                     "prefill workers hand off, and run short prompts whole)")
-    kv_handoff: Literal["store", "tcp"] = option(
+    kv_handoff: Literal["store", "tcp", "ipc"] = option(
         "store", "how prefill workers hand prompts' KV to decode workers: through the kvstore "
-        "(store) or pulled over TCP (tcp)")
+        "(store), pulled over TCP (tcp), or copied GPU to GPU on one host (ipc; TCP "
+        "between hosts)")
     disagg_min_prompt_tokens: int | None = option(
         None, "prompts shorter than this skip the prefill workers (unset: the scheduler's "
               "default)")
@@ -175,10 +176,10 @@ class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
             self.require(value >= 0, f"must be >= 0, got {value}", name)
         self.require(self.num_workers >= 1, "needs at least one worker (--workers, "
                      "--prefill-workers or --decode-workers)", "workers")
-        self.require(self.kvstore or self.kv_handoff == "tcp"
+        self.require(self.kvstore or self.kv_handoff != "store"
                      or not (self.prefill_workers or self.decode_workers),
                      "prefill and decode workers hand KV over through the kvstore (or "
-                     "--kv-handoff tcp)", "kvstore")
+                     "--kv-handoff tcp or ipc)", "kvstore")
         self.require(self.encoders >= 0, f"must be >= 0, got {self.encoders}", "encoders")
         self.require(self.gateways >= 0, f"must be >= 0 (0: by cores), got {self.gateways}",
                      "gateways")
@@ -345,7 +346,7 @@ class Stack:
                 *self._common(address), "--worker-id", worker_id, "--role", role,
                 "--redis-url", self.redis_url,
                 "--scheduler-address", self.scheduler_address, *served,
-                *(["--kv-handoff", "tcp"] if c.kv_handoff == "tcp" else []),
+                *(["--kv-handoff", c.kv_handoff] if c.kv_handoff != "store" else []),
                 *c.engine_flags(), *c.runner_flags(), *placement], grpc_serving(address))
         gateway = [*self._common(), "--host", c.host, "--port", str(self.gateway_port),
                    "--tokenizer-addresses", ",".join(self.tokenizer_addresses),

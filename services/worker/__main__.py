@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from meshserve.proto.v1 import worker_pb2_grpc
 from meshserve.services.worker.builder import KVTierPlan, build_engine
 from meshserve.services.worker.config import WorkerConfig, short_flags
+from meshserve.services.worker.engine.device import resolve_device
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.kv_copy import KVCaches
 from meshserve.services.worker.heap import settle_heap
@@ -51,6 +52,7 @@ from meshserve.services.worker.tier.handoff import (
     register_handoff_metrics,
 )
 from meshserve.services.worker.tier.kv_tier import KVTier
+from meshserve.services.worker.tier.slot_pool import SlotPool
 from meshserve.services.worker.tier.store_client import KVStoreClient
 from meshserve.services.worker.tier.tcp_blocks import BlockHolder, BlockServer
 from meshserve.services.worker.tier.tcp_handoff import (
@@ -225,26 +227,32 @@ class KVStoreLink:
 
 
 class TcpHandoffLink:
-    """The KV handoff over TCP (--kv-handoff tcp): the KV tier's transport, wrapped around
-    the kvstore's when there is one (`plan`); a prefill worker's block listener, started
-    with the transfer thread once the worker's address is known (`start`)."""
+    """The direct KV handoff (--kv-handoff tcp or ipc): the KV tier's transport, wrapped
+    around the kvstore's when there is one (`plan`); a prefill worker's block listener,
+    started with the transfer thread once the worker's address is known (`start`). With
+    ipc, a prefill worker's pool is taken from its device here, before the KV cache is
+    sized (which then counts it)."""
 
     def __init__(self, config: WorkerConfig, kvstore: KVStoreLink | None) -> None:
         self.config = config
         self.kvstore = kvstore
         self.transfer: TcpTransfer | None = None
         self.server: BlockServer | None = None
+        self.pool = (SlotPool(config.kv_handoff_hold_bytes, resolve_device(config.device))
+                     if config.kv_handoff == "ipc" and config.role == ROLE_PREFILL else None)
 
     def plan(self) -> KVTierPlan:
         return KVTierPlan(self._transport, self.config.kv_offload_backlog_bytes)
 
     def _transport(self, kv_caches: KVCaches) -> TcpTransfer:
         config = self.config
-        holder = (BlockHolder(config.kv_handoff_hold_bytes, config.kv_handoff_hold_s)
+        release = self.pool.release if self.pool is not None else None
+        holder = (BlockHolder(config.kv_handoff_hold_bytes, config.kv_handoff_hold_s,
+                              release=release)
                   if config.role == ROLE_PREFILL else None)
         self.transfer = TcpTransfer(
             kv_caches, inner=self.kvstore.transport(kv_caches) if self.kvstore else None,
-            holder=holder, streams=config.kv_handoff_streams)
+            holder=holder, pool=self.pool, streams=config.kv_handoff_streams)
         return self.transfer
 
     def start(self, address: str, block_size: int) -> TcpHandoff:
@@ -255,7 +263,7 @@ class TcpHandoffLink:
         source = ""
         if transfer.holder is not None:
             self.server = BlockServer(transfer.holder, self.config.host,
-                                      self.config.kv_handoff_port)
+                                      self.config.kv_handoff_port, pool=self.pool)
             self.server.start()
             source = f"{address.rpartition(':')[0]}:{self.server.port}"
         transfer.start()
@@ -420,7 +428,7 @@ async def serve(config: WorkerConfig) -> int:
 
         return await serve_pooling(config, claim_epoch)
     kvstore = KVStoreLink(config) if KVStoreLink.wanted(config) else None
-    tcp = TcpHandoffLink(config, kvstore) if config.kv_handoff == "tcp" else None
+    tcp = TcpHandoffLink(config, kvstore) if config.kv_handoff != "store" else None
     plan = tcp.plan() if tcp is not None else kvstore.plan() if kvstore is not None else None
     return await run_process(
         config, lambda: load_engine(config, plan),

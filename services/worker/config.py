@@ -346,9 +346,11 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
     role: Literal["mixed", "prefill", "decode"] = option(
         "mixed", "disaggregated serving: prefill (compute prompts and first tokens, hand their "
         "KV to a decode worker), decode (continue them), or mixed (both)")
-    kv_handoff: Literal["store", "tcp"] = option(
+    kv_handoff: Literal["store", "tcp", "ipc"] = option(
         "store", "how prefilled prompts' KV reaches the decode worker: through the kvstore "
-        "(store), or pulled straight from the prefill worker over TCP (tcp)")
+        "(store); pulled straight from the prefill worker over TCP (tcp); or held by the "
+        "prefill worker in memory decode workers on its host map and copy from device to "
+        "device, GPU to GPU (CUDA IPC), others still pulling it over TCP (ipc)")
     kv_handoff_streams: int = option(4, "parallel TCP connections a decode worker pulls one "
                                         "handoff's blocks over (--kv-handoff tcp)")
     kv_handoff_port: int = option(0, "TCP port a prefill worker serves its handed-off blocks "
@@ -356,8 +358,9 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
     kv_handoff_hold_s: float = option(30.0, "seconds a prefill worker holds handed-off blocks "
                                             "that no decode worker pulled (--kv-handoff tcp)")
     kv_handoff_hold_bytes: int = option(1 << 30, "most bytes of handed-off blocks a prefill "
-                                                 "worker holds; the oldest go first "
-                                                 "(--kv-handoff tcp)")
+                                                 "worker holds, the oldest going first "
+                                                 "(--kv-handoff tcp; with ipc, the pool "
+                                                 "it takes from the device at start)")
     kv_handoff_watermark: float = option(
         0.01, "fraction of its KV cache a decode worker keeps free: a handed-off request "
               "whose prompt blocks would leave less is refused and placed elsewhere")
@@ -378,11 +381,11 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
                      "kv_offload_backlog_bytes")
         self.require(not (self.pooling and self.tensor_parallel_size > 1),
                      "a pooling worker runs on one device", "tensor_parallel_size")
-        self.require(self.role == "mixed" or self.kv_handoff == "tcp"
+        self.require(self.role == "mixed" or self.kv_handoff != "store"
                      or bool(self.kvstore_address and self.kv_offload),
                      "a prefill or decode worker hands KV over through the kvstore: it needs "
-                     "--kvstore-address (and --kv-offload), or --kv-handoff tcp", "role")
-        self.require(not (self.kvstore_address and self.kv_offload or self.kv_handoff == "tcp")
+                     "--kvstore-address (and --kv-offload), or --kv-handoff tcp or ipc", "role")
+        self.require(not (self.kvstore_address and self.kv_offload or self.kv_handoff != "store")
                      or self.enable_prefix_caching,
                      "the KV tier finds blocks by hash: it needs prefix caching",
                      "kv_offload")
@@ -402,7 +405,7 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
                      f"must be in [0, 1], got {self.kv_handoff_watermark}",
                      "kv_handoff_watermark")
         self.require(self.kv_handoff == "store" or self.tensor_parallel_size == 1,
-                     "the TCP handoff works on one device (as the KV tier)", "kv_handoff")
+                     "the direct handoff works on one device (as the KV tier)", "kv_handoff")
 
     def resolved_worker_id(self, bound_port: int) -> str:
         """The configured worker id, or `<hostname>-<port>` (stable across restarts)."""

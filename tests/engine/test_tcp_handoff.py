@@ -3,7 +3,9 @@ the prefill engine's transfer thread holds the prompt's blocks and its listener 
 them; the decode engine, told where they wait, probes, allocates and pulls them over
 several real TCP streams, and its output equals recomputation with the pulled KV bit-exact;
 the pulled blocks leave the prefill side; a source that is gone, or that does not answer
-within the timeout, costs only recomputation."""
+within the timeout, costs only recomputation. With the blocks held in a mappable pool
+(--kv-handoff ipc; shared memory on a CPU) the decode engine copies them straight from the
+mapped pool, bit-exact, and the slots come back; one that cannot map it pulls over TCP."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from meshserve.services.worker.builder import KVTierPlan, build_engine
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.kv_copy import KVCaches
+from meshserve.services.worker.tier import tcp_handoff
+from meshserve.services.worker.tier.slot_pool import SlotPool
 from meshserve.services.worker.tier.tcp_blocks import BlockHolder, BlockServer
 from meshserve.services.worker.tier.tcp_handoff import TcpTransfer
 from meshserve.shared.block_hash import hash_blocks
@@ -36,14 +40,15 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tcp-handoff"), "llama", seed=6)
 
 
-def make_engine(folder: Path, holder: BlockHolder | None, timeout_s: float = 5.0
-                ) -> tuple[LLMEngine, TcpTransfer]:
+def make_engine(folder: Path, holder: BlockHolder | None, timeout_s: float = 5.0,
+                pool: SlotPool | None = None) -> tuple[LLMEngine, TcpTransfer]:
     config = EngineConfig(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64,
                           block_size=BLOCK, max_model_len=256)
     made: list[TcpTransfer] = []
 
     def transport(kv_caches: KVCaches) -> TcpTransfer:
-        made.append(TcpTransfer(kv_caches, holder=holder, streams=3, timeout_s=timeout_s))
+        made.append(TcpTransfer(kv_caches, holder=holder, pool=pool, streams=3,
+                                timeout_s=timeout_s))
         return made[0]
 
     engine = build_engine(config, kv_tier=KVTierPlan(transport, 1 << 30))
@@ -59,6 +64,20 @@ def prefill(folder: Path) -> Iterator[tuple[LLMEngine, TcpTransfer, str]]:
     engine, transfer = make_engine(folder, holder)
     try:
         yield engine, transfer, f"127.0.0.1:{server.port}"
+    finally:
+        transfer.stop()
+        server.stop()
+
+
+@pytest.fixture
+def pooled(folder: Path) -> Iterator[tuple[LLMEngine, TcpTransfer, str, SlotPool]]:
+    pool = SlotPool(8 << 20, torch.device("cpu"))
+    holder = BlockHolder(1 << 30, 60.0, release=pool.release)
+    server = BlockServer(holder, "127.0.0.1", pool=pool)
+    server.start()
+    engine, transfer = make_engine(folder, holder, pool=pool)
+    try:
+        yield engine, transfer, f"127.0.0.1:{server.port}", pool
     finally:
         transfer.stop()
         server.stop()
@@ -153,3 +172,34 @@ def closed_address() -> str:
     server.start()
     server.stop()
     return f"127.0.0.1:{server.port}"
+
+
+@pytest.mark.parametrize("mappable", [True, False])
+def test_blocks_held_in_a_pool_are_copied_from_it_or_pulled_over_tcp(
+        folder: Path, pooled: tuple[LLMEngine, TcpTransfer, str, SlotPool],
+        monkeypatch: pytest.MonkeyPatch, mappable: bool) -> None:
+    first, first_transfer, source, pool = pooled
+    reference, _ = run(first, prompt(), "p")
+    assert first_transfer.flush(10)
+    holder = first_transfer.holder
+    assert holder is not None
+    held = holder.stats.held_blocks
+    assert held >= 5 and pool.free_slots == pool.slots - held
+    hashes = hash_blocks(prompt(), BLOCK)
+    computed = {h: cached_bytes(first, h) for h in hashes}
+    if not mappable:  # as on another host: the pool's handle cannot be opened
+        monkeypatch.setattr(tcp_handoff, "map_pool", lambda handle, device: None)
+
+    second, second_transfer = make_engine(folder, None)
+    try:
+        second_transfer.expect("d", source)
+        out, cached = run(second, prompt(), "d")
+    finally:
+        second_transfer.stop()
+    assert out == reference and cached == 5 * BLOCK
+    assert second_transfer.stats.pulled_blocks == 5
+    assert second_transfer.stats.mapped_blocks == (5 if mappable else 0)
+    for h in hashes:
+        assert cached_bytes(second, h) == computed[h], "a copied block is not bit-exact"
+    assert holder.stats.pulled_blocks == 5
+    assert pool.free_slots == pool.slots - (held - 5), "the copied blocks' slots came back"

@@ -11,11 +11,19 @@ header (block count, bytes per block) and then the blocks' bytes, back to back, 
 per block. A GET takes its blocks out of the holder (all or none: count 0 is a miss), so a
 pulled block is freed at once; a block nobody pulls is freed after `hold_s`, and the holder
 never keeps more than `max_bytes` (the oldest blocks go first).
+
+With `--kv-handoff ipc` the held blocks are slots of a `SlotPool` (tier/slot_pool.py) and two
+more requests serve a decode worker on the same host: MAP (no hashes) answers a 4-byte
+length and the pool's handle, for the decode worker to map the pool once; LEASE answers the
+blocks' count (0: a miss), the pool's 8-byte token and their 4-byte slot numbers, then keeps
+the slots out of use until the decode worker, having copied them, sends one byte (answered
+with one once the slots are free) or closes the connection. GET still serves everyone else, copying each slot out.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import socket
 import socketserver
@@ -28,17 +36,22 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.services.worker.tier.slot_pool import SlotPool
 from meshserve.shared.block_hash import BlockHash
 
 MAGIC = b"MKV1"
 OP_HAS = 1
 OP_GET = 2
+OP_MAP = 3
+OP_LEASE = 4
 HASH_BYTES = 32
 _REQUEST = struct.Struct("!4sBI")  # magic, op, number of hashes
 _COUNT = struct.Struct("!I")  # HAS: leading hashes held
 _BLOCKS = struct.Struct("!IQ")  # GET: blocks sent (0: a miss), bytes per block
+_LEASED = struct.Struct("!Iq")  # LEASE: blocks leased (0: a miss), the pool's token
 # Most hashes one request may name (a 128k-token prompt of 16-token blocks is 8k).
 _MAX_HASHES = 1 << 16
+_MAX_HANDLE = 1 << 16
 
 
 @dataclass
@@ -53,13 +66,16 @@ class HolderStats:
 
 class BlockHolder:
     """Blocks waiting to be pulled, by hash: freed when pulled, after `hold_s`, or when
-    newer blocks need the room (`max_bytes`). Thread-safe."""
+    newer blocks need the room (`max_bytes`). A block dropped unpulled goes to `release`
+    (a pool's slot back to it); one taken is the taker's to `give_back`. Thread-safe."""
 
     def __init__(self, max_bytes: int, hold_s: float, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 release: Callable[[torch.Tensor], None] | None = None) -> None:
         self.max_bytes = max_bytes
         self.hold_s = hold_s
         self._clock = clock
+        self._release = release
         self._blocks: collections.OrderedDict[BlockHash, tuple[torch.Tensor, float]] = (
             collections.OrderedDict())  # oldest first: (uint8 bytes, freed at)
         self._bytes = 0
@@ -71,16 +87,33 @@ class BlockHolder:
         return self._bytes
 
     def put(self, block_hash: BlockHash, data: torch.Tensor) -> None:
-        """Hold one block's bytes (a uint8 CPU tensor of its own) for `hold_s`."""
+        """Hold one block's bytes (a uint8 tensor of its own, or a pool's slot) for
+        `hold_s`."""
         with self._lock:
-            self._pop(block_hash)
+            if block_hash in self._blocks:
+                self._drop(block_hash)
             self._blocks[block_hash] = (data, self._clock() + self.hold_s)
             self._bytes += data.numel()
             self.stats.held_blocks += 1
             self._expire_locked()
             while self._bytes > self.max_bytes:
-                self._pop(next(iter(self._blocks)))
+                self._drop(next(iter(self._blocks)))
                 self.stats.expired_blocks += 1
+
+    def evict_oldest(self) -> bool:
+        """Drop the oldest held block (its slot wanted for a newer one); False: none held."""
+        with self._lock:
+            if not self._blocks:
+                return False
+            self._drop(next(iter(self._blocks)))
+            self.stats.expired_blocks += 1
+            return True
+
+    def give_back(self, blocks: Sequence[torch.Tensor]) -> None:
+        """Blocks `take` returned, done with (their slots free again)."""
+        if self._release is not None:
+            for block in blocks:
+                self._release(block)
 
     def num_held(self, hashes: Sequence[BlockHash]) -> int:
         """How many of `hashes`, from the first, are held."""
@@ -116,8 +149,13 @@ class BlockHolder:
     def _expire_locked(self) -> None:
         now = self._clock()
         for block_hash in [h for h, (_, at) in self._blocks.items() if at <= now]:
-            self._pop(block_hash)
+            self._drop(block_hash)
             self.stats.expired_blocks += 1
+
+    def _drop(self, block_hash: BlockHash) -> None:
+        data = self._pop(block_hash)
+        if self._release is not None and data.numel():
+            self._release(data)
 
     def _pop(self, block_hash: BlockHash) -> torch.Tensor:
         data, _ = self._blocks.pop(block_hash, (None, 0.0))
@@ -128,11 +166,13 @@ class BlockHolder:
 
 
 class BlockServer:
-    """Serves a holder's blocks on `host:port` (0: any port), a thread per connection."""
+    """Serves a holder's blocks on `host:port` (0: any port), a thread per connection;
+    with `pool` (the holder's blocks are its slots), MAP and LEASE too."""
 
-    def __init__(self, holder: BlockHolder, host: str, port: int = 0) -> None:
+    def __init__(self, holder: BlockHolder, host: str, port: int = 0, *,
+                 pool: SlotPool | None = None) -> None:
         self.holder = holder
-        handler = type("_Handler", (_Handler,), {"holder": holder})
+        handler = type("_Handler", (_Handler,), {"holder": holder, "pool": pool})
         self._server = socketserver.ThreadingTCPServer((host, port), handler,
                                                        bind_and_activate=False)
         self._server.daemon_threads = True
@@ -156,25 +196,59 @@ class BlockServer:
 
 class _Handler(socketserver.BaseRequestHandler):
     holder: BlockHolder
+    pool: SlotPool | None
 
     def handle(self) -> None:
         conn: socket.socket = self.request
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         magic, op, count = _REQUEST.unpack(_recv_exact(conn, _REQUEST.size))
-        if magic != MAGIC or count > _MAX_HASHES or op not in (OP_HAS, OP_GET):
+        if magic != MAGIC or count > _MAX_HASHES or op not in _OPS:
             return  # not our client: close
         raw = _recv_exact(conn, count * HASH_BYTES)
         hashes = [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
         if op == OP_HAS:
             conn.sendall(_COUNT.pack(self.holder.num_held(hashes)))
-            return
+        elif op == OP_MAP:
+            handle = self.pool.handle() if self.pool is not None else b""
+            conn.sendall(_COUNT.pack(len(handle)) + handle)
+        elif op == OP_LEASE:
+            self._lease(conn, hashes)
+        else:
+            self._get(conn, hashes)
+
+    def _get(self, conn: socket.socket, hashes: list[BlockHash]) -> None:
         blocks = self.holder.take(hashes)
         if not blocks:
             conn.sendall(_BLOCKS.pack(0, 0))
             return
-        conn.sendall(_BLOCKS.pack(len(blocks), blocks[0].numel()))
-        for block in blocks:
-            conn.sendall(block.numpy().data)
+        try:
+            conn.sendall(_BLOCKS.pack(len(blocks), blocks[0].numel()))
+            for block in blocks:  # a pool's slots on a GPU are copied out one by one
+                conn.sendall(block.cpu().numpy().data)
+        finally:
+            self.holder.give_back(blocks)
+
+    def _lease(self, conn: socket.socket, hashes: list[BlockHash]) -> None:
+        """Lend the blocks' slots until the client says it copied them (or goes away)."""
+        pool = self.pool
+        blocks = self.holder.take(hashes) if pool is not None else None
+        if pool is None or not blocks:
+            conn.sendall(_LEASED.pack(0, 0))
+            return
+        try:
+            slots = [pool.index(block) for block in blocks]
+            conn.sendall(_LEASED.pack(len(slots), pool.token)
+                         + struct.pack(f"!{len(slots)}I", *slots))
+            conn.settimeout(self.holder.hold_s)
+            with contextlib.suppress(OSError):
+                conn.recv(1)  # the copy is done, or the client closed or died
+        finally:
+            self.holder.give_back(blocks)
+        with contextlib.suppress(OSError):
+            conn.sendall(b"\x01")  # the slots are free again
+
+
+_OPS = (OP_HAS, OP_GET, OP_MAP, OP_LEASE)
 
 
 def probe(address: str, hashes: Sequence[BlockHash], timeout_s: float) -> int:
@@ -216,6 +290,55 @@ def _pull_run(address: str, hashes: Sequence[BlockHash], out: torch.Tensor,
     except OSError:
         return False
     return True
+
+
+def pool_handle(address: str, timeout_s: float) -> bytes:
+    """The handle of the pool the source at `address` holds its blocks in (b"": none, or
+    it cannot be reached)."""
+    try:
+        with _connect(address, timeout_s) as conn:
+            conn.sendall(_request(OP_MAP, []))
+            (size,) = _COUNT.unpack(_recv_exact(conn, _COUNT.size))
+            return _recv_exact(conn, size) if size <= _MAX_HANDLE else b""
+    except OSError:
+        return b""
+
+
+class SlotLease:
+    """Slots of a source's pool lent to this process: `slots` (numbers) of the pool whose
+    token is `token`, kept out of use there until `close` (after the copy)."""
+
+    def __init__(self, conn: socket.socket, token: int, slots: list[int]) -> None:
+        self._conn = conn
+        self.token = token
+        self.slots = slots
+
+    def close(self) -> None:
+        """Say the copy is done; returns once the source took the slots back (or is
+        gone)."""
+        with contextlib.suppress(OSError):
+            self._conn.sendall(b"\x01")
+            self._conn.recv(1)
+        self._conn.close()
+
+
+def lease(address: str, hashes: Sequence[BlockHash], timeout_s: float) -> SlotLease | None:
+    """Lease the slots holding `hashes` (all or none) from the source at `address`; None
+    when it holds them no longer, has no pool or cannot be reached."""
+    try:
+        conn = _connect(address, timeout_s)
+    except OSError:
+        return None
+    try:
+        conn.sendall(_request(OP_LEASE, hashes))
+        count, token = _LEASED.unpack(_recv_exact(conn, _LEASED.size))
+        if count == len(hashes) and count:
+            slots = struct.unpack(f"!{count}I", _recv_exact(conn, 4 * count))
+            return SlotLease(conn, token, list(slots))
+    except OSError:
+        pass
+    conn.close()
+    return None
 
 
 def _runs(n: int, streams: int) -> list[tuple[int, int]]:

@@ -15,6 +15,13 @@ thread of its own, wrapped around the kvstore's transfer when the worker has one
   buffer and scatters it into those blocks. A source that is gone, a pull that fails or
   times out: the load fails and the engine recomputes the prompt (nothing else is lost).
 
+With `--kv-handoff ipc` the prefill worker's held blocks are slots of a `SlotPool`
+(tier/slot_pool.py: its GPU's memory, or shared memory on a CPU), copied there on the
+transfer thread's own stream. A decode worker maps a source's pool once (its handle comes
+from the listener), leases the blocks' slots and gathers them on its own device straight
+from the pool, over NVLink between GPUs, `_LEASE_CHUNK` blocks at a time, into the blocks
+it allocated; a pool it cannot map (another host) is pulled from over TCP as before.
+
 Every other probe and load goes to the kvstore's transfer (or finds nothing without one).
 `TcpHandoff` is the `KvHandoff` over it: sending waits until the thread holds the
 request's blocks, and names the listener's address as their source.
@@ -23,7 +30,9 @@ request's blocks, and names the listener's address as their source.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -50,12 +59,22 @@ from meshserve.services.worker.tier.kv_tier import (
     TransferDone,
     TransferJob,
 )
-from meshserve.services.worker.tier.tcp_blocks import BlockHolder, probe, pull
+from meshserve.services.worker.tier.slot_pool import MappedPool, SlotPool, map_pool
+from meshserve.services.worker.tier.tcp_blocks import (
+    BlockHolder,
+    SlotLease,
+    lease,
+    pool_handle,
+    probe,
+    pull,
+)
 from meshserve.shared.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
+# Blocks gathered from a mapped pool per copy (the 8B shape: 128 MiB of staging memory).
+_LEASE_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -80,21 +99,27 @@ class PullStats:
     pulled_bytes: int = 0
     pull_seconds: float = 0.0
     failed_pulls: int = 0
+    mapped_blocks: int = 0
+    """Blocks copied straight from a source's mapped pool (the rest came over TCP)."""
 
 
 class TcpTransfer:
     """The KV tier's transport with the TCP handoff (see the module doc)."""
 
     def __init__(self, kv_caches: KVCaches, *, inner: KVTransport | None = None,
-                 holder: BlockHolder | None = None, streams: int = 4,
-                 timeout_s: float = 10.0) -> None:
+                 holder: BlockHolder | None = None, pool: SlotPool | None = None,
+                 streams: int = 4, timeout_s: float = 10.0) -> None:
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
         self.block_shape = block_shape(kv_caches)
         self.streams = streams
         self.timeout_s = timeout_s
         self.holder = holder
+        self.pool = pool
+        if pool is not None:
+            pool.carve(math.prod(self.block_shape) * kv_caches[0][0].element_size())
         self.stats = PullStats()
+        self._maps: dict[str, MappedPool | None] = {}  # source -> its pool, mapped
         self._inner = inner
         self._sources: dict[str, str] = {}  # request id -> where its blocks wait
         self._jobs: collections.deque[object] = collections.deque()
@@ -189,6 +214,12 @@ class TcpTransfer:
         self._queue(_STOP)
         self._thread.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for mapped in self._maps.values():
+            if mapped is not None:
+                mapped.close()
+        self._maps.clear()
+        if self.pool is not None and not self._thread.is_alive():
+            self.pool.close()
 
     # ----- the thread ------------------------------------------------------------------
     def _queue(self, job: object, nbytes: int = 0) -> None:
@@ -227,15 +258,38 @@ class TcpTransfer:
                     self._backlog -= job.nbytes
 
     def _hold(self, job: SaveJob) -> None:
-        """Copy each block into host memory of its own and hold it (prefill side)."""
+        """Copy each block into memory of its own and hold it (prefill side): host memory,
+        or a slot of the pool."""
         assert self.holder is not None, "only a prefill worker holds blocks"
         if job.ready is not None:
             job.ready.synchronize()
         rows = job.data.reshape(len(job.hashes), -1).view(torch.uint8)  # [n, block bytes]
+        if self.pool is not None:
+            self._hold_in_pool(job.hashes, rows)
+            return
         for block_hash, row in zip(job.hashes, rows, strict=True):
             data = torch.empty(row.numel(), dtype=torch.uint8)
             data.copy_(row)
             self.holder.put(block_hash, data)
+
+    def _hold_in_pool(self, hashes: list[BlockHash], rows: torch.Tensor) -> None:
+        """Copy blocks into free slots (the oldest held blocks give theirs up), then hold
+        them once the copies are done; a block finding no slot (all lent) is not held."""
+        assert self.pool is not None and self.holder is not None
+        held: list[tuple[BlockHash, torch.Tensor]] = []
+        with self._on_stream():
+            for block_hash, row in zip(hashes, rows, strict=True):
+                slot = self.pool.allocate()
+                while slot is None and self.holder.evict_oldest():
+                    slot = self.pool.allocate()
+                if slot is None:
+                    break
+                slot.copy_(row, non_blocking=True)
+                held.append((block_hash, slot))
+        if self._stream is not None:
+            self._stream.synchronize()
+        for block_hash, slot in held:
+            self.holder.put(block_hash, slot)
 
     def _probe(self, probed: _SourcedProbe) -> None:
         job, found = probed.job, 0
@@ -257,14 +311,29 @@ class TcpTransfer:
             self._finish(LoadDone(job.request_id, ok))
 
     def _pull_into_cache(self, job: LoadJob) -> bool:
-        lease: TcpLease = job.lease  # type: ignore[assignment]
-        n = len(job.block_ids)
+        lease_: TcpLease = job.lease  # type: ignore[assignment]
         started = time.perf_counter()
+        mapped = self._mapped(lease_.source)
+        if mapped is not None:
+            ok = self._copy_from_pool(mapped, job)
+        else:
+            ok = self._pull_over_tcp(job)
+        if ok:
+            n = len(job.block_ids)
+            self.stats.pulled_blocks += n
+            self.stats.pulled_bytes += n * math.prod(self.block_shape) * (
+                self.kv_caches[0][0].element_size())
+            self.stats.pull_seconds += time.perf_counter() - started
+        return ok
+
+    def _pull_over_tcp(self, job: LoadJob) -> bool:
+        lease_: TcpLease = job.lease  # type: ignore[assignment]
+        n = len(job.block_ids)
         dtype = self.kv_caches[0][0].dtype
         # [n, layers, 2, block_size, kv_heads, head_dim], page-locked on a GPU host
         packed = torch.empty((n, *self.block_shape), dtype=dtype,
                              pin_memory=self._stream is not None)
-        if not pull(lease.source, lease.hashes[:n], packed.view(n, -1).view(torch.uint8),
+        if not pull(lease_.source, lease_.hashes[:n], packed.view(n, -1).view(torch.uint8),
                     self._pool, self.streams, self.timeout_s):
             return False
         if self._stream is None:
@@ -276,10 +345,54 @@ class TcpTransfer:
                 scatter_blocks(self.kv_caches, job.block_ids,
                                packed.to(self.device, non_blocking=True))
             self._stream.synchronize()
-        self.stats.pulled_blocks += n
-        self.stats.pulled_bytes += packed.numel() * packed.element_size()
-        self.stats.pull_seconds += time.perf_counter() - started
         return True
+
+    def _mapped(self, source: str) -> MappedPool | None:
+        """The source's pool mapped here (once per source); None: pull over TCP."""
+        if source not in self._maps:
+            handle = pool_handle(source, self.timeout_s)
+            self._maps[source] = map_pool(handle, self.device) if handle else None
+        return self._maps[source]
+
+    def _copy_from_pool(self, mapped: MappedPool, job: LoadJob) -> bool:
+        """Lease the blocks' slots and gather them from the mapped pool into the cache."""
+        lease_: TcpLease = job.lease  # type: ignore[assignment]
+        n = len(job.block_ids)
+        slots = lease(lease_.source, lease_.hashes[:n], self.timeout_s)
+        if slots is None:
+            return False  # no longer held: recomputed
+        try:
+            if slots.token != mapped.token:  # the source restarted: map its new pool
+                self._maps.pop(lease_.source, None)
+                remapped = self._mapped(lease_.source)
+                if remapped is None or remapped.token != slots.token:
+                    return False
+                mapped = remapped
+            self._gather(mapped, slots, job)
+        finally:
+            slots.close()
+        self.stats.mapped_blocks += n
+        return True
+
+    def _gather(self, mapped: MappedPool, slots: SlotLease, job: LoadJob) -> None:
+        index = torch.tensor(slots.slots, dtype=torch.long).to(self.device)
+        dtype = self.kv_caches[0][0].dtype
+        with self._on_stream():
+            if self._stream is not None and job.after is not None:
+                self._stream.wait_event(job.after)
+            for start in range(0, len(job.block_ids), _LEASE_CHUNK):
+                end = min(start + _LEASE_CHUNK, len(job.block_ids))
+                rows = mapped.data.index_select(0, index[start:end])  # read over the link
+                scatter_blocks(self.kv_caches, job.block_ids[start:end],
+                               rows.view(dtype).view(end - start, *self.block_shape))
+        if self._stream is not None:
+            self._stream.synchronize()  # copied before the lease lets the slots go
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        """The transfer thread's own CUDA stream made current (nothing on a CPU)."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
 
     def _finish(self, done: TransferDone) -> None:
         with self._cond:
