@@ -24,7 +24,7 @@ import asyncio
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from test_failover import epochs, wait_back
 from tiny_models import build_tiny_model
 
 from meshserve.local.launcher import LauncherConfig, Stack, start_stack
-from meshserve.proto.v1 import worker_pb2, worker_pb2_grpc
+from meshserve.proto.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 MODEL = "tiny-disagg-kill"
 BLOCK = 16
@@ -152,7 +152,7 @@ def assert_as_reference(streams: list[Stream], reference: list[Stream], what: st
         assert_same(got.answer(), want.answer(), f"{what}: request {i}")
 
 
-def load_of(stack: Stack, worker_id: str) -> worker_pb2.WorkerLoad:
+def load_of(stack: Stack, worker_id: str) -> common_pb2.WorkerLoad:
     """The worker's load from its own GetLoad."""
     address = dict(zip(stack.worker_ids, stack.worker_addresses, strict=True))[worker_id]
     with grpc.insecure_channel(address) as channel:
@@ -160,7 +160,7 @@ def load_of(stack: Stack, worker_id: str) -> worker_pb2.WorkerLoad:
                                                            timeout=5.0).load
 
 
-async def wait_for(condition: Any, what: str) -> None:
+async def wait_for(condition: Callable[[], bool], what: str) -> None:
     """Poll `condition` (blocking, run off the loop): counters give no other signal."""
     deadline = time.monotonic() + PLACED_TIMEOUT_S
     while not await asyncio.to_thread(condition):
@@ -183,7 +183,7 @@ def test_a_prefill_worker_killed_mid_prompt_its_requests_are_prefilled_on_the_ot
     routed_before = {w: routed(stack, w) for w in ("prefill-0", "prefill-1")}
     streams = [Stream(p) for p in MID_PROMPT]
 
-    async def scenario() -> dict[str, float]:
+    async def scenario() -> float:
         stack.kill("prefill-1", signal.SIGSTOP)  # what it is given waits there, unstarted
         async with client_for(stack) as client:
             answers = asyncio.gather(*(run(client, s) for s in streams))
@@ -195,10 +195,10 @@ def test_a_prefill_worker_killed_mid_prompt_its_requests_are_prefilled_on_the_ot
             on_killed = routed(stack, "prefill-1") - routed_before["prefill-1"]
             stack.kill("prefill-1", signal.SIGKILL)
             await answers
-        return {"on_killed": on_killed}
+        return on_killed
 
-    placed = asyncio.run(scenario())
-    assert placed["on_killed"] > 0, "the router gave the stopped worker nothing"
+    on_killed = asyncio.run(scenario())
+    assert on_killed > 0, "the router gave the stopped worker nothing"
     assert_as_reference(streams, reference["mid_prompt"], "prefill-1 killed mid-prompt")
     # Every prompt was computed (one token each) and handed off by the prefill worker left.
     assert worker_metric(stack, "prefill-0", generated) == first_tokens + MID_PROMPT_REQUESTS
