@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from fake_openai_server import ERROR_MESSAGES, MODEL, FakeOpenAIServer
 
@@ -196,6 +197,7 @@ def test_cli_long_prompt_sends_long_prompts_and_reports_goodput(
                      "--dataset", "long-prompt", "--max-model-len", "4096", "--seed", "5",
                      "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos",
                      "--goodput", "ttft:60000", "tpot:60000", "e2el:60000", "--no-progress",
+                     "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99.9",
                      "--output-json", str(out)]) == 0
     expected = datasets.long_prompt_lengths(8, (2048, 8192), (64, 256), 4096, seed=5)
     timed = server.bodies[1:]  # after one warm-up request
@@ -211,6 +213,12 @@ def test_cli_long_prompt_sends_long_prompts_and_reports_goodput(
     printed = capsys.readouterr().out
     row = printed.split("Request goodput (req/s):")[1].splitlines()[0]
     assert float(row) == pytest.approx(doc["request_goodput"], abs=0.005)
+    # The asked percentiles, under vLLM's names, of the pooled gaps the JSON holds.
+    gaps_ms = [gap * 1000 for itl in doc["itls"] for gap in itl]
+    assert doc["p99.9_itl_ms"] == pytest.approx(float(np.percentile(gaps_ms, 99.9)))
+    assert doc["p50_ttft_ms"] == pytest.approx(doc["median_ttft_ms"])
+    assert "p50_tpot_ms" not in doc and doc["config"]["metric_percentiles"] == [50.0, 99.9]
+    assert "P99.9 ITL (ms):" in printed and "P50 TPOT (ms):" not in printed
 
 
 def _closed_port() -> int:

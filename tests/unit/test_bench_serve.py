@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshserve.bench.serve import datasets, metrics, sharegpt
+from meshserve.bench.serve import datasets, metrics, report, sharegpt
 from meshserve.bench.serve.client import RequestResult, SseParser, error_message
 from meshserve.bench.serve.config import ServeConfig, normalize_argv, parse_goodput
 from meshserve.bench.serve.runner import arrival_offsets
@@ -235,6 +235,29 @@ def test_goodput_and_run_result_by_hand() -> None:
     assert metrics.run_result(outputs, 2.0)["request_goodput"] is None
 
 
+def test_metric_percentiles_are_added_under_vllms_names() -> None:
+    assert metrics.percentile_key("itl", 99.9) == "p99.9_itl_ms"
+    assert metrics.percentile_key("ttft", 25.0) == "p25_ttft_ms"
+    values_s = [i / 1000 for i in range(1, 101)]  # 1 .. 100 ms
+    d = metrics.distribution("itl", values_s, (25.0, 99.9))
+    assert d["p25_itl_ms"] == pytest.approx(25.75)  # rank 0.25 x 99 = 24.75: 25 + 0.75
+    assert d["p99.9_itl_ms"] == pytest.approx(99.901)
+    assert d["p90_itl_ms"] == pytest.approx(90.1) and d["p99_itl_ms"] == pytest.approx(99.01)
+    assert metrics.distribution("itl", [], (25.0,))["p25_itl_ms"] == 0.0
+    config = ServeConfig.from_args(["--vocab-size", "9", "--percentile-metrics", "ttft,itl",
+                                    "--metric-percentiles", "25,99.9"], environ={})
+    assert config.percentiles == {"ttft": (25.0, 99.9), "itl": (25.0, 99.9)}
+    r = metrics.run_result([out(0.1, 1.1, 11), out(0.3, 0.8, 6)], 2.0,
+                           percentiles=config.percentiles)
+    assert r["p25_ttft_ms"] == pytest.approx(150.0) and "p99.9_itl_ms" in r
+    assert "p25_tpot_ms" not in r and "p25_e2el_ms" not in r
+    block = report.result_block({**r, "max_concurrency": None})
+    ttft_rows = [line.split(":")[0] for line in block.splitlines() if " TTFT (ms)" in line]
+    assert ttft_rows == ["Mean TTFT (ms)", "Median TTFT (ms)", "P25 TTFT (ms)",
+                         "P90 TTFT (ms)", "P99 TTFT (ms)", "P99.9 TTFT (ms)"]
+    assert "P25 TPOT (ms)" not in block and "P99 TPOT (ms)" in block
+
+
 # ----- flags -----------------------------------------------------------------------------
 def test_goodput_flag_takes_vllms_space_separated_pairs() -> None:
     argv = normalize_argv(["--goodput", "ttft:500", "tpot:50", "--num-prompts", "3"])
@@ -261,6 +284,8 @@ def test_goodput_flag_takes_vllms_space_separated_pairs() -> None:
     (["--vocab-size", "9", "--goodput", "ttfb:3"], "goodput"),
     (["--vocab-size", "9", "--base-url", "localhost:8000"], "base_url"),
     (["--vocab-size", "9", "--request-rate", "0"], "request_rate"),
+    (["--vocab-size", "9", "--percentile-metrics", "ttft,latency"], "percentile_metrics"),
+    (["--vocab-size", "9", "--metric-percentiles", "50,101"], "metric_percentiles"),
 ])
 def test_bad_flags_are_config_errors_naming_the_field(argv: list[str], param: str) -> None:
     with pytest.raises(ConfigError) as caught:

@@ -16,6 +16,7 @@ from typing import Literal
 from meshserve.shared.config import Config, option
 
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 # Output tokens when --random-output-len is unset: vLLM's random default, and short answers
 # for prefix-heavy, whose cost is meant to be the shared prompt.
 _RANDOM_OUTPUT_LEN = 128
@@ -125,6 +126,12 @@ class ServeConfig(Config):
     temperature: float = option(0.0, "sampling temperature")
     goodput: tuple[str, ...] | None = option(
         None, "SLOs in ms, KEY:VALUE with KEY ttft, tpot or e2el (e.g. ttft:500 tpot:50)")
+    percentile_metrics: tuple[str, ...] = option(
+        ("ttft", "tpot", "itl"), "metrics given the --metric-percentiles, comma-separated, of "
+        "ttft, tpot, itl, e2el (every metric has p90 and p99 in any case)")
+    metric_percentiles: tuple[float, ...] = option(
+        (99.0,), "percentiles of the --percentile-metrics, comma-separated (e.g. 25,50,99.9: "
+                 "p25_ttft_ms, p50_ttft_ms, p99.9_ttft_ms, ...)")
     output_json: Path | None = option(None, "write the results as JSON here")  # noqa: RUF009
     plot: Path | None = option(None, "write a PNG of the latency CDFs here (needs matplotlib)")  # noqa: RUF009
     progress: bool = option(True, "show a progress bar on stderr")
@@ -167,6 +174,12 @@ class ServeConfig(Config):
                      "concurrency_sweep")
         self.require(sweep is None or self.max_concurrency is None,
                      "give either --max-concurrency or --concurrency-sweep", "concurrency_sweep")
+        unknown = sorted(set(self.percentile_metrics) - set(PERCENTILE_METRICS))
+        self.require(not unknown, f"unknown metrics {unknown}: expected some of "
+                                  f"{list(PERCENTILE_METRICS)}", "percentile_metrics")
+        self.require(all(0 <= p <= 100 for p in self.metric_percentiles),
+                     f"must be percentiles in [0, 100], got {self.metric_percentiles}",
+                     "metric_percentiles")
         try:
             parse_goodput(self.goodput or ())
         except ValueError as exc:
@@ -220,6 +233,11 @@ class ServeConfig(Config):
     def goodput_slos_ms(self) -> dict[str, float]:
         """`--goodput` as {metric: milliseconds}."""
         return parse_goodput(self.goodput or ())
+
+    @property
+    def percentiles(self) -> dict[str, tuple[float, ...]]:
+        """The --metric-percentiles of each of the --percentile-metrics."""
+        return {metric: self.metric_percentiles for metric in self.percentile_metrics}
 
     @property
     def concurrencies(self) -> tuple[int | None, ...]:

@@ -3,7 +3,9 @@
 Over the successful requests: TTFT, TPOT (per request, (e2e - ttft) / (output tokens - 1),
 for those with more than one token), ITL (every gap, all requests pooled) and E2E latency,
 each as mean/median/std/p90/p99 in milliseconds (`mean_ttft_ms`, `p99_itl_ms`, ...;
-numpy.percentile, linear between ranks; 0 when there is nothing to measure). Goodput counts
+numpy.percentile, linear between ranks; 0 when there is nothing to measure), plus the
+percentiles `--metric-percentiles` asks of the `--percentile-metrics` (`p25_ttft_ms`,
+`p99.9_itl_ms`: vLLM's names). Goodput counts
 the requests that met every SLO (value <= SLO, vLLM's rule; a one-token request's TPOT is 0).
 Prompt-cache hits come from the server's usage (`prompt_tokens_details.cached_tokens`).
 """
@@ -23,14 +25,25 @@ STATS = ("mean", "median", "std", "p90", "p99")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
-def distribution(name: str, values_s: Iterable[float]) -> dict[str, float]:
-    """`{stat}_{name}_ms` for every stat in STATS, from values in seconds."""
+def percentile_key(name: str, percentile: float) -> str:
+    """vLLM's key of a percentile: `p99_itl_ms`, `p99.9_itl_ms` (whole numbers without .0)."""
+    word = str(int(percentile)) if percentile == int(percentile) else str(percentile)
+    return f"p{word}_{name}_ms"
+
+
+def distribution(name: str, values_s: Iterable[float],
+                 percentiles: Sequence[float] = ()) -> dict[str, float]:
+    """`{stat}_{name}_ms` for every stat in STATS, and `percentile_key` of each of
+    `percentiles`, from values in seconds."""
     ms = np.fromiter(values_s, dtype=float) * MS_PER_S
+    wanted = [90.0, 99.0, *percentiles]
     if ms.size == 0:
-        return {f"{stat}_{name}_ms": 0.0 for stat in STATS}
-    median, p90, p99 = np.percentile(ms, (50, 90, 99)).tolist()
+        return {f"{stat}_{name}_ms": 0.0 for stat in STATS} | {
+            percentile_key(name, p): 0.0 for p in wanted}
+    median, *values = np.percentile(ms, [50.0, *wanted]).tolist()
     return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": median,
-            f"std_{name}_ms": float(ms.std()), f"p90_{name}_ms": p90, f"p99_{name}_ms": p99}
+            f"std_{name}_ms": float(ms.std())} | {
+        percentile_key(name, p): value for p, value in zip(wanted, values, strict=True)}
 
 
 def request_tpot(latency: float, ttft: float, output_tokens: int) -> float:
@@ -39,10 +52,15 @@ def request_tpot(latency: float, ttft: float, output_tokens: int) -> float:
 
 
 def latency_fields(ttfts: Sequence[float], tpots: Sequence[float], itls: Iterable[float],
-                   e2els: Sequence[float]) -> dict[str, float]:
-    """The four distributions (seconds in, milliseconds out) under vLLM's names."""
-    return {**distribution("ttft", ttfts), **distribution("tpot", tpots),
-            **distribution("itl", itls), **distribution("e2el", e2els)}
+                   e2els: Sequence[float],
+                   percentiles: Mapping[str, Sequence[float]] | None = None
+                   ) -> dict[str, float]:
+    """The four distributions (seconds in, milliseconds out) under vLLM's names; `percentiles`
+    adds percentiles by metric (`{"itl": (99.9,)}`)."""
+    extra = percentiles or {}
+    values = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
+    return {k: v for name in METRICS
+            for k, v in distribution(name, values[name], extra.get(name, ())).items()}
 
 
 def is_good(output: RequestResult, slos_ms: Mapping[str, float]) -> bool:
@@ -82,10 +100,12 @@ def prompt_cache_fields(ok: Sequence[RequestResult]) -> dict[str, Any]:
 
 
 def run_result(outputs: Sequence[RequestResult], duration_s: float,
-               slos_ms: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """vLLM's serving result of one run: counts, throughputs, latency distributions,
-    goodput (None without SLOs), failures, and per-request arrays (seconds; 0 and an empty
-    ITL list for failed requests, whose `errors` entry says why)."""
+               slos_ms: Mapping[str, float] | None = None,
+               percentiles: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+    """vLLM's serving result of one run: counts, throughputs, latency distributions (with
+    `percentiles` by metric besides p90 and p99), goodput (None without SLOs), failures, and
+    per-request arrays (seconds; 0 and an empty ITL list for failed requests, whose `errors`
+    entry says why)."""
     ok = [o for o in outputs if o.success]
     input_tokens = sum(o.prompt_len for o in ok)
     output_tokens = sum(o.output_tokens for o in ok)
@@ -101,7 +121,7 @@ def run_result(outputs: Sequence[RequestResult], duration_s: float,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
         **prompt_cache_fields(ok),
         **latency_fields([o.ttft for o in ok], tpots, (t for o in ok for t in o.itl),
-                         [o.latency for o in ok]),
+                         [o.latency for o in ok], percentiles),
         "failures": failure_summary(outputs),
         "input_lens": [o.prompt_len for o in outputs],
         "output_lens": [o.output_tokens if o.success else 0 for o in outputs],

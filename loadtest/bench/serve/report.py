@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import re
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -68,6 +69,15 @@ def _cell(template: str, value: Any) -> str:
     return template.format(value)
 
 
+def _percentile_rows(result: dict[str, Any], metric: str) -> list[tuple[str, str]]:
+    """(label, key) of every percentile of `metric` in the result (`p99.9_itl_ms` -> P99.9),
+    lowest first: p90 and p99, and those --metric-percentiles added."""
+    pattern = re.compile(rf"p(\d+(?:\.\d+)?)_{metric}_ms")
+    found = [(float(m.group(1)), m.group(1), key) for key in result
+             if (m := pattern.fullmatch(key))]
+    return [(f"P{word}", key) for _, word, key in sorted(found)]
+
+
 def result_block(result: dict[str, Any]) -> str:
     """vLLM's `Serving Benchmark Result` block of one run."""
     rule = "=" * _WIDTH
@@ -78,10 +88,10 @@ def result_block(result: dict[str, Any]) -> str:
         lines.append(f"{label:<40}{_cell(template, result[key]):>10}")
     for metric, title in _TITLES.items():
         lines.append(f" {title} ".center(_WIDTH, "-"))
-        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"),
-                            ("p99", "P99")):
-            lines.append(f"{f'{label} {metric.upper()} (ms):':<40}"
-                         f"{result[f'{stat}_{metric}_ms']:>10.2f}")
+        rows = [("Mean", f"mean_{metric}_ms"), ("Median", f"median_{metric}_ms"),
+                *_percentile_rows(result, metric)]
+        lines.extend(f"{f'{label} {metric.upper()} (ms):':<40}{result[key]:>10.2f}"
+                     for label, key in rows)
     failures = result["failures"]
     if failures["count"]:
         lines.append(" Failures ".center(_WIDTH, "-"))

@@ -140,7 +140,7 @@ async def run_benchmark(config: ServeConfig, workload: Workload) -> list[dict[st
             outputs, duration = await run_requests(client, workload.requests, offsets=offsets,
                                                    max_concurrency=cap,
                                                    progress=config.progress)
-            result = run_result(outputs, duration, slos or None)
+            result = run_result(outputs, duration, slos or None, config.percentiles)
             result.update(model=model, max_concurrency=cap,
                           request_rate="inf" if math.isinf(config.request_rate)
                           else config.request_rate, burstiness=config.burstiness)
