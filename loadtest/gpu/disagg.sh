@@ -123,7 +123,7 @@ stack_down() {
 }
 
 # `serve NAME LIMIT_S SEED FLAGS...`: one `meshserve bench serve` run on long prompts into
-# $OUT/NAME.json (a step: its log in $OUT/NAME.log).
+# $OUT/NAME.json (a step: its log in $OUT/NAME.log), TTFT, TPOT and ITL p50/p90/p99 in it.
 serve() {
   local name=$1 limit=$2 seed=$3
   shift 3
@@ -135,6 +135,7 @@ serve() {
     --long-prompt-min-output-len "$LONG_PROMPT_MIN_OUTPUT_LEN" \
     --long-prompt-max-output-len "$LONG_PROMPT_MAX_OUTPUT_LEN" \
     --seed "$seed" --timeout-s "$REQUEST_TIMEOUT_S" --num-warmup 0 \
+    --percentile-metrics ttft,tpot,itl --metric-percentiles 50,90,99 \
     --output-json "$OUT/$name.json" "$@"
 }
 
