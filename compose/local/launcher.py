@@ -90,6 +90,9 @@ class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
         "store", "how prefill workers hand prompts' KV to decode workers: through the kvstore "
         "(store), pulled over TCP (tcp), or copied GPU to GPU on one host (ipc; TCP "
         "between hosts)")
+    kv_handoff_hold_bytes: int | None = option(
+        None, "most bytes of handed-off KV a prefill worker holds for decode workers (with "
+              "ipc, the pool it takes from its GPU at start; unset: the worker's default)")
     disagg_min_prompt_tokens: int | None = option(
         None, "prompts shorter than this skip the prefill workers (unset: the scheduler's "
               "default)")
@@ -347,6 +350,8 @@ class Stack:
                 "--redis-url", self.redis_url,
                 "--scheduler-address", self.scheduler_address, *served,
                 *(["--kv-handoff", c.kv_handoff] if c.kv_handoff != "store" else []),
+                *(["--kv-handoff-hold-bytes", str(c.kv_handoff_hold_bytes)]
+                  if c.kv_handoff_hold_bytes and role == "prefill" else []),
                 *c.engine_flags(), *c.runner_flags(), *placement], grpc_serving(address))
         gateway = [*self._common(), "--host", c.host, "--port", str(self.gateway_port),
                    "--tokenizer-addresses", ",".join(self.tokenizer_addresses),

@@ -252,7 +252,8 @@ class TcpHandoffLink:
                   if config.role == ROLE_PREFILL else None)
         self.transfer = TcpTransfer(
             kv_caches, inner=self.kvstore.transport(kv_caches) if self.kvstore else None,
-            holder=holder, pool=self.pool, streams=config.kv_handoff_streams)
+            holder=holder, pool=self.pool, streams=config.kv_handoff_streams,
+            store_backlog_bytes=config.kv_offload_backlog_bytes)
         return self.transfer
 
     def start(self, address: str, block_size: int) -> TcpHandoff:

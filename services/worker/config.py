@@ -357,10 +357,11 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
                                      "on (--kv-handoff tcp; 0: any free port)")
     kv_handoff_hold_s: float = option(30.0, "seconds a prefill worker holds handed-off blocks "
                                             "that no decode worker pulled (--kv-handoff tcp)")
-    kv_handoff_hold_bytes: int = option(1 << 30, "most bytes of handed-off blocks a prefill "
-                                                 "worker holds, the oldest going first "
-                                                 "(--kv-handoff tcp; with ipc, the pool "
-                                                 "it takes from the device at start)")
+    kv_handoff_hold_bytes: int = option(
+        4 << 30, "most bytes of handed-off blocks a prefill worker holds, the oldest going "
+                 "first: room for the prompts being prefilled and those not yet pulled (the "
+                 "Llama-3.1-8B shape: 128 KiB a token); --kv-handoff tcp: host memory, taken "
+                 "as needed; ipc: the pool taken from the device at start")
     kv_handoff_watermark: float = option(
         0.01, "fraction of its KV cache a decode worker keeps free: a handed-off request "
               "whose prompt blocks would leave less is refused and placed elsewhere")

@@ -203,3 +203,51 @@ def test_blocks_held_in_a_pool_are_copied_from_it_or_pulled_over_tcp(
         assert cached_bytes(second, h) == computed[h], "a copied block is not bit-exact"
     assert holder.stats.pulled_blocks == 5
     assert pool.free_slots == pool.slots - (held - 5), "the copied blocks' slots came back"
+
+
+class SlowStore:
+    """A kvstore transport that has fallen far behind: it takes no saves."""
+
+    available = True
+    save_backlog_bytes = 1 << 40
+
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def may_hold(self, request_id: str) -> bool:
+        return False
+
+    def submit(self, job: object) -> None:
+        self.saves += 1
+
+    def take_done(self) -> list[object]:
+        return []
+
+    def wait(self, timeout_s: float) -> None:
+        pass
+
+
+def test_a_kvstore_far_behind_does_not_stop_the_handoff(folder: Path) -> None:
+    """A prefill worker's saves are held for the handoff even when its kvstore is more than
+    its backlog bound behind: the store's copies are dropped (counted), the handoff's kept."""
+    store = SlowStore()
+    holder = BlockHolder(1 << 30, 60.0)
+    config = EngineConfig(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64,
+                          block_size=BLOCK, max_model_len=256)
+    made: list[TcpTransfer] = []
+
+    def transport(kv_caches: KVCaches) -> TcpTransfer:
+        made.append(TcpTransfer(kv_caches, inner=store, holder=holder,  # type: ignore[arg-type]
+                                store_backlog_bytes=1 << 20))
+        return made[0]
+
+    engine = build_engine(config, kv_tier=KVTierPlan(transport, 1 << 20))
+    made[0].start()
+    try:
+        run(engine, prompt(), "p")
+        assert made[0].flush(10)
+    finally:
+        made[0].stop()
+    held = holder.num_held(hash_blocks(prompt(), BLOCK))
+    assert held == 5, "every prompt block is held for the handoff"
+    assert store.saves == 0 and made[0].stats.dropped_store_saves >= 5

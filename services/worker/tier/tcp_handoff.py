@@ -101,6 +101,9 @@ class PullStats:
     failed_pulls: int = 0
     mapped_blocks: int = 0
     """Blocks copied straight from a source's mapped pool (the rest came over TCP)."""
+    dropped_store_saves: int = 0
+    """Prefill side: blocks held for the handoff but not written to a kvstore that fell
+    more than `store_backlog_bytes` behind."""
 
 
 class TcpTransfer:
@@ -108,12 +111,14 @@ class TcpTransfer:
 
     def __init__(self, kv_caches: KVCaches, *, inner: KVTransport | None = None,
                  holder: BlockHolder | None = None, pool: SlotPool | None = None,
-                 streams: int = 4, timeout_s: float = 10.0) -> None:
+                 streams: int = 4, timeout_s: float = 10.0,
+                 store_backlog_bytes: int = 1 << 30) -> None:
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
         self.block_shape = block_shape(kv_caches)
         self.streams = streams
         self.timeout_s = timeout_s
+        self.store_backlog_bytes = store_backlog_bytes
         self.holder = holder
         self.pool = pool
         if pool is not None:
@@ -159,13 +164,19 @@ class TcpTransfer:
 
     @property
     def save_backlog_bytes(self) -> int:
+        """A prefill worker's own backlog (the copies into held memory): a kvstore that
+        falls behind drops its own saves (`submit`), never the handoff's."""
         inner = self._inner.save_backlog_bytes if self._inner is not None else 0
-        return max(inner, self._backlog)
+        return self._backlog if self.holder is not None else max(inner, self._backlog)
 
     def submit(self, job: TransferJob) -> None:
         if isinstance(job, SaveJob):
-            if self._inner is not None:
+            if self._inner is not None and (
+                    self.holder is None
+                    or self._inner.save_backlog_bytes + job.nbytes <= self.store_backlog_bytes):
                 self._inner.submit(job)
+            elif self._inner is not None:
+                self.stats.dropped_store_saves += len(job.hashes)
             if self.holder is not None:
                 self._queue(job, job.nbytes)
         elif isinstance(job, ProbeJob):
@@ -438,11 +449,17 @@ def register_tcp_metrics(registry: CollectorRegistry, transfer: TcpTransfer) -> 
          lambda: transfer.stats.pull_seconds),
         ("kv_handoff_failed_pulls_total",
          "Pulls that failed or found the source gone (the prompt was recomputed)",
-         lambda: transfer.stats.failed_pulls)]
+         lambda: transfer.stats.failed_pulls),
+        ("kv_handoff_mapped_blocks_total",
+         "KV blocks copied straight from a prefill worker's mapped pool (GPU to GPU)",
+         lambda: transfer.stats.mapped_blocks)]
     if holder is not None:
         read += [
             ("kv_handoff_held_bytes", "Bytes of handed-off KV blocks held for decode workers",
              lambda: holder.held_bytes),
+            ("kv_handoff_dropped_store_saves_total",
+             "Blocks held for the handoff but not written to a kvstore that fell behind",
+             lambda: transfer.stats.dropped_store_saves),
             ("kv_handoff_expired_blocks_total",
              "Held KV blocks freed unpulled (hold time or byte bound)",
              lambda: holder.stats.expired_blocks)]
