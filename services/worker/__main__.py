@@ -242,7 +242,13 @@ class TcpHandoffLink:
                      if config.kv_handoff == "ipc" and config.role == ROLE_PREFILL else None)
 
     def plan(self) -> KVTierPlan:
-        return KVTierPlan(self._transport, self.config.kv_offload_backlog_bytes)
+        """The engine's KV tier over this link's transport. A prefill worker's saves are
+        the handoff itself: bounded by what it may hold, not by the kvstore's backlog (one
+        step of an 8k-token prompt of the 8B shape is 1 GiB of blocks)."""
+        backlog = self.config.kv_offload_backlog_bytes
+        if self.config.role == ROLE_PREFILL:
+            backlog = max(backlog, self.config.kv_handoff_hold_bytes)
+        return KVTierPlan(self._transport, backlog)
 
     def _transport(self, kv_caches: KVCaches) -> TcpTransfer:
         config = self.config
