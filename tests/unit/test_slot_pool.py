@@ -9,6 +9,7 @@ pool-held blocks to a peer that cannot map the pool."""
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +26,7 @@ from meshserve.services.worker.tier.tcp_blocks import (
     probe,
     pull,
 )
+from meshserve.shared.errors import ConfigError
 
 SLOT_BYTES = 4096 + 24
 SLOTS = 6
@@ -155,3 +157,10 @@ def test_a_listener_without_a_pool_answers_an_empty_handle_and_no_lease() -> Non
         assert holder.num_held([block_hash(0)]) == 1
     finally:
         server.stop()
+
+
+def test_a_pool_larger_than_the_free_shared_memory_is_refused_at_start() -> None:
+    real = os.statvfs("/dev/shm")
+    nbytes = real.f_bavail * real.f_frsize + (1 << 20)
+    with pytest.raises(ConfigError, match="--kv-handoff-hold-bytes"):
+        SlotPool(nbytes, CPU)

@@ -34,6 +34,8 @@ from typing import Any
 import orjson
 import torch
 
+from meshserve.shared.errors import ConfigError
+
 HEADER_BYTES = 64  # the token, and room to keep slots aligned
 
 
@@ -58,6 +60,7 @@ class SlotPool:
         if device.type == "cuda":
             self._memory = torch.empty(nbytes, dtype=torch.uint8, device=device)
         else:
+            _check_shm_room(nbytes)
             self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
             self._memory = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
         token = torch.tensor([self.token], dtype=torch.int64).view(torch.uint8)
@@ -128,6 +131,19 @@ class SlotPool:
             self._shm.close()
             with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()
+
+
+def _check_shm_room(nbytes: int) -> None:
+    """A shared-memory pool larger than /dev/shm would fail on its first write past the
+    room left (SIGBUS): refuse it at start instead, saying what to change."""
+    with contextlib.suppress(OSError):
+        stats = os.statvfs("/dev/shm")
+        free = stats.f_bavail * stats.f_frsize
+        if nbytes > free:
+            raise ConfigError(
+                f"the KV handoff pool needs {nbytes} bytes of shared memory and /dev/shm has "
+                f"{free} free: lower --kv-handoff-hold-bytes, or give the worker more shared "
+                "memory (docker: --shm-size)", param="kv_handoff_hold_bytes")
 
 
 @dataclass
