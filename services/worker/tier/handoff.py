@@ -11,7 +11,9 @@ the decode worker loads them by block hash as prefix-cache hits from the store a
 (its partial last block and the first tokens are recomputed: a few tokens). A handoff that
 is not in the store in time costs the decode worker a recomputation, nothing else.
 `TcpHandoff` (tier/tcp_handoff.py) is the second: the prefill worker holds the blocks and
-names where (`source`), the decode worker pulls them over parallel TCP streams.
+names where (`source`), the decode worker pulls them over parallel TCP streams, or, with the
+blocks in a pool it can map on the same host (--kv-handoff ipc, tier/slot_pool.py), copies
+them GPU to GPU.
 
 The decode worker first checks it has room (`has_room`): a handed-off request whose prompt
 blocks would leave less than the watermark free is refused before anything runs, and the
