@@ -20,8 +20,8 @@ blocks would leave less than the watermark free is refused before anything runs,
 gateway places it elsewhere. The free blocks it reads are the engine's after its last step,
 less the blocks already promised to handed-off requests that passed the check and are not
 allocated yet (`RoomReservations`, one per worker): two handoffs arriving in one step cannot
-both take the same room. Transports that copy device to device (NCCL, CUDA IPC) or
-over RDMA (UCX) fit behind the same calls: `send` makes the blocks reachable and says
+both take the same room. Other transports (NCCL, RDMA through UCX) fit behind the same
+calls: `send` makes the blocks reachable and says
 where, `expect` tells the decode side where a request's blocks wait, and the engine's KV
 tier pulls them into blocks it allocated first (tier/kv_tier.py's probe, then load).
 """
