@@ -11,6 +11,7 @@
 # request) and the ratios.
 #
 #     bash loadtest/gpu.sh disagg                    # both configs; results in $OUT/disagg
+#     CONFIGS="via whole" bash loadtest/gpu.sh disagg  # the short-prompt threshold (below)
 #     CONFIGS=mixed bash loadtest/gpu.sh disagg      # one config per call, then
 #     CONFIGS=disagg bash loadtest/gpu.sh disagg     # python loadtest/disagg_sweep.py here
 #
@@ -30,6 +31,15 @@
 # CONFIG_BUDGET_S (250: a config's start, warm-up and sweep; a rate that no longer fits its
 # arrivals plus RATE_SLACK_S (30) is skipped and reported as such), STARTUP_S (240), PORT
 # (8125).
+#
+# The short-prompt threshold (scheduler --disagg-min-prompt-tokens): the configs `via` (every
+# prompt through the prefill worker) and `whole` (prompts up to the longest of SHORT_LENS run
+# whole on the decode worker), both 1 prefill + 1 decode worker. Under a steady background of
+# BG_STREAMS long-prompt streams (their prompts always go through the prefill worker), one
+# `bench serve` per prompt length L of SHORT_LENS: SHORT_PROMPTS random L-token prompts with
+# SHORT_OUTPUT_LEN-token answers at SHORT_RATE req/s (CONFIG/short_L.json; the background's
+# own result in CONFIG/background.json). loadtest/disagg_threshold.py then compares TTFT and
+# ITL per length and names the measured threshold (summary_threshold.md).
 #
 # A CPU dry run (a tiny model with its own tokenizer, tests/tiny_models.py):
 #     MODEL_DIR=/tmp/tiny MAX_MODEL_LEN=512 RATES="1 2" PROMPTS_PER_RATE=4 \
@@ -56,6 +66,11 @@ REQUEST_TIMEOUT_S=${REQUEST_TIMEOUT_S:-60}
 CONFIG_BUDGET_S=${CONFIG_BUDGET_S:-250}
 RATE_SLACK_S=${RATE_SLACK_S:-30}
 STARTUP_S=${STARTUP_S:-240}
+SHORT_LENS=${SHORT_LENS:-16 64 256 1024}
+SHORT_PROMPTS=${SHORT_PROMPTS:-40}
+SHORT_RATE=${SHORT_RATE:-4}
+SHORT_OUTPUT_LEN=${SHORT_OUTPUT_LEN:-64}
+BG_STREAMS=${BG_STREAMS:-32}
 PORT=${PORT:-8125}
 PART_OUT=$OUT
 STEP_TAIL=3
@@ -74,8 +89,15 @@ placement() {
   case $1 in
     mixed) echo "--workers 2" ;;
     disagg) echo "--workers 0 --prefill-workers 1 --decode-workers 1 --kv-handoff $KV_HANDOFF" ;;
+    via) echo "$(placement disagg) --disagg-min-prompt-tokens 1" ;;
+    whole) echo "$(placement disagg) --disagg-min-prompt-tokens $(($(longest_short) + 1))" ;;
     *) return 1 ;;
   esac
+}
+
+# `longest_short`: the longest prompt length of SHORT_LENS.
+longest_short() {
+  printf '%s\n' $SHORT_LENS | sort -n | tail -1
 }
 
 # `gpu_idle`: wait (at most 60 s) until no process holds GPU memory; true where there is no
@@ -139,6 +161,30 @@ serve() {
     --output-json "$OUT/$name.json" "$@"
 }
 
+# `short_runs`: under a background of BG_STREAMS long-prompt streams, one run of short
+# prompts per length of SHORT_LENS (the `via` and `whole` configs).
+short_runs() {
+  local len limit background span
+  # The background outlasts the short runs (their arrivals and a drain each), then stops.
+  span=$(python3 -c "import math; print(len('$SHORT_LENS'.split()) * (math.ceil($SHORT_PROMPTS / $SHORT_RATE) + 10) + 20)")
+  ( serve background "$span" $((SEED + 2000)) --num-prompts $((BG_STREAMS * 50)) \
+      --max-concurrency "$BG_STREAMS" ) >/dev/null 2>&1 &
+  background=$!
+  for len in $SHORT_LENS; do
+    limit=$(python3 -c "import math; print(math.ceil($SHORT_PROMPTS / $SHORT_RATE) + $RATE_SLACK_S)")
+    gpu_step "short_$len" "$limit" python3 -m "$MESHSERVE_CLI" bench serve \
+      --base-url "http://127.0.0.1:$PORT" --model m --model-config "$MODEL" \
+      --max-model-len "$MAX_MODEL_LEN" --prompt-format token-ids --ignore-eos --no-progress \
+      --dataset random --random-input-len "$len" --random-range-ratio 0 \
+      --random-output-len "$SHORT_OUTPUT_LEN" --seed "$((SEED + len))" \
+      --timeout-s "$REQUEST_TIMEOUT_S" --num-warmup 0 \
+      --percentile-metrics ttft,tpot,itl --metric-percentiles 50,90,99 \
+      --output-json "$OUT/short_$len.json" --num-prompts "$SHORT_PROMPTS" \
+      --request-rate "$SHORT_RATE"
+  done
+  wait "$background" 2>/dev/null  # stopped by its time limit
+}
+
 # `sweep CONFIG`: CONFIG's stack up, warm-up, one run per rate, metrics, stack down.
 sweep() {
   local config=$1 began=$SECONDS flags i=0 rate limit left cap=()
@@ -150,7 +196,9 @@ sweep() {
   cat "$OUT/up.out"
   # Untimed: the first long prompts of each worker (compilation, allocation), another seed.
   serve warmup 60 $((SEED + 1000)) --num-prompts 4 --max-concurrency 2
+  case $config in via | whole) short_runs ;; esac
   for rate in $RATES; do
+    [[ $config == via || $config == whole ]] && break
     left=$((CONFIG_BUDGET_S - (SECONDS - began)))
     limit=$(python3 -c "import math; print(math.ceil($PROMPTS_PER_RATE / $rate) + $RATE_SLACK_S)")
     if ((limit > left)); then
@@ -175,6 +223,12 @@ for config in $CONFIGS; do
   sweep "$config" 2>&1 | tee "$OUT/console.log"
 done
 OUT=$PART_OUT
+if [[ " $CONFIGS " == *" via "* && " $CONFIGS " == *" whole "* ]]; then
+  # shellcheck disable=SC2086  # SHORT_LENS is a list
+  python3 loadtest/disagg_threshold.py "$OUT" --lengths $SHORT_LENS \
+    --out "$OUT/summary_threshold.md" --json "$OUT/summary_threshold.json"
+fi
+[[ " $CONFIGS " == *" mixed "* || " $CONFIGS " == *" disagg "* ]] || exit 0
 # shellcheck disable=SC2086  # CONFIGS and RATES are lists
 python3 loadtest/disagg_sweep.py "$OUT" --configs $CONFIGS --rates $RATES \
   --num-prompts "$PROMPTS_PER_RATE" --ttft-slo-ms "$TTFT_SLO_MS" --itl-slo-ms "$ITL_SLO_MS" \
