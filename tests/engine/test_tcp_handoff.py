@@ -194,6 +194,12 @@ def test_blocks_held_in_a_pool_are_copied_from_it_or_pulled_over_tcp(
     try:
         second_transfer.expect("d", source)
         out, cached = run(second, prompt(), "d")
+        assert second_transfer.mapped_sources == ([source] if mappable else [])
+        # A prompt the source never held: the probe misses, and the pool is let go of.
+        second_transfer.expect("e", source)
+        _, cached_other = run(second, [t + 1 for t in prompt()], "e")
+        assert cached_other == 0 and second_transfer.stats.failed_pulls == 1
+        assert second_transfer.mapped_sources == []
     finally:
         second_transfer.stop()
     assert out == reference and cached == 5 * BLOCK

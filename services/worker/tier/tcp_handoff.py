@@ -309,6 +309,7 @@ class TcpTransfer:
         finally:
             if not found:  # the source is gone, or no longer holds them: a failed pull too
                 self.stats.failed_pulls += 1
+                self._unmap(probed.source)
             lease = TcpLease(probed.source, job.hashes[:found]) if found else None
             self._finish(ProbeDone(job.request_id, found, lease))
 
@@ -365,16 +366,30 @@ class TcpTransfer:
             self._maps[source] = map_pool(handle, self.device) if handle else None
         return self._maps[source]
 
+    @property
+    def mapped_sources(self) -> list[str]:
+        """The sources whose pools this worker maps now."""
+        return [source for source, mapped in self._maps.items() if mapped is not None]
+
+    def _unmap(self, source: str) -> None:
+        """Let go of a source's pool after a miss: a source that died keeps its pool's
+        device memory allocated for as long as anyone maps it (mapped again when next
+        asked)."""
+        mapped = self._maps.pop(source, None)
+        if mapped is not None:
+            mapped.close()
+
     def _copy_from_pool(self, mapped: MappedPool, job: LoadJob) -> bool:
         """Lease the blocks' slots and gather them from the mapped pool into the cache."""
         lease_: TcpLease = job.lease  # type: ignore[assignment]
         n = len(job.block_ids)
         slots = lease(lease_.source, lease_.hashes[:n], self.timeout_s)
         if slots is None:
+            self._unmap(lease_.source)
             return False  # no longer held: recomputed
         try:
             if slots.token != mapped.token:  # the source restarted: map its new pool
-                self._maps.pop(lease_.source, None)
+                self._unmap(lease_.source)
                 remapped = self._mapped(lease_.source)
                 if remapped is None or remapped.token != slots.token:
                     return False
