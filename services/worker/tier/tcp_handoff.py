@@ -372,9 +372,9 @@ class TcpTransfer:
         return [source for source, mapped in self._maps.items() if mapped is not None]
 
     def _unmap(self, source: str) -> None:
-        """Let go of a source's pool after a miss: a source that died keeps its pool's
-        device memory allocated for as long as anyone maps it (mapped again when next
-        asked)."""
+        """Let go of a source's pool after a miss (mapped again when next asked): a mapping
+        of a source that died or restarted would only hold memory that is no longer
+        served."""
         mapped = self._maps.pop(source, None)
         if mapped is not None:
             mapped.close()
