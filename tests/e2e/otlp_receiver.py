@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -17,6 +17,8 @@ class ReceivedSpan:
     trace_id: str
     span_id: str
     parent_span_id: str
+    attributes: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    """The span's string attributes."""
 
 
 class OTLPReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -47,8 +49,11 @@ class OTLPReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                             if a.key == "service.name"), "")
             for scope in resource_spans.scope_spans:
                 for span in scope.spans:
+                    attributes = {a.key: a.value.string_value for a in span.attributes
+                                  if a.value.HasField("string_value")}
                     received.append(ReceivedSpan(service, span.name, span.trace_id.hex(),
-                                                 span.span_id.hex(), span.parent_span_id.hex()))
+                                                 span.span_id.hex(), span.parent_span_id.hex(),
+                                                 attributes))
         with self._changed:
             self.spans.extend(received)
             self._changed.notify_all()
