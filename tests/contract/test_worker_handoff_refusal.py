@@ -169,3 +169,22 @@ def big_handoff(handle: int, rid: str) -> worker_pb2.SessionAdd:
     del add.request.prompts[:]
     add.request.prompts.add(token_ids=list(range(100, 100 + 15 * BLOCK)))
     return add
+
+
+async def test_a_handoff_past_its_deadline_on_arrival_is_forgotten(worker: Harness) -> None:
+    """A handed-off request that reaches its decode worker after its deadline (the gateway
+    gave up on it meanwhile) fails, and the handoff forgets where its blocks wait."""
+    handoff = NotingHandoff(watermark=0.0)
+    worker.servicer.handoff = handoff
+    session = Session(worker)
+    late = handed_off(1, "late")
+    late.request.deadline_unix_ns = 1  # long past
+    session.send(adds=[late])
+    await session.until([1])
+    error = session.seen[1].error
+    assert error is not None and error.kind == "deadline_exceeded"
+    assert session.seen[1].tokens == {} and handoff.stats.refused == 0
+    assert handoff.forgotten == [rid for rid, _ in handoff.expected]
+    reservations = worker.servicer.reservations
+    assert reservations.reserved == 0 and len(reservations) == 0
+    session.half_close()

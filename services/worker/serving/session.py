@@ -154,6 +154,9 @@ class WorkerSession:
                 or request.kvstore_blocks > 0,
                 images=request_images(request.prompts))
         except MeshError as exc:
+            if add.request.handed_off and self._handoff is not None:
+                # `_refuses` told the handoff where its blocks wait: nothing will pull them.
+                self._handoff.forget(add.request.request_id)
             self._fail_handle(handle, exc)
             return
         entry = SessionEntry(handle, add.request, params, stream, add.traceparent, add.tracestate,
