@@ -17,7 +17,9 @@ stopped) where answers must match:
   prefill worker's held blocks are freed (at once, or after --kv-handoff-hold-s), and the
   next request is served;
 - one trace holds the prefill worker's and the decode worker's spans (OTLP);
-- the workers' vllm:* counters split the tokens between them.
+- the workers' vllm:* counters split the tokens between them;
+- an FP8 KV cache is handed off as it is: the greedy tokens of the in-process engine with
+  the same cache (a stack of its own, the cache's dtype being the whole stack's).
 
 Logprobs agree to float32 rounding (1e-4), as in test_disagg_stack.py, for the same reasons.
 """
@@ -45,6 +47,9 @@ from test_disagg_stack import assert_same, handoff_blocks, worker_metric
 from tiny_models import build_tiny_model
 
 from meshserve.local.launcher import LauncherConfig, Stack, start_stack
+from meshserve.services.worker.builder import build_engine
+from meshserve.services.worker.config import EngineConfig
+from meshserve.shared.sampling_params import SamplingParams
 
 MODEL = "tiny-disagg-features"
 ADAPTER = "sticker"
@@ -86,15 +91,15 @@ def adapter_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return build_adapter(model_dir, tmp_path_factory.mktemp("adapter") / ADAPTER, seed=36)
 
 
-def launch(model_dir: Path, adapter_dir: Path, run_dir: Path, **overrides: Any
-           ) -> Iterator[Stack]:
+def launch(model_dir: Path, adapter_dir: Path, run_dir: Path,
+           environ: dict[str, str] | None = None, **overrides: Any) -> Iterator[Stack]:
     config = LauncherConfig(**{
         "model": str(model_dir), "served_model_name": MODEL, "port": 0, "kvstore": False,
         "num_kv_blocks": 256, "block_size": BLOCK, "dtype": "float32", "device": "cpu",
         "enable_lora": True, "lora_modules": f"{ADAPTER}={adapter_dir}",
         "run_dir": str(run_dir), "startup_timeout_s": 300, "stop_grace_s": 5, **overrides})
     environ = {**os.environ, "MESHSERVE_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
-               "MESHSERVE_KV_HANDOFF_HOLD_S": str(HOLD_S)}
+               "MESHSERVE_KV_HANDOFF_HOLD_S": str(HOLD_S), **(environ or {})}
     with start_stack(config, environ=environ) as running:
         yield running
 
@@ -155,7 +160,9 @@ def stack(model_dir: Path, adapter_dir: Path, reference: dict[str, Any],
     yield from launch(model_dir, adapter_dir, tmp_path_factory.mktemp("disagg-ipc"),
                       workers=0, prefill_workers=1, decode_workers=1, kv_handoff="ipc",
                       disagg_min_prompt_tokens=MIN_PROMPT_TOKENS,
-                      otlp_endpoint=receiver.endpoint)
+                      otlp_endpoint=receiver.endpoint,
+                      # Spans exported within 0.2 s of their end, not the default 5 s.
+                      environ={"OTEL_BSP_SCHEDULE_DELAY": "200"})
 
 
 def summed(stack: Stack, worker: str, name: str) -> float:
@@ -333,16 +340,22 @@ def test_one_trace_holds_both_workers_spans(stack: Stack, receiver: OTLPReceiver
     complete(stack, TRACE_PROMPT, extra_headers={"traceparent": f"00-{trace_id}-{caller}-01"})
     wanted = {"prefill-0": {"worker.prefill"}, "decode-0": {"worker.decode"}}
 
+    def roots(spans: list[ReceivedSpan]) -> set[str]:
+        """Parents of the trace's spans that are not spans of it: the caller's alone once
+        every service has exported everything (each exports on its own schedule)."""
+        mine = [s for s in spans if s.trace_id == trace_id]
+        return {s.parent_span_id for s in mine} - {s.span_id for s in mine}
+
+    def services(spans: list[ReceivedSpan]) -> set[str]:
+        return {s.service for s in spans if s.trace_id == trace_id}
+
     def complete_trace(spans: list[ReceivedSpan]) -> bool:
         found = worker_spans(spans, trace_id)
-        return all(names <= found.get(worker, set()) for worker, names in wanted.items())
+        return roots(spans) == {caller} and {"gateway", "scheduler"} <= services(spans) \
+            and all(names <= found.get(worker, set()) for worker, names in wanted.items())
 
     spans = receiver.wait_for(complete_trace, timeout_s=30)
-    assert complete_trace(spans), worker_spans(spans, trace_id)
-    mine = [s for s in spans if s.trace_id == trace_id]
-    ids = {s.span_id for s in mine}
-    assert {s.parent_span_id for s in mine if s.parent_span_id not in ids} == {caller}
-    assert {"gateway", "scheduler"} <= {s.service for s in mine}
+    assert complete_trace(spans), (worker_spans(spans, trace_id), roots(spans), services(spans))
 
 
 def test_the_workers_vllm_counters_split_a_handed_off_request(stack: Stack) -> None:
@@ -359,3 +372,47 @@ def test_the_workers_vllm_counters_split_a_handed_off_request(stack: Stack) -> N
     assert moved["decode-0", "vllm:prompt_tokens_total"] == 0
     assert moved["prefill-0", "vllm:request_success_total"] == 1
     assert moved["decode-0", "vllm:request_success_total"] == 1
+
+
+def engine_tokens(model_dir: Path, tokens: list[int]) -> list[int]:
+    """The greedy tokens of the in-process engine with an FP8 KV cache (a mixed worker's)."""
+    engine = build_engine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
+                                       num_kv_blocks=64, block_size=BLOCK, kv_cache_dtype="fp8"))
+    engine.add_request("fp8", tokens, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                     ignore_eos=True))
+    out: list[int] = []
+    while engine.has_unfinished_requests():
+        for step in engine.step():
+            out += step.new_token_ids
+    return out
+
+
+def token_ids(stack: Stack, tokens: list[int]) -> tuple[list[int], int]:
+    """A greedy completion's token ids and its cached prompt tokens."""
+    with client_for(stack) as client:
+        response = client.completions.create(
+            model=MODEL, prompt=tokens, max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    logprobs = response.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and response.usage is not None
+    details = response.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    return [int(t.removeprefix("token_id:")) for t in logprobs.tokens], details.cached_tokens
+
+
+def test_an_fp8_kv_cache_is_handed_off_as_on_a_mixed_fp8_worker(
+        stack: Stack, model_dir: Path, adapter_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The KV cache's dtype is the whole stack's: this one test starts a stack of its own."""
+    tokens = prompt(390)
+    full = len(tokens) // BLOCK
+    want = engine_tokens(model_dir, tokens)
+    for fp8 in launch(model_dir, adapter_dir, tmp_path_factory.mktemp("disagg-fp8"),
+                      workers=0, prefill_workers=1, decode_workers=1, kv_handoff="ipc",
+                      disagg_min_prompt_tokens=MIN_PROMPT_TOKENS, kv_cache_dtype="fp8",
+                      enable_lora=False, lora_modules=None):
+        assert token_ids(fp8, tokens) == (want, 0)
+        assert worker_metric(fp8, "decode-0", MAPPED) == full  # the FP8 blocks, as they are
+        assert token_ids(fp8, tokens) == (want, full * BLOCK)
+        assert worker_metric(fp8, "decode-0", MAPPED) == full
+        assert handoff_blocks(fp8, "prefill-0", "sent") == 2 * full
