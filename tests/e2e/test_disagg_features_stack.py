@@ -54,6 +54,9 @@ from meshserve.shared.sampling_params import SamplingParams
 MODEL = "tiny-disagg-features"
 ADAPTER = "sticker"
 BLOCK = 16
+# The prefill worker's pool in /dev/shm: the tiny model's prompts need a few KiB, and a
+# container's /dev/shm may be small (64 MiB by default under docker).
+POOL_BYTES = 16 << 20
 MIN_PROMPT_TOKENS = 32
 MAX_TOKENS = 6
 LONG_MAX_TOKENS = 900  # far longer than any abort below waits
@@ -159,7 +162,7 @@ def stack(model_dir: Path, adapter_dir: Path, reference: dict[str, Any],
           receiver: OTLPReceiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from launch(model_dir, adapter_dir, tmp_path_factory.mktemp("disagg-ipc"),
                       workers=0, prefill_workers=1, decode_workers=1, kv_handoff="ipc",
-                      disagg_min_prompt_tokens=MIN_PROMPT_TOKENS,
+                      kv_handoff_hold_bytes=POOL_BYTES, disagg_min_prompt_tokens=MIN_PROMPT_TOKENS,
                       otlp_endpoint=receiver.endpoint,
                       # Spans exported within 0.2 s of their end, not the default 5 s.
                       environ={"OTEL_BSP_SCHEDULE_DELAY": "200"})
@@ -409,7 +412,8 @@ def test_an_fp8_kv_cache_is_handed_off_as_on_a_mixed_fp8_worker(
     want = engine_tokens(model_dir, tokens)
     for fp8 in launch(model_dir, adapter_dir, tmp_path_factory.mktemp("disagg-fp8"),
                       workers=0, prefill_workers=1, decode_workers=1, kv_handoff="ipc",
-                      disagg_min_prompt_tokens=MIN_PROMPT_TOKENS, kv_cache_dtype="fp8",
+                      kv_handoff_hold_bytes=POOL_BYTES, disagg_min_prompt_tokens=MIN_PROMPT_TOKENS,
+                      kv_cache_dtype="fp8",
                       enable_lora=False, lora_modules=None):
         assert token_ids(fp8, tokens) == (want, 0)
         assert worker_metric(fp8, "decode-0", MAPPED) == full  # the FP8 blocks, as they are
