@@ -225,11 +225,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     summary = summarize(args.root, args.configs, args.rates,
                         Slo(args.ttft_slo_ms, args.itl_slo_ms), args.num_prompts)
-    text = markdown(summary)
-    if args.out is not None:
-        args.out.write_text(text, encoding="utf-8")
-    if args.json is not None:
-        args.json.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    write_report(markdown(summary), summary, args.out, args.json)
+
+
+def write_report(text: str, summary: dict[str, Any], out: Path | None,
+                 json_out: Path | None) -> None:
+    """The markdown to `out` and the figures to `json_out` (each when given), the markdown
+    to stdout too."""
+    if out is not None:
+        out.write_text(text, encoding="utf-8")
+    if json_out is not None:
+        json_out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(text, end="")
 
 

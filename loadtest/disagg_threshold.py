@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts
+from disagg_sweep import write_report
 
 CONFIGS = ("via", "whole")
 FIELDS = ("p50_ttft_ms", "p90_ttft_ms", "p50_itl_ms", "p99_itl_ms", "completed", "failed")
@@ -96,12 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     lengths = sorted(args.lengths, key=int)
     summary = summarize(args.root, lengths, args.itl_margin)
-    text = markdown(summary)
-    if args.out is not None:
-        args.out.write_text(text, encoding="utf-8")
-    if args.json is not None:
-        args.json.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    print(text, end="")
+    write_report(markdown(summary), summary, args.out, args.json)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ gateway places it elsewhere. The free blocks it reads are the engine's after its
 less the blocks already promised to handed-off requests that passed the check and are not
 allocated yet (`RoomReservations`, one per worker): two handoffs arriving in one step cannot
 both take the same room. Other transports (NCCL, RDMA through UCX) fit behind the same
-calls: `send` makes the blocks reachable and says
-where, `expect` tells the decode side where a request's blocks wait, and the engine's KV
-tier pulls them into blocks it allocated first (tier/kv_tier.py's probe, then load).
+calls: `send` makes the blocks reachable and says where, `expect` tells the decode side
+where a request's blocks wait, and the engine's KV tier pulls them into blocks it allocated
+first (tier/kv_tier.py's probe, then load).
 """
 
 from __future__ import annotations

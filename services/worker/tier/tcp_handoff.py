@@ -116,13 +116,14 @@ class TcpTransfer:
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
         self.block_shape = block_shape(kv_caches)
+        self.block_bytes = math.prod(self.block_shape) * kv_caches[0][0].element_size()
         self.streams = streams
         self.timeout_s = timeout_s
         self.store_backlog_bytes = store_backlog_bytes
         self.holder = holder
         self.pool = pool
         if pool is not None:
-            pool.carve(math.prod(self.block_shape) * kv_caches[0][0].element_size())
+            pool.carve(self.block_bytes)
         self.stats = PullStats()
         self._maps: dict[str, MappedPool | None] = {}  # source -> its pool, mapped
         self._inner = inner
@@ -333,8 +334,7 @@ class TcpTransfer:
         if ok:
             n = len(job.block_ids)
             self.stats.pulled_blocks += n
-            self.stats.pulled_bytes += n * math.prod(self.block_shape) * (
-                self.kv_caches[0][0].element_size())
+            self.stats.pulled_bytes += n * self.block_bytes
             self.stats.pull_seconds += time.perf_counter() - started
         return ok
 
