@@ -163,6 +163,8 @@ class WorkerInfo:
     """The worker's Prometheus /metrics URL ("": none)."""
     role: str = ROLE_MIXED
     """Its part in disaggregated serving: "mixed", "prefill" or "decode" (--role)."""
+    kv_handoff_address: str = ""
+    """host:port where a decode worker takes KV pushed into its pool (--kv-handoff ipc)."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:

@@ -214,7 +214,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pending_prefill_tokens: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., draining: _Optional[bool] = ..., snapshot_unix_ns: _Optional[int] = ..., num_active_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "address", "model_names", "block_size", "max_model_len", "num_total_blocks", "lora_ids", "tensor_parallel_size", "kv_namespace", "sampling_defaults_json", "runner", "embedding_size", "metrics_url", "loras", "class_labels", "role")
+    __slots__ = ("worker_id", "epoch", "address", "model_names", "block_size", "max_model_len", "num_total_blocks", "lora_ids", "tensor_parallel_size", "kv_namespace", "sampling_defaults_json", "runner", "embedding_size", "metrics_url", "loras", "class_labels", "role", "kv_handoff_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class WorkerInfo(_message.Message):
     LORAS_FIELD_NUMBER: _ClassVar[int]
     CLASS_LABELS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFF_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     address: str
@@ -249,7 +250,8 @@ class WorkerInfo(_message.Message):
     loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     class_labels: _containers.RepeatedScalarFieldContainer[str]
     role: WorkerRole
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., model_names: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lora_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_namespace: _Optional[str] = ..., sampling_defaults_json: _Optional[str] = ..., runner: _Optional[_Union[Runner, str]] = ..., embedding_size: _Optional[int] = ..., metrics_url: _Optional[str] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., class_labels: _Optional[_Iterable[str]] = ..., role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
+    kv_handoff_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., model_names: _Optional[_Iterable[str]] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lora_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., kv_namespace: _Optional[str] = ..., sampling_defaults_json: _Optional[str] = ..., runner: _Optional[_Union[Runner, str]] = ..., embedding_size: _Optional[int] = ..., metrics_url: _Optional[str] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., class_labels: _Optional[_Iterable[str]] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., kv_handoff_address: _Optional[str] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "id", "base_model_name")

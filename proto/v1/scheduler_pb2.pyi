@@ -124,14 +124,16 @@ class RouteResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., num_matched_blocks: _Optional[int] = ..., num_kvstore_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., queued_ns: _Optional[int] = ..., policy: _Optional[str] = ..., score: _Optional[float] = ..., num_prompt_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., decode: _Optional[_Union[HandoffTarget, _Mapping]] = ...) -> None: ...
 
 class HandoffTarget(_message.Message):
-    __slots__ = ("worker_id", "address", "epoch")
+    __slots__ = ("worker_id", "address", "epoch", "kv_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    kv_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "worker_id")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshserve.proto.v1 import common_pb2 as meshserve_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmeshserve/proto/v1/worker.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"*\n\x17LoadLoraAdapterResponse\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\",\n\x19UnloadLoraAdapterResponse\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\"\xb0\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x03(\x0b\x32\x14.meshserve.v1.Prompt\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x04\x42\r\n\x0b_dimensionsB\x0c\n\n_normalize\"y\n\rEmbedResponse\x12\x12\n\ndimensions\x18\x01 \x01(\r\x12\x12\n\nembeddings\x18\x02 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tqueued_ns\x18\x04 \x01(\x04\x12\x12\n\nforward_ns\x18\x05 \x01(\x04\"q\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12(\n\x06images\x18\x02 \x03(\x0b\x32\x18.meshserve.v1.ImageInput\x12*\n\x06\x65mbeds\x18\x03 \x01(\x0b\x32\x1a.meshserve.v1.PromptEmbeds\"9\n\x0cPromptEmbeds\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04hash\x18\x03 \x01(\x0c\"W\n\nImageInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04hash\x18\x02 \x01(\x0c\x12-\n\x05range\x18\x03 \x01(\x0b\x32\x1e.meshserve.v1.PlaceholderRange\"\xc9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07prompts\x18\x02 \x03(\x0b\x32\x14.meshserve.v1.Prompt\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x07lora_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x07 \x01(\x04\x12\x1b\n\x0ekvstore_blocks\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cprefill_only\x18\t \x01(\x08\x12\x12\n\nhanded_off\x18\n \x01(\x08\x12\x11\n\tkv_source\x18\x0b \x01(\tB\n\n\x08_lora_idB\x11\n\x0f_kvstore_blocks\"3\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x10\n\x0eGetLoadRequest\"9\n\x0fGetLoadResponse\x12&\n\x04load\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\"\x10\n\x0eGetInfoRequest\"9\n\x0fGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerInfo\"d\n\x0eSessionRequest\x12&\n\x04\x61\x64\x64s\x18\x01 \x03(\x0b\x32\x18.meshserve.v1.SessionAdd\x12*\n\x06\x61\x62orts\x18\x02 \x03(\x0b\x32\x1a.meshserve.v1.SessionAbort\"\xa5\x01\n\nSessionAdd\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12.\n\x07request\x18\x02 \x01(\x0b\x32\x1d.meshserve.v1.GenerateRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\x12.\n\x07resumed\x18\x05 \x03(\x0b\x32\x1d.meshserve.v1.ResumedSequence\"3\n\x0fResumedSequence\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"/\n\x0cSessionAbort\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\"\xd1\x02\n\x0fSessionResponse\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\x0e\x66inish_reasons\x18\x05 \x03(\x0e\x32\x1a.meshserve.v1.FinishReason\x12*\n\x07\x64\x65tails\x18\x06 \x03(\x0b\x32\x19.meshserve.v1.EntryDetail\x12*\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x1a.meshserve.v1.RequestError\x12\'\n\x04\x64one\x18\x08 \x03(\x0b\x32\x19.meshserve.v1.RequestDone\x12\x11\n\tnum_steps\x18\t \x01(\r\x12\x17\n\x0fstep_forward_ns\x18\n \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x0b \x01(\x04\"\xdd\x01\n\x0b\x45ntryDetail\x12\r\n\x05\x65ntry\x18\x01 \x01(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rcached_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\x10\n\x0e_cached_tokens\"B\n\x0cRequestError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Error\"}\n\x0bRequestDone\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.meshserve.v1.Timings\x12\x12\n\nhanded_off\x18\x03 \x01(\x08\x12\x11\n\tkv_source\x18\x04 \x01(\t\x12\x0f\n\x07refused\x18\x05 \x01(\x08\x32\xae\x04\n\x06Worker\x12J\n\x07Session\x12\x1c.meshserve.v1.SessionRequest\x1a\x1d.meshserve.v1.SessionResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.meshserve.v1.AbortRequest\x1a\x1b.meshserve.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.meshserve.v1.GetLoadRequest\x1a\x1d.meshserve.v1.GetLoadResponse\x12\x46\n\x07GetInfo\x12\x1c.meshserve.v1.GetInfoRequest\x1a\x1d.meshserve.v1.GetInfoResponse\x12@\n\x05\x45mbed\x12\x1a.meshserve.v1.EmbedRequest\x1a\x1b.meshserve.v1.EmbedResponse\x12^\n\x0fLoadLoraAdapter\x12$.meshserve.v1.LoadLoraAdapterRequest\x1a%.meshserve.v1.LoadLoraAdapterResponse\x12\x64\n\x11UnloadLoraAdapter\x12&.meshserve.v1.UnloadLoraAdapterRequest\x1a\'.meshserve.v1.UnloadLoraAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmeshserve/proto/v1/worker.proto\x12\x0cmeshserve.v1\x1a\x1fmeshserve/proto/v1/common.proto\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"*\n\x17LoadLoraAdapterResponse\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\",\n\x19UnloadLoraAdapterResponse\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\"\xb0\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x03(\x0b\x32\x14.meshserve.v1.Prompt\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x04\x42\r\n\x0b_dimensionsB\x0c\n\n_normalize\"y\n\rEmbedResponse\x12\x12\n\ndimensions\x18\x01 \x01(\r\x12\x12\n\nembeddings\x18\x02 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tqueued_ns\x18\x04 \x01(\x04\x12\x12\n\nforward_ns\x18\x05 \x01(\x04\"q\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12(\n\x06images\x18\x02 \x03(\x0b\x32\x18.meshserve.v1.ImageInput\x12*\n\x06\x65mbeds\x18\x03 \x01(\x0b\x32\x1a.meshserve.v1.PromptEmbeds\"9\n\x0cPromptEmbeds\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04hash\x18\x03 \x01(\x0c\"W\n\nImageInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04hash\x18\x02 \x01(\x0c\x12-\n\x05range\x18\x03 \x01(\x0b\x32\x1e.meshserve.v1.PlaceholderRange\"\xdc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07prompts\x18\x02 \x03(\x0b\x32\x14.meshserve.v1.Prompt\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x14\n\x07lora_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x07 \x01(\x04\x12\x1b\n\x0ekvstore_blocks\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cprefill_only\x18\t \x01(\x08\x12\x12\n\nhanded_off\x18\n \x01(\x08\x12\x11\n\tkv_source\x18\x0b \x01(\t\x12\x11\n\tkv_target\x18\x0c \x01(\tB\n\n\x08_lora_idB\x11\n\x0f_kvstore_blocks\"3\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x10\n\x0eGetLoadRequest\"9\n\x0fGetLoadResponse\x12&\n\x04load\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerLoad\"\x10\n\x0eGetInfoRequest\"9\n\x0fGetInfoResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x18.meshserve.v1.WorkerInfo\"d\n\x0eSessionRequest\x12&\n\x04\x61\x64\x64s\x18\x01 \x03(\x0b\x32\x18.meshserve.v1.SessionAdd\x12*\n\x06\x61\x62orts\x18\x02 \x03(\x0b\x32\x1a.meshserve.v1.SessionAbort\"\xa5\x01\n\nSessionAdd\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12.\n\x07request\x18\x02 \x01(\x0b\x32\x1d.meshserve.v1.GenerateRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\x12.\n\x07resumed\x18\x05 \x03(\x0b\x32\x1d.meshserve.v1.ResumedSequence\"3\n\x0fResumedSequence\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"/\n\x0cSessionAbort\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\"\xd1\x02\n\x0fSessionResponse\x12\x0f\n\x07handles\x18\x01 \x03(\x04\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\x0e\x66inish_reasons\x18\x05 \x03(\x0e\x32\x1a.meshserve.v1.FinishReason\x12*\n\x07\x64\x65tails\x18\x06 \x03(\x0b\x32\x19.meshserve.v1.EntryDetail\x12*\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x1a.meshserve.v1.RequestError\x12\'\n\x04\x64one\x18\x08 \x03(\x0b\x32\x19.meshserve.v1.RequestDone\x12\x11\n\tnum_steps\x18\t \x01(\r\x12\x17\n\x0fstep_forward_ns\x18\n \x01(\x04\x12\x14\n\x0csent_unix_ns\x18\x0b \x01(\x04\"\xdd\x01\n\x0b\x45ntryDetail\x12\r\n\x05\x65ntry\x18\x01 \x01(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1b.meshserve.v1.TokenLogprobs\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rcached_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\x10\n\x0e_cached_tokens\"B\n\x0cRequestError\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Error\"}\n\x0bRequestDone\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.meshserve.v1.Timings\x12\x12\n\nhanded_off\x18\x03 \x01(\x08\x12\x11\n\tkv_source\x18\x04 \x01(\t\x12\x0f\n\x07refused\x18\x05 \x01(\x08\x32\xae\x04\n\x06Worker\x12J\n\x07Session\x12\x1c.meshserve.v1.SessionRequest\x1a\x1d.meshserve.v1.SessionResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.meshserve.v1.AbortRequest\x1a\x1b.meshserve.v1.AbortResponse\x12\x46\n\x07GetLoad\x12\x1c.meshserve.v1.GetLoadRequest\x1a\x1d.meshserve.v1.GetLoadResponse\x12\x46\n\x07GetInfo\x12\x1c.meshserve.v1.GetInfoRequest\x1a\x1d.meshserve.v1.GetInfoResponse\x12@\n\x05\x45mbed\x12\x1a.meshserve.v1.EmbedRequest\x1a\x1b.meshserve.v1.EmbedResponse\x12^\n\x0fLoadLoraAdapter\x12$.meshserve.v1.LoadLoraAdapterRequest\x1a%.meshserve.v1.LoadLoraAdapterResponse\x12\x64\n\x11UnloadLoraAdapter\x12&.meshserve.v1.UnloadLoraAdapterRequest\x1a\'.meshserve.v1.UnloadLoraAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,35 +51,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGEINPUT']._serialized_start=759
   _globals['_IMAGEINPUT']._serialized_end=846
   _globals['_GENERATEREQUEST']._serialized_start=849
-  _globals['_GENERATEREQUEST']._serialized_end=1178
-  _globals['_ABORTREQUEST']._serialized_start=1180
-  _globals['_ABORTREQUEST']._serialized_end=1231
-  _globals['_ABORTRESPONSE']._serialized_start=1233
-  _globals['_ABORTRESPONSE']._serialized_end=1269
-  _globals['_GETLOADREQUEST']._serialized_start=1271
-  _globals['_GETLOADREQUEST']._serialized_end=1287
-  _globals['_GETLOADRESPONSE']._serialized_start=1289
-  _globals['_GETLOADRESPONSE']._serialized_end=1346
-  _globals['_GETINFOREQUEST']._serialized_start=1348
-  _globals['_GETINFOREQUEST']._serialized_end=1364
-  _globals['_GETINFORESPONSE']._serialized_start=1366
-  _globals['_GETINFORESPONSE']._serialized_end=1423
-  _globals['_SESSIONREQUEST']._serialized_start=1425
-  _globals['_SESSIONREQUEST']._serialized_end=1525
-  _globals['_SESSIONADD']._serialized_start=1528
-  _globals['_SESSIONADD']._serialized_end=1693
-  _globals['_RESUMEDSEQUENCE']._serialized_start=1695
-  _globals['_RESUMEDSEQUENCE']._serialized_end=1746
-  _globals['_SESSIONABORT']._serialized_start=1748
-  _globals['_SESSIONABORT']._serialized_end=1795
-  _globals['_SESSIONRESPONSE']._serialized_start=1798
-  _globals['_SESSIONRESPONSE']._serialized_end=2135
-  _globals['_ENTRYDETAIL']._serialized_start=2138
-  _globals['_ENTRYDETAIL']._serialized_end=2359
-  _globals['_REQUESTERROR']._serialized_start=2361
-  _globals['_REQUESTERROR']._serialized_end=2427
-  _globals['_REQUESTDONE']._serialized_start=2429
-  _globals['_REQUESTDONE']._serialized_end=2554
-  _globals['_WORKER']._serialized_start=2557
-  _globals['_WORKER']._serialized_end=3115
+  _globals['_GENERATEREQUEST']._serialized_end=1197
+  _globals['_ABORTREQUEST']._serialized_start=1199
+  _globals['_ABORTREQUEST']._serialized_end=1250
+  _globals['_ABORTRESPONSE']._serialized_start=1252
+  _globals['_ABORTRESPONSE']._serialized_end=1288
+  _globals['_GETLOADREQUEST']._serialized_start=1290
+  _globals['_GETLOADREQUEST']._serialized_end=1306
+  _globals['_GETLOADRESPONSE']._serialized_start=1308
+  _globals['_GETLOADRESPONSE']._serialized_end=1365
+  _globals['_GETINFOREQUEST']._serialized_start=1367
+  _globals['_GETINFOREQUEST']._serialized_end=1383
+  _globals['_GETINFORESPONSE']._serialized_start=1385
+  _globals['_GETINFORESPONSE']._serialized_end=1442
+  _globals['_SESSIONREQUEST']._serialized_start=1444
+  _globals['_SESSIONREQUEST']._serialized_end=1544
+  _globals['_SESSIONADD']._serialized_start=1547
+  _globals['_SESSIONADD']._serialized_end=1712
+  _globals['_RESUMEDSEQUENCE']._serialized_start=1714
+  _globals['_RESUMEDSEQUENCE']._serialized_end=1765
+  _globals['_SESSIONABORT']._serialized_start=1767
+  _globals['_SESSIONABORT']._serialized_end=1814
+  _globals['_SESSIONRESPONSE']._serialized_start=1817
+  _globals['_SESSIONRESPONSE']._serialized_end=2154
+  _globals['_ENTRYDETAIL']._serialized_start=2157
+  _globals['_ENTRYDETAIL']._serialized_end=2378
+  _globals['_REQUESTERROR']._serialized_start=2380
+  _globals['_REQUESTERROR']._serialized_end=2446
+  _globals['_REQUESTDONE']._serialized_start=2448
+  _globals['_REQUESTDONE']._serialized_end=2573
+  _globals['_WORKER']._serialized_start=2576
+  _globals['_WORKER']._serialized_end=3134
 # @@protoc_insertion_point(module_scope)

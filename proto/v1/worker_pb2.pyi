@@ -92,7 +92,7 @@ class ImageInput(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., hash: _Optional[bytes] = ..., range: _Optional[_Union[_common_pb2.PlaceholderRange, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "params", "priority", "cache_salt", "lora_id", "deadline_unix_ns", "kvstore_blocks", "prefill_only", "handed_off", "kv_source")
+    __slots__ = ("request_id", "prompts", "params", "priority", "cache_salt", "lora_id", "deadline_unix_ns", "kvstore_blocks", "prefill_only", "handed_off", "kv_source", "kv_target")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class GenerateRequest(_message.Message):
     PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     HANDED_OFF_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     params: _common_pb2.SamplingParams
@@ -115,7 +116,8 @@ class GenerateRequest(_message.Message):
     prefill_only: bool
     handed_off: bool
     kv_source: str
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., kvstore_blocks: _Optional[int] = ..., prefill_only: _Optional[bool] = ..., handed_off: _Optional[bool] = ..., kv_source: _Optional[str] = ...) -> None: ...
+    kv_target: str
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., kvstore_blocks: _Optional[int] = ..., prefill_only: _Optional[bool] = ..., handed_off: _Optional[bool] = ..., kv_source: _Optional[str] = ..., kv_target: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "indices")

@@ -115,6 +115,8 @@ class HandoffTarget:
     worker_id: str
     address: str
     epoch: int
+    kv_address: str = ""
+    """Its KV handoff listener, where pushed KV goes (WorkerInfo.kv_handoff_address)."""
 
 
 @dataclass(frozen=True)
@@ -373,7 +375,8 @@ class Router:
         record = next(r for r in pool if r.worker_id == choice.worker_id)
         self._assign(record, choice, query)
         return dataclasses.replace(decision, decode=HandoffTarget(
-            record.worker_id, record.info.address, record.epoch))
+            record.worker_id, record.info.address, record.epoch,
+            record.info.kv_handoff_address))
 
     def _index(self, namespace: str) -> KVIndex:
         index = self._indexes.get(namespace)

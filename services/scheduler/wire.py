@@ -55,7 +55,7 @@ def info_from_proto(msg: common_pb2.WorkerInfo) -> WorkerInfo:
         sampling_defaults_json=msg.sampling_defaults_json, epoch=msg.epoch,
         runner=runner_name(msg.runner), embedding_size=msg.embedding_size,
         class_labels=tuple(msg.class_labels), metrics_url=msg.metrics_url,
-        role=_ROLE_NAMES.get(msg.role, ROLE_MIXED))
+        role=_ROLE_NAMES.get(msg.role, ROLE_MIXED), kv_handoff_address=msg.kv_handoff_address)
 
 
 def load_from_proto(msg: common_pb2.WorkerLoad) -> WorkerLoad:
@@ -80,7 +80,8 @@ def record_to_proto(record: WorkerRecord) -> scheduler_pb2.WorkerStatus:
             kv_namespace=info.kv_namespace,
             sampling_defaults_json=info.sampling_defaults_json, runner=_RUNNER_ENUMS[info.runner],
             embedding_size=info.embedding_size, class_labels=info.class_labels,
-            metrics_url=info.metrics_url, role=_ROLE_ENUMS[info.role]),
+            metrics_url=info.metrics_url, role=_ROLE_ENUMS[info.role],
+            kv_handoff_address=info.kv_handoff_address),
         load=common_pb2.WorkerLoad(
             worker_id=info.worker_id, epoch=record.epoch, num_running=load.num_running,
             num_waiting=load.num_waiting,
@@ -118,7 +119,7 @@ def decision_to_proto(decision: RouteDecision) -> scheduler_pb2.RouteResponse:
         num_waiting=decision.num_waiting, num_used_blocks=decision.num_used_blocks,
         decode=None if decision.decode is None else scheduler_pb2.HandoffTarget(
             worker_id=decision.decode.worker_id, address=decision.decode.address,
-            epoch=decision.decode.epoch))
+            epoch=decision.decode.epoch, kv_address=decision.decode.kv_address))
 
 
 def decision_attributes(decision: RouteDecision) -> dict[str, str | int | float]:

@@ -50,16 +50,13 @@ from meshserve.services.worker.tier.handoff import (
     KvHandoff,
     StoreHandoff,
     register_handoff_metrics,
+    register_tcp_metrics,
 )
 from meshserve.services.worker.tier.kv_tier import KVTier
 from meshserve.services.worker.tier.slot_pool import SlotPool
 from meshserve.services.worker.tier.store_client import KVStoreClient
 from meshserve.services.worker.tier.tcp_blocks import BlockHolder, BlockServer
-from meshserve.services.worker.tier.tcp_handoff import (
-    TcpHandoff,
-    TcpTransfer,
-    register_tcp_metrics,
-)
+from meshserve.services.worker.tier.tcp_handoff import TcpHandoff, TcpTransfer
 from meshserve.services.worker.tier.transfer import KVTransfer
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.generation_config import sampling_defaults
@@ -71,7 +68,7 @@ from meshserve.shared.redis_server import connect
 from meshserve.shared.sampling_params import SamplingParams
 from meshserve.shared.service_main import in_daemon_thread, run_service
 from meshserve.shared.telemetry import Telemetry
-from meshserve.shared.worker_registry import ROLE_PREFILL, WorkerInfo, WorkerRegistry
+from meshserve.shared.worker_registry import ROLE_MIXED, ROLE_PREFILL, WorkerInfo, WorkerRegistry
 
 SERVICE_NAME = "meshserve.v1.Worker"
 _log = logging.getLogger("meshserve.services.worker")
@@ -230,8 +227,9 @@ class TcpHandoffLink:
     """The direct KV handoff (--kv-handoff tcp or ipc): the KV tier's transport, wrapped
     around the kvstore's when there is one (`plan`); a prefill worker's block listener,
     started with the transfer thread once the worker's address is known (`start`). With
-    ipc, a prefill worker's pool is taken from its device here, before the KV cache is
-    sized (which then counts it)."""
+    ipc, the worker's pool is taken from its device here, before the KV cache is sized
+    (which then counts it): a prefill worker's held blocks, or the slots a decode worker
+    takes pushed blocks into, served by its own listener (`receive_address`)."""
 
     def __init__(self, config: WorkerConfig, kvstore: KVStoreLink | None) -> None:
         self.config = config
@@ -239,7 +237,8 @@ class TcpHandoffLink:
         self.transfer: TcpTransfer | None = None
         self.server: BlockServer | None = None
         self.pool = (SlotPool(config.kv_handoff_hold_bytes, resolve_device(config.device))
-                     if config.kv_handoff == "ipc" and config.role == ROLE_PREFILL else None)
+                     if config.kv_handoff == "ipc" and config.role != ROLE_MIXED else None)
+        self.receive_address = ""
 
     def plan(self) -> KVTierPlan:
         """The engine's KV tier over this link's transport. A prefill worker's saves are
@@ -259,7 +258,8 @@ class TcpHandoffLink:
         self.transfer = TcpTransfer(
             kv_caches, inner=self.kvstore.transport(kv_caches) if self.kvstore else None,
             holder=holder, pool=self.pool, streams=config.kv_handoff_streams,
-            store_backlog_bytes=config.kv_offload_backlog_bytes)
+            store_backlog_bytes=config.kv_offload_backlog_bytes,
+            push=config.kv_handoff == "ipc" and config.role == ROLE_PREFILL)
         return self.transfer
 
     def start(self, address: str, block_size: int) -> TcpHandoff:
@@ -268,11 +268,18 @@ class TcpHandoffLink:
         transfer = self.transfer
         assert transfer is not None, "the engine was built without this link's plan"
         source = ""
-        if transfer.holder is not None:
-            self.server = BlockServer(transfer.holder, self.config.host,
+        holder = transfer.holder
+        if holder is None and self.pool is not None:  # a decode worker's pushed blocks
+            holder = BlockHolder(self.config.kv_handoff_hold_bytes,
+                                 self.config.kv_handoff_hold_s, release=self.pool.release)
+        if holder is not None:
+            self.server = BlockServer(holder, self.config.host,
                                       self.config.kv_handoff_port, pool=self.pool)
             self.server.start()
             source = f"{address.rpartition(':')[0]}:{self.server.port}"
+        if transfer.holder is None and source:
+            self.receive_address = transfer.own_address = source
+            source = ""
         transfer.start()
         return TcpHandoff(transfer, block_size, source,
                           watermark=self.config.kv_handoff_watermark)
@@ -387,7 +394,15 @@ class WorkerProcess:
         """The KV handoff transport (disaggregated serving), started; None without one."""
         if self.tcp is not None:
             handoff = self.tcp.start(self.info.address, self.engine.block_size)
-            register_tcp_metrics(self.telemetry.registry, handoff.transfer)
+            server = self.tcp.server
+            register_tcp_metrics(self.telemetry.registry, handoff.transfer,
+                                 server.holder if server is not None else None)
+            pusher, tier = handoff.transfer.pusher, self.engine.hook(KVTier)
+            if pusher is not None and tier is not None:
+                pusher.attach(self.engine.runner, tier)
+            if self.tcp.receive_address:
+                self.info = self.servicer.info = replace(
+                    self.info, kv_handoff_address=self.tcp.receive_address)
             return handoff
         transfer = self.transfer
         if transfer is None:

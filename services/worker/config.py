@@ -350,7 +350,9 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
         "store", "how prefilled prompts' KV reaches the decode worker: through the kvstore "
         "(store); pulled straight from the prefill worker over TCP (tcp); or held by the "
         "prefill worker in memory decode workers on its host map and copy from device to "
-        "device, GPU to GPU (CUDA IPC), others still pulling it over TCP (ipc)")
+        "device, GPU to GPU (CUDA IPC), others still pulling it over TCP; the request's "
+        "decode worker takes it pushed into a pool of its own, layer by layer while the "
+        "prefill computes (ipc)")
     kv_handoff_streams: int = option(4, "parallel TCP connections a decode worker pulls one "
                                         "handoff's blocks over (--kv-handoff tcp)")
     kv_handoff_port: int = option(0, "TCP port a prefill worker serves its handed-off blocks "
@@ -361,7 +363,8 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
         4 << 30, "most bytes of handed-off blocks a prefill worker holds, the oldest going "
                  "first: room for the prompts being prefilled and those not yet pulled (the "
                  "Llama-3.1-8B shape: 128 KiB a token); --kv-handoff tcp: host memory, taken "
-                 "as needed; ipc: the pool taken from the device at start")
+                 "as needed; ipc: the pool taken from the device at start, on a decode "
+                 "worker too (the prompts pushed to it and not yet loaded)")
     kv_handoff_watermark: float = option(
         0.01, "fraction of its KV cache a decode worker keeps free: a handed-off request "
               "whose prompt blocks would leave less is refused and placed elsewhere")

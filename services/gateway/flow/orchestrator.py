@@ -326,6 +326,7 @@ class Orchestrator:
         # What the router saw in the kvstore: with none, the worker skips asking it.
         request.kvstore_blocks = route.num_kvstore_blocks
         request.prefill_only = route.HasField("decode")
+        request.kv_target = route.decode.kv_address if request.prefill_only else ""
         request.handed_off = handed_off
         request.kv_source = generation.kv_source if handed_off else ""
         if handed_off:  # the prompt's blocks are in the kvstore now: the worker asks for them

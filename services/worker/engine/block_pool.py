@@ -105,6 +105,10 @@ class BlockPool:
         if self._new_cached is None:
             self._new_cached = []
 
+    def peek_new_cached(self) -> list[tuple[int, BlockHash, BlockHash | None]]:
+        """The blocks take_new_cached would return now, left in place."""
+        return list(self._new_cached or ())
+
     def take_new_cached(self) -> list[tuple[int, BlockHash, BlockHash | None]]:
         """(block id, hash, parent hash) of each block indexed since the last call."""
         if not self._new_cached:

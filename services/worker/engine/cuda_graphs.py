@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,6 +269,8 @@ class PiecewiseGraphRunner:
         self.hidden = buffer(hidden_size)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.pool: Any = None
+        self.after_layer: Callable[[int], None] | None = None
+        """Called once each layer's KV write is queued (ModelRunner.watch_layers)."""
 
     @property
     def max_tokens(self) -> int:
@@ -356,5 +359,7 @@ class PiecewiseGraphRunner:
             else:
                 self._piece(index, batch)
             if index < len(self.layers):
+                if self.after_layer is not None:  # piece `index` wrote layer index's KV
+                    self.after_layer(index)
                 self._attention(index, meta, num_tokens)
         return self.hidden[:num_tokens]

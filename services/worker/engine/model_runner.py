@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -271,6 +271,16 @@ class ModelRunner:
         self.pieces = PiecewiseGraphRunner(self.model, self.kv_caches, max_tokens=max_tokens,
                                            device=self.device)
         return self.pieces.capture()
+
+    def watch_layers(self, written: Callable[[int], None]) -> None:
+        """Call `written(i)` in every step that does not replay a whole-step graph, as soon
+        as layer i's kernels (its KV write among them) are queued: the KV handoff pushes
+        each layer's blocks while the later layers compute (tier/kv_push.py)."""
+        for index, layer in enumerate(self.model.model.layers):
+            layer.register_forward_hook(
+                lambda _module, _args, _out, index=index: written(index))
+        if self.pieces is not None:
+            self.pieces.after_layer = written
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Decode steps replay a whole-step graph; other steps up to the piecewise limit

@@ -68,7 +68,8 @@ def worker_info_pb(info: WorkerInfo) -> common_pb2.WorkerInfo:
         runner=(common_pb2.RUNNER_POOLING if info.runner == RUNNER_POOLING
                 else common_pb2.RUNNER_GENERATE),
         embedding_size=info.embedding_size, class_labels=list(info.class_labels),
-        metrics_url=info.metrics_url, role=_ROLE_ENUMS[info.role])
+        metrics_url=info.metrics_url, role=_ROLE_ENUMS[info.role],
+        kv_handoff_address=info.kv_handoff_address)
 
 
 _ROLE_ENUMS = {ROLE_MIXED: common_pb2.WORKER_ROLE_MIXED,

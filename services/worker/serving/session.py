@@ -140,6 +140,8 @@ class WorkerSession:
             if prefill_only:  # the first token here, the rest at the decode worker
                 params = dataclasses.replace(params, max_tokens=1,
                                              min_tokens=min(params.min_tokens, 1))
+                if add.request.kv_target and self._handoff is not None:
+                    self._handoff.target(add.request.request_id, add.request.kv_target)
             if add.request.deadline_unix_ns and add.request.deadline_unix_ns <= time.time_ns():
                 raise DeadlineExceededError("the request's deadline passed before it "
                                             "reached the worker", param="deadline_unix_ns")
@@ -154,8 +156,9 @@ class WorkerSession:
                 or request.kvstore_blocks > 0,
                 images=request_images(request.prompts))
         except MeshError as exc:
-            if add.request.handed_off and self._handoff is not None:
-                # `_refuses` told the handoff where its blocks wait: nothing will pull them.
+            if (add.request.handed_off or add.request.kv_target) and self._handoff is not None:
+                # `_refuses` told the handoff where its blocks wait: nothing will pull them
+                # (or nothing will push them).
                 self._handoff.forget(add.request.request_id)
             self._fail_handle(handle, exc)
             return
@@ -340,12 +343,15 @@ class WorkerSession:
         moves it to its decode worker on that)."""
         assert self._handoff is not None, "only a worker with a handoff runs prefill_only"
         size = self._handoff.block_size
-        await self._handoff.send(sum(len(p.token_ids) // size for p in entry.request.prompts))
+        request_id = entry.request.request_id
+        await self._handoff.send(sum(len(p.token_ids) // size for p in entry.request.prompts),
+                                 request_id)
+        source = self._handoff.source_of(request_id)
         if entry.handle not in self._entries:
             return  # the session closed meanwhile
         self._handed.append(worker_pb2.RequestDone(
             handle=entry.handle, timings=timings_pb(entry.stream.times, time.monotonic()),
-            handed_off=True, kv_source=self._handoff.source))
+            handed_off=True, kv_source=source))
         self._forget(entry, None)
         self._ready.set()
 
@@ -369,7 +375,7 @@ class WorkerSession:
 
     def _forget(self, entry: SessionEntry, error_kind: str | None) -> None:
         self._reservations.release(entry.stream)
-        if entry.request.kv_source and self._handoff is not None:
+        if (entry.request.kv_source or entry.request.kv_target) and self._handoff is not None:
             self._handoff.forget(entry.request.request_id)
         self._entries.pop(entry.handle, None)
         self._by_stream.pop(id(entry.stream), None)

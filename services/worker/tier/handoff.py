@@ -31,9 +31,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
+
+if TYPE_CHECKING:
+    from meshserve.services.worker.tier.tcp_blocks import BlockHolder
+    from meshserve.services.worker.tier.tcp_handoff import TcpTransfer
 
 # Longest a prefill worker waits for its prompt blocks to reach the store; past it the
 # request moves on anyway and the decode worker computes what is missing.
@@ -66,10 +70,21 @@ class KvHandoff(Protocol):
     watermark: float
     """Decode side: the fraction of the KV cache kept free when taking a handoff."""
 
-    async def send(self, num_blocks: int) -> bool:
-        """Prefill side: make a request's `num_blocks` full prompt blocks, computed by the
-        steps already run, reachable to the decode worker; False when that did not finish
-        in time (the decode worker then recomputes what it lacks)."""
+    async def send(self, num_blocks: int, request_id: str = "") -> bool:
+        """Prefill side: make request `request_id`'s `num_blocks` full prompt blocks,
+        computed by the steps already run, reachable to the decode worker; False when that
+        did not finish in time (the decode worker then recomputes what it lacks)."""
+        ...
+
+    def source_of(self, request_id: str) -> str:
+        """Prefill side, after `send`: where the request's blocks wait (its
+        RequestDone.kv_source): `source`, or the decode worker's own pool they were pushed
+        into."""
+        ...
+
+    def target(self, request_id: str, address: str) -> None:
+        """Prefill side: the request's decode worker takes pushed blocks at `address`
+        (GenerateRequest.kv_target; before it is submitted to the engine)."""
         ...
 
     def receive(self, num_blocks: int) -> None:
@@ -104,7 +119,7 @@ class StoreHandoff:
         self.stats = HandoffStats()
         self.source = ""
 
-    async def send(self, num_blocks: int) -> bool:
+    async def send(self, num_blocks: int, request_id: str = "") -> bool:
         done = await asyncio.to_thread(self._flush, self.timeout_s) and self._reachable()
         if done:
             self.stats.sent_blocks += num_blocks
@@ -114,6 +129,12 @@ class StoreHandoff:
 
     def receive(self, num_blocks: int) -> None:
         self.stats.received_blocks += num_blocks
+
+    def source_of(self, request_id: str) -> str:
+        return self.source
+
+    def target(self, request_id: str, address: str) -> None:
+        pass  # the store carries every block
 
     def expect(self, request_id: str, source: str) -> None:
         pass  # the engine asks the store for any prompt it lacks
@@ -192,3 +213,44 @@ def register_handoff_metrics(registry: CollectorRegistry, handoff: KvHandoff) ->
           "Handoffs whose KV was not in the store within the send timeout (the decode worker "
           "recomputes what it lacks)", registry=registry
           ).set_function(lambda: handoff.stats.late_sends)
+
+
+def register_tcp_metrics(registry: CollectorRegistry, transfer: TcpTransfer,
+                         holder: BlockHolder | None = None) -> None:
+    """The direct handoff's gauges: held bytes and freed blocks (a prefill worker's, or
+    with `holder` a decode worker's pushed blocks), pulls (decode), pushes (prefill)."""
+    holder = holder or transfer.holder
+    read: list[tuple[str, str, Callable[[], float]]] = [
+        ("kv_handoff_pulled_bytes_total", "Bytes of KV blocks pulled from prefill workers",
+         lambda: transfer.stats.pulled_bytes),
+        ("kv_handoff_pull_seconds_total", "Seconds spent pulling KV blocks over TCP",
+         lambda: transfer.stats.pull_seconds),
+        ("kv_handoff_failed_pulls_total",
+         "Pulls that failed or found the source gone (the prompt was recomputed)",
+         lambda: transfer.stats.failed_pulls),
+        ("kv_handoff_mapped_blocks_total",
+         "KV blocks copied straight from a prefill worker's mapped pool (GPU to GPU)",
+         lambda: transfer.stats.mapped_blocks)]
+    pusher = transfer.pusher
+    if pusher is not None:
+        read += [
+            ("kv_handoff_pushed_blocks_total",
+             "KV blocks written into a decode worker's pool layer by layer as computed",
+             lambda: pusher.stats.pushed_blocks),
+            ("kv_handoff_refused_reservations_total",
+             "Requests whose decode worker had no room for their pushed blocks (held here)",
+             lambda: pusher.stats.refused_reservations)]
+    if holder is not None:
+        read += [
+            ("kv_handoff_held_bytes",
+             ("Bytes of handed-off KV blocks held: a prefill worker's for decode workers, a "
+             "decode worker's pushed into its pool and not yet loaded"),
+             lambda: holder.held_bytes),
+            ("kv_handoff_dropped_store_saves_total",
+             "Blocks held for the handoff but not written to a kvstore that fell behind",
+             lambda: transfer.stats.dropped_store_saves),
+            ("kv_handoff_expired_blocks_total",
+             "Held KV blocks freed unloaded (hold time or byte bound)",
+             lambda: holder.stats.expired_blocks)]
+    for name, doc, fn in read:
+        Gauge(f"meshserve:{name}", doc, registry=registry).set_function(fn)

@@ -13,10 +13,15 @@ the answer, the engine takes fresh blocks, the transfer thread copies the leased
 them, and once they are in the cache they are indexed like any computed block and released:
 the request's next admission finds them as ordinary prefix hits. A store that is away only
 costs recomputation.
+
+A prefill worker that pushes prompts' KV into decode workers' pools (tier/kv_push.py) gives
+the tier its `PushGate`: a request that names a decode worker waits at admission until its
+slots there are reserved, and each step is queued after the pushes of the step before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -92,6 +97,19 @@ TransferJob = SaveJob | ProbeJob | LoadJob | DropJob
 TransferDone = ProbeDone | LoadDone
 
 
+class PushGate(Protocol):
+    """A prefill worker's pushes, as the tier sees them (tier/kv_push.py's LayerPusher)."""
+
+    def pending(self, request_id: str, hashes: list[BlockHash],
+                local_blocks: Callable[[], list[int]]) -> bool:
+        """Whether the request waits for its push reservation."""
+        ...
+
+    def fence(self) -> None:
+        """Queue what follows after the pushes queued so far."""
+        ...
+
+
 class KVTransport(Protocol):
     """What the engine needs of the transfer thread."""
 
@@ -155,6 +173,7 @@ class KVTier(StepHook):
         self.stats = TierStats()
         self._probing: dict[str, tuple[SequenceState, int]] = {}  # id -> (request, first block)
         self._loading: dict[str, _Loading] = {}
+        self.push: PushGate | None = None
         kv.pool.track_new_cached()
 
     @property
@@ -171,6 +190,10 @@ class KVTier(StepHook):
         """
         if request.request_id in self._probing or request.request_id in self._loading:
             return True
+        if self.push is not None and self.push.pending(
+                request.request_id, request.block_hashes[:request.num_tokens // self.kv.block_size],
+                lambda: [block.block_id for block in self.kv.get_computed_blocks(request)]):
+            return True
         if request.store_checked or request.params.prompt_logprobs is not None:
             return False
         request.store_checked = True
@@ -186,6 +209,8 @@ class KVTier(StepHook):
 
     # ----- every step -------------------------------------------------------------
     def step_begins(self) -> None:
+        if self.push is not None:
+            self.push.fence()
         self.poll()
 
     def step_ends(self, idle: bool) -> bool:

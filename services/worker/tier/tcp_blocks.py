@@ -18,6 +18,12 @@ length and the pool's handle, for the decode worker to map the pool once; LEASE 
 blocks' count (0: a miss), the pool's 8-byte token and their 4-byte slot numbers, then keeps
 the slots out of use until the decode worker, having copied them, sends one byte (answered
 with one once the slots are free) or closes the connection. GET still serves everyone else, copying each slot out.
+
+A decode worker's listener (--kv-handoff ipc) takes pushes into its own pool
+(tier/kv_push.py): RESERVE, with the keys of a prefill worker's reservation, answers as LEASE
+does (count 0: no room) and keeps those slots for the writer; COMMIT, with the keys written,
+answers how many were still reserved and holds them, for the worker's own probe and lease;
+RELEASE answers the same count and frees them (the request ended unsent).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.services.worker.tier.kv_push import PendingSlots
 from meshserve.services.worker.tier.slot_pool import SlotPool
 from meshserve.shared.block_hash import BlockHash
 
@@ -44,6 +51,9 @@ OP_HAS = 1
 OP_GET = 2
 OP_MAP = 3
 OP_LEASE = 4
+OP_RESERVE = 5
+OP_COMMIT = 6
+OP_RELEASE = 7
 HASH_BYTES = 32
 _REQUEST = struct.Struct("!4sBI")  # magic, op, number of hashes
 _COUNT = struct.Struct("!I")  # HAS: leading hashes held
@@ -167,12 +177,15 @@ class BlockHolder:
 
 class BlockServer:
     """Serves a holder's blocks on `host:port` (0: any port), a thread per connection;
-    with `pool` (the holder's blocks are its slots), MAP and LEASE too."""
+    with `pool` (the holder's blocks are its slots), MAP, LEASE, RESERVE and COMMIT too."""
 
     def __init__(self, holder: BlockHolder, host: str, port: int = 0, *,
                  pool: SlotPool | None = None) -> None:
         self.holder = holder
-        handler = type("_Handler", (_Handler,), {"holder": holder, "pool": pool})
+        self.pending = (PendingSlots(pool, holder.put, holder.evict_oldest)
+                        if pool is not None else None)
+        handler = type("_Handler", (_Handler,), {"holder": holder, "pool": pool,
+                                                  "pending": self.pending})
         self._server = socketserver.ThreadingTCPServer((host, port), handler,
                                                        bind_and_activate=False)
         self._server.daemon_threads = True
@@ -197,6 +210,7 @@ class BlockServer:
 class _Handler(socketserver.BaseRequestHandler):
     holder: BlockHolder
     pool: SlotPool | None
+    pending: PendingSlots | None
 
     def handle(self) -> None:
         conn: socket.socket = self.request
@@ -213,6 +227,12 @@ class _Handler(socketserver.BaseRequestHandler):
             conn.sendall(_COUNT.pack(len(handle)) + handle)
         elif op == OP_LEASE:
             self._lease(conn, hashes)
+        elif op == OP_RESERVE:
+            self._reserve(conn, hashes)
+        elif op in (OP_COMMIT, OP_RELEASE):
+            committed = (self.pending.commit(hashes, written=op == OP_COMMIT)
+                         if self.pending is not None else 0)
+            conn.sendall(_COUNT.pack(committed))
         else:
             self._get(conn, hashes)
 
@@ -248,7 +268,17 @@ class _Handler(socketserver.BaseRequestHandler):
             conn.sendall(b"\x01")  # the slots are free again
 
 
-_OPS = (OP_HAS, OP_GET, OP_MAP, OP_LEASE)
+    def _reserve(self, conn: socket.socket, keys: list[bytes]) -> None:
+        """Slots of the pool for a prefill worker to write (all or none)."""
+        slots = self.pending.reserve(keys) if self.pending is not None and keys else None
+        if self.pool is None or not slots:
+            conn.sendall(_LEASED.pack(0, 0))
+            return
+        conn.sendall(_LEASED.pack(len(slots), self.pool.token)
+                     + struct.pack(f"!{len(slots)}I", *slots))
+
+
+_OPS = (OP_HAS, OP_GET, OP_MAP, OP_LEASE, OP_RESERVE, OP_COMMIT, OP_RELEASE)
 
 
 def probe(address: str, hashes: Sequence[BlockHash], timeout_s: float) -> int:
@@ -339,6 +369,36 @@ def lease(address: str, hashes: Sequence[BlockHash], timeout_s: float) -> SlotLe
         pass
     conn.close()
     return None
+
+
+def reserve(address: str, keys: Sequence[bytes], timeout_s: float
+            ) -> tuple[int, list[int]] | None:
+    """Reserve a slot of the pool at `address` for each key: its token and the slots, or
+    None (no room, no pool, unreachable)."""
+    try:
+        with _connect(address, timeout_s) as conn:
+            conn.sendall(_request(OP_RESERVE, keys))
+            count, token = _LEASED.unpack(_recv_exact(conn, _LEASED.size))
+            if count != len(keys) or not count:
+                return None
+            return token, list(struct.unpack(f"!{count}I", _recv_exact(conn, 4 * count)))
+    except OSError:
+        return None
+
+
+def commit(address: str, keys: Sequence[bytes], timeout_s: float, *,
+           written: bool = True) -> int:
+    """Say the reserved slots of `keys` are written (not `written`: no longer wanted); how
+    many the listener then holds (or freed)."""
+    if not keys:
+        return 0
+    try:
+        with _connect(address, timeout_s) as conn:
+            conn.sendall(_request(OP_COMMIT if written else OP_RELEASE, keys))
+            (count,) = _COUNT.unpack(_recv_exact(conn, _COUNT.size))
+            return int(count)
+    except OSError:
+        return 0
 
 
 def _runs(n: int, streams: int) -> list[tuple[int, int]]:

@@ -21,6 +21,10 @@ transfer thread's own stream. A decode worker maps a source's pool once (its han
 from the listener), leases the blocks' slots and gathers them on its own device straight
 from the pool, over NVLink between GPUs, `_LEASE_CHUNK` blocks at a time, into the blocks
 it allocated; a pool it cannot map (another host) is pulled from over TCP as before.
+A request that names a decode worker's listener (GenerateRequest.kv_target) skips the
+holding: its blocks are pushed into that worker's own pool layer by layer as they are
+computed (`LayerPusher`, tier/kv_push.py), and the decode worker's probe and load then find
+them at its own listener, copied from its own pool.
 
 Every other probe and load goes to the kvstore's transfer (or finds nothing without one).
 `TcpHandoff` is the `KvHandoff` over it: sending waits until the thread holds the
@@ -29,18 +33,18 @@ request's blocks, and names the listener's address as their source.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import logging
 import math
+import secrets
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import CollectorRegistry, Gauge
 
 from meshserve.services.worker.engine.device import make_current
 from meshserve.services.worker.engine.kv_copy import KVCaches, block_shape, scatter_blocks
@@ -48,6 +52,14 @@ from meshserve.services.worker.tier.handoff import (
     DEFAULT_SEND_TIMEOUT_S,
     DEFAULT_WATERMARK,
     StoreHandoff,
+)
+from meshserve.services.worker.tier.kv_push import (
+    LayerPusher,
+    PushReservation,
+    parse_source,
+    push_keys,
+    push_source,
+    request_of,
 )
 from meshserve.services.worker.tier.kv_tier import (
     KVTransport,
@@ -63,10 +75,12 @@ from meshserve.services.worker.tier.slot_pool import MappedPool, SlotPool, map_p
 from meshserve.services.worker.tier.tcp_blocks import (
     BlockHolder,
     SlotLease,
+    commit,
     lease,
     pool_handle,
     probe,
     pull,
+    reserve,
 )
 from meshserve.shared.block_hash import BlockHash
 
@@ -91,6 +105,19 @@ class _SourcedProbe:
     source: str
 
 
+@dataclass(frozen=True)
+class _ReserveJob:
+    request_id: str
+    target: str
+    hashes: list[BlockHash]
+
+
+@dataclass(frozen=True)
+class _ReleaseJob:
+    reservation: PushReservation
+    after: torch.cuda.Event | None
+
+
 @dataclass
 class PullStats:
     """Counters since start (the decode worker's metrics)."""
@@ -112,7 +139,10 @@ class TcpTransfer:
     def __init__(self, kv_caches: KVCaches, *, inner: KVTransport | None = None,
                  holder: BlockHolder | None = None, pool: SlotPool | None = None,
                  streams: int = 4, timeout_s: float = 10.0,
-                 store_backlog_bytes: int = 1 << 30) -> None:
+                 store_backlog_bytes: int = 1 << 30, push: bool = False) -> None:
+        """`pool`: a prefill worker's held blocks' slots, or the pool a decode worker takes
+        pushes into (its listener's, `own_address`); `push`: write the blocks of requests
+        that name a decode worker's listener into its pool (`pusher`)."""
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
         self.block_shape = block_shape(kv_caches)
@@ -136,6 +166,10 @@ class TcpTransfer:
         self._pool = ThreadPoolExecutor(streams, thread_name_prefix="kv-pull")
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._thread = threading.Thread(target=self._run, name="kv-handoff", daemon=True)
+        self.own_address = ""
+        """A decode worker's listener: a source there is this worker's own pool."""
+        self.pusher = (LayerPusher(kv_caches, self._queue_reserve, self._queue_release)
+                       if push else None)
 
     # ----- the decode side's requests -------------------------------------------------
     def expect(self, request_id: str, source: str) -> None:
@@ -147,7 +181,7 @@ class TcpTransfer:
 
     def _source_of(self, sequence_id: str) -> str | None:
         """A probing sequence's source (its request's, kept for its siblings when n > 1)."""
-        request_id = _request_of(sequence_id, self._sources)
+        request_id = request_of(sequence_id, self._sources)
         if request_id == sequence_id:
             return self._sources.pop(request_id, None)
         return self._sources.get(request_id) if request_id is not None else None
@@ -159,7 +193,7 @@ class TcpTransfer:
         return self.holder is not None or (self._inner is not None and self._inner.available)
 
     def may_hold(self, request_id: str) -> bool:
-        if self._sources and _request_of(request_id, self._sources) is not None:
+        if self._sources and request_of(request_id, self._sources) is not None:
             return True
         return self._inner is not None and self._inner.may_hold(request_id)
 
@@ -212,6 +246,53 @@ class TcpTransfer:
             if not self._done:
                 self._cond.wait(timeout_s)
 
+    # ----- the prefill side's pushes ----------------------------------------------------
+    def _queue_reserve(self, request_id: str, target: str, hashes: list[BlockHash]) -> None:
+        self._queue(_ReserveJob(request_id, target, hashes))
+
+    def _queue_release(self, reservation: PushReservation, after: torch.cuda.Event | None) -> None:
+        self._queue(_ReleaseJob(reservation, after))
+
+    def _release(self, job: _ReleaseJob) -> None:
+        """Give back a reservation's slots once the copies queued into them are done."""
+        if job.after is not None:
+            job.after.synchronize()
+        reservation = job.reservation
+        commit(reservation.target, push_keys(list(reservation.slots), reservation.rid),
+               self.timeout_s, written=False)
+
+    def _reserve(self, job: _ReserveJob) -> None:
+        """Map the target's pool and reserve its slots for the job's blocks."""
+        assert self.pusher is not None, "only a pushing worker reserves"
+        granted: PushReservation | None = None
+        try:
+            mapped = self._mapped(job.target)
+            if mapped is not None and mapped.data.shape[1] == self.block_bytes:
+                rid = secrets.token_bytes(8)
+                answer = reserve(job.target, push_keys(job.hashes, rid), self.timeout_s)
+                if answer is not None and answer[0] != mapped.token:
+                    self._unmap(job.target)  # it restarted: its slots there expire
+                elif answer is not None:
+                    granted = PushReservation(job.target, rid, mapped,
+                                          dict(zip(job.hashes, answer[1], strict=True)),
+                                          time.monotonic())
+        finally:
+            self.pusher.granted(job.request_id, granted)
+
+    def commit(self, request_id: str) -> str:
+        """After a request's steps: tell its decode worker which blocks were pushed; the
+        kv_source naming them there ("": none were, or it is gone)."""
+        reservation = self.pusher.take(request_id) if self.pusher is not None else None
+        if reservation is None or not reservation.written:
+            return ""
+        assert self.pusher is not None
+        if self.pusher.stream is not None:
+            self.pusher.stream.synchronize()  # every layer's copy landed
+        keys = push_keys(reservation.written, reservation.rid)
+        if not commit(reservation.target, keys, self.timeout_s):
+            return ""
+        return push_source(reservation.target, reservation.rid)
+
     def flush(self, timeout_s: float) -> bool:
         """Wait until every job queued so far is done (the held blocks are held)."""
         done = threading.Event()
@@ -258,6 +339,10 @@ class TcpTransfer:
                 self._hold(job)
             elif isinstance(job, _SourcedProbe):
                 self._probe(job)
+            elif isinstance(job, _ReserveJob):
+                self._reserve(job)
+            elif isinstance(job, _ReleaseJob):
+                self._release(job)
             elif isinstance(job, LoadJob):
                 self._load(job)
             else:
@@ -276,10 +361,15 @@ class TcpTransfer:
         if job.ready is not None:
             job.ready.synchronize()
         rows = job.data.reshape(len(job.hashes), -1).view(torch.uint8)  # [n, block bytes]
+        hashes = job.hashes
+        if self.pusher is not None:  # blocks pushed to a decode worker are held there
+            kept = [i for i, h in enumerate(hashes) if not self.pusher.pushed(h)]
+            if len(kept) < len(hashes):
+                hashes, rows = [hashes[i] for i in kept], rows[kept]
         if self.pool is not None:
-            self._hold_in_pool(job.hashes, rows)
+            self._hold_in_pool(hashes, rows)
             return
-        for block_hash, row in zip(job.hashes, rows, strict=True):
+        for block_hash, row in zip(hashes, rows, strict=True):
             data = torch.empty(row.numel(), dtype=torch.uint8)
             data.copy_(row)
             self.holder.put(block_hash, data)
@@ -305,12 +395,13 @@ class TcpTransfer:
 
     def _probe(self, probed: _SourcedProbe) -> None:
         job, found = probed.job, 0
+        address, keys = parse_source(probed.source, job.hashes)
         try:
-            found = probe(probed.source, job.hashes, self.timeout_s)
+            found = probe(address, keys, self.timeout_s)
         finally:
             if not found:  # the source is gone, or no longer holds them: a failed pull too
                 self.stats.failed_pulls += 1
-                self._unmap(probed.source)
+                self._unmap(address)
             lease = TcpLease(probed.source, job.hashes[:found]) if found else None
             self._finish(ProbeDone(job.request_id, found, lease))
 
@@ -326,11 +417,12 @@ class TcpTransfer:
     def _pull_into_cache(self, job: LoadJob) -> bool:
         lease_: TcpLease = job.lease  # type: ignore[assignment]
         started = time.perf_counter()
-        mapped = self._mapped(lease_.source)
+        address, keys = parse_source(lease_.source, lease_.hashes[:len(job.block_ids)])
+        mapped = self._mapped(address)
         if mapped is not None:
-            ok = self._copy_from_pool(mapped, job)
+            ok = self._copy_from_pool(mapped, address, keys, job)
         else:
-            ok = self._pull_over_tcp(job)
+            ok = self._pull_over_tcp(address, keys, job)
         if ok:
             n = len(job.block_ids)
             self.stats.pulled_blocks += n
@@ -338,14 +430,13 @@ class TcpTransfer:
             self.stats.pull_seconds += time.perf_counter() - started
         return ok
 
-    def _pull_over_tcp(self, job: LoadJob) -> bool:
-        lease_: TcpLease = job.lease  # type: ignore[assignment]
+    def _pull_over_tcp(self, address: str, keys: list[bytes], job: LoadJob) -> bool:
         n = len(job.block_ids)
         dtype = self.kv_caches[0][0].dtype
         # [n, layers, 2, block_size, kv_heads, head_dim], page-locked on a GPU host
         packed = torch.empty((n, *self.block_shape), dtype=dtype,
                              pin_memory=self._stream is not None)
-        if not pull(lease_.source, lease_.hashes[:n], packed.view(n, -1).view(torch.uint8),
+        if not pull(address, keys, packed.view(n, -1).view(torch.uint8),
                     self._pool, self.streams, self.timeout_s):
             return False
         if self._stream is None:
@@ -360,7 +451,10 @@ class TcpTransfer:
         return True
 
     def _mapped(self, source: str) -> MappedPool | None:
-        """The source's pool mapped here (once per source); None: pull over TCP."""
+        """The source's pool mapped here (once per source); None: pull over TCP. This
+        worker's own listener's is its own pool."""
+        if source not in self._maps and source == self.own_address and self.pool is not None:
+            self._maps[source] = MappedPool(self.pool.token, self.pool.data)
         if source not in self._maps:
             handle = pool_handle(source, self.timeout_s)
             self._maps[source] = map_pool(handle, self.device) if handle else None
@@ -379,18 +473,18 @@ class TcpTransfer:
         if mapped is not None:
             mapped.close()
 
-    def _copy_from_pool(self, mapped: MappedPool, job: LoadJob) -> bool:
+    def _copy_from_pool(self, mapped: MappedPool, address: str, keys: list[bytes],
+                        job: LoadJob) -> bool:
         """Lease the blocks' slots and gather them from the mapped pool into the cache."""
-        lease_: TcpLease = job.lease  # type: ignore[assignment]
         n = len(job.block_ids)
-        slots = lease(lease_.source, lease_.hashes[:n], self.timeout_s)
+        slots = lease(address, keys, self.timeout_s)
         if slots is None:
-            self._unmap(lease_.source)
+            self._unmap(address)
             return False  # no longer held: recomputed
         try:
             if slots.token != mapped.token:  # the source restarted: map its new pool
-                self._unmap(lease_.source)
-                remapped = self._mapped(lease_.source)
+                self._unmap(address)
+                remapped = self._mapped(address)
                 if remapped is None or remapped.token != slots.token:
                     return False
                 mapped = remapped
@@ -426,15 +520,6 @@ class TcpTransfer:
             self._cond.notify_all()
 
 
-def _request_of(sequence_id: str, sources: dict[str, str]) -> str | None:
-    """The request among `sources` that a sequence belongs to: its own id, or for a
-    sibling of n > 1 the id before `#index` (the engine's naming)."""
-    if sequence_id in sources:
-        return sequence_id
-    request_id = sequence_id.rpartition("#")[0]
-    return request_id if request_id in sources else None
-
-
 class TcpHandoff(StoreHandoff):
     """`KvHandoff` over a `TcpTransfer`: `source` is the prefill worker's listener. Sending
     waits for the transfer thread to hold the blocks (as the store's writes are waited for);
@@ -446,37 +531,28 @@ class TcpHandoff(StoreHandoff):
         super().__init__(transfer.flush, block_size, timeout_s=timeout_s, watermark=watermark)
         self.transfer = transfer
         self.source = source
+        self._sent: dict[str, str] = {}  # request id -> where its pushed blocks wait
+
+    async def send(self, num_blocks: int, request_id: str = "") -> bool:
+        """Wait for the held blocks, then commit the pushed ones (their own source)."""
+        done = await super().send(num_blocks, request_id)
+        if self.transfer.pusher is not None and request_id:
+            pushed = await asyncio.to_thread(self.transfer.commit, request_id)
+            if pushed:
+                self._sent[request_id] = pushed
+        return done
+
+    def source_of(self, request_id: str) -> str:
+        return self._sent.pop(request_id, self.source)
+
+    def target(self, request_id: str, address: str) -> None:
+        if self.transfer.pusher is not None and address:
+            self.transfer.pusher.target(request_id, address)
 
     def expect(self, request_id: str, source: str) -> None:
         self.transfer.expect(request_id, source)
 
     def forget(self, request_id: str) -> None:
         self.transfer.forget(request_id)
-
-
-def register_tcp_metrics(registry: CollectorRegistry, transfer: TcpTransfer) -> None:
-    """The TCP handoff's gauges: held bytes and freed blocks (prefill), pulls (decode)."""
-    holder = transfer.holder
-    read: list[tuple[str, str, Callable[[], float]]] = [
-        ("kv_handoff_pulled_bytes_total", "Bytes of KV blocks pulled from prefill workers",
-         lambda: transfer.stats.pulled_bytes),
-        ("kv_handoff_pull_seconds_total", "Seconds spent pulling KV blocks over TCP",
-         lambda: transfer.stats.pull_seconds),
-        ("kv_handoff_failed_pulls_total",
-         "Pulls that failed or found the source gone (the prompt was recomputed)",
-         lambda: transfer.stats.failed_pulls),
-        ("kv_handoff_mapped_blocks_total",
-         "KV blocks copied straight from a prefill worker's mapped pool (GPU to GPU)",
-         lambda: transfer.stats.mapped_blocks)]
-    if holder is not None:
-        read += [
-            ("kv_handoff_held_bytes", "Bytes of handed-off KV blocks held for decode workers",
-             lambda: holder.held_bytes),
-            ("kv_handoff_dropped_store_saves_total",
-             "Blocks held for the handoff but not written to a kvstore that fell behind",
-             lambda: transfer.stats.dropped_store_saves),
-            ("kv_handoff_expired_blocks_total",
-             "Held KV blocks freed unpulled (hold time or byte bound)",
-             lambda: holder.stats.expired_blocks)]
-    for name, doc, fn in read:
-        Gauge(f"meshserve:{name}", doc, registry=registry).set_function(fn)
+        if self.transfer.pusher is not None:
+            self.transfer.pusher.forget(request_id)
