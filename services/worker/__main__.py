@@ -279,7 +279,7 @@ class TcpHandoffLink:
             source = f"{address.rpartition(':')[0]}:{self.server.port}"
         if transfer.holder is None and source:
             self.receive_address = transfer.own_address = source
-            source = ""
+            transfer.received, source = holder, ""
         transfer.start()
         return TcpHandoff(transfer, block_size, source,
                           watermark=self.config.kv_handoff_watermark)
@@ -394,9 +394,7 @@ class WorkerProcess:
         """The KV handoff transport (disaggregated serving), started; None without one."""
         if self.tcp is not None:
             handoff = self.tcp.start(self.info.address, self.engine.block_size)
-            server = self.tcp.server
-            register_tcp_metrics(self.telemetry.registry, handoff.transfer,
-                                 server.holder if server is not None else None)
+            register_tcp_metrics(self.telemetry.registry, handoff.transfer, self.tcp.server)
             pusher, tier = handoff.transfer.pusher, self.engine.hook(KVTier)
             if pusher is not None and tier is not None:
                 pusher.attach(self.engine.runner, tier)

@@ -1,8 +1,10 @@
 """Disaggregated serving keeps the other features working, end to end (issue 32; CPU, tiny model).
 
 One `meshserve up`-like stack of one prefill and one decode worker with `--kv-handoff ipc`
-and no kvstore: the prefill worker holds each handed-off prompt's KV blocks in its slot pool
-(POSIX shared memory on a CPU), which the decode worker maps and copies from. Through the
+and no kvstore: the prefill worker pushes each handed-off prompt's KV blocks into the decode
+worker's own pool layer by layer as it computes them (POSIX shared memory on a CPU), and the
+decode worker copies them from there; when the decode worker reserves no room in time (it
+is stopped), the prefill worker holds them in its own pool instead. Through the
 real `openai` client, with a mixed worker's answers (a reference stack, run first and
 stopped) where answers must match:
 
@@ -14,8 +16,8 @@ stopped) where answers must match:
 - a stream closed by its client right after the first token (around the handoff) or after
   a few decode tokens, and a request past the gateway's deadline (504, its decode worker
   stopped meanwhile): the decode worker ends up with nothing running or waiting, the
-  prefill worker's held blocks are freed (at once, or after --kv-handoff-hold-s), and the
-  next request is served;
+  handed-off blocks are freed on both workers (at once, or after --kv-handoff-hold-s), and
+  the next request is served;
 - one trace holds the prefill worker's and the decode worker's spans (OTLP);
 - the workers' vllm:* counters split the tokens between them;
 - an FP8 KV cache is handed off as it is: the greedy tokens of the in-process engine with
@@ -178,6 +180,7 @@ def summed(stack: Stack, worker: str, name: str) -> float:
 
 MAPPED = "meshserve:kv_handoff_mapped_blocks_total"
 HELD = "meshserve:kv_handoff_held_bytes"
+PUSHED = "meshserve:kv_handoff_pushed_blocks_total"
 
 
 def test_a_repeated_prompt_hits_both_caches_and_maps_no_block_twice(
@@ -186,10 +189,13 @@ def test_a_repeated_prompt_hits_both_caches_and_maps_no_block_twice(
     hits = {w: summed(stack, w, "vllm:prefix_cache_hits_total") for w in stack.worker_ids}
     mapped, received = worker_metric(stack, "decode-0", MAPPED), \
         handoff_blocks(stack, "decode-0", "received")
+    pushed = worker_metric(stack, "prefill-0", PUSHED)
     first = complete(stack, PREFIX_PROMPT)
     assert_same(first, reference["prefix"], "first run")
     assert first["cached"] == 0
-    # A handoff over ipc maps every block it receives from the prefill worker's pool.
+    # A handoff over ipc pushes every block into the decode worker's pool as computed, and
+    # the decode worker copies every block it receives from there.
+    assert worker_metric(stack, "prefill-0", PUSHED) == pushed + full
     assert worker_metric(stack, "decode-0", MAPPED) == mapped + full
     assert handoff_blocks(stack, "decode-0", "received") == received + full
     assert summed(stack, "prefill-0", "vllm:prefix_cache_hits_total") == hits["prefill-0"]
@@ -237,13 +243,18 @@ def test_a_lora_adapter_is_handed_off_and_its_blocks_stay_its_own(
     assert handoff_blocks(stack, "prefill-0", "sent") == sent + 3 * full
 
 
+RESERVED = "meshserve:kv_handoff_reserved_slots"
+
+
 def settled(stack: Stack, held: float) -> Callable[[], bool]:
-    """Whether the decode worker runs and queues nothing and the prefill worker holds
-    `held` bytes of handed-off blocks again."""
+    """Whether the decode worker runs and queues nothing, holds no pushed block and no
+    reserved slot, and the prefill worker holds `held` bytes of handed-off blocks again."""
     def check() -> bool:
         queued = sum(summed(stack, "decode-0", f"vllm:num_requests_{state}")
                      for state in ("running", "waiting"))
-        return queued == 0 and worker_metric(stack, "prefill-0", HELD) == held
+        return (queued == 0 and worker_metric(stack, "prefill-0", HELD) == held
+                and worker_metric(stack, "decode-0", HELD) == 0
+                and worker_metric(stack, "decode-0", RESERVED) == 0)
     return check
 
 
@@ -276,16 +287,20 @@ EXPIRED = "meshserve:kv_handoff_expired_blocks_total"
 
 
 def handoff_counts(stack: Stack) -> tuple[float, float, float]:
-    """Blocks the prefill worker held for handoffs, the decode worker mapped, and the
-    prefill worker freed unmapped after --kv-handoff-hold-s."""
+    """Blocks the prefill worker handed off (held, or pushed into the decode worker's pool),
+    the decode worker copied from a pool (the prefill worker's mapped, or its own), and
+    either worker freed unloaded after --kv-handoff-hold-s."""
     return (handoff_blocks(stack, "prefill-0", "sent"), worker_metric(stack, "decode-0", MAPPED),
-            worker_metric(stack, "prefill-0", EXPIRED))
+            worker_metric(stack, "prefill-0", EXPIRED) + worker_metric(stack, "decode-0",
+                                                                       EXPIRED))
 
 
 @pytest.mark.parametrize("count", [1, 4], ids=["after-first-token", "after-decode-tokens"])
 def test_a_stream_closed_by_its_client_leaves_nothing_behind(
         stack: Stack, reference: dict[str, Any], count: int) -> None:
     held = worker_metric(stack, "prefill-0", HELD)
+    # Blocks pushed by earlier tests that the decode worker had cached are freed first.
+    wait_until(settled(stack, held), "the earlier requests let go")
     generated = "vllm:generation_tokens_total"
     decoded = summed(stack, "decode-0", generated)
     before = handoff_counts(stack)
@@ -306,6 +321,7 @@ def test_a_stream_closed_by_its_client_leaves_nothing_behind(
 def test_a_request_past_its_deadline_is_a_504_and_leaves_nothing_behind(
         stack: Stack, reference: dict[str, Any]) -> None:
     held = worker_metric(stack, "prefill-0", HELD)
+    wait_until(settled(stack, held), "the earlier requests let go")
     before = handoff_counts(stack)
     stack.kill("decode-0", signal.SIGSTOP)  # the handed-off request waits for it
     try:

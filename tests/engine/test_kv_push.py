@@ -79,7 +79,7 @@ def make_side(folder: Path, role: str, pool_bytes: int = 8 << 20,
                 transfer.pusher.layer_written)
         transfer.pusher.attach(engine.runner, tier)
     else:
-        transfer.own_address = address
+        transfer.own_address, transfer.received = address, holder
     transfer.start()
     return Side(engine, transfer, address, pool, holder, server)
 

@@ -1,16 +1,20 @@
 """A decode worker's listener taking pushes into its pool (tier/kv_push.py, tier/tcp_blocks.py's
 RESERVE and COMMIT), over real sockets with a shared-memory pool: a reservation takes a slot
 per key, all or none; only committed slots become visible to the worker's own probe and
-lease; slots never committed come back after the reservation time; two reservations of one
-prompt hold it under different keys; a kv_source names the listener and the reservation."""
+lease; slots never committed come back after the reservation time, and a reservation read
+past its deadline takes none; two reservations of one prompt hold it under different keys;
+a kv_source names the listener and the reservation."""
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from meshserve.services.worker.tier import tcp_blocks
 from meshserve.services.worker.tier.kv_push import (
     PendingSlots,
     parse_source,
@@ -112,3 +116,19 @@ def test_a_source_names_the_listener_and_the_reservation() -> None:
     assert push_keys(HASHES, rid) != push_keys(HASHES, b"another"), "keys of their own"
     assert all(len(key) == 32 for key in keys)
     assert parse_source("10.0.0.5:7000", HASHES) == ("10.0.0.5:7000", HASHES)
+
+
+def test_a_reservation_read_past_its_deadline_keeps_no_slot(
+        listener: tuple[str, SlotPool, BlockServer]) -> None:
+    """A prefill worker that gave up waiting (the decode worker was stopped, then went on)
+    must not leave slots reserved that nobody will write or release."""
+    address, pool, server = listener
+    host, _, port = address.rpartition(":")
+    past = tcp_blocks._DEADLINE.pack(time.time_ns() - 1).ljust(tcp_blocks.HASH_BYTES, b"\0")
+    with socket.create_connection((host, int(port)), timeout=5.0) as conn:
+        conn.sendall(tcp_blocks._request(tcp_blocks.OP_RESERVE,
+                                         [past, *push_keys(HASHES, b"late")]))
+        count, _ = tcp_blocks._LEASED.unpack(conn.recv(tcp_blocks._LEASED.size))
+    assert count == 0
+    assert pool.free_slots == pool.slots and server.pending is not None
+    assert len(server.pending) == 0

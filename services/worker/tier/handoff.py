@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client import CollectorRegistry, Gauge
 
 if TYPE_CHECKING:
-    from meshserve.services.worker.tier.tcp_blocks import BlockHolder
+    from meshserve.services.worker.tier.tcp_blocks import BlockServer
     from meshserve.services.worker.tier.tcp_handoff import TcpTransfer
 
 # Longest a prefill worker waits for its prompt blocks to reach the store; past it the
@@ -216,10 +216,11 @@ def register_handoff_metrics(registry: CollectorRegistry, handoff: KvHandoff) ->
 
 
 def register_tcp_metrics(registry: CollectorRegistry, transfer: TcpTransfer,
-                         holder: BlockHolder | None = None) -> None:
+                         server: BlockServer | None = None) -> None:
     """The direct handoff's gauges: held bytes and freed blocks (a prefill worker's, or
-    with `holder` a decode worker's pushed blocks), pulls (decode), pushes (prefill)."""
-    holder = holder or transfer.holder
+    a decode worker's pushed blocks, served by `server`), pulls (decode), pushes
+    (prefill), and slots reserved for pushes (a decode worker's pool)."""
+    holder = server.holder if server is not None else transfer.holder
     read: list[tuple[str, str, Callable[[], float]]] = [
         ("kv_handoff_pulled_bytes_total", "Bytes of KV blocks pulled from prefill workers",
          lambda: transfer.stats.pulled_bytes),
@@ -252,5 +253,10 @@ def register_tcp_metrics(registry: CollectorRegistry, transfer: TcpTransfer,
             ("kv_handoff_expired_blocks_total",
              "Held KV blocks freed unloaded (hold time or byte bound)",
              lambda: holder.stats.expired_blocks)]
+    pending = server.pending if server is not None and transfer.holder is None else None
+    if pending is not None:
+        read.append(("kv_handoff_reserved_slots",
+                     ("Slots of this decode worker's pool reserved for prefill workers' "
+                     "pushes, not yet written"), lambda: len(pending)))
     for name, doc, fn in read:
         Gauge(f"meshserve:{name}", doc, registry=registry).set_function(fn)

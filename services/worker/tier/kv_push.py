@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
 RESERVE_S = 120.0
 WRITE_S = 60.0
+# Longest wait for a decode worker's pool handle or reservation (one host, a few bytes): one
+# that does not answer in time (stopped, overloaded) is not pushed to, and the transfer
+# thread, which also serves the other requests, is not held up longer.
+RESERVE_TIMEOUT_S = 1.0
 _UNASKED = object()  # a request whose reservation is not asked for yet
 _ASKING = object()  # one whose reservation is under way
 
@@ -166,14 +170,14 @@ class PushStats:
 class LayerPusher:
     """Prefill side: the pushes of the requests that name a decode worker's listener (see
     the module doc). `reserve(request_id, target, hashes)` queues a reservation on the
-    transfer thread, which answers with `granted`; `release(reservation, after)` queues
-    giving back the slots of a request that ended unsent, once `after` (the push stream's
-    event, None on a CPU) is reached; `new_blocks` peeks at the blocks the step being
-    launched indexes (the block pool's)."""
+    transfer thread, which answers with `granted`; `release(reservation)` queues giving back
+    the slots of a request that ended unsent (once the copies queued so far are done: none
+    are queued into them after it is called); `new_blocks` peeks at the blocks the step
+    being launched indexes (the block pool's)."""
 
     def __init__(self, kv_caches: KVCaches,
                  reserve: Callable[[str, str, list[BlockHash]], None],
-                 release: Callable[[PushReservation, torch.cuda.Event | None], None], *,
+                 release: Callable[[PushReservation], None], *,
                  write_s: float = WRITE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
@@ -191,7 +195,7 @@ class LayerPusher:
         self._pushed: set[BlockHash] = set()  # written, not held here
         self._plan: list[_Group] = []
         self._outstanding = False
-        self._closing: list[PushReservation] = []  # ended unsent: released at the next step
+        self._closing: list[PushReservation] = []  # ended unsent mid-launch: released next
         self._lock = threading.Lock()
 
     def attach(self, runner: ModelRunner, tier: KVTier) -> None:
@@ -207,12 +211,16 @@ class LayerPusher:
         self._targets[request_id] = address
 
     def forget(self, request_id: str) -> None:
-        """The request ended (unsent: its slots are given back after the step that may
-        still be writing them, `fence`)."""
+        """The request ended: an unsent reservation's slots are given back (after the step
+        being launched, when that step writes into them: `fence`)."""
         found = self.take(request_id)
-        if found is not None:
-            with self._lock:
+        if found is None:
+            return
+        with self._lock:
+            if any(group.reservation is found for group in self._plan):
                 self._closing.append(found)
+                return
+        self._release(found)
 
     def take(self, request_id: str) -> PushReservation | None:
         """The request is sent: its reservation, no longer written to."""
@@ -234,9 +242,14 @@ class LayerPusher:
     def granted(self, request_id: str, reservation: PushReservation | None) -> None:
         """The transfer thread's answer to `reserve` (None: no slots, or no pool)."""
         with self._lock:
-            if self._state.get(request_id) is not _ASKING:
-                return  # forgotten meanwhile: its slots expire there
-            self._state[request_id] = reservation
+            forgotten = self._state.get(request_id) is not _ASKING
+            if not forgotten:
+                self._state[request_id] = reservation
+        if forgotten:
+            if reservation is not None:
+                self._release(reservation)
+            return
+        with self._lock:
             if reservation is None:
                 self.stats.refused_reservations += 1
                 return
@@ -273,35 +286,33 @@ class LayerPusher:
         if self._closing:
             with self._lock:
                 closing, self._closing = self._closing, []
-            after = None
-            if self.stream is not None:
-                after = torch.cuda.Event()
-                after.record(self.stream)
             for reservation in closing:
-                self._release(reservation, after)
+                self._release(reservation)
 
     def layer_written(self, index: int) -> None:
         """The step's kernels of layer `index` are queued: push its rows of the step's
         pushed blocks."""
         if index == 0:
-            self._plan = self._plan_step()
+            self._plan_step()
         if not self._plan:
             return
         self._copy_layers(self._plan, [index])
         if index == self.num_layers - 1:
             for group in self._plan:
                 self._written(group)
-            self._plan = []
+            with self._lock:
+                self._plan = []
 
-    def _plan_step(self) -> list[_Group]:
+    def _plan_step(self) -> None:
+        """The step's blocks bound for reservations, grouped by reservation (`_plan`)."""
         if not self._by_hash:
-            return []
+            return
         new = self.new_blocks()
         if not new:
-            return []
+            return
         chosen: dict[int, tuple[PushReservation, list[BlockHash], list[int]]] = {}
         now = self._clock()
-        with self._lock:
+        with self._lock:  # set with the reservations it writes: `forget` reads both
             for block_id, block_hash, _ in new:
                 reservation = self._by_hash.get(block_hash)
                 if reservation is None or now - reservation.granted_at > self.write_s:
@@ -309,8 +320,8 @@ class LayerPusher:
                 _, hashes, ids = chosen.setdefault(id(reservation), (reservation, [], []))
                 hashes.append(block_hash)
                 ids.append(block_id)
-        return [self._group(reservation, hashes, ids)
-                for reservation, hashes, ids in chosen.values()]
+            self._plan = [self._group(reservation, hashes, ids)
+                          for reservation, hashes, ids in chosen.values()]
 
     def _group(self, reservation: PushReservation, hashes: list[BlockHash],
                ids: list[int]) -> _Group:

@@ -59,6 +59,9 @@ class ProbeJob:
 
     request_id: str
     hashes: list[BlockHash]
+    cached: list[BlockHash] = field(default_factory=list)
+    """The prompt's blocks before `hashes`, hits in the local cache (a copy of them waiting
+    for this worker elsewhere is not needed)."""
 
 
 @dataclass
@@ -204,7 +207,8 @@ class KVTier(StepHook):
         self._probing[request.request_id] = (request, num_local_blocks)
         self.stats.probes += 1
         self.transport.submit(ProbeJob(request.request_id,
-                                       request.block_hashes[num_local_blocks:last]))
+                                       request.block_hashes[num_local_blocks:last],
+                                       request.block_hashes[:num_local_blocks]))
         return True
 
     # ----- every step -------------------------------------------------------------

@@ -20,8 +20,11 @@ the slots out of use until the decode worker, having copied them, sends one byte
 with one once the slots are free) or closes the connection. GET still serves everyone else, copying each slot out.
 
 A decode worker's listener (--kv-handoff ipc) takes pushes into its own pool
-(tier/kv_push.py): RESERVE, with the keys of a prefill worker's reservation, answers as LEASE
-does (count 0: no room) and keeps those slots for the writer; COMMIT, with the keys written,
+(tier/kv_push.py): RESERVE, with a deadline (the first 32-byte entry: nanoseconds since the
+epoch, then zeros; the host's own clock, a pool being mapped only on its host) and the keys of
+a prefill worker's reservation, answers as LEASE does (count 0: no room, or read past the
+deadline: a writer that gave up waiting must not leave slots reserved) and keeps those slots
+for the writer; COMMIT, with the keys written,
 answers how many were still reserved and holds them, for the worker's own probe and lease;
 RELEASE answers the same count and frees them (the request ended unsent).
 """
@@ -59,6 +62,7 @@ _REQUEST = struct.Struct("!4sBI")  # magic, op, number of hashes
 _COUNT = struct.Struct("!I")  # HAS: leading hashes held
 _BLOCKS = struct.Struct("!IQ")  # GET: blocks sent (0: a miss), bytes per block
 _LEASED = struct.Struct("!Iq")  # LEASE: blocks leased (0: a miss), the pool's token
+_DEADLINE = struct.Struct("!q")  # RESERVE: the first entry's leading bytes
 # Most hashes one request may name (a 128k-token prompt of 16-token blocks is 8k).
 _MAX_HASHES = 1 << 16
 _MAX_HANDLE = 1 << 16
@@ -124,6 +128,14 @@ class BlockHolder:
         if self._release is not None:
             for block in blocks:
                 self._release(block)
+
+    def drop(self, hashes: Sequence[BlockHash]) -> int:
+        """Free the held blocks of `hashes` (no longer wanted); how many were held."""
+        with self._lock:
+            held = [h for h in hashes if h in self._blocks]
+            for block_hash in held:
+                self._drop(block_hash)
+            return len(held)
 
     def num_held(self, hashes: Sequence[BlockHash]) -> int:
         """How many of `hashes`, from the first, are held."""
@@ -268,9 +280,13 @@ class _Handler(socketserver.BaseRequestHandler):
             conn.sendall(b"\x01")  # the slots are free again
 
 
-    def _reserve(self, conn: socket.socket, keys: list[bytes]) -> None:
-        """Slots of the pool for a prefill worker to write (all or none)."""
-        slots = self.pending.reserve(keys) if self.pending is not None and keys else None
+    def _reserve(self, conn: socket.socket, entries: list[bytes]) -> None:
+        """Slots of the pool for a prefill worker to write (all or none), unless read past
+        the request's deadline."""
+        (deadline,) = _DEADLINE.unpack(entries[0][:_DEADLINE.size]) if entries else (0,)
+        keys = entries[1:]
+        slots = (self.pending.reserve(keys)
+                 if self.pending is not None and keys and time.time_ns() < deadline else None)
         if self.pool is None or not slots:
             conn.sendall(_LEASED.pack(0, 0))
             return
@@ -375,9 +391,11 @@ def reserve(address: str, keys: Sequence[bytes], timeout_s: float
             ) -> tuple[int, list[int]] | None:
     """Reserve a slot of the pool at `address` for each key: its token and the slots, or
     None (no room, no pool, unreachable)."""
+    # Answered by half the wait at the latest: the rest is for the answer to come back.
+    deadline = _DEADLINE.pack(time.time_ns() + int(timeout_s * 5e8)).ljust(HASH_BYTES, b"\0")
     try:
         with _connect(address, timeout_s) as conn:
-            conn.sendall(_request(OP_RESERVE, keys))
+            conn.sendall(_request(OP_RESERVE, [deadline, *keys]))
             count, token = _LEASED.unpack(_recv_exact(conn, _LEASED.size))
             if count != len(keys) or not count:
                 return None

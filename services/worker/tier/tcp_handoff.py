@@ -54,6 +54,7 @@ from meshserve.services.worker.tier.handoff import (
     StoreHandoff,
 )
 from meshserve.services.worker.tier.kv_push import (
+    RESERVE_TIMEOUT_S,
     LayerPusher,
     PushReservation,
     parse_source,
@@ -89,6 +90,7 @@ log = logging.getLogger(__name__)
 _STOP = object()
 # Blocks gathered from a mapped pool per copy (the 8B shape: 128 MiB of staging memory).
 _LEASE_CHUNK = 64
+_RECEIVED_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,6 @@ class _ReserveJob:
 @dataclass(frozen=True)
 class _ReleaseJob:
     reservation: PushReservation
-    after: torch.cuda.Event | None
 
 
 @dataclass
@@ -168,6 +169,8 @@ class TcpTransfer:
         self._thread = threading.Thread(target=self._run, name="kv-handoff", daemon=True)
         self.own_address = ""
         """A decode worker's listener: a source there is this worker's own pool."""
+        self.received: BlockHolder | None = None
+        """A decode worker's blocks pushed into its pool (its listener's holder)."""
         self.pusher = (LayerPusher(kv_caches, self._queue_reserve, self._queue_release)
                        if push else None)
 
@@ -250,13 +253,14 @@ class TcpTransfer:
     def _queue_reserve(self, request_id: str, target: str, hashes: list[BlockHash]) -> None:
         self._queue(_ReserveJob(request_id, target, hashes))
 
-    def _queue_release(self, reservation: PushReservation, after: torch.cuda.Event | None) -> None:
-        self._queue(_ReleaseJob(reservation, after))
+    def _queue_release(self, reservation: PushReservation) -> None:
+        self._queue(_ReleaseJob(reservation))
 
     def _release(self, job: _ReleaseJob) -> None:
         """Give back a reservation's slots once the copies queued into them are done."""
-        if job.after is not None:
-            job.after.synchronize()
+        assert self.pusher is not None, "only a pushing worker releases"
+        if self.pusher.stream is not None:
+            self.pusher.stream.synchronize()
         reservation = job.reservation
         commit(reservation.target, push_keys(list(reservation.slots), reservation.rid),
                self.timeout_s, written=False)
@@ -266,10 +270,10 @@ class TcpTransfer:
         assert self.pusher is not None, "only a pushing worker reserves"
         granted: PushReservation | None = None
         try:
-            mapped = self._mapped(job.target)
+            mapped = self._mapped(job.target, RESERVE_TIMEOUT_S)
             if mapped is not None and mapped.data.shape[1] == self.block_bytes:
                 rid = secrets.token_bytes(8)
-                answer = reserve(job.target, push_keys(job.hashes, rid), self.timeout_s)
+                answer = reserve(job.target, push_keys(job.hashes, rid), RESERVE_TIMEOUT_S)
                 if answer is not None and answer[0] != mapped.token:
                     self._unmap(job.target)  # it restarted: its slots there expire
                 elif answer is not None:
@@ -326,12 +330,22 @@ class TcpTransfer:
         while True:
             with self._wake:
                 while not self._jobs:
-                    # Held blocks past their time are freed when the next one is due.
-                    self._wake.wait(self.holder.expire() if self.holder is not None else None)
+                    self._wake.wait(self._next_expiry())
                 job = self._jobs.popleft()
             if job is _STOP:
                 return
             self._do(job)
+
+    def _next_expiry(self) -> float | None:
+        """Free held blocks past their time; how long until the next one is due. Blocks
+        pushed to a decode worker are put by its listener's threads: it looks again within
+        `_RECEIVED_POLL_S`."""
+        if self.holder is not None:
+            return self.holder.expire()
+        if self.received is not None:
+            due = self.received.expire()
+            return _RECEIVED_POLL_S if due is None else min(due, _RECEIVED_POLL_S)
+        return None
 
     def _do(self, job: object) -> None:
         try:
@@ -396,6 +410,9 @@ class TcpTransfer:
     def _probe(self, probed: _SourcedProbe) -> None:
         job, found = probed.job, 0
         address, keys = parse_source(probed.source, job.hashes)
+        if address == self.own_address and self.received is not None and job.cached:
+            # Pushed copies of blocks this worker has cached: their slots are free at once.
+            self.received.drop(parse_source(probed.source, job.cached)[1])
         try:
             found = probe(address, keys, self.timeout_s)
         finally:
@@ -450,13 +467,13 @@ class TcpTransfer:
             self._stream.synchronize()
         return True
 
-    def _mapped(self, source: str) -> MappedPool | None:
+    def _mapped(self, source: str, timeout_s: float | None = None) -> MappedPool | None:
         """The source's pool mapped here (once per source); None: pull over TCP. This
         worker's own listener's is its own pool."""
         if source not in self._maps and source == self.own_address and self.pool is not None:
             self._maps[source] = MappedPool(self.pool.token, self.pool.data)
         if source not in self._maps:
-            handle = pool_handle(source, self.timeout_s)
+            handle = pool_handle(source, timeout_s or self.timeout_s)
             self._maps[source] = map_pool(handle, self.device) if handle else None
         return self._maps[source]
 
