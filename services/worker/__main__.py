@@ -236,8 +236,10 @@ class TcpHandoffLink:
         self.kvstore = kvstore
         self.transfer: TcpTransfer | None = None
         self.server: BlockServer | None = None
+        pooled = config.role == ROLE_PREFILL or (config.role != ROLE_MIXED
+                                                 and config.kv_handoff_push)
         self.pool = (SlotPool(config.kv_handoff_hold_bytes, resolve_device(config.device))
-                     if config.kv_handoff == "ipc" and config.role != ROLE_MIXED else None)
+                     if config.kv_handoff == "ipc" and pooled else None)
         self.receive_address = ""
 
     def plan(self) -> KVTierPlan:

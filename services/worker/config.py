@@ -365,6 +365,10 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
                  "Llama-3.1-8B shape: 128 KiB a token); --kv-handoff tcp: host memory, taken "
                  "as needed; ipc: the pool taken from the device at start, on a decode "
                  "worker too (the prompts pushed to it and not yet loaded)")
+    kv_handoff_push: bool = option(
+        True, "--kv-handoff ipc: a decode worker takes prompts' KV pushed into its pool by "
+              "the prefill worker layer by layer as computed (off: it takes no pool and "
+              "copies the KV from the prefill worker's after the first token)")
     kv_handoff_watermark: float = option(
         0.01, "fraction of its KV cache a decode worker keeps free: a handed-off request "
               "whose prompt blocks would leave less is refused and placed elsewhere")

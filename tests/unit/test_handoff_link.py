@@ -3,10 +3,14 @@ worker's KV tier may queue as many bytes of saves as it may hold for the handoff
 step completing a long prompt (an 8k-token prompt of the Llama-3.1-8B shape is 1 GiB of
 blocks) is not dropped whole for passing the kvstore's backlog bound; other roles keep the
 kvstore's bound. With ipc, a prefill worker takes a pool for the blocks it holds and a decode
-worker one for the blocks pushed to it; a mixed worker takes none."""
+worker one for the blocks pushed to it (unless pushes are off); a mixed worker takes none.
+`meshserve up` gives both roles the pool size and the push switch."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from meshserve.local.launcher import LauncherConfig, Stack
 from meshserve.services.worker.__main__ import TcpHandoffLink
 from meshserve.services.worker.config import WorkerConfig
 
@@ -40,3 +44,32 @@ def test_an_ipc_prefill_worker_takes_its_pool_at_start() -> None:
     prefill = link("prefill", "ipc", hold=64 << 20)
     assert prefill.pool is not None and prefill.pool.device.type == "cpu"
     prefill.pool.close()
+
+
+def test_a_decode_worker_without_pushes_takes_no_pool() -> None:
+    config = WorkerConfig.from_args(["--role", "decode", "--kv-handoff", "ipc", "--device",
+                                     "cpu", "--kv-handoff-hold-bytes", str(64 << 20),
+                                     "--no-kv-handoff-push"])
+    assert not config.kv_handoff_push
+    assert TcpHandoffLink(config, None).pool is None
+
+
+def workers(tmp_path: Path, **values: object) -> dict[str, WorkerConfig]:
+    """The worker configs `meshserve up` would start, by name."""
+    stack = Stack(LauncherConfig(model="m", device="cpu", workers=0, prefill_workers=1,
+                                 decode_workers=1,
+                                 kv_handoff="ipc", **values), tmp_path)
+    stack.redis_url = "redis://127.0.0.1:1/0"
+    stack._plan()
+    return {s.name: WorkerConfig.from_args(s.argv, environ={}) for s in stack.services
+            if s.role == "worker"}
+
+
+def test_meshserve_up_gives_both_roles_the_pool_size_and_the_push_switch(
+        tmp_path: Path) -> None:
+    planned = workers(tmp_path, kv_handoff_hold_bytes=64 << 20)
+    assert {c.role: c.kv_handoff_hold_bytes for c in planned.values()} == {
+        "prefill": 64 << 20, "decode": 64 << 20}
+    assert all(c.kv_handoff_push for c in planned.values())
+    off = workers(tmp_path / "off", kv_handoff_push=False)
+    assert not any(c.kv_handoff_push for c in off.values())
