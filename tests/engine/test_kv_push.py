@@ -223,7 +223,11 @@ def test_a_request_ended_unsent_gives_its_slots_back(sides: tuple[Side, Side]) -
     pusher = prefill.transfer.pusher
     assert pusher is not None
     pusher.target("p", decode.address)
-    run(prefill.engine, prompt(4), "p", max_tokens=1)
+    prefill.engine.add_request("p", prompt(4), SamplingParams(temperature=0.0, max_tokens=1))
+    # Asked for as the request is added, before any step (not when it is first scheduled).
+    assert prefill.transfer.flush(10)
+    assert decode.server.pending is not None and len(decode.server.pending) == PROMPT_BLOCKS
+    drain(prefill.engine)
     assert prefill.transfer.flush(10)
     assert decode.pool.free_slots == decode.pool.slots - PROMPT_BLOCKS, "reserved, written"
     assert decode.server.pending is not None and len(decode.server.pending) == PROMPT_BLOCKS

@@ -88,7 +88,7 @@ class KVCacheManager:
         peak = self.blocks_needed(self.window - 1 + max_step_tokens) + 1
         return max(whole, max_model_len) if peak <= self.num_blocks else whole
 
-    def _update_hashes(self, request: SequenceState) -> None:
+    def update_hashes(self, request: SequenceState) -> None:
         """Extend the request's chained block hashes over its newly full blocks."""
         known = len(request.block_hashes)
         num_known = request.num_known_tokens  # pending tokens have no id yet
@@ -108,7 +108,7 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.params.prompt_logprobs is not None:
             return []
-        self._update_hashes(request)
+        self.update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -189,7 +189,7 @@ class KVCacheManager:
         self._num_cached[rid] = max(end, start)
         if end <= start:
             return
-        self._update_hashes(request)
+        self.update_hashes(request)
         held = self._blocks[rid]
         bs = self.block_size
         self.pool.cache_full_blocks(

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshserve.services.worker.engine.kv_copy import KVCaches, block_index
+from meshserve.services.worker.engine.kv_copy import KVCaches, block_index, shared_storage
 from meshserve.services.worker.tier.slot_pool import MappedPool, SlotPool
 from meshserve.shared.block_hash import BlockHash
 
@@ -182,6 +182,10 @@ class LayerPusher:
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
         self.num_layers = len(kv_caches)
+        # [layers, 2, blocks, ...]: a layer's K and V rows move in one gather and one copy.
+        storage = shared_storage(kv_caches)
+        assert storage is not None, "the model runner's caches are views of one tensor"
+        self.storage = storage
         self._reserve = reserve
         self._release = release
         self.write_s = write_s
@@ -256,19 +260,31 @@ class LayerPusher:
             for block_hash in reservation.slots:
                 self._by_hash[block_hash] = reservation
 
-    def pending(self, request_id: str, hashes: Sequence[BlockHash],
-                local_blocks: Callable[[], list[int]]) -> bool:
-        """Whether the request waits for its reservation (asked for here the first time);
-        once granted, its blocks already cached (`local_blocks`: their ids) are pushed."""
+    def ask(self, request_id: str, hashes: Sequence[BlockHash]) -> None:
+        """Start the reservation of a request that names a decode worker (once)."""
+        self._ask(request_id, hashes)
+
+    def _ask(self, request_id: str, hashes: Sequence[BlockHash]) -> tuple[str | None, object]:
+        """The request (None: it names no decode worker) and its state before the call."""
         request = request_of(request_id, self._targets)
         if request is None:
-            return False
+            return None, None
         with self._lock:
             state = self._state.get(request, _UNASKED)
             if state is _UNASKED:
                 self._state[request] = _ASKING
         if state is _UNASKED:
             self._reserve(request, self._targets[request], list(hashes))
+        return request, state
+
+    def pending(self, request_id: str, hashes: Sequence[BlockHash],
+                local_blocks: Callable[[], list[int]]) -> bool:
+        """Whether the request waits for its reservation (asked for here if not yet);
+        once granted, its blocks already cached (`local_blocks`: their ids) are pushed."""
+        request, state = self._ask(request_id, hashes)
+        if request is None:
+            return False
+        if state is _UNASKED:
             return True
         if isinstance(state, PushReservation) and not state.local_pushed:
             state.local_pushed = True
@@ -350,7 +366,7 @@ class LayerPusher:
         if self.stream is None:
             for index in layers:
                 for group in groups:
-                    _copy_layer(self.kv_caches[index], index, group)
+                    self._copy_layer(index, group)
             return
         event = torch.cuda.Event()
         event.record()
@@ -358,8 +374,15 @@ class LayerPusher:
         with torch.cuda.stream(self.stream):
             for index in layers:
                 for group in groups:
-                    _copy_layer(self.kv_caches[index], index, group)
+                    self._copy_layer(index, group)
         self._outstanding = True
+
+    def _copy_layer(self, index: int, group: _Group) -> None:
+        """Layer `index`'s K and V rows of the group's blocks into their slots."""
+        layer = self.storage[index]  # [2, blocks, block_size, heads, head_dim]
+        layer = layer.view(torch.uint8) if layer.element_size() == 1 else layer
+        rows = layer.index_select(1, group.src).view(2, group.src.numel(), -1)
+        group.dst[:, index].index_copy_(0, group.slots, rows.view(torch.uint8).transpose(0, 1))
 
     def _written(self, group: _Group) -> None:
         with self._lock:
@@ -367,13 +390,6 @@ class LayerPusher:
             self._pushed.update(group.hashes)
         self.stats.pushed_blocks += len(group.hashes)
 
-
-def _copy_layer(caches: tuple[torch.Tensor, torch.Tensor], index: int, group: _Group) -> None:
-    n = group.src.numel()
-    for j, cache in enumerate(caches):
-        source = cache.view(torch.uint8) if cache.element_size() == 1 else cache
-        rows = source.index_select(0, group.src).reshape(n, -1).view(torch.uint8)
-        group.dst[:, index, j].index_copy_(0, group.slots, rows)
 
 
 def request_of(sequence_id: str, requests: dict[str, str]) -> str | None:

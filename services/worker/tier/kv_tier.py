@@ -15,19 +15,20 @@ the request's next admission finds them as ordinary prefix hits. A store that is
 costs recomputation.
 
 A prefill worker that pushes prompts' KV into decode workers' pools (tier/kv_push.py) gives
-the tier its `PushGate`: a request that names a decode worker waits at admission until its
-slots there are reserved, and each step is queued after the pushes of the step before.
+the tier its `PushGate`: a request that names a decode worker asks for its slots there as
+it is added, waits at admission until they are reserved (they are by then, mostly), and
+each step is queued after the pushes of the step before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from meshserve.services.worker.engine.hooks import StepHook
+from meshserve.services.worker.engine.hooks import NewRequest, StepHook
 from meshserve.services.worker.engine.kv_cache_manager import KVCacheManager
 from meshserve.services.worker.engine.kv_copy import KVCaches, gather_blocks
 from meshserve.services.worker.engine.sequence import SequenceState
@@ -102,6 +103,10 @@ TransferDone = ProbeDone | LoadDone
 
 class PushGate(Protocol):
     """A prefill worker's pushes, as the tier sees them (tier/kv_push.py's LayerPusher)."""
+
+    def ask(self, request_id: str, hashes: list[BlockHash]) -> None:
+        """Start the request's push reservation, when it names a decode worker."""
+        ...
 
     def pending(self, request_id: str, hashes: list[BlockHash],
                 local_blocks: Callable[[], list[int]]) -> bool:
@@ -183,6 +188,15 @@ class KVTier(StepHook):
     def busy(self) -> bool:
         """Whether a probe or a load is under way."""
         return bool(self._probing or self._loading)
+
+    def admit(self, sequences: Sequence[SequenceState], request: NewRequest) -> None:
+        """Ask for a pushed request's slots now, not when it reaches the queue's head."""
+        if self.push is None or not sequences:
+            return
+        first = sequences[0]  # its siblings share the prompt
+        self.kv.update_hashes(first)
+        self.push.ask(first.request_id,
+                      first.block_hashes[:first.num_tokens // self.kv.block_size])
 
     # ----- admission (the local scheduler asks) ---------------------------------------
     def holds_back(self, request: SequenceState, num_local_blocks: int) -> bool:

@@ -75,7 +75,6 @@ from meshserve.services.worker.tier.kv_tier import (
 from meshserve.services.worker.tier.slot_pool import MappedPool, SlotPool, map_pool
 from meshserve.services.worker.tier.tcp_blocks import (
     BlockHolder,
-    SlotLease,
     commit,
     lease,
     pool_handle,
@@ -494,6 +493,8 @@ class TcpTransfer:
                         job: LoadJob) -> bool:
         """Lease the blocks' slots and gather them from the mapped pool into the cache."""
         n = len(job.block_ids)
+        if address == self.own_address and self.received is not None:
+            return self._copy_received(keys, job)
         slots = lease(address, keys, self.timeout_s)
         if slots is None:
             self._unmap(address)
@@ -505,14 +506,30 @@ class TcpTransfer:
                 if remapped is None or remapped.token != slots.token:
                     return False
                 mapped = remapped
-            self._gather(mapped, slots, job)
+            self._gather(mapped, slots.slots, job)
         finally:
             slots.close()
         self.stats.mapped_blocks += n
         return True
 
-    def _gather(self, mapped: MappedPool, slots: SlotLease, job: LoadJob) -> None:
-        index = torch.tensor(slots.slots, dtype=torch.long).to(self.device)
+    def _copy_received(self, keys: list[bytes], job: LoadJob) -> bool:
+        """Blocks pushed into this worker's own pool: taken from its holder (no lease
+        over the socket), gathered into the cache, their slots freed."""
+        assert self.received is not None and self.pool is not None
+        blocks = self.received.take(keys)
+        if blocks is None:
+            return False  # expired meanwhile: recomputed
+        try:
+            own = self._maps[self.own_address]
+            assert own is not None
+            self._gather(own, [self.pool.index(block) for block in blocks], job)
+        finally:
+            self.received.give_back(blocks)
+        self.stats.mapped_blocks += len(blocks)
+        return True
+
+    def _gather(self, mapped: MappedPool, slots: list[int], job: LoadJob) -> None:
+        index = torch.tensor(slots, dtype=torch.long).to(self.device)
         dtype = self.kv_caches[0][0].dtype
         with self._on_stream():
             if self._stream is not None and job.after is not None:
