@@ -128,7 +128,10 @@ def hand_off(prefill: Side, decode: Side, rid: str, tokens_in: list[int]) -> str
     return prefill.transfer.commit(rid) or prefill.address
 
 
-def test_pushed_blocks_decode_as_the_prefill_engine_continues(folder: Path) -> None:
+@pytest.mark.parametrize("layers,per_push", [(2, 1), (4, 2)], ids=["each-layer", "runs-of-2"])
+def test_pushed_blocks_decode_as_the_prefill_engine_continues(
+        tmp_path: Path, layers: int, per_push: int) -> None:
+    folder = build_tiny_model(tmp_path / "tiny", "llama", seed=9, num_hidden_layers=layers)
     decode = make_side(folder, "decode")
     snapshots: list[tuple[int, torch.Tensor]] = []
 
@@ -139,14 +142,17 @@ def test_pushed_blocks_decode_as_the_prefill_engine_continues(folder: Path) -> N
         return watched
 
     prefill = make_side(folder, "prefill", watch=watch)
+    assert prefill.transfer.pusher is not None
+    prefill.transfer.pusher.layers_per_push = per_push
     try:
-        check_push(prefill, decode, snapshots)
+        check_push(prefill, decode, snapshots, per_push)
     finally:
         close(prefill)
         close(decode)
 
 
-def check_push(prefill: Side, decode: Side, snapshots: list[tuple[int, torch.Tensor]]) -> None:
+def check_push(prefill: Side, decode: Side, snapshots: list[tuple[int, torch.Tensor]],
+               per_push: int) -> None:
     pusher = prefill.transfer.pusher
     assert pusher is not None
     layers = len(prefill.engine.runner.kv_caches)
@@ -168,8 +174,8 @@ def check_push(prefill: Side, decode: Side, snapshots: list[tuple[int, torch.Ten
     assert decode.pool.free_slots == decode.pool.slots, "the loaded slots came back"
 
     # Layer by layer: in the prefill step (the first forward since the pusher was attached),
-    # right after layer i the pushed slots hold their final bytes in layers <= i and the
-    # later layers are still untouched.
+    # right after the last layer of each run of `per_push` layers the pushed slots hold
+    # their final bytes up to it, and the later layers are still untouched.
     step = snapshots[:layers]
     assert [i for i, _ in step] == list(range(layers))
     final = step[-1][1].view(decode.pool.slots, layers, 2, -1)
@@ -177,8 +183,9 @@ def check_push(prefill: Side, decode: Side, snapshots: list[tuple[int, torch.Ten
     assert len(touched) == PROMPT_BLOCKS
     for index, snap in step:
         rows = snap.view(final.shape)[touched]
-        assert torch.equal(rows[:, :index + 1], final[touched][:, :index + 1])
-        assert not rows[:, index + 1:].any(), f"layer {index + 1} was there before it ran"
+        done = (index + 1) // per_push * per_push  # the layers of the runs finished
+        assert torch.equal(rows[:, :done], final[touched][:, :done])
+        assert not rows[:, done:].any(), f"layer {done} was there before its run ended"
 
 
 def test_blocks_cached_before_the_request_are_pushed_when_granted(

@@ -9,10 +9,10 @@ to the prefill worker with the request (GenerateRequest.kv_target). Then:
    KV tier's `holds_back`) keeps the request waiting meanwhile, as a store probe does. The
    blocks this worker already had cached are copied into their slots once granted.
 2. In each step that completes some of its blocks, the model runner calls `layer_written(i)`
-   as soon as layer i's kernels are queued. Layer i's K and V rows of those blocks are then
-   copied into the slots on a stream of their own, after an event on the compute stream: the
-   copy runs while layers i + 1 ... compute, GPU to GPU over NVLink (on a CPU, at once, into
-   shared memory). The next step's kernels wait for these copies (`fence`), since the
+   as soon as layer i's kernels are queued. Every few layers (`PUSHES_PER_STEP` runs a step)
+   the run's K and V rows of those blocks are copied into the slots on a stream of their
+   own, after an event on the compute stream: the copy runs while the later layers compute,
+   GPU to GPU over NVLink (on a CPU, at once, into shared memory). The next step's kernels wait for these copies (`fence`), since the
    blocks may be reused once the request ends.
 3. Sending COMMITs the written blocks (a request that ends unsent RELEASEs its slots, once
    the copies queued into them are done): the decode worker's listener moves them into its
@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from meshserve.services.worker.engine.model_runner import ModelRunner
     from meshserve.services.worker.tier.kv_tier import KVTier
 
+# A step's pushes are queued in this many runs of layers, each as soon as its last layer's
+# kernels are: a run's copies overlap the later layers' compute. One per layer cost the
+# engine thread about 0.3 ms each (Llama-3.1-8B, 32 layers: 10 ms a step, its steps 6%
+# longer on the GPU sweep, loadtest/reports/disagg/README.md).
+PUSHES_PER_STEP = 4
 RESERVE_S = 120.0
 WRITE_S = 60.0
 # Longest wait for a decode worker's pool handle or reservation (one host, a few bytes): one
@@ -156,7 +161,8 @@ class _Group:
     hashes: list[BlockHash]
     src: torch.Tensor  # cache block ids, on the device
     slots: torch.Tensor  # the target pool's slots, on the device
-    dst: torch.Tensor  # the target pool as [slots, layers, 2, bytes per layer's K or V]
+    dst: torch.Tensor  # the target pool as [slots, layers, words of a layer's K and V]
+    next_layer: int = 0  # the first layer not yet pushed
 
 
 @dataclass
@@ -169,19 +175,21 @@ class PushStats:
 
 class LayerPusher:
     """Prefill side: the pushes of the requests that name a decode worker's listener (see
-    the module doc). `reserve(request_id, target, hashes)` queues a reservation on the
-    transfer thread, which answers with `granted`; `release(reservation)` queues giving back
-    the slots of a request that ended unsent (once the copies queued so far are done: none
-    are queued into them after it is called); `new_blocks` peeks at the blocks the step
-    being launched indexes (the block pool's)."""
+    the module doc). `reserve(request_id, target, hashes)` queues a reservation on a thread
+    that answers with `granted`; `release(reservation)` queues giving back the slots of a
+    request that ended unsent (once the copies queued so far are done: none are queued into
+    them after it is called); `new_blocks` peeks at the blocks the step being launched
+    indexes (the block pool's). A step's layers are pushed in runs of `layers_per_push`
+    (0: `PUSHES_PER_STEP` runs)."""
 
     def __init__(self, kv_caches: KVCaches,
                  reserve: Callable[[str, str, list[BlockHash]], None],
                  release: Callable[[PushReservation], None], *,
-                 write_s: float = WRITE_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 layers_per_push: int = 0, write_s: float = WRITE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
         self.num_layers = len(kv_caches)
+        self.layers_per_push = layers_per_push or -(-self.num_layers // PUSHES_PER_STEP)
         # [layers, 2, blocks, ...]: a layer's K and V rows move in one gather and one copy.
         storage = shared_storage(kv_caches)
         assert storage is not None, "the model runner's caches are views of one tensor"
@@ -310,10 +318,11 @@ class LayerPusher:
         pushed blocks."""
         if index == 0:
             self._plan_step()
-        if not self._plan:
+        last = index == self.num_layers - 1
+        if not self._plan or ((index + 1) % self.layers_per_push and not last):
             return
-        self._copy_layers(self._plan, [index])
-        if index == self.num_layers - 1:
+        self._copy_layers(self._plan, index + 1)
+        if last:
             for group in self._plan:
                 self._written(group)
             with self._lock:
@@ -342,7 +351,9 @@ class LayerPusher:
     def _group(self, reservation: PushReservation, hashes: list[BlockHash],
                ids: list[int]) -> _Group:
         data = reservation.mapped.data
-        dst = data.view(data.shape[0], self.num_layers, 2, -1)
+        # 8-byte words: a copy of single bytes into another GPU's memory is one link
+        # transaction per byte (a slot is a whole number of words, and starts on one).
+        dst = data.view(torch.int64).view(data.shape[0], self.num_layers, -1)
         src = block_index(ids, self.device)
         slots = block_index([reservation.slots[h] for h in hashes], self.device)
         if self.stream is not None:  # made on the compute stream, read on ours
@@ -357,32 +368,34 @@ class LayerPusher:
         if not keep:
             return
         group = self._group(reservation, [h for h, _ in keep], [i for _, i in keep])
-        self._copy_layers([group], range(self.num_layers))
+        self._copy_layers([group], self.num_layers)
         self._written(group)
 
-    def _copy_layers(self, groups: list[_Group], layers: Sequence[int]) -> None:
-        """Copy `layers` of each group's blocks into their slots: on the push stream after
+    def _copy_layers(self, groups: list[_Group], end: int) -> None:
+        """Copy each group's layers up to `end` into their slots: on the push stream after
         the compute stream's work queued so far (on a CPU, now)."""
         if self.stream is None:
-            for index in layers:
-                for group in groups:
-                    self._copy_layer(index, group)
+            for group in groups:
+                self._copy_run(group, end)
             return
         event = torch.cuda.Event()
         event.record()
         self.stream.wait_event(event)
         with torch.cuda.stream(self.stream):
-            for index in layers:
-                for group in groups:
-                    self._copy_layer(index, group)
+            for group in groups:
+                self._copy_run(group, end)
         self._outstanding = True
 
-    def _copy_layer(self, index: int, group: _Group) -> None:
-        """Layer `index`'s K and V rows of the group's blocks into their slots."""
-        layer = self.storage[index]  # [2, blocks, block_size, heads, head_dim]
-        layer = layer.view(torch.uint8) if layer.element_size() == 1 else layer
-        rows = layer.index_select(1, group.src).view(2, group.src.numel(), -1)
-        group.dst[:, index].index_copy_(0, group.slots, rows.view(torch.uint8).transpose(0, 1))
+    def _copy_run(self, group: _Group, end: int) -> None:
+        """Layers [group.next_layer, end) of the group's blocks: one gather, one copy."""
+        start, n = group.next_layer, group.src.numel()
+        layers = self.storage[start:end]  # [layers, 2, blocks, block_size, heads, head_dim]
+        layers = layers.view(torch.uint8) if layers.element_size() == 1 else layers
+        rows = layers.index_select(2, group.src).view(end - start, 2, n, -1)
+        # [n, layers, K then V]: each slot's run of layers is one run of words there.
+        rows = rows.permute(2, 0, 1, 3).contiguous().view(n, -1)
+        group.dst[:, start:end].flatten(1).index_copy_(0, group.slots, rows.view(torch.int64))
+        group.next_layer = end
 
     def _written(self, group: _Group) -> None:
         with self._lock:

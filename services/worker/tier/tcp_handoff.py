@@ -41,7 +41,9 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 import torch
@@ -106,18 +108,6 @@ class _SourcedProbe:
     source: str
 
 
-@dataclass(frozen=True)
-class _ReserveJob:
-    request_id: str
-    target: str
-    hashes: list[BlockHash]
-
-
-@dataclass(frozen=True)
-class _ReleaseJob:
-    reservation: PushReservation
-
-
 @dataclass
 class PullStats:
     """Counters since start (the decode worker's metrics)."""
@@ -172,6 +162,11 @@ class TcpTransfer:
         """A decode worker's blocks pushed into its pool (its listener's holder)."""
         self.pusher = (LayerPusher(kv_caches, self._queue_reserve, self._queue_release)
                        if push else None)
+        # Reservations and releases have a thread of their own: behind the saves queued for
+        # this thread, each waiting for its step on the device, a reservation held up the
+        # request's admission by a step or more.
+        self._push_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-push")
+        self._maps_lock = threading.RLock()
 
     # ----- the decode side's requests -------------------------------------------------
     def expect(self, request_id: str, source: str) -> None:
@@ -250,37 +245,43 @@ class TcpTransfer:
 
     # ----- the prefill side's pushes ----------------------------------------------------
     def _queue_reserve(self, request_id: str, target: str, hashes: list[BlockHash]) -> None:
-        self._queue(_ReserveJob(request_id, target, hashes))
+        self._push_thread.submit(self._logged, self._reserve, request_id, target, hashes)
 
     def _queue_release(self, reservation: PushReservation) -> None:
-        self._queue(_ReleaseJob(reservation))
+        self._push_thread.submit(self._logged, self._release, reservation)
 
-    def _release(self, job: _ReleaseJob) -> None:
+    def _logged(self, job: Callable[..., None], *args: object) -> None:
+        make_current(self.device)
+        try:
+            job(*args)
+        except Exception:  # a bug here must not stop later pushes: the prompt is held
+            log.exception("KV push job failed")
+
+    def _release(self, reservation: PushReservation) -> None:
         """Give back a reservation's slots once the copies queued into them are done."""
         assert self.pusher is not None, "only a pushing worker releases"
         if self.pusher.stream is not None:
             self.pusher.stream.synchronize()
-        reservation = job.reservation
         commit(reservation.target, push_keys(list(reservation.slots), reservation.rid),
                self.timeout_s, written=False)
 
-    def _reserve(self, job: _ReserveJob) -> None:
-        """Map the target's pool and reserve its slots for the job's blocks."""
+    def _reserve(self, request_id: str, target: str, hashes: list[BlockHash]) -> None:
+        """Map the target's pool and reserve its slots for the request's blocks."""
         assert self.pusher is not None, "only a pushing worker reserves"
         granted: PushReservation | None = None
         try:
-            mapped = self._mapped(job.target, RESERVE_TIMEOUT_S)
+            mapped = self._mapped(target, RESERVE_TIMEOUT_S)
             if mapped is not None and mapped.data.shape[1] == self.block_bytes:
                 rid = secrets.token_bytes(8)
-                answer = reserve(job.target, push_keys(job.hashes, rid), RESERVE_TIMEOUT_S)
+                answer = reserve(target, push_keys(hashes, rid), RESERVE_TIMEOUT_S)
                 if answer is not None and answer[0] != mapped.token:
-                    self._unmap(job.target)  # it restarted: its slots there expire
+                    self._unmap(target)  # it restarted: its slots there expire
                 elif answer is not None:
-                    granted = PushReservation(job.target, rid, mapped,
-                                          dict(zip(job.hashes, answer[1], strict=True)),
-                                          time.monotonic())
+                    granted = PushReservation(target, rid, mapped,
+                                              dict(zip(hashes, answer[1], strict=True)),
+                                              time.monotonic())
         finally:
-            self.pusher.granted(job.request_id, granted)
+            self.pusher.granted(request_id, granted)
 
     def commit(self, request_id: str) -> str:
         """After a request's steps: tell its decode worker which blocks were pushed; the
@@ -297,10 +298,12 @@ class TcpTransfer:
         return push_source(reservation.target, reservation.rid)
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every job queued so far is done (the held blocks are held)."""
+        """Wait until every job queued so far is done (the held blocks are held, the
+        reservations asked for answered)."""
         done = threading.Event()
         self._queue(done.set)
-        return done.wait(timeout_s)
+        asked = self._push_thread.submit(lambda: None)
+        return done.wait(timeout_s) and not futures_wait([asked], timeout_s).not_done
 
     # ----- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -310,6 +313,7 @@ class TcpTransfer:
         self._queue(_STOP)
         self._thread.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._push_thread.shutdown(wait=True, cancel_futures=True)
         for mapped in self._maps.values():
             if mapped is not None:
                 mapped.close()
@@ -352,10 +356,6 @@ class TcpTransfer:
                 self._hold(job)
             elif isinstance(job, _SourcedProbe):
                 self._probe(job)
-            elif isinstance(job, _ReserveJob):
-                self._reserve(job)
-            elif isinstance(job, _ReleaseJob):
-                self._release(job)
             elif isinstance(job, LoadJob):
                 self._load(job)
             else:
@@ -469,12 +469,13 @@ class TcpTransfer:
     def _mapped(self, source: str, timeout_s: float | None = None) -> MappedPool | None:
         """The source's pool mapped here (once per source); None: pull over TCP. This
         worker's own listener's is its own pool."""
-        if source not in self._maps and source == self.own_address and self.pool is not None:
-            self._maps[source] = MappedPool(self.pool.token, self.pool.data)
-        if source not in self._maps:
-            handle = pool_handle(source, timeout_s or self.timeout_s)
-            self._maps[source] = map_pool(handle, self.device) if handle else None
-        return self._maps[source]
+        with self._maps_lock:
+            if source not in self._maps and source == self.own_address and self.pool:
+                self._maps[source] = MappedPool(self.pool.token, self.pool.data)
+            if source not in self._maps:
+                handle = pool_handle(source, timeout_s or self.timeout_s)
+                self._maps[source] = map_pool(handle, self.device) if handle else None
+            return self._maps[source]
 
     @property
     def mapped_sources(self) -> list[str]:
@@ -485,7 +486,8 @@ class TcpTransfer:
         """Let go of a source's pool after a miss (mapped again when next asked): a mapping
         of a source that died or restarted would only hold memory that is no longer
         served."""
-        mapped = self._maps.pop(source, None)
+        with self._maps_lock:
+            mapped = self._maps.pop(source, None)
         if mapped is not None:
             mapped.close()
 
@@ -536,7 +538,8 @@ class TcpTransfer:
                 self._stream.wait_event(job.after)
             for start in range(0, len(job.block_ids), _LEASE_CHUNK):
                 end = min(start + _LEASE_CHUNK, len(job.block_ids))
-                rows = mapped.data.index_select(0, index[start:end])  # read over the link
+                # Read over the link in 8-byte words (a byte at a time is far slower).
+                rows = mapped.data.view(torch.int64).index_select(0, index[start:end])
                 scatter_blocks(self.kv_caches, job.block_ids[start:end],
                                rows.view(dtype).view(end - start, *self.block_shape))
         if self._stream is not None:
