@@ -49,6 +49,7 @@ from meshserve.services.worker.spec.decoder import SpecDecoder
 from meshserve.services.worker.tier.handoff import (
     KvHandoff,
     StoreHandoff,
+    TcpHandoff,
     register_handoff_metrics,
     register_tcp_metrics,
 )
@@ -56,7 +57,7 @@ from meshserve.services.worker.tier.kv_tier import KVTier
 from meshserve.services.worker.tier.slot_pool import SlotPool
 from meshserve.services.worker.tier.store_client import KVStoreClient
 from meshserve.services.worker.tier.tcp_blocks import BlockHolder, BlockServer
-from meshserve.services.worker.tier.tcp_handoff import TcpHandoff, TcpTransfer
+from meshserve.services.worker.tier.tcp_handoff import TcpTransfer
 from meshserve.services.worker.tier.transfer import KVTransfer
 from meshserve.shared.errors import UnavailableError
 from meshserve.shared.generation_config import sampling_defaults

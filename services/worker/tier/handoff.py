@@ -10,10 +10,11 @@ step that computes it (tier/kv_tier.py), so sending is waiting until those write
 the decode worker loads them by block hash as prefix-cache hits from the store at admission
 (its partial last block and the first tokens are recomputed: a few tokens). A handoff that
 is not in the store in time costs the decode worker a recomputation, nothing else.
-`TcpHandoff` (tier/tcp_handoff.py) is the second: the prefill worker holds the blocks and
-names where (`source`), the decode worker pulls them over parallel TCP streams, or, with the
-blocks in a pool it can map on the same host (--kv-handoff ipc, tier/slot_pool.py), copies
-them GPU to GPU.
+`TcpHandoff` (over tier/tcp_handoff.py's transfer) is the second: the prefill worker holds
+the blocks and names where (`source`), the decode worker pulls them over parallel TCP
+streams, or, with the blocks in a pool it can map on the same host (--kv-handoff ipc,
+tier/slot_pool.py), copies them GPU to GPU; or the prefill worker pushes them into the
+decode worker's own pool as it computes them (tier/kv_push.py).
 
 The decode worker first checks it has room (`has_room`): a handed-off request whose prompt
 blocks would leave less than the watermark free is refused before anything runs, and the
@@ -195,6 +196,44 @@ class RoomReservations:
     def __len__(self) -> int:
         """Requests holding a reservation."""
         return len(self._held)
+
+
+class TcpHandoff(StoreHandoff):
+    """`KvHandoff` over a `TcpTransfer`: `source` is the prefill worker's listener. Sending
+    waits for the transfer thread to hold the blocks (as the store's writes are waited for);
+    the decode side tells the transfer where each request's blocks are."""
+
+    def __init__(self, transfer: TcpTransfer, block_size: int, source: str = "", *,
+                 timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+                 watermark: float = DEFAULT_WATERMARK) -> None:
+        super().__init__(transfer.flush, block_size, timeout_s=timeout_s, watermark=watermark)
+        self.transfer = transfer
+        self.source = source
+        self._sent: dict[str, str] = {}  # request id -> where its pushed blocks wait
+
+    async def send(self, num_blocks: int, request_id: str = "") -> bool:
+        """Wait for the held blocks, then commit the pushed ones (their own source)."""
+        done = await super().send(num_blocks, request_id)
+        if self.transfer.pusher is not None and request_id:
+            pushed = await asyncio.to_thread(self.transfer.commit, request_id)
+            if pushed:
+                self._sent[request_id] = pushed
+        return done
+
+    def source_of(self, request_id: str) -> str:
+        return self._sent.pop(request_id, self.source)
+
+    def target(self, request_id: str, address: str) -> None:
+        if self.transfer.pusher is not None and address:
+            self.transfer.pusher.target(request_id, address)
+
+    def expect(self, request_id: str, source: str) -> None:
+        self.transfer.expect(request_id, source)
+
+    def forget(self, request_id: str) -> None:
+        self.transfer.forget(request_id)
+        if self.transfer.pusher is not None:
+            self.transfer.pusher.forget(request_id)
 
 
 def register_handoff_metrics(registry: CollectorRegistry, handoff: KvHandoff) -> None:

@@ -268,6 +268,12 @@ class LayerPusher:
             for block_hash in reservation.slots:
                 self._by_hash[block_hash] = reservation
 
+    @property
+    def asking(self) -> bool:
+        """Whether a reservation is under way."""
+        with self._lock:
+            return _ASKING in self._state.values()
+
     def ask(self, request_id: str, hashes: Sequence[BlockHash]) -> None:
         """Start the reservation of a request that names a decode worker (once)."""
         self._ask(request_id, hashes)

@@ -108,6 +108,11 @@ class PushGate(Protocol):
         """Start the request's push reservation, when it names a decode worker."""
         ...
 
+    @property
+    def asking(self) -> bool:
+        """Whether a reservation is under way."""
+        ...
+
     def pending(self, request_id: str, hashes: list[BlockHash],
                 local_blocks: Callable[[], list[int]]) -> bool:
         """Whether the request waits for its push reservation."""
@@ -186,8 +191,11 @@ class KVTier(StepHook):
 
     @property
     def busy(self) -> bool:
-        """Whether a probe or a load is under way."""
-        return bool(self._probing or self._loading)
+        """Whether a probe, a load or a push reservation is under way (an engine with
+        nothing else to run then waits for it rather than spinning: a spinning engine
+        thread kept the reservation's own thread from the GIL, up to 5 ms at a time)."""
+        return bool(self._probing or self._loading) or (self.push is not None
+                                                         and self.push.asking)
 
     def admit(self, sequences: Sequence[SequenceState], request: NewRequest) -> None:
         """Ask for a pushed request's slots now, not when it reaches the queue's head."""

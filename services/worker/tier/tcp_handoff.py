@@ -27,13 +27,12 @@ computed (`LayerPusher`, tier/kv_push.py), and the decode worker's probe and loa
 them at its own listener, copied from its own pool.
 
 Every other probe and load goes to the kvstore's transfer (or finds nothing without one).
-`TcpHandoff` is the `KvHandoff` over it: sending waits until the thread holds the
-request's blocks, and names the listener's address as their source.
+`TcpHandoff` (tier/handoff.py) is the `KvHandoff` over it: sending waits until the thread
+holds the request's blocks, and names the listener's address as their source.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import logging
@@ -50,11 +49,6 @@ import torch
 
 from meshserve.services.worker.engine.device import make_current
 from meshserve.services.worker.engine.kv_copy import KVCaches, block_shape, scatter_blocks
-from meshserve.services.worker.tier.handoff import (
-    DEFAULT_SEND_TIMEOUT_S,
-    DEFAULT_WATERMARK,
-    StoreHandoff,
-)
 from meshserve.services.worker.tier.kv_push import (
     RESERVE_TIMEOUT_S,
     LayerPusher,
@@ -236,7 +230,8 @@ class TcpTransfer:
         return done
 
     def wait(self, timeout_s: float) -> None:
-        if self._inner is not None and not self._jobs:
+        asking = self.pusher is not None and self.pusher.asking
+        if self._inner is not None and not self._jobs and not asking:
             self._inner.wait(timeout_s)
             return
         with self._cond:
@@ -282,6 +277,8 @@ class TcpTransfer:
                                               time.monotonic())
         finally:
             self.pusher.granted(request_id, granted)
+            with self._cond:  # an engine waiting for it (`wait`) goes on at once
+                self._cond.notify_all()
 
     def commit(self, request_id: str) -> str:
         """After a request's steps: tell its decode worker which blocks were pushed; the
@@ -555,41 +552,3 @@ class TcpTransfer:
         with self._cond:
             self._done.append(done)
             self._cond.notify_all()
-
-
-class TcpHandoff(StoreHandoff):
-    """`KvHandoff` over a `TcpTransfer`: `source` is the prefill worker's listener. Sending
-    waits for the transfer thread to hold the blocks (as the store's writes are waited for);
-    the decode side tells the transfer where each request's blocks are."""
-
-    def __init__(self, transfer: TcpTransfer, block_size: int, source: str = "", *,
-                 timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
-                 watermark: float = DEFAULT_WATERMARK) -> None:
-        super().__init__(transfer.flush, block_size, timeout_s=timeout_s, watermark=watermark)
-        self.transfer = transfer
-        self.source = source
-        self._sent: dict[str, str] = {}  # request id -> where its pushed blocks wait
-
-    async def send(self, num_blocks: int, request_id: str = "") -> bool:
-        """Wait for the held blocks, then commit the pushed ones (their own source)."""
-        done = await super().send(num_blocks, request_id)
-        if self.transfer.pusher is not None and request_id:
-            pushed = await asyncio.to_thread(self.transfer.commit, request_id)
-            if pushed:
-                self._sent[request_id] = pushed
-        return done
-
-    def source_of(self, request_id: str) -> str:
-        return self._sent.pop(request_id, self.source)
-
-    def target(self, request_id: str, address: str) -> None:
-        if self.transfer.pusher is not None and address:
-            self.transfer.pusher.target(request_id, address)
-
-    def expect(self, request_id: str, source: str) -> None:
-        self.transfer.expect(request_id, source)
-
-    def forget(self, request_id: str) -> None:
-        self.transfer.forget(request_id)
-        if self.transfer.pusher is not None:
-            self.transfer.pusher.forget(request_id)
