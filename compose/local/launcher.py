@@ -95,8 +95,9 @@ class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
               "ipc, the pool each prefill and decode worker takes from its GPU at start; "
               "unset: the worker's default)")
     kv_handoff_push: bool = option(
-        True, "with ipc: prefill workers push prompts' KV into the decode worker's pool "
-              "layer by layer as computed (off: decode workers copy it after the first token)")
+        False, "with ipc: prefill workers push prompts' KV into the decode worker's pool "
+               "layer by layer as computed (off: decode workers copy it after the first "
+               "token)")
     disagg_min_prompt_tokens: int | None = option(
         None, "prompts shorter than this skip the prefill workers (unset: the scheduler's "
               "default)")
@@ -356,8 +357,7 @@ class Stack:
                 *(["--kv-handoff", c.kv_handoff] if c.kv_handoff != "store" else []),
                 *(["--kv-handoff-hold-bytes", str(c.kv_handoff_hold_bytes)]
                   if c.kv_handoff_hold_bytes and role != "mixed" else []),
-                *(["--no-kv-handoff-push"] if not c.kv_handoff_push and role != "mixed"
-                  else []),
+                *(["--kv-handoff-push"] if c.kv_handoff_push and role != "mixed" else []),
                 *c.engine_flags(), *c.runner_flags(), *placement], grpc_serving(address))
         gateway = [*self._common(), "--host", c.host, "--port", str(self.gateway_port),
                    "--tokenizer-addresses", ",".join(self.tokenizer_addresses),

@@ -366,9 +366,10 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
                  "as needed; ipc: the pool taken from the device at start, on a decode "
                  "worker too (the prompts pushed to it and not yet loaded)")
     kv_handoff_push: bool = option(
-        True, "--kv-handoff ipc: a decode worker takes prompts' KV pushed into its pool by "
-              "the prefill worker layer by layer as computed (off: it takes no pool and "
-              "copies the KV from the prefill worker's after the first token)")
+        False, "--kv-handoff ipc: a decode worker takes prompts' KV pushed into its pool by "
+               "the prefill worker layer by layer as computed (off: it takes no pool and "
+               "copies the KV from the prefill worker's after the first token; off by "
+               "default: slower on the GPU sweep so far, loadtest/reports/disagg/README.md)")
     kv_handoff_watermark: float = option(
         0.01, "fraction of its KV cache a decode worker keeps free: a handed-off request "
               "whose prompt blocks would leave less is refused and placed elsewhere")

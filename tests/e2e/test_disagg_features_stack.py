@@ -1,10 +1,8 @@
 """Disaggregated serving keeps the other features working, end to end (issue 32; CPU, tiny model).
 
 One `meshserve up`-like stack of one prefill and one decode worker with `--kv-handoff ipc`
-and no kvstore: the prefill worker pushes each handed-off prompt's KV blocks into the decode
-worker's own pool layer by layer as it computes them (POSIX shared memory on a CPU), and the
-decode worker copies them from there; when the decode worker reserves no room in time (it
-is stopped), the prefill worker holds them in its own pool instead. Through the
+and no kvstore: the prefill worker holds each handed-off prompt's KV blocks in its slot pool
+(POSIX shared memory on a CPU), which the decode worker maps and copies from. Through the
 real `openai` client, with a mixed worker's answers (a reference stack, run first and
 stopped) where answers must match:
 
@@ -20,8 +18,9 @@ stopped) where answers must match:
   the next request is served;
 - one trace holds the prefill worker's and the decode worker's spans (OTLP);
 - the workers' vllm:* counters split the tokens between them;
-- an FP8 KV cache is handed off as it is: the greedy tokens of the in-process engine with
-  the same cache (a stack of its own, the cache's dtype being the whole stack's).
+- an FP8 KV cache is handed off as it is, pushed into the decode worker's pool layer by
+  layer (--kv-handoff-push): the greedy tokens of the in-process engine with the same
+  cache (a stack of its own, the cache's dtype being the whole stack's).
 
 Logprobs agree to float32 rounding (1e-4), as in test_disagg_stack.py, for the same reasons.
 """
@@ -189,13 +188,10 @@ def test_a_repeated_prompt_hits_both_caches_and_maps_no_block_twice(
     hits = {w: summed(stack, w, "vllm:prefix_cache_hits_total") for w in stack.worker_ids}
     mapped, received = worker_metric(stack, "decode-0", MAPPED), \
         handoff_blocks(stack, "decode-0", "received")
-    pushed = worker_metric(stack, "prefill-0", PUSHED)
     first = complete(stack, PREFIX_PROMPT)
     assert_same(first, reference["prefix"], "first run")
     assert first["cached"] == 0
-    # A handoff over ipc pushes every block into the decode worker's pool as computed, and
-    # the decode worker copies every block it receives from there.
-    assert worker_metric(stack, "prefill-0", PUSHED) == pushed + full
+    # A handoff over ipc maps every block it receives from the prefill worker's pool.
     assert worker_metric(stack, "decode-0", MAPPED) == mapped + full
     assert handoff_blocks(stack, "decode-0", "received") == received + full
     assert summed(stack, "prefill-0", "vllm:prefix_cache_hits_total") == hits["prefill-0"]
@@ -429,10 +425,12 @@ def test_an_fp8_kv_cache_is_handed_off_as_on_a_mixed_fp8_worker(
     for fp8 in launch(model_dir, adapter_dir, tmp_path_factory.mktemp("disagg-fp8"),
                       workers=0, prefill_workers=1, decode_workers=1, kv_handoff="ipc",
                       kv_handoff_hold_bytes=POOL_BYTES, disagg_min_prompt_tokens=MIN_PROMPT_TOKENS,
-                      kv_cache_dtype="fp8",
+                      kv_cache_dtype="fp8", kv_handoff_push=True,
                       enable_lora=False, lora_modules=None):
         assert token_ids(fp8, tokens) == (want, 0)
-        assert worker_metric(fp8, "decode-0", MAPPED) == full  # the FP8 blocks, as they are
+        # The FP8 blocks, as they are: pushed into the decode worker's pool, copied from it.
+        assert worker_metric(fp8, "prefill-0", PUSHED) == full
+        assert worker_metric(fp8, "decode-0", MAPPED) == full
         assert token_ids(fp8, tokens) == (want, full * BLOCK)
         assert worker_metric(fp8, "decode-0", MAPPED) == full
         assert handoff_blocks(fp8, "prefill-0", "sent") == 2 * full

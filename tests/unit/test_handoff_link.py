@@ -3,7 +3,7 @@ worker's KV tier may queue as many bytes of saves as it may hold for the handoff
 step completing a long prompt (an 8k-token prompt of the Llama-3.1-8B shape is 1 GiB of
 blocks) is not dropped whole for passing the kvstore's backlog bound; other roles keep the
 kvstore's bound. With ipc, a prefill worker takes a pool for the blocks it holds and a decode
-worker one for the blocks pushed to it (unless pushes are off); a mixed worker takes none.
+worker one for the blocks pushed to it (with --kv-handoff-push); a mixed worker takes none.
 `meshserve up` gives both roles the pool size and the push switch."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from meshserve.services.worker.config import WorkerConfig
 GiB = 1 << 30
 
 
-def link(role: str, handoff: str = "tcp", hold: int = 8 * GiB) -> TcpHandoffLink:
+def link(role: str, handoff: str = "tcp", hold: int = 8 * GiB, *extra: str) -> TcpHandoffLink:
     config = WorkerConfig.from_args(["--role", role, "--kv-handoff", handoff, "--device", "cpu",
                                      "--kv-handoff-hold-bytes", str(hold),
-                                     "--kv-offload-backlog-bytes", str(GiB)])
+                                     "--kv-offload-backlog-bytes", str(GiB), *extra])
     return TcpHandoffLink(config, None)
 
 
@@ -34,7 +34,7 @@ def test_a_decode_worker_keeps_the_kvstore_bound() -> None:
 
 
 def test_an_ipc_decode_worker_takes_a_pool_for_pushed_blocks() -> None:
-    decode = link("decode", "ipc", hold=64 << 20)
+    decode = link("decode", "ipc", 64 << 20, "--kv-handoff-push")
     assert decode.pool is not None and decode.pool.device.type == "cpu"
     assert decode.plan().max_save_backlog_bytes == GiB
     decode.pool.close()
@@ -48,9 +48,8 @@ def test_an_ipc_prefill_worker_takes_its_pool_at_start() -> None:
 
 def test_a_decode_worker_without_pushes_takes_no_pool() -> None:
     config = WorkerConfig.from_args(["--role", "decode", "--kv-handoff", "ipc", "--device",
-                                     "cpu", "--kv-handoff-hold-bytes", str(64 << 20),
-                                     "--no-kv-handoff-push"])
-    assert not config.kv_handoff_push
+                                     "cpu", "--kv-handoff-hold-bytes", str(64 << 20)])
+    assert not config.kv_handoff_push, "pushes are off unless asked for"
     assert TcpHandoffLink(config, None).pool is None
 
 
@@ -67,9 +66,9 @@ def workers(tmp_path: Path, **values: object) -> dict[str, WorkerConfig]:
 
 def test_meshserve_up_gives_both_roles_the_pool_size_and_the_push_switch(
         tmp_path: Path) -> None:
-    planned = workers(tmp_path, kv_handoff_hold_bytes=64 << 20)
+    planned = workers(tmp_path, kv_handoff_hold_bytes=64 << 20, kv_handoff_push=True)
     assert {c.role: c.kv_handoff_hold_bytes for c in planned.values()} == {
         "prefill": 64 << 20, "decode": 64 << 20}
     assert all(c.kv_handoff_push for c in planned.values())
-    off = workers(tmp_path / "off", kv_handoff_push=False)
+    off = workers(tmp_path / "off")
     assert not any(c.kv_handoff_push for c in off.values())
