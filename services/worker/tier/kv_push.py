@@ -1,19 +1,20 @@
-"""The prompt's KV pushed into the decode worker's pool layer by layer (--kv-handoff ipc).
+"""The prompt's KV pushed into the decode worker's pool layer by layer (--kv-handoff-push).
 
-With `--kv-handoff ipc` a decode worker keeps a `SlotPool` of its own (tier/slot_pool.py),
-served by its block listener (WorkerInfo.kv_handoff_address); the router names that listener
-to the prefill worker with the request (GenerateRequest.kv_target). Then:
+With `--kv-handoff ipc --kv-handoff-push` a decode worker keeps a `SlotPool` of its own
+(tier/slot_pool.py), served by its block listener (WorkerInfo.kv_handoff_address); the
+router names that listener to the prefill worker with the request
+(GenerateRequest.kv_target). Then:
 
-1. Before the prefill worker admits the request, its transfer thread maps that pool and
-   RESERVEs a slot for each full prompt block; the scheduler's gate (`pending`, through the
-   KV tier's `holds_back`) keeps the request waiting meanwhile, as a store probe does. The
-   blocks this worker already had cached are copied into their slots once granted.
+1. As the prefill worker's engine takes the request, a thread of the transfer maps that pool
+   and RESERVEs a slot for each full prompt block; the scheduler's gate (`pending`, through
+   the KV tier's `holds_back`) keeps the request waiting until the answer, as a store probe
+   does. The blocks this worker already had cached are copied into their slots once granted.
 2. In each step that completes some of its blocks, the model runner calls `layer_written(i)`
    as soon as layer i's kernels are queued. Every few layers (`PUSHES_PER_STEP` runs a step)
    the run's K and V rows of those blocks are copied into the slots on a stream of their
    own, after an event on the compute stream: the copy runs while the later layers compute,
-   GPU to GPU over NVLink (on a CPU, at once, into shared memory). The next step's kernels wait for these copies (`fence`), since the
-   blocks may be reused once the request ends.
+   GPU to GPU over NVLink (on a CPU, at once, into shared memory). The next step's kernels
+   wait for these copies (`fence`), since the blocks may be reused once the request ends.
 3. Sending COMMITs the written blocks (a request that ends unsent RELEASEs its slots, once
    the copies queued into them are done): the decode worker's listener moves them into its
    holder, where its own probe finds them (RequestDone.kv_source names its listener and the
@@ -185,7 +186,8 @@ class LayerPusher:
     def __init__(self, kv_caches: KVCaches,
                  reserve: Callable[[str, str, list[BlockHash]], None],
                  release: Callable[[PushReservation], None], *,
-                 layers_per_push: int = 0, write_s: float = WRITE_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 layers_per_push: int = 0, write_s: float = WRITE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
         self.num_layers = len(kv_caches)
@@ -252,7 +254,8 @@ class LayerPusher:
         return block_hash in self._pushed
 
     def granted(self, request_id: str, reservation: PushReservation | None) -> None:
-        """The transfer thread's answer to `reserve` (None: no slots, or no pool)."""
+        """The answer to `reserve` (None: no slots, or no pool); a reservation of a request
+        forgotten meanwhile is given back."""
         with self._lock:
             forgotten = self._state.get(request_id) is not _ASKING
             if not forgotten:
@@ -320,8 +323,8 @@ class LayerPusher:
                 self._release(reservation)
 
     def layer_written(self, index: int) -> None:
-        """The step's kernels of layer `index` are queued: push its rows of the step's
-        pushed blocks."""
+        """The step's kernels of layer `index` are queued: when it ends a run of layers,
+        push that run's rows of the step's blocks bound for reservations."""
         if index == 0:
             self._plan_step()
         last = index == self.num_layers - 1
