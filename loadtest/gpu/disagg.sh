@@ -35,11 +35,13 @@
 # The short-prompt threshold (scheduler --disagg-min-prompt-tokens): the configs `via` (every
 # prompt through the prefill worker) and `whole` (prompts up to the longest of SHORT_LENS run
 # whole on the decode worker), both 1 prefill + 1 decode worker. Under a steady background of
-# BG_STREAMS long-prompt streams (their prompts always go through the prefill worker), one
+# BG_STREAMS long-prompt streams (their prompts always go through the prefill worker; the
+# short runs start BG_LEAD_S (10) seconds after them), one
 # `bench serve` per prompt length L of SHORT_LENS: SHORT_PROMPTS random L-token prompts with
-# SHORT_OUTPUT_LEN-token answers at SHORT_RATE req/s (CONFIG/short_L.json; the background's
-# own result in CONFIG/background.json). loadtest/disagg_threshold.py then compares TTFT and
-# ITL per length and names the measured threshold (summary_threshold.md).
+# SHORT_OUTPUT_LEN-token answers at SHORT_RATE req/s (CONFIG/short_L.json; the background,
+# stopped after the last of them, leaves only CONFIG/background.log).
+# loadtest/disagg_threshold.py then compares TTFT and ITL per length and names the measured
+# threshold (summary_threshold.md).
 #
 # A CPU dry run (a tiny model with its own tokenizer, tests/tiny_models.py):
 #     MODEL_DIR=/tmp/tiny MAX_MODEL_LEN=512 RATES="1 2" PROMPTS_PER_RATE=4 \
@@ -71,6 +73,7 @@ SHORT_PROMPTS=${SHORT_PROMPTS:-40}
 SHORT_RATE=${SHORT_RATE:-4}
 SHORT_OUTPUT_LEN=${SHORT_OUTPUT_LEN:-64}
 BG_STREAMS=${BG_STREAMS:-32}
+BG_LEAD_S=${BG_LEAD_S:-10}
 PORT=${PORT:-8125}
 PART_OUT=$OUT
 STEP_TAIL=3
@@ -165,11 +168,13 @@ serve() {
 # prompts per length of SHORT_LENS (the `via` and `whole` configs).
 short_runs() {
   local len limit background span
-  # The background outlasts the short runs (their arrivals and a drain each), then stops.
-  span=$(python3 -c "import math; print(len('$SHORT_LENS'.split()) * (math.ceil($SHORT_PROMPTS / $SHORT_RATE) + 10) + 20)")
+  # The background's limit outlasts its lead and the short runs (their arrivals and a drain
+  # each); it is stopped once they are done.
+  span=$(python3 -c "import math; print($BG_LEAD_S + len('$SHORT_LENS'.split()) * (math.ceil($SHORT_PROMPTS / $SHORT_RATE) + 10) + 20)")
   ( serve background "$span" $((SEED + 2000)) --num-prompts $((BG_STREAMS * 50)) \
       --max-concurrency "$BG_STREAMS" ) >/dev/null 2>&1 &
   background=$!
+  sleep "$BG_LEAD_S"  # its first burst of long prefills drained into a steady state
   for len in $SHORT_LENS; do
     limit=$(python3 -c "import math; print(math.ceil($SHORT_PROMPTS / $SHORT_RATE) + $RATE_SLACK_S)")
     gpu_step "short_$len" "$limit" python3 -m "$MESHSERVE_CLI" bench serve \
@@ -182,7 +187,8 @@ short_runs() {
       --output-json "$OUT/short_$len.json" --num-prompts "$SHORT_PROMPTS" \
       --request-rate "$SHORT_RATE"
   done
-  wait "$background" 2>/dev/null  # stopped by its time limit
+  pkill -TERM -P "$background" 2>/dev/null  # its `timeout`, which stops the bench
+  wait "$background" 2>/dev/null
 }
 
 # `sweep CONFIG`: CONFIG's stack up, warm-up, one run per rate, metrics, stack down.
