@@ -25,6 +25,7 @@ from meshserve.services.worker.builder import KVTierPlan, build_engine
 from meshserve.services.worker.config import EngineConfig
 from meshserve.services.worker.engine.engine import LLMEngine
 from meshserve.services.worker.engine.kv_copy import KVCaches
+from meshserve.services.worker.tier.kv_tier import SaveJob
 from meshserve.services.worker.tier.slot_pool import SlotPool
 from meshserve.services.worker.tier.tcp_blocks import BlockHolder, BlockServer
 from meshserve.services.worker.tier.tcp_handoff import TcpTransfer
@@ -244,3 +245,26 @@ def test_a_request_ended_unsent_gives_its_slots_back(sides: tuple[Side, Side]) -
     assert len(decode.server.pending) == 0
     assert decode.pool.free_slots == decode.pool.slots
     assert prefill.transfer.commit("p") == "", "nothing is left to send"
+
+
+def test_a_prefill_engines_saves_say_whose_blocks_they_hold(folder: Path) -> None:
+    """What sending waits for (tcp_handoff.py's `flush_request`): the saves of the request's
+    own blocks."""
+    prefill = make_side(folder, "prefill")
+    owners: list[frozenset[str]] = []
+    submit = prefill.transfer.submit
+
+    def recorded(job: object) -> None:
+        if isinstance(job, SaveJob):
+            owners.append(job.owners)
+        submit(job)  # type: ignore[arg-type]
+
+    prefill.transfer.submit = recorded  # type: ignore[method-assign]
+    try:
+        run(prefill.engine, prompt(9), "own", max_tokens=1)
+        assert owners and set().union(*owners) == {"own"}
+        assert prefill.transfer.flush_request("own", 10)
+        hashes = hash_blocks(prompt(9), BLOCK)[:PROMPT_BLOCKS]
+        assert prefill.holder.num_held(hashes) == PROMPT_BLOCKS
+    finally:
+        close(prefill)

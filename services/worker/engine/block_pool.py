@@ -47,6 +47,7 @@ class BlockPool:
         # (block id, hash, parent hash) of blocks indexed since the last take_new_cached,
         # kept only when a KV tier saves them (track_new_cached).
         self._new_cached: list[tuple[int, BlockHash, BlockHash | None]] | None = None
+        self._new_owners: set[str] = set()  # the sequences those blocks are of
 
     @property
     def num_free_blocks(self) -> int:
@@ -116,6 +117,11 @@ class BlockPool:
         taken, self._new_cached = self._new_cached, []
         return taken
 
+    def take_new_owners(self) -> set[str]:
+        """The sequences whose blocks were indexed since the last call (`owner`)."""
+        owners, self._new_owners = self._new_owners, set()
+        return owners
+
     def cache_full_blocks(
         self,
         blocks: list[KVBlock],
@@ -125,12 +131,14 @@ class BlockPool:
         parent_hash: BlockHash | None,
         *,
         from_tier: bool = False,
+        owner: str = "",
     ) -> None:
         """Index newly filled blocks by hash (in chain order) and record a BlockStored event.
 
         A hash already held by another block keeps that block; this one stays
         an uncached duplicate and is simply freed later. Blocks `from_tier` were loaded
-        from the KV tier, which therefore needs no copy of them.
+        from the KV tier, which therefore needs no copy of them. `owner`: the sequence
+        they are of (a KV tier's saves say whose blocks they hold).
         """
         if not self.enable_caching:
             return
@@ -147,6 +155,8 @@ class BlockPool:
                 assert self._new_cached is not None
                 self._new_cached.append(
                     (block.block_id, block_hash, block_hashes[i - 1] if i else parent_hash))
+                if owner:
+                    self._new_owners.add(owner)
         if stored:
             self._events.append(
                 BlockStored(tuple(block_hashes), parent_hash, tuple(token_ids), block_size))

@@ -198,6 +198,7 @@ class KVCacheManager:
             request.token_ids(start * bs, end * bs),
             bs,
             request.block_hashes[start - 1] if start else None,
+            owner=rid,
         )
 
     def cache_computed_blocks(self, request: SequenceState) -> None:

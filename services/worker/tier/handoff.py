@@ -121,7 +121,7 @@ class StoreHandoff:
         self.source = ""
 
     async def send(self, num_blocks: int, request_id: str = "") -> bool:
-        done = await asyncio.to_thread(self._flush, self.timeout_s) and self._reachable()
+        done = await asyncio.to_thread(self._flushed, request_id) and self._reachable()
         if done:
             self.stats.sent_blocks += num_blocks
         else:
@@ -130,6 +130,11 @@ class StoreHandoff:
 
     def receive(self, num_blocks: int) -> None:
         self.stats.received_blocks += num_blocks
+
+    def _flushed(self, request_id: str) -> bool:
+        """Whether the transfer's writes (those of `request_id`'s blocks) finished in
+        time."""
+        return self._flush(self.timeout_s)
 
     def source_of(self, request_id: str) -> str:
         return self.source
@@ -211,8 +216,14 @@ class TcpHandoff(StoreHandoff):
         self.source = source
         self._sent: dict[str, str] = {}  # request id -> where its pushed blocks wait
 
+    def _flushed(self, request_id: str) -> bool:
+        if not request_id:
+            return self.transfer.flush(self.timeout_s)
+        return self.transfer.flush_request(request_id, self.timeout_s)
+
     async def send(self, num_blocks: int, request_id: str = "") -> bool:
-        """Wait for the held blocks, then commit the pushed ones (their own source)."""
+        """Wait for the request's held blocks (not for later steps' saves), then commit the
+        pushed ones (their own source)."""
         done = await super().send(num_blocks, request_id)
         if self.transfer.pusher is not None and request_id:
             pushed = await asyncio.to_thread(self.transfer.commit, request_id)

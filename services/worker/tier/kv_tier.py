@@ -48,6 +48,8 @@ class SaveJob:
     data: torch.Tensor
     ready: torch.cuda.Event | None
     """Recorded on the device stream after the gather (None on a CPU)."""
+    owners: frozenset[str] = frozenset()
+    """The sequences whose blocks these are."""
 
     @property
     def nbytes(self) -> int:
@@ -259,6 +261,7 @@ class KVTier(StepHook):
         """Queue the blocks indexed since the last call for the store (after the step that
         computes them is queued on the device); how many were queued."""
         new = self.kv.pool.take_new_cached()
+        owners = frozenset(self.kv.pool.take_new_owners())
         if not new or not self.transport.available:
             return 0
         per_block = self._block_bytes()
@@ -269,7 +272,7 @@ class KVTier(StepHook):
         self.transport.submit(SaveJob(
             hashes=[block_hash for _, block_hash, _ in new],
             parents=[parent or b"" for _, _, parent in new], data=data,
-            ready=self._mark()))
+            ready=self._mark(), owners=owners))
         self.stats.saved_blocks += len(new)
         return len(new)
 

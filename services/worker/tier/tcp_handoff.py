@@ -145,6 +145,8 @@ class TcpTransfer:
         self._jobs: collections.deque[object] = collections.deque()
         self._wake = threading.Condition()
         self._backlog = 0
+        self._queued_saves = self._saves_done = 0  # saves queued and done, in order
+        self._saving: dict[str, int] = {}  # sequence id -> its last save not yet done
         self._done: list[TransferDone] = []
         self._cond = threading.Condition()
         self._pool = ThreadPoolExecutor(streams, thread_name_prefix="kv-pull")
@@ -323,7 +325,20 @@ class TcpTransfer:
         with self._wake:
             self._backlog += nbytes
             self._jobs.append(job)
-            self._wake.notify()
+            if isinstance(job, SaveJob):
+                self._queued_saves += 1
+                for owner in job.owners:
+                    self._saving[owner] = self._queued_saves
+            self._wake.notify_all()  # the thread, and not only a `flush_request` waiting
+
+    def flush_request(self, request_id: str, timeout_s: float) -> bool:
+        """Wait until the saves holding the request's blocks are done (not those queued
+        after them: each waits for its step on the device, and a prefill worker's next step
+        may be a long prompt's)."""
+        with self._wake:
+            due = max((seq for owner, seq in self._saving.items()
+                       if request_of(owner, {request_id: ""}) is not None), default=0)
+            return self._wake.wait_for(lambda: self._saves_done >= due, timeout_s)
 
     def _run(self) -> None:
         make_current(self.device)
@@ -363,6 +378,11 @@ class TcpTransfer:
             if isinstance(job, SaveJob):
                 with self._wake:
                     self._backlog -= job.nbytes
+                    self._saves_done += 1
+                    for owner in job.owners:
+                        if self._saving.get(owner) == self._saves_done:
+                            del self._saving[owner]
+                    self._wake.notify_all()
 
     def _hold(self, job: SaveJob) -> None:
         """Copy each block into memory of its own and hold it (prefill side): host memory,
