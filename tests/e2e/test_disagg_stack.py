@@ -34,7 +34,6 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from tiny_models import build_tiny_model
 
 from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -50,9 +49,9 @@ BACK_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("disagg-model"), "llama", seed=32,
-                            max_position_embeddings=1024)
+def model_dir(disagg_model_dir: Path) -> Path:
+    """The tiny model, shared with test_disagg_tcp_stack.py (tests/e2e/conftest.py)."""
+    return disagg_model_dir
 
 
 def prompts() -> list[list[int]]:
@@ -110,15 +109,18 @@ async def complete_all(stack: Stack, batch: list[list[int]], max_tokens: int = M
         await client.close()
 
 
+def reference_answers(mixed: Stack) -> list[dict[str, Any]]:
+    """What the mixed worker of `mixed` answers to this module's requests."""
+    answers = asyncio.run(complete_all(mixed, [*prompts(), SHORT_PROMPT]))
+    answers += asyncio.run(complete_all(mixed, fault_prompts(), FAULT_MAX_TOKENS))
+    return answers + asyncio.run(complete_all(mixed, storeless_prompts()))
+
+
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> list[dict[str, Any]]:
-    """What one mixed worker answers (its stack stopped before the disaggregated one starts)."""
-    for stack in launch(model_dir, tmp_path_factory.mktemp("mixed"), workers=1, kvstore=False):
-        answers = asyncio.run(complete_all(stack, [*prompts(), SHORT_PROMPT]))
-        answers += asyncio.run(complete_all(stack, fault_prompts(), FAULT_MAX_TOKENS))
-        return answers + asyncio.run(complete_all(stack, storeless_prompts()))
-    raise AssertionError("the reference stack did not start")
+def reference(mixed_answers: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """What one mixed worker answers (a reference stack shared with test_disagg_tcp_stack.py,
+    stopped before the disaggregated one starts: tests/e2e/conftest.py)."""
+    return mixed_answers["store"]
 
 
 @pytest.fixture(scope="module")

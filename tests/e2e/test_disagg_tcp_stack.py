@@ -27,7 +27,6 @@ import grpc
 import pytest
 from service_process import free_port, service_process
 from test_disagg_stack import assert_same, complete_all, handoff_blocks, metric, worker_metric
-from tiny_models import build_tiny_model
 
 from meshserve.local.launcher import LauncherConfig, Stack, start_stack
 from meshserve.proto.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -41,9 +40,9 @@ STACK_BLOCKS = 1024
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("disagg-tcp-model"), "llama", seed=33,
-                            max_position_embeddings=1024)
+def model_dir(disagg_model_dir: Path) -> Path:
+    """test_disagg_stack.py's tiny model (tests/e2e/conftest.py)."""
+    return disagg_model_dir
 
 
 def prompts() -> list[list[int]]:
@@ -64,13 +63,16 @@ def launch(model_dir: Path, run_dir: Path, **overrides: Any) -> Iterator[Stack]:
         yield running
 
 
+def reference_answers(mixed: Stack) -> list[dict[str, Any]]:
+    """What the mixed worker of `mixed` answers to this module's requests."""
+    return asyncio.run(complete_all(mixed, prompts()))
+
+
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> list[dict[str, Any]]:
-    """What one mixed worker answers (its stack stopped before the disaggregated one starts)."""
-    for stack in launch(model_dir, tmp_path_factory.mktemp("mixed"), workers=1):
-        return asyncio.run(complete_all(stack, prompts()))
-    raise AssertionError("the reference stack did not start")
+def reference(mixed_answers: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """What one mixed worker answers (test_disagg_stack.py's reference stack, of the same
+    configuration, stopped before either disaggregated one starts: tests/e2e/conftest.py)."""
+    return mixed_answers["tcp"]
 
 
 @pytest.fixture(scope="module")
