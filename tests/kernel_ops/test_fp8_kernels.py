@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 from hopper_compile import compile_launches
-from test_triton_kernels import interpreted_passes
+from test_triton_kernels import InterpreterRun
 from triton.runtime import interpreter as triton_interpreter
 
 from meshserve.kernels import fp8_widen, knobs, triton_attention, triton_fp8_linear, triton_rotary
@@ -421,8 +421,8 @@ def test_triton_rotary_write_into_fp8_equals_the_reference() -> None:
 
 
 @outside_interpreter
-def test_fp8_kernels_under_the_interpreter() -> None:
-    assert interpreted_passes(__file__) == 29
+def test_fp8_kernels_under_the_interpreter(interpreter: InterpreterRun) -> None:
+    assert interpreter.passes(__file__) == 29
 
 
 _COMPILE_FOR_HOPPER = r"""

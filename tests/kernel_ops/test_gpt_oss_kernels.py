@@ -18,11 +18,11 @@ from test_paged_attention import build_step
 from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
     CASES,
     AttentionTiles,
+    InterpreterRun,
     Step,
     _interpreter_with_gpu_bf16_numerics,
     assert_attention_close,
     in_interpreter,
-    interpreted_passes,
     make_step,
     outside_interpreter,
     run_attention,
@@ -149,8 +149,8 @@ def test_triton_sinks_are_checked() -> None:
 
 
 @outside_interpreter
-def test_sink_kernels_under_the_interpreter() -> None:
-    assert interpreted_passes(__file__) == len(CASES) * 4 + 2 + 1
+def test_sink_kernels_under_the_interpreter(interpreter: InterpreterRun) -> None:
+    assert interpreter.passes(__file__) == len(CASES) * 4 + 2 + 1
 
 
 # -- experts --------------------------------------------------------------------------------

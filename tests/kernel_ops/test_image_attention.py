@@ -17,10 +17,10 @@ import torch
 from test_paged_attention import build_step
 from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
     AttentionTiles,
+    InterpreterRun,
     _interpreter_with_gpu_bf16_numerics,
     assert_attention_close,
     in_interpreter,
-    interpreted_passes,
     make_step,
     outside_interpreter,
     run_attention,
@@ -169,6 +169,7 @@ def test_kernel_lookahead_is_checked() -> None:
 
 
 @outside_interpreter
-def test_image_attention_kernels_under_the_interpreter() -> None:
+def test_image_attention_kernels_under_the_interpreter(interpreter: InterpreterRun
+                                                        ) -> None:
     # The reference's cases run there too: 4 x 2 options a case and one more.
-    assert interpreted_passes(__file__) == len(CASES) * (8 + 2 * 3) + 1 + 2 + 1
+    assert interpreter.passes(__file__) == len(CASES) * (8 + 2 * 3) + 1 + 2 + 1

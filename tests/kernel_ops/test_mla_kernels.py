@@ -19,10 +19,10 @@ from hopper_compile import compile_launches
 from latent_steps import LatentStep, make_latent_step
 from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
     CASES,
+    InterpreterRun,
     _interpreter_with_gpu_bf16_numerics,
     assert_attention_close,
     in_interpreter,
-    interpreted_passes,
     outside_interpreter,
 )
 
@@ -148,8 +148,8 @@ def test_every_latent_variant_is_launched_up_front(monkeypatch: pytest.MonkeyPat
 
 
 @outside_interpreter
-def test_mla_kernels_under_the_interpreter() -> None:
-    assert interpreted_passes(__file__, timeout=900) >= 28
+def test_mla_kernels_under_the_interpreter(interpreter: InterpreterRun) -> None:
+    assert interpreter.passes(__file__) >= 28
 
 
 _HOPPER_SCRIPT = """

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
+    InterpreterRun,
     _interpreter_with_gpu_bf16_numerics,
     in_interpreter,
-    interpreted_passes,
     outside_interpreter,
 )
 
@@ -271,7 +271,7 @@ def test_cpu_entry_point_takes_the_reference() -> None:
 
 
 @outside_interpreter
-def test_moe_kernels_under_the_interpreter() -> None:
+def test_moe_kernels_under_the_interpreter(interpreter: InterpreterRun) -> None:
     # The align tests, the null expert's and the skipped pairs' run on both align paths.
-    assert interpreted_passes(__file__) == (len(CASES) + 2 * len(ALIGN_CASES) + 5 + 4 + 2
+    assert interpreter.passes(__file__) == (len(CASES) + 2 * len(ALIGN_CASES) + 5 + 4 + 2
                                             + 2 * 3 + 1)

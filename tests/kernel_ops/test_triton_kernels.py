@@ -4,20 +4,22 @@ Triton chooses its interpreter when `triton` is first imported, and by the time 
 collected a pytest session has usually imported it already (transformers does). So the kernel
 tests run in a child pytest process started with TRITON_INTERPRET=1: tests marked
 `@in_interpreter` are collected only there, and `test_kernels_under_the_interpreter` runs them
-from the parent session. `TRITON_INTERPRET=1 pytest tests/kernel_ops/test_triton_kernels.py`
-runs them directly. Shapes are small because the interpreter runs every program in Python;
-compilation for Hopper is checked here too, speed by `meshserve.kernels.bench_kernels`.
+from the parent session (in one child with the other files' interpreter tests: InterpreterRun,
+through conftest.py's `interpreter` fixture).
+`TRITON_INTERPRET=1 pytest tests/kernel_ops/test_triton_kernels.py` runs them directly. Shapes
+are small because the interpreter runs every program in Python; compilation for Hopper is
+checked here too, speed by `meshserve.kernels.bench_kernels`.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -71,25 +73,63 @@ def outside_interpreter(test: Callable[..., None]) -> Callable[..., None] | None
     return None if INTERPRETED else test
 
 
-def interpreted_passes(test_file: str, timeout: int = 600) -> int:
-    """Run `test_file`'s @in_interpreter tests in a child pytest with TRITON_INTERPRET=1
-    (Triton picks its interpreter when first imported): how many passed. The child must exit
-    0 and skip none."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(test_file).resolve()), "-q",
-         "-p", "no:cacheprovider"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and "skipped" not in summary, summary
-    return int(passed[1])
+# What a child's junit report holds in a test case that did not pass.
+OUTCOMES_NOT_PASSED = ("failure", "error", "skipped")
+TIMEOUT_PER_FILE_S = 900  # a hang guard, the slowest file's (test_mla_kernels.py)
+
+
+class InterpreterRun:
+    """The child pytest over `files`, run on the first `passes`; its junit report in
+    `report`."""
+
+    def __init__(self, files: list[Path], report: Path) -> None:
+        self.files = files
+        self.report = report
+        self._cases: dict[Path, list[ElementTree.Element]] | None = None
+
+    def passes(self, test_file: str) -> int:
+        """How many of `test_file`'s @in_interpreter tests passed in the child; none of
+        them may fail, error or be skipped."""
+        path = Path(test_file).resolve()
+        assert path in self.files, f"{path.name}'s parent test was not selected"
+        cases = self._run()[path]
+        bad = [(case.get("name"), [(c.tag, c.get("message", "")[:2000]) for c in case
+                                   if c.tag in OUTCOMES_NOT_PASSED])
+               for case in cases if any(c.tag in OUTCOMES_NOT_PASSED for c in case)]
+        assert not bad, bad
+        return len(cases)
+
+    def _run(self) -> dict[Path, list[ElementTree.Element]]:
+        if self._cases is None:
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            done = subprocess.run(
+                [sys.executable, "-m", "pytest", *map(str, self.files), "-q",
+                 "-p", "no:cacheprovider", f"--junitxml={self.report}"],
+                cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                timeout=TIMEOUT_PER_FILE_S * len(self.files), check=False)
+            # 1: some test failed (its file's parent says which); else the run itself broke.
+            assert done.returncode in (0, 1), done.stdout[-8000:] + done.stderr[-2000:]
+            self._cases = self._by_file()
+        return self._cases
+
+    def _by_file(self) -> dict[Path, list[ElementTree.Element]]:
+        """The report's test cases by file (a case's classname is its module's dotted path
+        from the repository root, then any class)."""
+        cases: dict[Path, list[ElementTree.Element]] = {path: [] for path in self.files}
+        modules = {".".join(path.relative_to(REPO_ROOT).with_suffix("").parts): path
+                   for path in self.files}
+        for case in ElementTree.parse(self.report).getroot().iter("testcase"):
+            classname = case.get("classname", "")
+            owner = [path for module, path in modules.items()
+                     if classname == module or classname.startswith(module + ".")]
+            assert len(owner) == 1, f"no one file holds {classname}::{case.get('name')}"
+            cases[owner[0]].append(case)
+        return cases
 
 
 @outside_interpreter
-def test_kernels_under_the_interpreter() -> None:
-    assert interpreted_passes(__file__) > 50  # over fifty kernel cases
+def test_kernels_under_the_interpreter(interpreter: InterpreterRun) -> None:
+    assert interpreter.passes(__file__) > 50  # over fifty kernel cases
 
 
 # Norm-relative error bounds of half-precision attention against a float32 reference.

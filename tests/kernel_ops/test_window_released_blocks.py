@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
+    InterpreterRun,
     Step,
     _interpreter_with_gpu_bf16_numerics,
     assert_attention_close,
     in_interpreter,
-    interpreted_passes,
     make_step,
     outside_interpreter,
 )
@@ -143,5 +143,5 @@ def test_triton_reads_no_block_behind_the_window_in_half_precision(dtype: torch.
 
 
 @outside_interpreter
-def test_window_kernels_under_the_interpreter() -> None:
-    assert interpreted_passes(__file__) == 14
+def test_window_kernels_under_the_interpreter(interpreter: InterpreterRun) -> None:
+    assert interpreter.passes(__file__) == 14
