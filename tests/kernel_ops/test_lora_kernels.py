@@ -7,16 +7,11 @@ with TRITON_INTERPRET=1 (Triton picks its interpreter when first imported).
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from hopper_compile import compile_launches
 from test_triton_kernels import (  # noqa: F401 (an autouse fixture)
+    InterpreterRun,
     _interpreter_with_gpu_bf16_numerics,
     in_interpreter,
     outside_interpreter,
@@ -27,7 +22,6 @@ from meshserve.kernels import triton_lora
 from meshserve.kernels.lora import LoraBatch, add_lora_reference, group_rows
 
 INTERPRETED = isinstance(triton_lora._shrink_kernel, triton_interpreter.InterpretedFunction)
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _case(row_slots: list[int], num_slots: int, k: int, slices: tuple[int, ...], rank: int,
@@ -98,15 +92,8 @@ def test_kernel_matches_reference(case: int) -> None:
 
 
 @outside_interpreter
-def test_lora_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q",
-         "-p", "no:cacheprovider", "-k", "kernel_matches_reference"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", done.stdout.strip().splitlines()[-1])
-    assert passed and int(passed[1]) == len(CASES), done.stdout[-2000:]
+def test_lora_kernels_under_the_interpreter(interpreter: InterpreterRun) -> None:
+    assert interpreter.passes(__file__, "kernel_matches_reference") == len(CASES)
 
 
 # Compiles both kernels for Hopper (sm_90) as a JIT launch on the 8B shapes would (bf16,

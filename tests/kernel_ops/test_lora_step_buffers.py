@@ -11,16 +11,12 @@ test_lora_kernels.py).
 from __future__ import annotations
 
 import importlib.util
-import os
-import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from test_triton_kernels import in_interpreter, outside_interpreter
+from test_triton_kernels import InterpreterRun, in_interpreter, outside_interpreter
 from tiny_models import build_tiny_model
 
 from meshserve.kernels import triton_lora
@@ -122,12 +118,5 @@ def test_kernels_follow_each_steps_buffers(setup: tuple[ModelConfig, list[LoraWe
 
 
 @outside_interpreter
-def test_step_buffers_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q",
-         "-p", "no:cacheprovider", "-k", "kernels_follow"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", done.stdout.strip().splitlines()[-1])
-    assert passed and int(passed[1]) == 1, done.stdout[-2000:]
+def test_step_buffers_under_the_interpreter(interpreter: InterpreterRun) -> None:
+    assert interpreter.passes(__file__, "kernels_follow") == 1

@@ -87,9 +87,9 @@ class InterpreterRun:
         self.report = report
         self._cases: dict[Path, list[ElementTree.Element]] | None = None
 
-    def passes(self, test_file: str) -> int:
-        """How many of `test_file`'s @in_interpreter tests passed in the child; none of
-        them may fail, error or be skipped."""
+    def passes(self, test_file: str, named: str = "") -> int:
+        """How many of `test_file`'s @in_interpreter tests whose names hold `named` passed in
+        the child; none of the file's tests there may fail, error or be skipped."""
         path = Path(test_file).resolve()
         assert path in self.files, f"{path.name}'s parent test was not selected"
         cases = self._run()[path]
@@ -97,7 +97,7 @@ class InterpreterRun:
                                    if c.tag in OUTCOMES_NOT_PASSED])
                for case in cases if any(c.tag in OUTCOMES_NOT_PASSED for c in case)]
         assert not bad, bad
-        return len(cases)
+        return sum(named in case.get("name", "") for case in cases)
 
     def _run(self) -> dict[Path, list[ElementTree.Element]]:
         if self._cases is None:
