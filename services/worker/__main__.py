@@ -400,7 +400,7 @@ class WorkerProcess:
             register_tcp_metrics(self.telemetry.registry, handoff.transfer, self.tcp.server)
             pusher, tier = handoff.transfer.pusher, self.engine.hook(KVTier)
             if pusher is not None and tier is not None:
-                pusher.attach(self.engine.runner, tier)
+                pusher.attach(self.engine.watch_layers, tier)
             if self.tcp.receive_address:
                 self.info = self.servicer.info = replace(
                     self.info, kv_handoff_address=self.tcp.receive_address)

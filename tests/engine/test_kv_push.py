@@ -78,7 +78,7 @@ def make_side(folder: Path, role: str, pool_bytes: int = 8 << 20,
         if watch is not None:
             transfer.pusher.layer_written = watch(  # type: ignore[method-assign]
                 transfer.pusher.layer_written)
-        transfer.pusher.attach(engine.runner, tier)
+        transfer.pusher.attach(engine.watch_layers, tier)
     else:
         transfer.own_address, transfer.received = address, holder
     transfer.start()

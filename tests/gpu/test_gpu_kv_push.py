@@ -46,7 +46,7 @@ def make_engine(folder: Path, device: str, pool: SlotPool, holder: BlockHolder |
     if transfer.pusher is not None:
         tier = engine.hook(KVTier)
         assert tier is not None
-        transfer.pusher.attach(engine.runner, tier)
+        transfer.pusher.attach(engine.watch_layers, tier)
     transfer.start()
     return engine, transfer
 

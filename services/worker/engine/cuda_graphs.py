@@ -270,7 +270,11 @@ class PiecewiseGraphRunner:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.pool: Any = None
         self.after_layer: Callable[[int], None] | None = None
-        """Called once each layer's KV write is queued (ModelRunner.watch_layers)."""
+        """Called once each layer's KV write is queued (`watch_layers`)."""
+
+    def watch_layers(self, written: Callable[[int], None]) -> None:
+        """Call `written(i)` as soon as layer i's piece (its KV write) is queued."""
+        self.after_layer = written
 
     @property
     def max_tokens(self) -> int:

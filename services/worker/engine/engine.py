@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -194,6 +194,10 @@ class LLMEngine:
     def follow(self, plan: StepPlan) -> None:
         """A follower rank of a tensor-parallel worker: run the step rank 0 planned."""
         self.runner.follow(plan)
+
+    def watch_layers(self, written: Callable[[int], None]) -> None:
+        """Call `written(i)` as each step's layer i is queued (ModelRunner.watch_layers)."""
+        self.runner.watch_layers(written)
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()

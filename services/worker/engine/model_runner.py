@@ -280,7 +280,7 @@ class ModelRunner:
             layer.register_forward_hook(
                 lambda _module, _args, _out, index=index: written(index))
         if self.pieces is not None:
-            self.pieces.after_layer = written
+            self.pieces.watch_layers(written)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Decode steps replay a whole-step graph; other steps up to the piecewise limit

@@ -45,7 +45,6 @@ from meshserve.services.worker.tier.slot_pool import MappedPool, SlotPool
 from meshserve.shared.block_hash import BlockHash
 
 if TYPE_CHECKING:
-    from meshserve.services.worker.engine.model_runner import ModelRunner
     from meshserve.services.worker.tier.kv_tier import KVTier
 
 # A step's pushes are queued in this many runs of layers, each as soon as its last layer's
@@ -212,10 +211,12 @@ class LayerPusher:
         self._closing: list[PushReservation] = []  # ended unsent mid-launch: released next
         self._lock = threading.Lock()
 
-    def attach(self, runner: ModelRunner, tier: KVTier) -> None:
-        """Push from the engine's steps: the runner's layers, the tier's admission gate
-        and the block pool's newly indexed blocks (before the engine starts)."""
-        runner.watch_layers(self.layer_written)
+    def attach(self, watch_layers: Callable[[Callable[[int], None]], None],
+               tier: KVTier) -> None:
+        """Push from the engine's steps: its layers (`watch_layers`: LLMEngine's), the
+        tier's admission gate and the block pool's newly indexed blocks (before the engine
+        starts)."""
+        watch_layers(self.layer_written)
         tier.push = self
         self.new_blocks = tier.kv.pool.peek_new_cached
 
