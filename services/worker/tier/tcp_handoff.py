@@ -336,8 +336,9 @@ class TcpTransfer:
         after them: each waits for its step on the device, and a prefill worker's next step
         may be a long prompt's)."""
         with self._wake:
+            # Its sequences: the request's own id, or `id#index` for its siblings of n > 1.
             due = max((seq for owner, seq in self._saving.items()
-                       if request_of(owner, {request_id: ""}) is not None), default=0)
+                       if request_id in (owner, owner.rpartition("#")[0])), default=0)
             return self._wake.wait_for(lambda: self._saves_done >= due, timeout_s)
 
     def _run(self) -> None:
