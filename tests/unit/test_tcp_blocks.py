@@ -130,6 +130,21 @@ def test_held_blocks_are_freed_after_the_hold_time() -> None:
     assert holder.expire() is None
 
 
+def test_a_block_held_again_falls_due_after_the_later_ones() -> None:
+    clock = Clock()
+    holder = BlockHolder(1 << 20, 30.0, clock=clock)
+    for i in range(3):  # due at 130, 135 and 140 s
+        holder.put(block_hash(i), block_data(i))
+        clock.now += 5
+    holder.put(block_hash(0), block_data(0))  # held again at 115 s: due at 145 s
+    assert holder.expire() == pytest.approx(20.0)  # block 1, now the oldest
+    clock.now = 141.0  # blocks 1 and 2 are due, block 0 is not
+    assert holder.expire() == pytest.approx(4.0)
+    assert holder.num_held([block_hash(0)]) == 1
+    assert holder.num_held([block_hash(1)]) == holder.num_held([block_hash(2)]) == 0
+    assert holder.stats.expired_blocks == 2 and holder.held_bytes == BLOCK_BYTES
+
+
 def test_the_holder_keeps_within_its_byte_bound_dropping_the_oldest() -> None:
     holder = BlockHolder(3 * BLOCK_BYTES, 60.0)
     for i in range(5):

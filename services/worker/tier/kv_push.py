@@ -31,6 +31,7 @@ the prefill worker holds the blocks itself, as without a target.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import threading
 import time
@@ -93,7 +94,9 @@ class PendingSlots:
         self._evict_oldest = evict_oldest
         self.reserve_s = reserve_s
         self._clock = clock
-        self._pending: dict[bytes, tuple[torch.Tensor, float]] = {}
+        # Oldest first, so in the order they fall due (one reserve_s).
+        self._pending: collections.OrderedDict[bytes, tuple[torch.Tensor, float]] = (
+            collections.OrderedDict())
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -136,8 +139,12 @@ class PendingSlots:
 
     def _expire(self) -> None:
         now = self._clock()
-        for key in [k for k, (_, due) in self._pending.items() if due <= now]:
-            self.pool.release(self._pending.pop(key)[0])
+        while self._pending:
+            key, (slot, due) = next(iter(self._pending.items()))
+            if due > now:
+                return
+            del self._pending[key]
+            self.pool.release(slot)
 
 
 @dataclass
