@@ -98,6 +98,9 @@ class LauncherConfig(MediaOptions, RunnerOptions, EngineConfig):
         False, "with ipc: prefill workers push prompts' KV into the decode worker's pool "
                "layer by layer as computed (off: decode workers copy it after the first "
                "token)")
+    kv_handoff_send_timeout_s: float | None = option(
+        None, "longest a prefill worker waits for a prompt's KV to be ready to hand off "
+              "(unset: the worker's default)")
     disagg_min_prompt_tokens: int | None = option(
         None, "prompts shorter than this skip the prefill workers (unset: the scheduler's "
               "default)")
@@ -358,6 +361,8 @@ class Stack:
                 *(["--kv-handoff-hold-bytes", str(c.kv_handoff_hold_bytes)]
                   if c.kv_handoff_hold_bytes and role != "mixed" else []),
                 *(["--kv-handoff-push"] if c.kv_handoff_push and role != "mixed" else []),
+                *(["--kv-handoff-send-timeout-s", str(c.kv_handoff_send_timeout_s)]
+                  if c.kv_handoff_send_timeout_s and role == "prefill" else []),
                 *c.engine_flags(), *c.runner_flags(), *placement], grpc_serving(address))
         gateway = [*self._common(), "--host", c.host, "--port", str(self.gateway_port),
                    "--tokenizer-addresses", ",".join(self.tokenizer_addresses),

@@ -285,6 +285,7 @@ class TcpHandoffLink:
             transfer.received, source = holder, ""
         transfer.start()
         return TcpHandoff(transfer, block_size, source,
+                          timeout_s=self.config.kv_handoff_send_timeout_s,
                           watermark=self.config.kv_handoff_watermark)
 
     def stop(self) -> None:
@@ -410,6 +411,7 @@ class WorkerProcess:
             return None
         return StoreHandoff(transfer.flush, self.engine.block_size,
                             reachable=lambda: transfer.available,
+                            timeout_s=self.config.kv_handoff_send_timeout_s,
                             watermark=self.config.kv_handoff_watermark)
 
     async def run_until_stopped(self) -> None:

@@ -370,6 +370,10 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
                "the prefill worker layer by layer as computed (off: it takes no pool and "
                "copies the KV from the prefill worker's after the first token; off by "
                "default: slower on the GPU sweep so far, loadtest/reports/disagg/README.md)")
+    kv_handoff_send_timeout_s: float = option(
+        10.0, "longest a prefill worker waits for a prompt's KV blocks to be ready to hand "
+              "off (saved to the kvstore, held or pushed); past it the request moves on and "
+              "the decode worker computes what is missing")
     kv_handoff_watermark: float = option(
         0.01, "fraction of its KV cache a decode worker keeps free: a handed-off request "
               "whose prompt blocks would leave less is refused and placed elsewhere")
@@ -410,6 +414,9 @@ class WorkerConfig(RunnerOptions, EngineConfig, ServiceConfig):
         self.require(self.kv_handoff_hold_bytes > 0,
                      f"must be positive, got {self.kv_handoff_hold_bytes}",
                      "kv_handoff_hold_bytes")
+        self.require(self.kv_handoff_send_timeout_s > 0,
+                     f"must be positive, got {self.kv_handoff_send_timeout_s}",
+                     "kv_handoff_send_timeout_s")
         self.require(0 <= self.kv_handoff_watermark <= 1,
                      f"must be in [0, 1], got {self.kv_handoff_watermark}",
                      "kv_handoff_watermark")

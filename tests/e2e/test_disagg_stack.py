@@ -43,6 +43,9 @@ BLOCK = 16
 MIN_PROMPT_TOKENS = 32
 REQUESTS = 50
 MAX_TOKENS = 6
+# How long the prefill worker waits for a prompt's blocks to reach the kvstore: the stopped
+# store's five requests each wait this long before handing off none (the default is 10 s).
+SEND_TIMEOUT_S = 3.0
 FAULT_REQUESTS = 20
 FAULT_MAX_TOKENS = 40  # long enough that requests still run when a worker is killed
 BACK_TIMEOUT_S = 120.0
@@ -128,7 +131,8 @@ def stack(model_dir: Path, reference: list[dict[str, Any]],
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from launch(model_dir, tmp_path_factory.mktemp("disagg"), workers=0,
                       prefill_workers=1, decode_workers=1,
-                      disagg_min_prompt_tokens=MIN_PROMPT_TOKENS)
+                      disagg_min_prompt_tokens=MIN_PROMPT_TOKENS,
+                      kv_handoff_send_timeout_s=SEND_TIMEOUT_S)
 
 
 def assert_same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:

@@ -427,11 +427,13 @@ class TcpTransfer:
     def _probe(self, probed: _SourcedProbe) -> None:
         job, found = probed.job, 0
         address, keys = parse_source(probed.source, job.hashes)
-        if address == self.own_address and self.received is not None and job.cached:
+        own = self.received if address == self.own_address else None
+        if own is not None and job.cached:
             # Pushed copies of blocks this worker has cached: their slots are free at once.
-            self.received.drop(parse_source(probed.source, job.cached)[1])
-        try:
-            found = probe(address, keys, self.timeout_s)
+            own.drop(parse_source(probed.source, job.cached)[1])
+        try:  # blocks pushed here are looked up in the holder, not over its own socket
+            found = own.num_held(keys) if own is not None else probe(address, keys,
+                                                                     self.timeout_s)
         finally:
             if not found:  # the source is gone, or no longer holds them: a failed pull too
                 self.stats.failed_pulls += 1
