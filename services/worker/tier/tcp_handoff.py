@@ -409,19 +409,26 @@ class TcpTransfer:
         """Copy blocks into free slots (the oldest held blocks give theirs up), then hold
         them once the copies are done; a block finding no slot (all lent) is not held."""
         assert self.pool is not None and self.holder is not None
-        held: list[tuple[BlockHash, torch.Tensor]] = []
-        with self._on_stream():
-            for block_hash, row in zip(hashes, rows, strict=True):
+        slots: list[torch.Tensor] = []
+        for _ in hashes:
+            slot = self.pool.allocate()
+            while slot is None and self.holder.evict_oldest():
                 slot = self.pool.allocate()
-                while slot is None and self.holder.evict_oldest():
-                    slot = self.pool.allocate()
-                if slot is None:
-                    break
-                slot.copy_(row, non_blocking=True)
-                held.append((block_hash, slot))
+            if slot is None:
+                break
+            slots.append(slot)
+        if not slots:
+            return
+        # One copy for the step's blocks, in 8-byte words (a copy per block cost the
+        # transfer thread, and the interpreter lock the engine thread needs, ~10 us each).
+        index = torch.tensor([self.pool.index(slot) for slot in slots], dtype=torch.long)
+        with self._on_stream():
+            self.pool.data.view(torch.int64).index_copy_(
+                0, index.to(self.device, non_blocking=True),
+                rows[:len(slots)].view(torch.int64))
         if self._stream is not None:
             self._stream.synchronize()
-        for block_hash, slot in held:
+        for block_hash, slot in zip(hashes, slots, strict=False):
             self.holder.put(block_hash, slot)
 
     def _probe(self, probed: _SourcedProbe) -> None:
