@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from meshserve.local.launcher import LauncherConfig, Stack
 from meshserve.services.worker.__main__ import TcpHandoffLink
 from meshserve.services.worker.config import WorkerConfig
+from meshserve.shared.errors import ConfigError
 
 GiB = 1 << 30
 
@@ -72,3 +75,17 @@ def test_meshserve_up_gives_both_roles_the_pool_size_and_the_push_switch(
     assert all(c.kv_handoff_push for c in planned.values())
     off = workers(tmp_path / "off")
     assert not any(c.kv_handoff_push for c in off.values())
+
+
+def test_meshserve_up_gives_prefill_workers_the_send_timeout(tmp_path: Path) -> None:
+    planned = workers(tmp_path, kv_handoff_send_timeout_s=2.5)
+    assert {c.role: c.kv_handoff_send_timeout_s for c in planned.values()} == {
+        "prefill": 2.5, "decode": WorkerConfig().kv_handoff_send_timeout_s}
+    default = workers(tmp_path / "default")
+    assert {c.kv_handoff_send_timeout_s for c in default.values()} == {10.0}
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_send_timeout_that_is_not_positive_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match="kv_handoff_send_timeout_s: must be positive"):
+        WorkerConfig.from_args(["--kv-handoff-send-timeout-s", value], environ={})
