@@ -102,9 +102,13 @@ class InterpreterRun:
     def _run(self) -> dict[Path, list[ElementTree.Element]]:
         if self._cases is None:
             env = dict(os.environ, TRITON_INTERPRET="1")
+            # The parent waits meanwhile: the child's cases spread over the cores
+            # (pytest-xdist; 71 s on one of CI's two cores, 44 s on both).
+            workers = min(4, os.cpu_count() or 1)
             done = subprocess.run(
                 [sys.executable, "-m", "pytest", *map(str, self.files), "-q",
-                 "-p", "no:cacheprovider", f"--junitxml={self.report}"],
+                 "-p", "no:cacheprovider", f"--junitxml={self.report}",
+                 *(["-n", str(workers)] if workers > 1 else [])],
                 cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                 timeout=TIMEOUT_PER_FILE_S * len(self.files), check=False)
             # 1: some test failed (its file's parent says which); else the run itself broke.
