@@ -28,6 +28,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -202,9 +203,14 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--phase-s", type=float, default=3.0)
     parser.add_argument("--cycles", type=int, default=5)
+    parser.add_argument("--switch-interval-ms", type=float, default=0.0,
+                        help="the interpreter's thread switch interval here (0: Python's, "
+                             "5 ms)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, **measure(args),
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "",
               "torch": torch.__version__, "python": platform.python_version()}
