@@ -16,7 +16,7 @@ committed when the next one arrives; a thread here takes each committed request'
 Reported: the decode steps' wall times (ms: p50, p90, p99, max) in windows of `--phase-s`
 seconds with the child quiet and sending, `--cycles` of each taken in turn (the sequences'
 growing context lengthens later steps alike on both sides); and the pushed requests and
-blocks. The difference is what the listener's Python takes from the engine thread.
+blocks. The difference is what the listener's work in this process costs the decode steps.
 """
 
 from __future__ import annotations
