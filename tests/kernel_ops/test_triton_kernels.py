@@ -13,6 +13,7 @@ checked here too, speed by `meshserve.kernels.bench_kernels`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -104,7 +105,7 @@ class InterpreterRun:
             env = dict(os.environ, TRITON_INTERPRET="1")
             # The parent waits meanwhile: the child's cases spread over the cores
             # (pytest-xdist; 71 s on one of CI's two cores, 44 s on both).
-            workers = min(4, os.cpu_count() or 1)
+            workers = min(4, os.cpu_count() or 1) if importlib.util.find_spec("xdist") else 1
             done = subprocess.run(
                 [sys.executable, "-m", "pytest", *map(str, self.files), "-q",
                  "-p", "no:cacheprovider", f"--junitxml={self.report}",
