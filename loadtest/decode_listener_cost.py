@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import platform
 import random
-import statistics
 import sys
 import threading
 import time
@@ -45,6 +44,9 @@ from meshserve.services.worker.tier.tcp_blocks import HASH_BYTES, BlockHolder, B
 from meshserve.services.worker.tier.tcp_blocks import commit as commit_blocks
 from meshserve.services.worker.tier.tcp_blocks import reserve as reserve_blocks
 from meshserve.shared.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts
+from handoff_send_wait import summary
 
 BLOCK = 16
 
@@ -118,16 +120,6 @@ def decode_steps(engine: LLMEngine, seconds: float) -> list[float]:
         times.append((now - last) * 1e3)
         last = now
     return times
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"p50": statistics.median(ordered), "p90": pick(0.9), "p99": pick(0.99),
-            "max": ordered[-1], "n": len(ordered)}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

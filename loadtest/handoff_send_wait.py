@@ -163,9 +163,14 @@ def wait_all(transfer: TcpTransfer, done: list[float]) -> None:
 
 
 def summary(values: list[float]) -> dict[str, float]:
+    """p50, p90, p99 and max of `values`, and how many (loadtest/decode_listener_cost.py's
+    too)."""
     ordered = sorted(values)
-    return {"p50": statistics.median(ordered),
-            "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": statistics.median(ordered), "p90": at(0.9), "p99": at(0.99),
             "max": ordered[-1], "n": len(ordered)}
 
 
